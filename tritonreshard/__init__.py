@@ -1,0 +1,10 @@
+"""tritonreshard: zero-copy, parallel weight refit from training ranks to inference ranks.
+
+Three layers: pure-Python planning (:mod:`~tritonreshard.layout`, :mod:`~tritonreshard.plan`),
+Triton kernels (:mod:`tritonreshard.kernels`), and transport / endpoints.
+"""
+from .layout import Layout, Replicate, Shard
+from .plan import Plan, PlanStats, TransferOp, plan_reshard
+
+__all__ = ["Layout", "Shard", "Replicate", "Plan", "PlanStats", "TransferOp", "plan_reshard"]
+__version__ = "0.1.0"

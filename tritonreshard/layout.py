@@ -1,0 +1,317 @@
+"""Layouts: how a global tensor is split over a mesh of ranks.
+
+Pure Python (torch is imported only for dtypes and DTensor interop): no device, no Triton.
+
+A :class:`Layout` is a global ``shape``, a ``mesh`` of distinct global ranks (an N-D grid) and one
+placement per mesh dim. ``Shard(d)`` splits tensor dim ``d`` over that mesh dim the way DTensor and
+``torch.chunk`` do: with ``chunk = ceil(n / k)``, shard ``i`` covers ``[min(i*chunk, n),
+min((i+1)*chunk, n))``, so trailing shards may be short or empty. ``Shard(d, blocks=(b0, b1, ...))``
+says dim ``d`` is a concatenation of blocks (fused QKV, gate/up): every block is split on its own
+and a rank's local shard is its piece of each block, concatenated in order. Several mesh dims may
+shard the same tensor dim; they split in mesh-dim order, mesh dim 0 outermost (as DTensor does).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import torch
+
+__all__ = ["Shard", "Replicate", "Layout", "Placement"]
+
+# A segment of one tensor dim that a rank holds: global [start, stop) placed at local offset `local`.
+Segment = tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Split tensor dim ``dim`` across one mesh dim (``torch.chunk`` semantics).
+
+    ``blocks``: optional sizes of the concatenated blocks along ``dim`` (must sum to
+    ``shape[dim]``); each block is split independently.
+    """
+
+    dim: int
+    blocks: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if self.blocks is not None:
+            object.__setattr__(self, "blocks", tuple(self.blocks))
+
+    def __str__(self) -> str:
+        if self.blocks is None:
+            return f"S({self.dim})"
+        return f"S({self.dim},[{','.join(map(str, self.blocks))}])"
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """Every rank along the mesh dim holds the whole extent."""
+
+    def __str__(self) -> str:
+        return "R"
+
+
+Placement = Shard | Replicate
+
+
+def _chunk_bounds(n: int, k: int, i: int) -> tuple[int, int]:
+    """[start, stop) of chunk ``i`` of ``k`` over ``n`` elements, as ``torch.chunk`` / DTensor."""
+    chunk = -(-n // k) if n else 0
+    return min(i * chunk, n), min((i + 1) * chunk, n)
+
+
+def _normalize_mesh(mesh: Any) -> tuple[tuple[int, ...], tuple[int, ...], list[str]]:
+    """Returns (mesh_shape, flat ranks in row-major order, problems)."""
+    problems: list[str] = []
+    if hasattr(mesh, "mesh") and hasattr(mesh, "device_type"):  # torch DeviceMesh
+        mesh = mesh.mesh
+    if isinstance(mesh, torch.Tensor) or type(mesh).__module__ == "numpy":
+        mesh = mesh.tolist()
+    if isinstance(mesh, bool) or not isinstance(mesh, (int, Sequence)) or isinstance(mesh, (str, bytes)):
+        return (), (), [f"mesh must be an int, a sequence of ranks or a nested sequence, got {mesh!r}"]
+    if isinstance(mesh, int):
+        if mesh < 1:
+            return (), (), [f"mesh={mesh!r}: a mesh needs at least one rank"]
+        return (mesh,), tuple(range(mesh)), []
+
+    shape: list[int] = []
+    level: Any = mesh
+    while isinstance(level, Sequence) and not isinstance(level, (str, bytes)):
+        shape.append(len(level))
+        if not level:
+            break
+        level = level[0]
+    flat: list[int] = []
+
+    def walk(node: Any, depth: int) -> None:
+        if depth == len(shape):
+            if isinstance(node, bool) or not isinstance(node, int):
+                problems.append(f"mesh={mesh!r}: rank {node!r} is not an int")
+            elif node < 0:
+                problems.append(f"mesh={mesh!r}: rank {node} is negative")
+            else:
+                flat.append(node)
+            return
+        if not isinstance(node, Sequence) or isinstance(node, (str, bytes)) or len(node) != shape[depth]:
+            problems.append(f"mesh={mesh!r} is ragged: expected {shape[depth]} entries at depth {depth}")
+            return
+        for child in node:
+            walk(child, depth + 1)
+
+    walk(mesh, 0)
+    if 0 in shape:
+        problems.append(f"mesh={mesh!r}: a mesh needs at least one rank")
+    if problems:
+        return tuple(shape), tuple(flat), problems
+    dups = sorted({r for r in flat if flat.count(r) > 1})
+    if dups:
+        problems.append(f"mesh={mesh!r} has duplicate ranks {dups}")
+    return tuple(shape), tuple(flat), problems
+
+
+def _convert_placement(p: Any) -> Placement | None:
+    """Our placements pass through; torch.distributed.tensor's Shard / Replicate are converted."""
+    if isinstance(p, (Shard, Replicate)):
+        return p
+    name = type(p).__name__
+    module = type(p).__module__
+    if module.startswith("torch.distributed"):
+        if name == "Shard" and hasattr(p, "dim"):
+            return Shard(int(p.dim))
+        if name == "Replicate":
+            return Replicate()
+    return None
+
+
+@dataclass(frozen=True, init=False)
+class Layout:
+    """A global tensor of ``shape`` and ``dtype`` placed on ``mesh`` with one placement per mesh dim.
+
+    Args:
+        shape: global shape, e.g. ``(8, 8)``.
+        mesh: an int ``n`` (ranks ``0..n-1``), a sequence of global ranks, a nested sequence / array
+            (N-D mesh) of distinct global ranks, or a torch ``DeviceMesh``.
+        placements: one ``Shard`` / ``Replicate`` per mesh dim (torch.distributed.tensor's are
+            accepted and converted).
+        dtype: element type (a ``torch.dtype``).
+
+    Raises ``ValueError`` listing every problem at once (duplicate ranks, placement count, shard
+    dim out of range, blocks not summing to the dim, unknown placement types, ...).
+
+    ``str(layout)`` is short, e.g. ``[S(0)]@(0,1)``; ``repr`` is exact.
+    """
+
+    shape: tuple[int, ...]
+    mesh: tuple
+    placements: tuple[Placement, ...]
+    dtype: torch.dtype = torch.float32
+    mesh_shape: tuple[int, ...] = field(repr=False, compare=False)
+    ranks: tuple[int, ...] = field(repr=False, compare=False)
+
+    def __init__(self, shape, mesh, placements, dtype=torch.float32):
+        problems: list[str] = []
+        try:
+            shape_t = tuple(int(s) for s in shape)
+        except (TypeError, ValueError):
+            shape_t = ()
+            problems.append(f"shape={shape!r} must be a sequence of non-negative ints")
+        if any(s < 0 for s in shape_t):
+            problems.append(f"shape={shape!r} has a negative size")
+        if not isinstance(dtype, torch.dtype):
+            problems.append(f"dtype={dtype!r} must be a torch.dtype")
+
+        mesh_shape, ranks, mesh_problems = _normalize_mesh(mesh)
+        problems += mesh_problems
+
+        if isinstance(placements, (Shard, Replicate)) or not isinstance(placements, Sequence):
+            placements = [placements]
+        converted: list[Placement] = []
+        for i, p in enumerate(placements):
+            c = _convert_placement(p)
+            if c is None:
+                problems.append(
+                    f"placements[{i}]={p!r} is not a supported placement (use trs.Shard(dim) or "
+                    f"trs.Replicate(); Partial and strided shards are not supported)")
+                continue
+            if isinstance(c, Shard):
+                ndim = len(shape_t)
+                if not isinstance(c.dim, int) or not -ndim <= c.dim < ndim:
+                    problems.append(f"placements[{i}]={c}: shard dim {c.dim} is out of range for "
+                                    f"shape={shape_t} ({ndim} dims)")
+                    continue
+                if c.dim < 0:
+                    c = Shard(c.dim + ndim, c.blocks)
+                if c.blocks is not None:
+                    if any((not isinstance(b, int)) or b < 0 for b in c.blocks) or not c.blocks:
+                        problems.append(f"placements[{i}]={c}: blocks must be non-negative ints")
+                    elif sum(c.blocks) != shape_t[c.dim]:
+                        problems.append(f"placements[{i}]={c}: blocks sum to {sum(c.blocks)} but "
+                                        f"shape[{c.dim}]={shape_t[c.dim]}")
+            converted.append(c)
+        if mesh_shape and len(placements) != len(mesh_shape):
+            problems.append(f"placements has {len(placements)} entries but mesh has "
+                            f"{len(mesh_shape)} dims (mesh shape {mesh_shape})")
+        by_dim: dict[int, set] = {}
+        for c in converted:
+            if isinstance(c, Shard):
+                by_dim.setdefault(c.dim, set()).add(c.blocks)
+        for d, bl in sorted(by_dim.items()):
+            if len(bl) > 1:
+                problems.append(f"placements shard dim {d} with conflicting blocks "
+                                f"{sorted(bl, key=str)}; every mesh dim sharding it must give the same blocks")
+        if problems:
+            raise ValueError("invalid Layout:\n  - " + "\n  - ".join(problems))
+
+        def nest(flat: tuple[int, ...], shp: tuple[int, ...]):
+            if len(shp) == 1:
+                return tuple(flat)
+            step = len(flat) // shp[0]
+            return tuple(nest(flat[i * step:(i + 1) * step], shp[1:]) for i in range(shp[0]))
+
+        object.__setattr__(self, "shape", shape_t)
+        object.__setattr__(self, "mesh", nest(ranks, mesh_shape))
+        object.__setattr__(self, "placements", tuple(converted))
+        object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "mesh_shape", mesh_shape)
+        object.__setattr__(self, "ranks", ranks)
+
+    # -- construction from torch objects -------------------------------------------------------
+    @classmethod
+    def from_dtensor(cls, dtensor) -> "Layout":
+        """The layout of a ``torch.distributed.tensor.DTensor`` (FSDP2 parameters are DTensors):
+        its global shape, dtype, device mesh ranks and placements."""
+        return cls(tuple(dtensor.shape), dtensor.device_mesh, tuple(dtensor.placements), dtensor.dtype)
+
+    # -- queries --------------------------------------------------------------------------------
+    def __str__(self) -> str:
+        def fmt(m):
+            return "(" + ",".join(fmt(x) if isinstance(x, tuple) else str(x) for x in m) + ")"
+        return "[" + ",".join(map(str, self.placements)) + "]@" + fmt(self.mesh)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @cached_property
+    def _coords(self) -> dict[int, tuple[int, ...]]:
+        coords = {}
+        for flat_index, rank in enumerate(self.ranks):
+            c, rem = [], flat_index
+            for size in reversed(self.mesh_shape):
+                c.append(rem % size)
+                rem //= size
+            coords[rank] = tuple(reversed(c))
+        return coords
+
+    def _check_rank(self, rank: int) -> None:
+        if rank not in self._coords:
+            raise ValueError(f"rank={rank} is not in this layout's mesh {self.ranks}")
+
+    def segments(self, rank: int) -> tuple[tuple[Segment, ...], ...]:
+        """Per tensor dim, the ``(global_start, global_stop, local_offset)`` segments ``rank`` holds,
+        in local order (one segment per block; empty segments dropped)."""
+        self._check_rank(rank)
+        return self._segments_cache[rank]
+
+    @cached_property
+    def _segments_cache(self) -> dict[int, tuple[tuple[Segment, ...], ...]]:
+        return {r: self._compute_segments(r) for r in self.ranks}
+
+    def _compute_segments(self, rank: int) -> tuple[tuple[Segment, ...], ...]:
+        coord = self._coords[rank]
+        result = []
+        for d, n in enumerate(self.shape):
+            splits = [(md, p) for md, p in enumerate(self.placements) if isinstance(p, Shard) and p.dim == d]
+            blocks = splits[0][1].blocks if splits and splits[0][1].blocks is not None else (n,)
+            segs: list[Segment] = []
+            base, local = 0, 0
+            for b in blocks:
+                lo, hi = 0, b
+                for md, _ in splits:  # mesh dim 0 outermost: split the current piece again
+                    s, e = _chunk_bounds(hi - lo, self.mesh_shape[md], coord[md])
+                    lo, hi = lo + s, lo + e
+                if hi > lo:
+                    segs.append((base + lo, base + hi, local))
+                    local += hi - lo
+                base += b
+            result.append(tuple(segs))
+        return tuple(result)
+
+    def local_shape(self, rank: int) -> tuple[int, ...]:
+        """Shape of ``rank``'s local shard (a dim may be 0 for empty trailing shards)."""
+        return tuple(sum(e - s for s, e, _ in segs) for segs in self.segments(rank))
+
+    def local_numel(self, rank: int) -> int:
+        return math.prod(self.local_shape(rank))
+
+    def shard(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
+        """``rank``'s local shard of the global ``tensor`` (a new contiguous tensor).
+
+        Useful for tests and set-up; refits never gather or slice full tensors.
+        """
+        if tuple(tensor.shape) != self.shape:
+            raise ValueError(f"tensor.shape={tuple(tensor.shape)} does not match layout shape={self.shape}")
+        out = tensor
+        for d, segs in enumerate(self.segments(rank)):
+            if not segs:
+                out = out.narrow(d, 0, 0)
+            elif len(segs) == 1:
+                out = out.narrow(d, segs[0][0], segs[0][1] - segs[0][0])
+            else:
+                out = torch.cat([out.narrow(d, s, e - s) for s, e, _ in segs], dim=d)
+        return out.clone(memory_format=torch.contiguous_format)
+
+    def with_dtype(self, dtype: torch.dtype) -> "Layout":
+        return Layout(self.shape, self.mesh, self.placements, dtype)

@@ -1,0 +1,422 @@
+"""The reshard planner: which slice goes from which source rank to which destination rank.
+
+Pure Python and deterministic: every rank derives the same :class:`Plan` from the same layouts, with
+no coordinator. A plan is a tuple of small immutable :class:`TransferOp`s; executing all of them
+writes every element of every destination rank's local shard exactly once, straight from a source
+rank's local shard (nothing gathered, nothing staged).
+
+Cost grows with tensors x overlapping (src, dst) rank pairs, never with elements: per tensor dim a
+rank holds a few segments (one per block), and intersections are computed on segments.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
+from itertools import product
+
+import torch
+
+from .layout import Layout, Segment
+
+__all__ = ["TransferOp", "Plan", "PlanStats", "plan_reshard", "CASTABLE_DTYPES"]
+
+#: Dtypes the kernels convert between in the same pass (round-to-nearest-even, like ``.to()``).
+#: Any dtype may be copied to itself.
+CASTABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Remote pieces read from replicated sources are split across replicas only into parts at least
+# this big: below it a descriptor entry costs more than the imbalance it removes.
+_MIN_SPLIT_BYTES = 4096
+# A whole piece goes to the least-loaded replica while that keeps it within this factor of the
+# replica set's projected fair load; otherwise the piece is water-filled across replicas.
+_BALANCE_SLACK = 1.05
+
+
+def _fmt_slices(slices) -> str:
+    return "[" + ", ".join(f"{s.start}:{s.stop}" for s in slices) + "]"
+
+
+def _fmt_global(index) -> str:
+    dims = []
+    for intervals in index:
+        dims.append("+".join(f"{a}:{b}" for a, b in intervals) if intervals else "-")
+    return "[" + ", ".join(dims) + "]"
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True, eq=True)
+class TransferOp:
+    """Copy ``src_rank``'s local ``name[src_slices]`` into ``dst_rank``'s local ``name[dst_slices]``.
+
+    Slices are unit-step, one per tensor dim, of equal extent. ``global_index`` gives, per dim, the
+    global intervals the op covers (several when a packed-block op spans block boundaries).
+    """
+
+    name: str
+    src_rank: int
+    dst_rank: int
+    src_slices: tuple[slice, ...]
+    dst_slices: tuple[slice, ...]
+    global_index: tuple[tuple[tuple[int, int], ...], ...]
+
+    def __hash__(self) -> int:  # slices are unhashable before Python 3.12
+        return hash((self.name, self.src_rank, self.dst_rank,
+                     tuple((s.start, s.stop) for s in self.src_slices),
+                     tuple((s.start, s.stop) for s in self.dst_slices)))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(s.stop - s.start for s in self.dst_slices)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def is_local(self) -> bool:
+        """True when the destination rank reads its own source shard (colocated meshes)."""
+        return self.src_rank == self.dst_rank
+
+    def __str__(self) -> str:
+        return (f"{self.name}: {self.src_rank}->{self.dst_rank} global{_fmt_global(self.global_index)} "
+                f"src{_fmt_slices(self.src_slices)} -> dst{_fmt_slices(self.dst_slices)} "
+                f"({'x'.join(map(str, self.shape))})")
+
+
+@dataclass(frozen=True)
+class PlanStats:
+    """Byte accounting of a plan. Destination bytes use the destination dtype, source bytes the
+    source dtype (they differ when the plan casts)."""
+
+    num_ops: int
+    total_bytes: int
+    local_bytes: int
+    remote_bytes: int
+    pair_bytes: Mapping[tuple[int, int], int]   # (src_rank, dst_rank) -> destination bytes
+    send_bytes: Mapping[int, int]               # src_rank -> source bytes it serves
+    recv_bytes: Mapping[int, int]               # dst_rank -> destination bytes it writes
+
+
+# One dim of an intersection: (src_local_start, dst_local_start, length, global intervals).
+_DimPiece = tuple[int, int, int, tuple[tuple[int, int], ...]]
+
+
+def _intersect_dim(src: tuple[Segment, ...], dst: tuple[Segment, ...]) -> list[_DimPiece]:
+    """Overlap of two segment lists along one dim, coalesced where both sides stay contiguous."""
+    out: list[_DimPiece] = []
+    i = j = 0
+    while i < len(src) and j < len(dst):
+        s0, s1, sl = src[i]
+        d0, d1, dl = dst[j]
+        lo, hi = max(s0, d0), min(s1, d1)
+        if lo < hi:
+            if out and out[-1][0] + out[-1][2] == sl + lo - s0 and out[-1][1] + out[-1][2] == dl + lo - d0:
+                # Contiguous on both local sides (e.g. matching packed blocks): one longer piece.
+                ps, pd, pn, pg = out[-1]
+                g = pg[:-1] + ((pg[-1][0], hi),) if pg[-1][1] == lo else pg + ((lo, hi),)
+                out[-1] = (ps, pd, pn + hi - lo, g)
+            else:
+                out.append((sl + lo - s0, dl + lo - d0, hi - lo, ((lo, hi),)))
+        if s1 <= d1:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def _cut_global(intervals: tuple[tuple[int, int], ...], start: int, stop: int) -> tuple[tuple[int, int], ...]:
+    """The global intervals covering positions [start, stop) of the concatenation of ``intervals``."""
+    out, pos = [], 0
+    for a, b in intervals:
+        n = b - a
+        lo, hi = max(start, pos), min(stop, pos + n)
+        if lo < hi:
+            out.append((a + lo - pos, a + hi - pos))
+        pos += n
+    return tuple(out)
+
+
+def _make_op(name: str, src: int, dst: int, dims: tuple[_DimPiece, ...]) -> TransferOp:
+    return TransferOp(
+        name, src, dst,
+        tuple(slice(s, s + n) for s, _, n, _ in dims),
+        tuple(slice(d, d + n) for _, d, n, _ in dims),
+        tuple(g for _, _, _, g in dims),
+    )
+
+
+def _split(dims: tuple[_DimPiece, ...], units: list[int]) -> list[tuple[_DimPiece, ...]]:
+    """Split a piece along its outermost dim of extent > 1 into consecutive parts of ``units``."""
+    axis = next(d for d, p in enumerate(dims) if p[2] > 1)
+    s, d, n, g = dims[axis]
+    parts, pos = [], 0
+    for u in units:
+        if u:
+            cut = (s + pos, d + pos, u, _cut_global(g, pos, pos + u))
+            parts.append(dims[:axis] + (cut,) + dims[axis + 1:])
+        pos += u
+    assert pos == n
+    return parts
+
+
+class Plan:
+    """An immutable reshard plan: ``ops`` plus the layouts it was derived from.
+
+    ``str(plan)`` is a readable table (ops, the byte matrix between ranks, per-rank totals).
+    """
+
+    def __init__(self, src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout],
+                 ops: tuple[TransferOp, ...]):
+        self._src = dict(src_layouts)
+        self._dst = dict(dst_layouts)
+        self._ops = ops
+
+    @property
+    def ops(self) -> tuple[TransferOp, ...]:
+        return self._ops
+
+    @property
+    def src_layouts(self) -> Mapping[str, Layout]:
+        return dict(self._src)
+
+    @property
+    def dst_layouts(self) -> Mapping[str, Layout]:
+        return dict(self._dst)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Names the plan moves (the destination names), in plan order."""
+        return tuple(sorted(self._dst))
+
+    @cached_property
+    def src_ranks(self) -> tuple[int, ...]:
+        return tuple(sorted({r for n in self.names for r in self._src[n].ranks}))
+
+    @cached_property
+    def dst_ranks(self) -> tuple[int, ...]:
+        return tuple(sorted({r for lay in self._dst.values() for r in lay.ranks}))
+
+    @cached_property
+    def _by_dst(self) -> dict[int, tuple[TransferOp, ...]]:
+        groups: dict[int, list[TransferOp]] = defaultdict(list)
+        for op in self._ops:
+            groups[op.dst_rank].append(op)
+        return {r: tuple(v) for r, v in groups.items()}
+
+    @cached_property
+    def _by_src(self) -> dict[int, tuple[TransferOp, ...]]:
+        groups: dict[int, list[TransferOp]] = defaultdict(list)
+        for op in self._ops:
+            groups[op.src_rank].append(op)
+        return {r: tuple(v) for r, v in groups.items()}
+
+    def ops_for_dst(self, rank: int) -> tuple[TransferOp, ...]:
+        """The ops that write ``rank``'s destination shards (what an inference rank executes)."""
+        return self._by_dst.get(rank, ())
+
+    def ops_for_src(self, rank: int) -> tuple[TransferOp, ...]:
+        """The ops that read ``rank``'s source shards (who a trainer must wait for at its fence)."""
+        return self._by_src.get(rank, ())
+
+    def readers_of(self, src_rank: int) -> tuple[int, ...]:
+        """Destination ranks that read ``src_rank``'s shards."""
+        return tuple(sorted({op.dst_rank for op in self.ops_for_src(src_rank)}))
+
+    def sources_of(self, dst_rank: int) -> tuple[int, ...]:
+        """Source ranks that ``dst_rank`` reads from."""
+        return tuple(sorted({op.src_rank for op in self.ops_for_dst(dst_rank)}))
+
+    def __len__(self) -> int:
+        return len(self._ops)
+
+    def __iter__(self):
+        return iter(self._ops)
+
+    @cached_property
+    def stats(self) -> PlanStats:
+        pair: dict[tuple[int, int], int] = defaultdict(int)
+        send: dict[int, int] = defaultdict(int)
+        recv: dict[int, int] = defaultdict(int)
+        local = 0
+        isz = {n: (self._src[n].itemsize, self._dst[n].itemsize) for n in self.names}
+        for op in self._ops:
+            s_sz, d_sz = isz[op.name]
+            b = op.numel * d_sz
+            pair[(op.src_rank, op.dst_rank)] += b
+            send[op.src_rank] += op.numel * s_sz
+            recv[op.dst_rank] += b
+            if op.is_local:
+                local += b
+        total = sum(recv.values())
+        return PlanStats(len(self._ops), total, local, total - local, dict(pair), dict(send), dict(recv))
+
+    def summary(self) -> str:
+        st = self.stats
+        return (f"Plan: {len(self.names)} tensor(s), {st.num_ops} ops, {_fmt_bytes(st.total_bytes)} to "
+                f"{len(self.dst_ranks)} destination rank(s) from {len(self.src_ranks)} source rank(s) "
+                f"({_fmt_bytes(st.local_bytes)} local, {_fmt_bytes(st.remote_bytes)} remote)")
+
+    def table(self, max_ops: int | None = 64) -> str:
+        """The plan as text. ``max_ops`` caps the op rows (``None``: all)."""
+        st = self.stats
+        lines = [self.summary()]
+        rows = [("tensor", "src->dst", "global", "src local", "dst local", "shape", "bytes")]
+        shown = self._ops if max_ops is None else self._ops[:max_ops]
+        for op in shown:
+            rows.append((op.name, f"{op.src_rank}->{op.dst_rank}", _fmt_global(op.global_index),
+                         _fmt_slices(op.src_slices), _fmt_slices(op.dst_slices),
+                         "x".join(map(str, op.shape)) or "scalar",
+                         _fmt_bytes(op.numel * self._dst[op.name].itemsize)))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        for r in rows:
+            lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        if len(shown) < len(self._ops):
+            lines.append(f"  ... {len(self._ops) - len(shown)} more ops")
+        srcs, dsts = self.src_ranks, self.dst_ranks
+        if len(srcs) <= 16 and len(dsts) <= 16:
+            lines.append("bytes (rows: source rank, columns: destination rank)")
+            cells = [["src\\dst"] + [str(d) for d in dsts]]
+            for s in srcs:
+                cells.append([str(s)] + [_fmt_bytes(st.pair_bytes[(s, d)]) if (s, d) in st.pair_bytes else "."
+                                         for d in dsts])
+            w = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
+            for row in cells:
+                lines.append("  " + "  ".join(c.rjust(x) for c, x in zip(row, w)))
+        lines.append("send: " + ", ".join(f"{r}: {_fmt_bytes(b)}" for r, b in sorted(st.send_bytes.items())))
+        lines.append("recv: " + ", ".join(f"{r}: {_fmt_bytes(b)}" for r, b in sorted(st.recv_bytes.items())))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def __repr__(self) -> str:
+        return f"<{self.summary()}>"
+
+
+def _validate(src: Mapping[str, Layout], dst: Mapping[str, Layout]) -> None:
+    for param, mapping in (("src_layouts", src), ("dst_layouts", dst)):
+        if not isinstance(mapping, Mapping):
+            raise TypeError(f"{param} must be a mapping of name -> Layout, got {type(mapping).__name__}")
+        bad = [f"{param}[{k!r}] is {type(v).__name__}" for k, v in mapping.items()
+               if not isinstance(k, str) or not isinstance(v, Layout)]
+        if bad:
+            raise TypeError(f"{param} must map str names to trs.Layout: " + "; ".join(bad))
+    problems = []
+    for name, d in dst.items():
+        s = src.get(name)
+        if s is None:
+            problems.append(f"dst_layouts[{name!r}] has no source: src_layouts has no {name!r}")
+            continue
+        if s.shape != d.shape:
+            problems.append(f"dst_layouts[{name!r}].shape={d.shape} != src_layouts[{name!r}].shape={s.shape}")
+        if s.dtype != d.dtype and not (s.dtype in CASTABLE_DTYPES and d.dtype in CASTABLE_DTYPES):
+            problems.append(f"dst_layouts[{name!r}].dtype={d.dtype} cannot be produced from "
+                            f"src_layouts[{name!r}].dtype={s.dtype}: casts are supported among "
+                            f"{', '.join(map(str, CASTABLE_DTYPES))}; other dtypes copy only to themselves")
+    if problems:
+        raise ValueError(f"plan_reshard: {len(problems)} problem(s):\n  - " + "\n  - ".join(problems))
+
+
+def plan_reshard(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout]) -> Plan:
+    """Plan moving every tensor of ``dst_layouts`` from its layout in ``src_layouts``.
+
+    Args:
+        src_layouts: name -> Layout on the source (trainer) ranks. Names no destination needs are
+            ignored.
+        dst_layouts: name -> Layout on the destination (inference) ranks. Same global shape as the
+            source; the dtype may differ among float32 / bfloat16 / float16 (cast in the copy).
+
+    Returns a :class:`Plan` whose ops write each element of each destination rank's local shard
+    exactly once. Meshes may be disjoint or overlap: a destination rank that holds the data as a
+    source copies locally. Reads from replicated sources are spread over the replicas.
+    Deterministic and cached: the same inputs give the same plan on every rank.
+
+    Raises ``ValueError`` listing every problem (missing source, shape mismatch, unsupported dtype
+    pair) before anything moves; ``TypeError`` for values that are not Layouts.
+    """
+    _validate(src_layouts, dst_layouts)
+    needed = tuple(sorted((n, src_layouts[n]) for n in dst_layouts))
+    return _plan_cached(needed, tuple(sorted(dst_layouts.items())))
+
+
+@lru_cache(maxsize=128)
+def _plan_cached(src_items: tuple[tuple[str, Layout], ...], dst_items: tuple[tuple[str, Layout], ...]) -> Plan:
+    src, dst = dict(src_items), dict(dst_items)
+    ops: list[TransferOp] = []
+    # Remote pieces with several candidate replicas, balanced after all fixed assignments are known.
+    pending: list[tuple[str, int, tuple[_DimPiece, ...], tuple[int, ...], int]] = []
+    load: dict[int, int] = defaultdict(int)
+
+    for name, d_lay in dst_items:
+        s_lay = src[name]
+        s_isz = s_lay.itemsize
+        # Source ranks with identical regions are replicas of each other.
+        groups: dict[tuple, list[int]] = {}
+        for r in s_lay.ranks:
+            segs = s_lay.segments(r)
+            if all(segs):  # empty shards hold nothing to read
+                groups.setdefault(segs, []).append(r)
+        for dst_rank in d_lay.ranks:
+            d_segs = d_lay.segments(dst_rank)
+            if not all(d_segs):
+                continue
+            for s_segs, replicas in groups.items():
+                per_dim = [_intersect_dim(s, d) for s, d in zip(s_segs, d_segs)]
+                if not all(per_dim):
+                    continue
+                for dims in product(*per_dim):
+                    numel = math.prod(p[2] for p in dims)
+                    if len(replicas) == 1 or dst_rank in replicas:
+                        src_rank = dst_rank if dst_rank in replicas else replicas[0]
+                        ops.append(_make_op(name, src_rank, dst_rank, dims))
+                        load[src_rank] += numel * s_isz
+                    else:
+                        pending.append((name, dst_rank, dims, tuple(replicas), numel * s_isz))
+
+    # Balance replicated reads: biggest pieces first (LPT), then water-fill where one replica would
+    # otherwise carry much more than its share.
+    remaining: dict[tuple[int, ...], int] = defaultdict(int)
+    for *_, cands, nbytes in pending:
+        remaining[cands] += nbytes
+    pending.sort(key=lambda p: (-p[4], p[0], p[1], tuple(x[1] for x in p[2])))
+    for name, dst_rank, dims, cands, nbytes in pending:
+        k = len(cands)
+        target = (sum(load[c] for c in cands) + remaining[cands]) / k
+        remaining[cands] -= nbytes
+        order = sorted(cands, key=lambda c: (load[c], c))
+        axis_extent = next((p[2] for p in dims if p[2] > 1), 1)
+        if load[order[0]] + nbytes <= target * _BALANCE_SLACK or axis_extent <= 1 or nbytes < 2 * _MIN_SPLIT_BYTES:
+            ops.append(_make_op(name, order[0], dst_rank, dims))
+            load[order[0]] += nbytes
+            continue
+        k_eff = min(k, nbytes // _MIN_SPLIT_BYTES, axis_extent)
+        chosen = order[:k_eff]
+        # Water level L with sum(max(0, L - load)) == nbytes over the chosen replicas.
+        loads = sorted(load[c] for c in chosen)
+        level = 0.0
+        for i in range(len(loads), 0, -1):
+            level = (sum(loads[:i]) + nbytes) / i
+            if level >= loads[i - 1]:
+                break
+        want = [max(0.0, level - load[c]) / nbytes * axis_extent for c in chosen]
+        units = [int(w) for w in want]
+        for i in sorted(range(len(want)), key=lambda i: (units[i] - want[i], i))[:axis_extent - sum(units)]:
+            units[i] += 1
+        itemsize = nbytes // math.prod(p[2] for p in dims)
+        recipients = [c for c, u in zip(chosen, units) if u]
+        for c, part in zip(recipients, _split(dims, units)):
+            ops.append(_make_op(name, c, dst_rank, part))
+            load[c] += math.prod(p[2] for p in part) * itemsize
+
+    ops.sort(key=lambda op: (op.name, op.dst_rank, tuple(s.start for s in op.dst_slices), op.src_rank))
+    return Plan(src, dst, tuple(ops))
