@@ -1,0 +1,123 @@
+"""The ``tritonreshard`` command: ``plan`` (print / draw a plan), ``demo`` (the RL refit loop) and
+``bench`` (refit throughput against baselines)."""
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+import time
+
+import torch
+
+from .layout import Layout, Replicate, Shard
+from .plan import plan_reshard
+
+__all__ = ["main", "parse_layout_spec"]
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "int8": torch.int8, "int32": torch.int32, "int64": torch.int64, "uint8": torch.uint8,
+          "fp8": torch.float8_e4m3fn, "float64": torch.float64}
+
+SPEC_HELP = """\
+Layout specs: MESH[@FIRST]:PLACEMENTS
+  MESH        N (a 1-D mesh of N ranks) or AxB[xC] (an N-D mesh, row-major)
+  @FIRST      first global rank of the mesh (default: 0 for --src; for --dst the rank after the
+              last source rank, i.e. disjoint meshes, or 0 with --colocated)
+  PLACEMENTS  one per mesh dim, comma-separated: S(d) shards tensor dim d, S(d,[b0,b1,...]) shards
+              packed blocks independently (sizes sum to shape[d]), R replicates.
+Examples:
+  tritonreshard plan --shape 8x8 --src "2:S(0)" --dst "4:S(1)"             # the seed example
+  tritonreshard plan --shape 8x8 --src "4:S(1)" --dst "4:R"                # columns -> replicas
+  tritonreshard plan --shape 12x8 --src "2x2:R,S(0)" --dst "3:S(0,[4,4,4])" --png plan.png
+"""
+
+_PLACEMENT = re.compile(r"\s*(?:(S|Shard)\(\s*(-?\d+)\s*(?:,\s*\[([\d,\s]*)\])?\s*\)|(R|Replicate)(?:\(\))?)\s*(?:,|$)")
+
+
+def _parse_dims(text: str, what: str) -> tuple[int, ...]:
+    parts = text.lower().split("x")
+    if not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"{what}={text!r} must look like 8x8 (non-negative ints joined by 'x')")
+    return tuple(int(p) for p in parts)
+
+
+def parse_layout_spec(spec: str, shape, dtype, first_default: int = 0, what: str = "--src") -> Layout:
+    """Parses ``MESH[@FIRST]:PLACEMENTS`` (see ``tritonreshard plan --help``) into a Layout."""
+    mesh_part, sep, place_part = spec.partition(":")
+    if not sep:
+        raise ValueError(f"{what}={spec!r} must be MESH[@FIRST]:PLACEMENTS, e.g. '2:S(0)'")
+    mesh_txt, _, first_txt = mesh_part.partition("@")
+    mesh_shape = _parse_dims(mesh_txt, f"{what} mesh")
+    first = int(first_txt) if first_txt.strip() else first_default
+    placements, pos = [], 0
+    while pos < len(place_part):
+        m = _PLACEMENT.match(place_part, pos)
+        if not m or m.end() == pos:
+            raise ValueError(f"{what}={spec!r}: cannot parse placements at {place_part[pos:]!r}; "
+                             f"use S(d), S(d,[b0,b1]) or R")
+        if m.group(4):
+            placements.append(Replicate())
+        else:
+            blocks = tuple(int(b) for b in m.group(3).split(",") if b.strip()) if m.group(3) is not None else None
+            placements.append(Shard(int(m.group(2)), blocks))
+        pos = m.end()
+    n = math.prod(mesh_shape)
+    ranks = torch.arange(first, first + n).reshape(mesh_shape).tolist() if n else []
+    return Layout(shape, ranks, placements, dtype)
+
+
+def _cmd_plan(args) -> int:
+    shape = _parse_dims(args.shape, "--shape")
+    src_dtype = DTYPES[args.src_dtype or args.dtype]
+    dst_dtype = DTYPES[args.dst_dtype or args.dtype]
+    src = parse_layout_spec(args.src, shape, src_dtype, 0, "--src")
+    dst = parse_layout_spec(args.dst, shape, dst_dtype, 0 if args.colocated else max(src.ranks) + 1, "--dst")
+    t0 = time.perf_counter()
+    plan = plan_reshard({args.name: src}, {args.name: dst})
+    elapsed = time.perf_counter() - t0
+    print(f"source      {args.name}: {src}  {src_dtype}")
+    print(f"destination {args.name}: {dst}  {dst_dtype}")
+    print(plan.table(max_ops=None if args.all_ops else 64))
+    print(f"planned in {elapsed * 1e3:.2f} ms")
+    if args.png:
+        from .viz import draw_plan
+
+        draw_plan(plan, args.png)
+        print(f"wrote {args.png}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tritonreshard", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="print (and draw) the plan between two layouts",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=SPEC_HELP)
+    p.add_argument("--shape", default="8x8", help="global tensor shape, e.g. 8x8 (default 8x8)")
+    p.add_argument("--src", default="2:S(0)", help="source layout spec (default '2:S(0)')")
+    p.add_argument("--dst", default="4:S(1)", help="destination layout spec (default '4:S(1)')")
+    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="dtype of both sides")
+    p.add_argument("--src-dtype", choices=sorted(DTYPES), help="source dtype (overrides --dtype)")
+    p.add_argument("--dst-dtype", choices=sorted(DTYPES), help="destination dtype (overrides --dtype)")
+    p.add_argument("--colocated", action="store_true", help="destination mesh starts at rank 0 too")
+    p.add_argument("--name", default="w", help="tensor name shown in the plan")
+    p.add_argument("--all-ops", action="store_true", help="print every op (default: first 64)")
+    p.add_argument("--png", metavar="FILE", help="draw the plan to FILE")
+    p.set_defaults(func=_cmd_plan)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as exc:  # bad user input: a clear message, no traceback
+        print(f"tritonreshard {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Pictures of a plan: who holds what, who needs what, what each destination receives.
+
+``draw_plan(plan, "plan.png")`` draws, for one tensor (viewed on its first two dims):
+
+* the global tensor colored by source owner (replicas share a label such as ``0,4``);
+* the global tensor colored by destination owner;
+* each destination rank's local shard, with the region every op writes, colored by the source
+  rank it comes from;
+* the matrix of bytes between source and destination ranks (all tensors of the plan).
+"""
+from __future__ import annotations
+
+from .layout import Layout
+from .plan import Plan, _fmt_bytes
+
+__all__ = ["draw_plan"]
+
+_MAX_DST_PANELS = 8
+
+
+def _rect_2d(intervals_per_dim):
+    """Project a box (per-dim interval lists) onto (rows, cols) rectangles of a 2-D view."""
+    if len(intervals_per_dim) == 0:
+        return [((0, 1), (0, 1))]
+    if len(intervals_per_dim) == 1:
+        return [((0, 1), iv) for iv in intervals_per_dim[0]]
+    return [(r, c) for r in intervals_per_dim[0] for c in intervals_per_dim[1]]
+
+
+def _view_extent(shape):
+    if len(shape) == 0:
+        return 1, 1
+    if len(shape) == 1:
+        return 1, shape[0]
+    return shape[0], shape[1]
+
+
+def _owner_groups(layout: Layout):
+    """Ranks grouped by identical regions: [(ranks, rectangles)]."""
+    groups: dict = {}
+    for r in layout.ranks:
+        segs = layout.segments(r)
+        if all(segs) or not segs:
+            groups.setdefault(segs, []).append(r)
+    out = []
+    for segs, ranks in groups.items():
+        rects = _rect_2d([tuple((a, b) for a, b, _ in s) for s in segs])
+        out.append((ranks, rects))
+    return out
+
+
+def draw_plan(plan: Plan, path: str, name: str | None = None, title: str | None = None) -> str:
+    """Draw ``plan`` for tensor ``name`` (default: the first) to the image file ``path``; returns it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    name = name if name is not None else plan.names[0]
+    if name not in plan.dst_layouts:
+        raise ValueError(f"name={name!r} is not in the plan; it moves {list(plan.names)}")
+    src, dst = plan.src_layouts[name], plan.dst_layouts[name]
+    all_ranks = sorted(set(plan.src_ranks) | set(plan.dst_ranks))
+    cmap = plt.get_cmap("tab20" if len(all_ranks) > 10 else "tab10")
+    color = {r: cmap(i % cmap.N) for i, r in enumerate(all_ranks)}
+    rows, cols = _view_extent(src.shape)
+    aspect_rc = max(rows, 1) / max(cols, 1)
+
+    dst_ranks = list(dst.ranks)[:_MAX_DST_PANELS]
+    fig = plt.figure(figsize=(4.2 * 3, 4.2 + 3.2), constrained_layout=True)
+    grid = fig.add_gridspec(2, max(3, len(dst_ranks)), height_ratios=[1.3, 1])
+    ax_src = fig.add_subplot(grid[0, 0])
+    ax_dst = fig.add_subplot(grid[0, 1])
+    ax_mat = fig.add_subplot(grid[0, 2:] if len(dst_ranks) > 3 else grid[0, 2])
+
+    def setup(ax, nrows, ncols, heading):
+        ax.set_xlim(0, max(ncols, 1))
+        ax.set_ylim(max(nrows, 1), 0)
+        ax.set_aspect("equal" if 0.05 < aspect_rc < 20 else "auto")
+        ax.set_title(heading, fontsize=10)
+        ax.set_xlabel("dim 1" if len(src.shape) > 1 else "dim 0", fontsize=8)
+        ax.set_ylabel("dim 0" if len(src.shape) > 1 else "", fontsize=8)
+        ax.tick_params(labelsize=7)
+        if max(nrows, ncols) <= 16:
+            ax.set_xticks(range(ncols + 1))
+            ax.set_yticks(range(nrows + 1))
+            ax.grid(True, color="white", linewidth=0.6)
+
+    def paint(ax, groups, prefix):
+        for ranks, rects in groups:
+            label = prefix + ",".join(map(str, ranks))
+            for (r0, r1), (c0, c1) in rects:
+                ax.add_patch(Rectangle((c0, r0), c1 - c0, r1 - r0, facecolor=color[ranks[0]],
+                                       edgecolor="black", linewidth=1.0, alpha=0.85))
+                ax.text((c0 + c1) / 2, (r0 + r1) / 2, label, ha="center", va="center", fontsize=8,
+                        wrap=True)
+
+    setup(ax_src, rows, cols, f"{name} {tuple(src.shape)}: source owners\n{src}")
+    paint(ax_src, _owner_groups(src), "src ")
+    setup(ax_dst, rows, cols, f"destination owners\n{dst}")
+    paint(ax_dst, _owner_groups(dst), "dst ")
+
+    for i, d in enumerate(dst_ranks):
+        ax = fig.add_subplot(grid[1, i])
+        lr, lc = _view_extent(dst.local_shape(d))
+        setup(ax, lr, lc, f"rank {d} receives {dst.local_shape(d)}")
+        for op in plan.ops_for_dst(d):
+            if op.name != name:
+                continue
+            for (r0, r1), (c0, c1) in _rect_2d([((s.start, s.stop),) for s in op.dst_slices]):
+                ax.add_patch(Rectangle((c0, r0), c1 - c0, r1 - r0, facecolor=color[op.src_rank],
+                                       edgecolor="black", linewidth=1.0, alpha=0.85))
+                ax.text((c0 + c1) / 2, (r0 + r1) / 2, f"from {op.src_rank}", ha="center",
+                        va="center", fontsize=7)
+
+    st = plan.stats
+    srcs, dsts = list(plan.src_ranks), list(plan.dst_ranks)
+    matrix = [[st.pair_bytes.get((s, d), 0) for d in dsts] for s in srcs]
+    peak = max((v for row in matrix for v in row), default=0) or 1
+    # vmax above the peak keeps the darkest cell light enough for black labels.
+    ax_mat.imshow(matrix, cmap="Blues", vmin=0, vmax=peak * 1.6, aspect="auto")
+    ax_mat.set_xticks(range(len(dsts)), [str(d) for d in dsts], fontsize=7)
+    ax_mat.set_yticks(range(len(srcs)), [str(s) for s in srcs], fontsize=7)
+    ax_mat.set_xlabel("destination rank", fontsize=8)
+    ax_mat.set_ylabel("source rank", fontsize=8)
+    ax_mat.set_title(f"bytes between ranks (all {len(plan.names)} tensor(s))\n"
+                     f"{st.num_ops} ops, {_fmt_bytes(st.total_bytes)}, local {_fmt_bytes(st.local_bytes)}",
+                     fontsize=10)
+    if len(srcs) * len(dsts) <= 144:
+        for i, row in enumerate(matrix):
+            for j, v in enumerate(row):
+                ax_mat.text(j, i, _fmt_bytes(v) if v else ".", ha="center", va="center", fontsize=7)
+    fig.suptitle(title or plan.summary(), fontsize=11)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
