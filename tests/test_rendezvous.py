@@ -1,0 +1,108 @@
+"""Rendezvous helpers over TCPStore: connect, publish/fetch with named timeouts, all-gather, secret."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import pickle
+import time
+
+import pytest
+
+from tritonreshard._rendezvous import (SECRET_ENV, GroupSecret, all_gather_obj, connect_store,
+                                       fetch, group_secret, publish)
+
+CHILD_TIMEOUT_S = 30
+
+
+@pytest.fixture
+def master():
+    store = connect_store("127.0.0.1:0", world_size=1, is_master=True, timeout=10)
+    yield store
+
+
+def _client(master):
+    return connect_store(f"127.0.0.1:{master.port}", world_size=1, is_master=False, timeout=10)
+
+
+def test_publish_fetch_roundtrip(master):
+    c = _client(master)
+    publish(master, "meta/0", {"shape": (3, 4), "dtype": "bf16"})
+    assert fetch(c, "meta/0", timeout=1) == {"shape": (3, 4), "dtype": "bf16"}
+
+
+def test_fetch_timeout_names_key_and_what(master):
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"0.2 s waiting for store key 'handles/3' \(arena handle of rank 3\)"):
+        fetch(master, "handles/3", timeout=0.2, what="arena handle of rank 3")
+    assert time.monotonic() - t0 < 5
+
+
+def test_connect_store_bad_input_and_env(monkeypatch, master):
+    with pytest.raises(ValueError, match="addr must be 'host:port'"):
+        connect_store("localhost", world_size=1, is_master=False)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(ValueError, match="MASTER_ADDR"):
+        connect_store(None, world_size=1, is_master=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(master.port))
+    c = connect_store(None, world_size=1, is_master=False, timeout=5)
+    publish(master, "k", 1)
+    assert fetch(c, "k", timeout=1) == 1
+
+
+def test_group_secret_created_once_shared_and_redacted(master, monkeypatch):
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    s = group_secret(master, is_master=True, timeout=1)
+    s2 = group_secret(_client(master), is_master=False, timeout=1)
+    assert s == s2 and len(bytes(s)) == 32
+    raw = bytes(s)
+    for text in (repr(s), str(s), f"{s}", repr([s])):
+        assert raw.hex() not in text and "redacted" in text
+    assert pickle.loads(pickle.dumps(s)) == s
+
+
+def test_group_secret_from_env_never_touches_store(master, monkeypatch):
+    monkeypatch.setenv(SECRET_ENV, "ab" * 32)
+    s = group_secret(master, is_master=True, timeout=1)
+    assert bytes(s) == b"\xab" * 32
+    assert not master.check(["trs/group_secret"])
+
+
+def test_group_secret_timeout(master, monkeypatch):
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    with pytest.raises(TimeoutError, match="group secret from the master"):
+        group_secret(master, is_master=False, timeout=0.1, key="trs/other_secret")
+
+
+def _gather_child(q, port, rank, world):
+    store = connect_store(f"127.0.0.1:{port}", world_size=world, is_master=False, timeout=20)
+    q.put(all_gather_obj(store, "round0", rank, world, {"rank": rank}, timeout=20))
+
+
+@pytest.mark.slow
+def test_all_gather_across_processes():
+    world = 3
+    store = connect_store("127.0.0.1:0", world_size=world, is_master=True, timeout=20)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_gather_child, args=(q, store.port, r, world), daemon=True)
+             for r in (1, 2)]
+    for p in procs:
+        p.start()
+    try:
+        mine = all_gather_obj(store, "round0", 0, world, {"rank": 0}, timeout=CHILD_TIMEOUT_S)
+        theirs = [q.get(timeout=CHILD_TIMEOUT_S) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(CHILD_TIMEOUT_S)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    expected = [{"rank": r} for r in range(world)]
+    assert mine == expected and theirs == [expected, expected]
+    assert all(p.exitcode == 0 for p in procs)
+
+
+def test_all_gather_bad_rank(master):
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 2\), got rank=2"):
+        all_gather_obj(master, "x", 2, 2, None, timeout=1)

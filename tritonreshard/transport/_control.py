@@ -1,0 +1,196 @@
+"""Control block: a few int64 slots in host shared memory for versions, acks, heartbeats, abort.
+
+One writer per slot: the owner (a trainer rank) writes ``published_version`` and the state word;
+reader ``i`` writes ``acked_version[i]``; rank ``r`` writes ``heartbeat[r]``. Everyone may read
+everything, and anyone may set the state word to ABORT (the last abort reason wins).
+
+Memory-ordering assumption: slots are 8-byte aligned (each on its own 64-byte line, so pollers
+don't false-share) and read/written as single int64 loads/stores through a numpy view, which are
+single-copy atomic on x86-64 and arm64 (no torn values). Writers write the data first and the
+version counter last; readers read the counter first, then the data. x86-64 (TSO) keeps that
+order for CPU data. For device data the writer must finish the copy (stream synchronize / event)
+before ``publish``, which orders it. On arm64 with CPU-resident data the store order is not
+architecturally guaranteed by plain stores; publish() adds a lock release/acquire pair, which
+CPython implements with a pthread mutex (a release+acquire barrier), to order them in practice.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from ._base import ArenaHandle, wait_until
+from ._shm import ShmArena
+
+__all__ = ["ControlBlock", "create_control_block", "open_control_block",
+           "STATE_OK", "STATE_CLOSED", "STATE_ABORT"]
+
+MAGIC = 0x7472735F63746C31  # "trs_ctl1"
+LINE = 8  # int64 slots per 64-byte line
+_MAGIC, _NREADERS, _NRANKS, _STATE, _PUBLISHED, _PUBLISHED_NS, _ABORT_RANK = range(7)
+_HEADER_LINES = 8
+STATE_OK, STATE_CLOSED, STATE_ABORT = 0, 1, 2
+_fence_lock = threading.Lock()
+
+
+def _fence():
+    _fence_lock.acquire()
+    _fence_lock.release()
+    _fence_lock.acquire()
+    _fence_lock.release()
+
+
+class ControlBlock:
+    """Slots for one publisher, ``n_readers`` readers and ``n_ranks`` heartbeating ranks."""
+
+    def __init__(self, arena: ShmArena):
+        self._arena = arena
+        t = arena.tensor(0, arena.nbytes // 8, torch.int64)
+        self._slots = t.numpy()  # shares memory with the arena; int64, 8-byte aligned
+        if arena.is_owner:
+            return
+        if int(self._slots[_MAGIC * LINE]) != MAGIC:
+            raise ValueError(f"open_control_block: {arena.handle!r} is not a control block")
+
+    # --- layout -------------------------------------------------------------------------------
+    @property
+    def n_readers(self) -> int:
+        return int(self._slots[_NREADERS * LINE])
+
+    @property
+    def n_ranks(self) -> int:
+        return int(self._slots[_NRANKS * LINE])
+
+    def _ack_slot(self, reader: int) -> int:
+        if not 0 <= reader < self.n_readers:
+            raise ValueError(f"reader must be in [0, {self.n_readers}), got reader={reader}")
+        return (_HEADER_LINES + reader) * LINE
+
+    def _hb_slot(self, rank: int) -> int:
+        if not 0 <= rank < self.n_ranks:
+            raise ValueError(f"rank must be in [0, {self.n_ranks}), got rank={rank}")
+        return (_HEADER_LINES + self.n_readers + rank) * LINE
+
+    # --- versions -----------------------------------------------------------------------------
+    @property
+    def published_version(self) -> int:
+        return int(self._slots[_PUBLISHED * LINE])
+
+    def publish(self, version: int) -> None:
+        """Publisher: call after the data of ``version`` is completely written (and synced)."""
+        _fence()
+        self._slots[_PUBLISHED_NS * LINE] = time.monotonic_ns()
+        self._slots[_PUBLISHED * LINE] = version
+
+    def acked_version(self, reader: int) -> int:
+        return int(self._slots[self._ack_slot(reader)])
+
+    def ack(self, reader: int, version: int) -> None:
+        """Reader ``reader``: it finished reading ``version`` (the publisher may overwrite)."""
+        _fence()
+        self._slots[self._ack_slot(reader)] = version
+
+    def acked_versions(self) -> list[int]:
+        return [self.acked_version(i) for i in range(self.n_readers)]
+
+    # --- liveness -----------------------------------------------------------------------------
+    def heartbeat(self, rank: int) -> None:
+        """Store ``time.monotonic_ns()`` (CLOCK_MONOTONIC: comparable across processes of a host)."""
+        self._slots[self._hb_slot(rank)] = time.monotonic_ns()
+
+    def last_heartbeat_ns(self, rank: int) -> int:
+        return int(self._slots[self._hb_slot(rank)])
+
+    def stale_ranks(self, max_age_s: float) -> list[int]:
+        """Ranks that have beaten at least once but not within ``max_age_s``."""
+        now = time.monotonic_ns()
+        return [r for r in range(self.n_ranks)
+                if 0 < self.last_heartbeat_ns(r) < now - int(max_age_s * 1e9)]
+
+    @property
+    def state(self) -> int:
+        return int(self._slots[_STATE * LINE])
+
+    def abort(self, rank: int = -1) -> None:
+        """Any process: mark the group aborted (waiters raise ``RuntimeError``)."""
+        self._slots[_ABORT_RANK * LINE] = rank
+        self._slots[_STATE * LINE] = STATE_ABORT
+
+    def abort_reason(self) -> str | None:
+        if self.state == STATE_ABORT:
+            return f"rank {int(self._slots[_ABORT_RANK * LINE])} set the abort word"
+        return None
+
+    # --- waiting ------------------------------------------------------------------------------
+    def wait_published(self, min_version: int, timeout: float) -> int:
+        """Reader: wait until ``published_version >= min_version``; returns it."""
+        wait_until(lambda: self.published_version >= min_version, timeout,
+                   what=f"published_version >= {min_version} (now {self.published_version})",
+                   abort=self.abort_reason)
+        return self.published_version
+
+    def wait_acked(self, version: int, timeout: float) -> None:
+        """Publisher's fence: wait until every reader acked ``version`` (or later)."""
+        def done():
+            return all(v >= version for v in self.acked_versions())
+        try:
+            wait_until(done, timeout, what=f"all {self.n_readers} readers to ack version {version}",
+                       abort=self.abort_reason)
+        except TimeoutError as e:
+            behind = [i for i, v in enumerate(self.acked_versions()) if v < version]
+            raise TimeoutError(f"{e}; readers still behind: {behind}") from None
+
+    # --- lifetime -----------------------------------------------------------------------------
+    def export(self) -> ArenaHandle:
+        return self._arena.export()
+
+    def unlink(self) -> None:
+        self._arena.unlink()
+
+    @property
+    def handle(self) -> ArenaHandle:
+        return self._arena.handle
+
+    def close(self) -> None:
+        self._slots = None
+        self._arena.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __repr__(self):
+        if self._slots is None:
+            return f"ControlBlock(closed, {self._arena.handle!r})"
+        return (f"ControlBlock(published={self.published_version}, acked={self.acked_versions()}, "
+                f"state={self.state})")
+
+
+def create_control_block(n_readers: int, n_ranks: int, *, secret=None,
+                         expected_peers: int | None = None) -> ControlBlock:
+    """Owner (the publishing rank): a fresh block, all versions 0 (= nothing published yet)."""
+    problems = [f"{n}={v} must be >= 0" for n, v in (("n_readers", n_readers), ("n_ranks", n_ranks)) if v < 0]
+    if problems:
+        raise ValueError("create_control_block: " + "; ".join(problems))
+    nbytes = (_HEADER_LINES + n_readers + n_ranks) * LINE * 8
+    arena = ShmArena.create(nbytes, secret=secret, expected_peers=expected_peers)
+    cb = ControlBlock(arena)
+    cb._slots[:] = 0
+    cb._slots[_NREADERS * LINE] = n_readers
+    cb._slots[_NRANKS * LINE] = n_ranks
+    cb._slots[_MAGIC * LINE] = MAGIC
+    return cb
+
+
+def open_control_block(handle: ArenaHandle, *, secret=None, timeout: float = 10.0) -> ControlBlock:
+    """Any other process: map the owner's control block."""
+    arena = ShmArena.open(handle, secret=secret, timeout=timeout)
+    try:
+        return ControlBlock(arena)
+    except BaseException:
+        arena.close()
+        raise
