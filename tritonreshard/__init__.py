@@ -5,6 +5,11 @@ Triton kernels (:mod:`tritonreshard.kernels`), and transport / endpoints.
 """
 from .layout import Layout, Replicate, Shard
 from .plan import Plan, PlanStats, TransferOp, plan_reshard
+from .execute import execute_local
+from .refit import PeerDiedError, RefitEndpoint, RefitError, RefitInference, RefitTrainer
 
-__all__ = ["Layout", "Shard", "Replicate", "Plan", "PlanStats", "TransferOp", "plan_reshard"]
+__all__ = [
+    "Layout", "Shard", "Replicate", "Plan", "PlanStats", "TransferOp", "plan_reshard", "execute_local",
+    "RefitEndpoint", "RefitTrainer", "RefitInference", "RefitError", "PeerDiedError",
+]
 __version__ = "0.1.0"

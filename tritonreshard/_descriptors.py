@@ -1,0 +1,273 @@
+"""A rank's transfer ops -> descriptor tables for the gather kernel, built once and reused every refit.
+
+Who calls what: a destination rank (or :func:`tritonreshard.execute_local`, for all ranks of one
+process) calls :meth:`DescriptorTable.build` once with callables that return torch views: the source
+rank's full local shard (possibly a view into an arena mapped from another process) and this rank's
+local shard. Every refit it then calls :meth:`DescriptorTable.run`, which is one kernel launch per
+(source dtype, destination dtype) group, whatever the number of tensors and source ranks.
+
+A table holds raw addresses: the tensors behind the views must stay allocated (and mapped) as long as
+the table is used. The table keeps references to the views, which keeps torch-owned storage alive;
+memory mapped by a transport must be kept mapped by its owner.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+from tritonreshard import kernels as _k
+
+__all__ = ["DescriptorTable", "Entry", "Region"]
+
+
+@dataclass(frozen=True)
+class Region:
+    """One row of the kernel's table: a rectangular region after collapsing dims that are contiguous
+    in both source and destination (<= 4 dims). Offsets are in bytes from the first element of the
+    source rank's full local shard / the destination rank's local shard; strides are in elements."""
+
+    shape: tuple[int, ...]
+    src_strides: tuple[int, ...]
+    dst_strides: tuple[int, ...]
+    src_offset: int
+    dst_offset: int
+    src_addr: int = field(repr=False)
+    dst_addr: int = field(repr=False)
+    itemsize_src: int = field(repr=False)
+    itemsize_dst: int = field(repr=False)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One transfer op as the table sees it (readable; ``src_view``/``dst_view`` are the exact torch
+    views the op copies between, useful to step through one entry)."""
+
+    index: int
+    name: str
+    src_rank: int
+    dst_rank: int
+    shape: tuple[int, ...]
+    src_dtype: torch.dtype
+    dst_dtype: torch.dtype
+    src_slices: tuple[slice, ...]
+    dst_slices: tuple[slice, ...]
+    regions: tuple[Region, ...]
+    src_view: torch.Tensor = field(repr=False, compare=False)
+    dst_view: torch.Tensor = field(repr=False, compare=False)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def __str__(self) -> str:
+        sl = lambda ss: "[" + ", ".join(f"{s.start}:{s.stop}" for s in ss) + "]"  # noqa: E731
+        head = (f"[{self.index}] {self.name!r} r{self.src_rank}{sl(self.src_slices)} -> "
+                f"r{self.dst_rank}{sl(self.dst_slices)} shape {self.shape} "
+                f"{_dtname(self.src_dtype)}->{_dtname(self.dst_dtype)}")
+        if not self.regions:
+            return head + " (empty: no region)"
+        lines = [head]
+        for r in self.regions:
+            lines.append(f"      src +{r.src_offset}B strides {r.src_strides} | dst +{r.dst_offset}B "
+                         f"strides {r.dst_strides} | region {r.shape}")
+        return "\n".join(lines)
+
+
+def _dtname(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def _collapse(shape: Sequence[int], ss: Sequence[int], ds: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Drop size-1 dims, order dims by destination stride (so the inner dim is the destination's
+    contiguous one: coalesced writes), merge neighbours contiguous in both. Returns (n, ss, ds) outer
+    first; [] if the region is empty."""
+    if any(n == 0 for n in shape):
+        return []
+    dims = [(n, s, d) for n, s, d in zip(shape, ss, ds) if n != 1]
+    dims.sort(key=lambda t: t[2], reverse=True)  # stable: ties keep their order
+    merged: list[tuple[int, int, int]] = []
+    for n, s, d in dims:
+        if merged and merged[-1][1] == n * s and merged[-1][2] == n * d:
+            pn = merged[-1][0]
+            merged[-1] = (pn * n, s, d)
+        else:
+            merged.append((n, s, d))
+    return merged or [(1, 1, 1)]
+
+
+def _regions(src_view: torch.Tensor, dst_view: torch.Tensor, src_base: int, dst_base: int) -> list[Region]:
+    shape, ss, ds = list(src_view.shape), list(src_view.stride()), list(dst_view.stride())
+    sb, db = src_view.element_size(), dst_view.element_size()
+    if sb not in (1, 2, 4, 8):  # same-dtype copy of a wide element (complex128): 8-byte words
+        k = sb // 8
+        shape, ss, ds = shape + [k], [s * k for s in ss] + [1], [d * k for d in ds] + [1]
+        sb = db = 8
+    dims = _collapse(shape, ss, ds)
+    if not dims:
+        return []
+    lead, dims = dims[:-_k.MAX_DIMS], dims[-_k.MAX_DIMS:]
+    dims = [(1, 0, 0)] * (_k.MAX_DIMS - len(dims)) + dims
+    out = []
+    for idx in itertools.product(*(range(n) for n, _, _ in lead)):
+        so = sum(i * s for i, (_, s, _) in zip(idx, lead))
+        do = sum(i * d for i, (_, _, d) in zip(idx, lead))
+        sa, da = src_view.data_ptr() + so * sb, dst_view.data_ptr() + do * db
+        out.append(Region(tuple(n for n, _, _ in dims), tuple(s for _, s, _ in dims),
+                          tuple(d for _, _, d in dims), sa - src_base, da - dst_base, sa, da, sb, db))
+    return out
+
+
+class _Group:
+    """One launch: the regions of one (src dtype, dst dtype) group as device tensors."""
+
+    def __init__(self, key, regions: list[Region], device: torch.device):
+        self.key = key
+        block = _k.block_for(key)
+        log_block = block.bit_length() - 1
+        rows, counts, tile0 = [], [], 0
+        for r in regions:
+            n0, n1, n2, n3 = r.shape
+            log_w, col_tiles, ntiles = _k.tile_geometry(n3, n0 * n1 * n2, block)
+            a = _k.ALIGN_BYTES
+            aligned = (r.src_strides[3] == 1 and r.dst_strides[3] == 1 and log_w == log_block
+                       and r.src_addr % a == 0 and r.dst_addr % a == 0
+                       and all(s * r.itemsize_src % a == 0 for s in r.src_strides[:3])
+                       and all(d * r.itemsize_dst % a == 0 for d in r.dst_strides[:3]))
+            rows.append([r.src_addr, r.dst_addr, *r.shape, *r.src_strides, *r.dst_strides,
+                         tile0, log_w, col_tiles, _k.FLAG_ALIGNED if aligned else 0])
+            counts.append(ntiles)
+            tile0 += ntiles
+        self.num_tiles = tile0
+        self.num_regions = len(rows)
+        self.desc = torch.tensor(rows, dtype=torch.int64).reshape(-1, _k.NFIELDS).to(device)
+        self.tile_region = torch.repeat_interleave(
+            torch.arange(len(rows), dtype=torch.int32), torch.tensor(counts, dtype=torch.int64)
+        ).to(device)
+
+    def launch(self) -> None:
+        _k.launch_gather(self.desc, self.tile_region, self.key)
+
+
+class DescriptorTable:
+    """Descriptor tables of a batch of transfer ops, grouped per dtype pair; see the module doc.
+
+    ``len(table)`` entries (one per op), ``table.num_launches`` kernel launches per Triton run,
+    ``bytes_read`` / ``bytes_written`` per run, ``str(table)`` a readable dump, ``table.entries`` the
+    per-op :class:`Entry` records.
+    """
+
+    def __init__(self, entries: Sequence[Entry], device: torch.device):
+        self.entries: tuple[Entry, ...] = tuple(entries)
+        self.device = device
+        by_key: dict = {}
+        for e in self.entries:
+            if e.regions:
+                key = _k.group_key(e.src_dtype, e.dst_dtype)
+                if key[0] == "copy":  # wide elements (complex128) are copied as 8-byte words
+                    key = ("copy", e.regions[0].itemsize_src)
+                by_key.setdefault(key, []).extend(e.regions)
+        self._groups = [_Group(key, regs, device) for key, regs in by_key.items()]
+        self._pairs = [(e.dst_view.copy_, e.src_view) for e in self.entries if e.numel]
+        self.bytes_read = sum(e.numel * e.src_view.element_size() for e in self.entries)
+        self.bytes_written = sum(e.numel * e.dst_view.element_size() for e in self.entries)
+
+    @classmethod
+    def build(
+        cls,
+        ops: Iterable,
+        src: Callable[[object], torch.Tensor],
+        dst: Callable[[object], torch.Tensor],
+    ) -> "DescriptorTable":
+        """Build the table of ``ops`` (``TransferOp``s).
+
+        ``src(op)``: the full local shard of ``op.name`` on ``op.src_rank`` (any strides, any view);
+        ``dst(op)``: the local shard of ``op.name`` on ``op.dst_rank`` that receives the data. The op's
+        slices are applied here. Raises one ``ValueError`` listing every mismatch (slice shapes,
+        devices) and ``NotImplementedError`` for dtype pairs the kernel cannot convert.
+        """
+        problems, unsupported, entries = [], [], []
+        device = None
+        for i, op in enumerate(ops):
+            s_full, d_full = src(op), dst(op)
+            where = f"op {i} ({op.name!r} r{op.src_rank}->r{op.dst_rank})"
+            try:
+                s_view, d_view = s_full[tuple(op.src_slices)], d_full[tuple(op.dst_slices)]
+            except IndexError as exc:
+                problems.append(f"{where}: slices do not fit the tensors "
+                                f"(src {tuple(s_full.shape)}, dst {tuple(d_full.shape)}): {exc}")
+                continue
+            if tuple(s_view.shape) != tuple(d_view.shape) or tuple(s_view.shape) != tuple(op.shape):
+                problems.append(f"{where}: src slice has shape {tuple(s_view.shape)}, dst slice "
+                                f"{tuple(d_view.shape)}, op says {tuple(op.shape)}")
+                continue
+            if device is None:
+                device = d_full.device
+            if d_full.device != device:
+                problems.append(f"{where}: dst on {d_full.device}, other dsts on {device}")
+            if s_full.device.type != device.type:
+                problems.append(f"{where}: src on {s_full.device}, dst on {device}")
+            if not _k.supported_conversion(s_full.dtype, d_full.dtype):
+                if s_full.dtype != d_full.dtype or s_full.element_size() % 8:
+                    unsupported.append(f"{where}: {s_full.dtype} -> {d_full.dtype}")
+                    continue
+            regions = _regions(s_view, d_view, s_full.data_ptr(), d_full.data_ptr())
+            entries.append(Entry(i, op.name, op.src_rank, op.dst_rank, tuple(op.shape), s_full.dtype,
+                                 d_full.dtype, tuple(op.src_slices), tuple(op.dst_slices),
+                                 tuple(regions), s_view, d_view))
+        if problems:
+            raise ValueError("cannot build descriptor table:\n  " + "\n  ".join(problems))
+        if unsupported:
+            raise NotImplementedError(
+                "dtype conversions the gather kernel does not implement (same dtype of any width, or "
+                "float32/bfloat16/float16 pairs):\n  " + "\n  ".join(unsupported))
+        return cls(entries, device if device is not None else torch.device("cpu"))
+
+    def subset(self, indices: Iterable[int]) -> "DescriptorTable":
+        """A table of some entries only (e.g. ``table.subset([3]).run()`` to step through entry 3)."""
+        return DescriptorTable([self.entries[i] for i in indices], self.device)
+
+    def run(self, backend: str = "triton") -> None:
+        """Execute every entry. ``"triton"``: one gather-kernel launch per dtype group (compiled on
+        CUDA, interpreter on CPU tensors); ``"torch"``: ``dst_view.copy_(src_view)`` per entry (the
+        fast CPU path; equal bits except NaN payloads, see ``tritonreshard.kernels.gather``)."""
+        if backend == "triton":
+            for g in self._groups:
+                g.launch()
+        elif backend == "torch":
+            for copy_, s in self._pairs:
+                copy_(s)
+        else:
+            raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    @property
+    def num_launches(self) -> int:
+        """Kernel launches per ``run(backend="triton")``: one per non-empty dtype group."""
+        return sum(1 for g in self._groups if g.num_tiles)
+
+    @property
+    def num_regions(self) -> int:
+        return sum(g.num_regions for g in self._groups)
+
+    @property
+    def num_tiles(self) -> int:
+        return sum(g.num_tiles for g in self._groups)
+
+    def __str__(self) -> str:
+        head = (f"DescriptorTable: {len(self)} entries, {self.num_regions} regions, {self.num_tiles} "
+                f"tiles, {self.num_launches} launch(es) on {self.device}, {self.bytes_read} B read, "
+                f"{self.bytes_written} B written")
+        groups = [f"  launch {g.key}: {g.num_regions} regions, {g.num_tiles} tiles" for g in self._groups]
+        return "\n".join([head, *groups, *(str(e) for e in self.entries)])
+
+    def __repr__(self) -> str:
+        return (f"<DescriptorTable {len(self)} entries, {self.num_launches} launches, "
+                f"{self.bytes_written} B written>")

@@ -1,0 +1,119 @@
+"""Execute a plan with all ranks in one process (tests, notebooks, debugging).
+
+The cross-process engine runs the same :class:`~tritonreshard._descriptors.DescriptorTable` per
+destination rank over mapped arenas; here every rank's tensors live in this process, so one table
+covers the whole plan and a Triton run is one launch per dtype pair.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Mapping
+
+import torch
+
+from ._descriptors import DescriptorTable
+
+__all__ = ["execute_local"]
+
+_BACKENDS = ("auto", "triton", "torch")
+_CACHE_SIZE = 16
+_table_cache: "OrderedDict[tuple, DescriptorTable]" = OrderedDict()
+
+
+def _sig(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
+def _check(param: str, shards, layouts, required, device, problems) -> torch.device | None:
+    """Append a line to ``problems`` for each missing or mismatching tensor of ``required`` (pairs
+    (rank, name)); returns the device of the first tensor seen if ``device`` is None."""
+    if not isinstance(shards, Mapping):
+        problems.append(f"{param} must be a mapping rank -> {{name: tensor}}, got {type(shards).__name__}")
+        return device
+    missing_ranks = sorted({r for r, _ in required if r not in shards})
+    if missing_ranks:
+        problems.append(f"{param} is missing rank(s) {missing_ranks}")
+    for rank, name in required:
+        if rank not in shards:
+            continue
+        tensors = shards[rank]
+        where = f"{param}[{rank}][{name!r}]"
+        if not isinstance(tensors, Mapping) or name not in tensors:
+            problems.append(f"{where} is missing")
+            continue
+        t = tensors[name]
+        if not isinstance(t, torch.Tensor):
+            problems.append(f"{where} is a {type(t).__name__}, not a torch.Tensor")
+            continue
+        layout = layouts[name]
+        want = tuple(layout.local_shape(rank))
+        if tuple(t.shape) != want:
+            problems.append(f"{where} has shape {tuple(t.shape)}, layout says {want}")
+        if t.dtype != layout.dtype:
+            problems.append(f"{where} has dtype {t.dtype}, layout says {layout.dtype}")
+        if device is None:
+            device = t.device
+        elif t.device != device:
+            problems.append(f"{where} is on {t.device}, other tensors are on {device}")
+    return device
+
+
+def execute_local(plan, src_shards, out=None, backend: str = "auto") -> dict[int, dict[str, torch.Tensor]]:
+    """Run ``plan`` with every rank's tensors in this process; returns ``{dst_rank: {name: tensor}}``.
+
+    ``src_shards[rank][name]``: the local shard of a source rank (shape ``layout.local_shape(rank)``,
+    the source layout's dtype, any strides), for every (rank, name) an op reads. ``out``: the same
+    nesting for every destination rank and name of the destination layouts, written in place and
+    returned; if None, outputs are allocated (destination dtypes and local shapes, on the sources'
+    device). ``backend``: ``"triton"`` (compiled on CUDA, Triton's interpreter on CPU tensors),
+    ``"torch"`` (``copy_`` per op), ``"auto"`` (triton on CUDA, torch on CPU).
+
+    Every input is validated before any data moves; all problems are reported in one ``ValueError``.
+    The descriptor table is cached per (plan, tensor addresses/shapes/strides/dtypes), so repeated
+    calls with the same ``out`` tensors (the refit pattern) skip building it. The cache (16 tables)
+    holds references to the tensors it was built from; with ``out=None`` nothing is cached.
+    """
+    problems: list[str] = []
+    if backend not in _BACKENDS:
+        problems.append(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    src_req = sorted({(op.src_rank, op.name) for op in plan.ops})
+    dst_req = sorted((r, name) for name, lay in plan.dst_layouts.items() for r in lay.ranks)
+    device = _check("src_shards", src_shards, plan.src_layouts, src_req, None, problems)
+    if out is not None:
+        device = _check("out", out, plan.dst_layouts, dst_req, device, problems)
+    device = device or torch.device("cpu")
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" else "torch"
+    if backend == "triton" and device.type == "cpu":
+        from . import kernels
+
+        if not kernels.INTERPRET:
+            problems.append("backend='triton' on CPU tensors needs Triton's interpreter "
+                            "(TRITON_INTERPRET=1 before tritonreshard.kernels is imported)")
+    if problems:
+        raise ValueError("execute_local: invalid input:\n  " + "\n  ".join(problems))
+
+    cacheable = out is not None  # fresh outputs have fresh addresses: a cached table would never hit
+    if out is None:
+        out = {}
+        for rank, name in dst_req:
+            lay = plan.dst_layouts[name]
+            out.setdefault(rank, {})[name] = torch.empty(lay.local_shape(rank), dtype=lay.dtype, device=device)
+    result = {rank: {name: out[rank][name] for r, name in dst_req if r == rank}
+              for rank in sorted({r for r, _ in dst_req})}
+
+    key = (plan,
+           tuple(_sig(src_shards[r][n]) for r, n in src_req),
+           tuple(_sig(out[r][n]) for r, n in dst_req))
+    table = _table_cache.get(key)
+    if table is None:
+        table = DescriptorTable.build(plan.ops, src=lambda op: src_shards[op.src_rank][op.name],
+                                      dst=lambda op: out[op.dst_rank][op.name])
+        if cacheable:  # (the table references its tensors, so the cache keeps them alive)
+            _table_cache[key] = table
+            if len(_table_cache) > _CACHE_SIZE:
+                _table_cache.popitem(last=False)
+    else:
+        _table_cache.move_to_end(key)
+    table.run(backend)
+    return result
