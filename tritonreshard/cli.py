@@ -106,6 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all-ops", action="store_true", help="print every op (default: first 64)")
     p.add_argument("--png", metavar="FILE", help="draw the plan to FILE")
     p.set_defaults(func=_cmd_plan)
+
+    # The demo and the benchmark own their flags; they are imported only to build their parsers.
+    from . import demo
+
+    d = sub.add_parser("demo", help="an asynchronous RL loop that refits through tritonreshard",
+                       description=demo.__doc__.split("\n\n")[0] if demo.__doc__ else None)
+    demo.add_arguments(d)
+    d.set_defaults(func=demo.run)
     return parser
 
 
