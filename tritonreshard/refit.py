@@ -636,6 +636,25 @@ class RefitEndpoint:
     def pulling(self) -> bool:
         return self._pull_thread is not None
 
+    def pull_error(self) -> BaseException | None:
+        """Shadow mode, once ``pull_done()``: the background pull's error, or None if it succeeded.
+        Lets a TP group agree (e.g. by an all-reduce) to swap together or not at all."""
+        if not self.pull_done():
+            raise ValueError("pull_error: no finished pull (call start_pull and wait for pull_done)")
+        return self._pull_result[1]
+
+    def discard(self) -> None:
+        """Shadow mode: drop a finished background pull without installing it (the serving weights
+        and ``version`` stay as they are), e.g. because another TP rank's pull failed."""
+        if self._pull_thread is None:
+            return
+        self._pull_thread.join(self.timeout)
+        if self._pull_thread.is_alive():
+            raise TimeoutError(f"rank {self.rank}: discard timed out waiting for the pull of version "
+                               f"{self._pull_target}")
+        self._pull_thread = None
+        self._pull_result = None
+
     def swap(self, timeout: float | None = None) -> int:
         """Shadow mode: wait for the background pull and install it as the serving weights (one
         reference assignment). Re-raises the pull's error, leaving the serving weights untouched."""
