@@ -56,9 +56,12 @@ def test_demo_runs_and_verifies(tmp_path, mode):
 
 def test_demo_failing_rank_is_named(tmp_path):
     before = _shm()
-    out = _run_demo("--steps", "20", env={"TRITONRESHARD_DEMO_CRASH": "1:3"})
+    out = _run_demo("--steps", "4", "--fault", "crash-trainer:3")
     assert out.returncode != 0
-    assert "rank 1 (trainer 1)" in out.stderr, out.stderr[-3000:]
+    assert "rank 1 (trainer 1) exited with code 1: RuntimeError: injected failure" in out.stderr, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert tuple(summary) == demo.SUMMARY_KEYS + demo.FAILURE_KEYS
+    assert summary["error"].startswith("rank 1 (trainer 1)"), summary["error"]
     assert _shm() - before == set(), "a failed run left /dev/shm entries behind"
 
 
@@ -67,6 +70,11 @@ def test_demo_rejects_bad_arguments(capsys):
     assert demo.run(parser.parse_args(["--inference", "3", "--steps", "0"])) == 2
     err = capsys.readouterr().err
     assert "--inference=3" in err and "--steps=0" in err
+    for bad in ("kill-trainer:1", "kill-trainer:7", "explode:2", "kill-inference:x"):
+        assert demo.run(parser.parse_args(["--steps", "5", "--fault", bad])) == 2
+        assert f"--fault={bad!r}" in capsys.readouterr().err
+    assert demo.run(parser.parse_args(["--peer-timeout", "0"])) == 2
+    assert "--peer-timeout=0" in capsys.readouterr().err
 
 
 def test_example_rl_refit():

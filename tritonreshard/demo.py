@@ -36,6 +36,14 @@ verification gather and probe are instrumentation and not counted. ``bytes_per_r
 bytes every inference rank writes per refit; ``staleness_max`` is the largest ``v - version`` of a
 trajectory the trainers used.
 
+Faults (``--fault``, see its help): a rank's failure makes the driver set an ``abort`` key that
+ranks waiting on the store poll; ranks blocked in a collective get gloo's "connection closed" at
+once; the engine raises PeerDiedError in fences and pulls. The inference group decides at each
+rollout boundary through its MIN all-reduce whether every TP rank's pull succeeded and nothing
+aborted: if not, every TP rank discards its pull, the group verifies what it serves (digest against
+the trainers' digest of that version) and records it, then exits. Survivors get ``--peer-timeout``
++ 10 s to exit on their own before the driver terminates them.
+
 Entry points (wired by ``tritonreshard/cli.py``): :func:`add_arguments` and :func:`run`.
 """
 from __future__ import annotations
@@ -56,6 +64,9 @@ __all__ = ["add_arguments", "run"]
 
 SUMMARY_KEYS = ("steps", "refits", "verified", "reward_first", "reward_last", "refit_ms_p50",
                 "max_inference_stall_ms", "bytes_per_refit", "staleness_max")
+# Added to the summary of a failed run (after SUMMARY_KEYS, which then describe what got done).
+FAILURE_KEYS = ("error", "inference_version", "inference_consistent", "detect_ms", "fault", "pids")
+FAULTS = ("kill-trainer", "kill-inference", "crash-trainer")
 
 
 @dataclass(frozen=True)
@@ -74,6 +85,8 @@ class _RunConfig:
     seed: int
     timeout: float
     port: int
+    peer_timeout: float = 10.0
+    fault: tuple[str, int] | None = None  # (kind, K) from --fault
 
     @property
     def world_size(self) -> int:
@@ -108,6 +121,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="hard limit in seconds for the whole run; also bounds every wait (default 300)")
+    parser.add_argument("--peer-timeout", type=float, default=10.0,
+                        help="seconds without a heartbeat after which the refit engine declares a peer "
+                             "dead (its peer_timeout; a local process that is gone is noticed at once); "
+                             "after a failure the other ranks get this long (+10 s) to notice and exit "
+                             "before the driver terminates them (default 10)")
+    parser.add_argument("--fault", metavar="KIND:K", default=None,
+                        help="inject a fault, to see how failures are handled. kill-trainer:K: trainer "
+                             "rank 0 SIGKILLs itself right after publishing version K (2 <= K <= steps+1), "
+                             "while the inference ranks pull it; they reject K and keep serving K-1 "
+                             "(checked against the trainers' digest of K-1). kill-inference:K: the first "
+                             "inference rank (TP rank 0, global rank --trainers) SIGKILLs itself when it "
+                             "would pull version K; the trainers' fence() raises PeerDiedError naming it "
+                             "and the refit fails (the dead reader is reported, never dropped silently). "
+                             "crash-trainer:K: the last trainer rank raises an exception at step K. Every "
+                             "fault makes the demo exit 1 naming the failed rank; --json adds \"error\", "
+                             "\"inference_version\", \"inference_consistent\" and \"detect_ms\" (slowest "
+                             "survivor's time to notice a kill)")
     parser.add_argument("--png", metavar="FILE", help="save reward and refit time per step to FILE")
     parser.add_argument("--json", action="store_true", help="print a JSON summary as the last stdout line")
     return parser
@@ -132,11 +162,30 @@ def _validate(args) -> list[str]:
     cfg = PolicyConfig()
     if args.inference >= 1 and (cfg.hidden % args.inference or cfg.vocab % args.inference):
         problems.append(f"--inference={args.inference} must divide hidden={cfg.hidden} and vocab={cfg.vocab}")
+    if args.peer_timeout <= 0:
+        problems.append(f"--peer-timeout={args.peer_timeout} must be > 0")
+    if args.fault is not None:
+        try:
+            _parse_fault(args.fault, args.steps)
+        except ValueError as e:
+            problems.append(str(e))
     if args.device == "cuda":
         import torch
         if not torch.cuda.is_available():
             problems.append("--device=cuda but torch.cuda.is_available() is False")
     return problems
+
+
+def _parse_fault(spec: str, steps: int) -> tuple[str, int]:
+    kind, _, k = spec.partition(":")
+    if kind not in FAULTS or not k.lstrip("-").isdigit():
+        raise ValueError(f"--fault={spec!r} must be KIND:K with KIND one of {', '.join(FAULTS)} and K an int")
+    k = int(k)
+    lo, hi = (1, steps) if kind == "crash-trainer" else (2, steps + 1)
+    if not lo <= k <= hi:
+        what = "step" if kind == "crash-trainer" else "version (1 is the initial weights)"
+        raise ValueError(f"--fault={spec!r}: K is a {what} and must be in [{lo}, {hi}] with --steps={steps}")
+    return kind, k
 
 
 def run(args: argparse.Namespace) -> int:
@@ -163,7 +212,9 @@ def run(args: argparse.Namespace) -> int:
     rc = _RunConfig(steps=args.steps, trainers=args.trainers, inference=args.inference, mode=args.mode,
                     backend=args.backend, device=args.device, dist_backend=dist_backend,
                     max_staleness=args.max_staleness, prompts=args.prompts, group=args.group,
-                    lr=args.lr, seed=args.seed, timeout=args.timeout, port=store.port)
+                    lr=args.lr, seed=args.seed, timeout=args.timeout, port=store.port,
+                    peer_timeout=args.peer_timeout,
+                    fault=_parse_fault(args.fault, args.steps) if args.fault else None)
 
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_worker, args=(rank, rc), name=f"trs-demo-rank{rank}") for rank in range(world)]
@@ -173,15 +224,27 @@ def run(args: argparse.Namespace) -> int:
 
     failure = None
     seen_steps = 0
+    exited_at: dict[int, float] = {}  # rank -> wall time the driver saw it exit
+    first_failure = None              # wall time the driver saw the first rank fail
+    grace = rc.peer_timeout + 10.0    # how long survivors get to notice a failure and exit
+    terminated: list[int] = []
     bar = tqdm(total=args.steps, desc="refit demo", unit="step", file=sys.stderr, dynamic_ncols=True)
     try:
         while True:
-            codes = [p.exitcode for p in procs]
+            codes = [p.exitcode for p in procs]  # exitcode reaps: a killed rank stops being a zombie
+            now = time.time()
+            for r, c in enumerate(codes):
+                if c is not None and r not in exited_at:
+                    exited_at[r] = now
             bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if bad:
-                failure = _describe_failure(dstore, rc, bad)
+            if bad and first_failure is None:
+                first_failure = now
+                # Ranks waiting on the store (trajectories, the end of the run) stop at once.
+                dstore.set("abort", _describe_failure(dstore, rc, bad, exited_at))
+            if all(c is not None for c in codes):
                 break
-            if all(c == 0 for c in codes):
+            if first_failure is not None and now - first_failure > grace:
+                terminated = [r for r, c in enumerate(codes) if c is None]
                 break
             if time.perf_counter() - t0 > args.timeout:
                 alive = [r for r, c in enumerate(codes) if c is None]
@@ -198,16 +261,22 @@ def run(args: argparse.Namespace) -> int:
                     post["refit_ms"] = f"{r['pull_ms']:.1f}"
                 bar.set_postfix(post)
                 bar.update(1)
-            time.sleep(0.05)
+            time.sleep(0.02)
     finally:
         bar.close()
-        if failure is not None:
+        if failure is not None or first_failure is not None:
             _stop(procs)
         for p in procs:
             p.join(timeout=10)
         _stop(procs)
 
     leaked = sorted(_shm_entries() - shm_before)
+    if first_failure is not None and failure is None:
+        bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0 and r not in terminated]
+        failure = _describe_failure(dstore, rc, bad, exited_at)
+        if terminated:
+            failure += (f"; rank(s) {terminated} still running {grace:g} s after the first failure "
+                        f"were terminated")
     if failure is not None:
         print(f"tritonreshard demo failed: {failure}", file=sys.stderr)
         # Ranks killed while blocked in a collective never ran their close(); their segments are
@@ -216,6 +285,13 @@ def run(args: argparse.Namespace) -> int:
         if removed:
             print(f"tritonreshard demo: removed {len(removed)} shared-memory segments of killed ranks",
                   file=sys.stderr)
+        if args.json:
+            summary = _summarize_failure(dstore, rc, failure, procs, terminated)
+            inf = (f"inference serves version {summary['inference_version']} (consistent: "
+                   f"{summary['inference_consistent']})")
+            det = "" if summary["detect_ms"] is None else f"; survivors noticed within {summary['detect_ms']:.0f} ms"
+            print(f"tritonreshard demo: {inf}{det}", file=sys.stderr)
+            print(json.dumps(summary))
         return 1
 
     summary, steps, refits = _summarize(dstore, rc)
@@ -264,16 +340,22 @@ def _role(rc: _RunConfig, rank: int) -> str:
     return f"inference, TP rank {rank - rc.trainers}"
 
 
-def _describe_failure(dstore, rc: _RunConfig, bad) -> str:
-    """One line per failed rank, the earliest error first (later ones are usually its echoes:
-    a peer's PeerDiedError or a collective's connection reset)."""
+def _describe_failure(dstore, rc: _RunConfig, bad, exited_at=None) -> str:
+    """One line per failed rank, the earliest first (later ones are usually its echoes: a peer's
+    PeerDiedError or a collective's connection reset). A rank killed by a signal wrote no error;
+    it is dated by the fault record (a --fault kill) or when the driver saw it exit."""
+    kill = json.loads(dstore.get("fault/kill")) if dstore.check(["fault/kill"]) else None
     failed = []
     for rank, code in bad:
         key = f"error/{rank}"
-        when, detail = float("inf"), ""
+        when, detail = (exited_at or {}).get(rank, float("inf")), ""
         if dstore.check([key]):
             err = json.loads(dstore.get(key))
             when, detail = err["time"], err["traceback"].strip().splitlines()[-1]
+        elif code is not None and code < 0:
+            detail = f"killed by {signal.Signals(-code).name}"
+            if kill is not None and kill["rank"] == rank:
+                when, detail = kill["time"], detail + f" (--fault {kill['fault']})"
         failed.append((when, rank, code, detail))
     return "; ".join(f"rank {rank} ({_role(rc, rank)}) exited with code {code}" + (f": {detail}" if detail else "")
                      for _, rank, code, detail in sorted(failed))
@@ -311,6 +393,52 @@ def _summarize(dstore, rc: _RunConfig):
     }
     assert tuple(summary) == SUMMARY_KEYS
     return summary, steps, refits
+
+
+def _summarize_failure(dstore, rc: _RunConfig, error: str, procs, terminated) -> dict:
+    """The summary of a failed run: SUMMARY_KEYS over what got done, then FAILURE_KEYS.
+
+    ``inference_version`` / ``inference_consistent`` are what the inference group holds at the end:
+    when it noticed the failure together it verified its serving weights (gather + digest against
+    the trainers' digest of that version) and recorded them; otherwise the version is the one every
+    surviving inference rank reported (None if they differ) and consistency is unknown (None).
+    ``detect_ms``: for a --fault kill, the slowest surviving rank's time from the kill to noticing
+    it (its first error); None if a survivor never noticed (the driver had to terminate it)."""
+    get = lambda k: json.loads(dstore.get(k)) if dstore.check([k]) else None  # noqa: E731
+    steps = [get(f"step/{s}") for s in range(1, int(dstore.add("steps_done", 0)) + 1)]
+    refits = [get(f"refit/{i}") for i in range(1, int(dstore.add("refits_done", 0)) + 1)]
+    final = get("inference_final")
+    k = max(1, min(5, len(steps) // 4))
+    mean = lambda xs: float(statistics.fmean(xs)) if xs else None  # noqa: E731
+    summary = {
+        "steps": len(steps),
+        "refits": len(refits),
+        "verified": False,
+        "reward_first": mean([s["reward"] for s in steps[:k]]),
+        "reward_last": mean([s["reward"] for s in steps[-k:]]),
+        "refit_ms_p50": float(statistics.median(r["pull_ms"] for r in refits)) if refits else None,
+        "max_inference_stall_ms": float(max((r["stall_ms"] for r in refits), default=0.0)),
+        "bytes_per_refit": final["bytes_per_refit"] if final else None,
+        "staleness_max": int(max((s["staleness"] for s in steps), default=0)),
+    }
+    if final is not None:
+        version, consistent = final["version"], final["consistent"]
+    else:
+        states = [get(f"inference_state/{r}") for r in rc.inference_ranks]
+        versions = {s["version"] for s in states if s is not None}
+        version, consistent = (versions.pop() if len(versions) == 1 else None), None
+    kill = get("fault/kill")
+    detect_ms = None
+    if kill is not None and not terminated:
+        noticed = [get(f"error/{r}") for r in range(rc.world_size) if r != kill["rank"]]
+        if all(n is not None for n in noticed):
+            detect_ms = 1e3 * max(n["time"] - kill["time"] for n in noticed)
+    summary.update({
+        "error": error, "inference_version": version, "inference_consistent": consistent,
+        "detect_ms": detect_ms, "fault": f"{rc.fault[0]}:{rc.fault[1]}" if rc.fault else None,
+        "pids": [p.pid for p in procs]})
+    assert tuple(summary) == SUMMARY_KEYS + FAILURE_KEYS
+    return summary
 
 
 def _plot(path: str, steps, refits, args) -> None:
@@ -376,16 +504,46 @@ def _worker(rank: int, rc: _RunConfig) -> None:
         dist.destroy_process_group()
     except BaseException as e:
         if not (isinstance(e, SystemExit) and e.code in (0, None)):
-            dstore.set(f"error/{rank}", json.dumps({"time": time.time(), "traceback": traceback.format_exc()}))
+            # "time": when this rank noticed the failure (the inference group notices together,
+            # then verifies and records what it serves before it raises).
+            noticed = getattr(e, "noticed_at", None) or time.time()
+            dstore.set(f"error/{rank}", json.dumps({"time": noticed, "exit_time": time.time(),
+                                                    "traceback": traceback.format_exc()}))
         raise
 
 
-def _maybe_crash(rank: int, step: int) -> None:
-    """Test hook: ``TRITONRESHARD_DEMO_CRASH=RANK:STEP`` makes that rank raise at that step (trainer
-    step or inference rollout batch), to check that failures are reported and cleaned up."""
-    spec = os.environ.get("TRITONRESHARD_DEMO_CRASH")
-    if spec and spec == f"{rank}:{step}":
-        raise RuntimeError(f"injected failure (TRITONRESHARD_DEMO_CRASH={spec})")
+def _fault_at(rc: _RunConfig, kind: str, k: int) -> bool:
+    return rc.fault is not None and rc.fault == (kind, k)
+
+
+def _kill_self(dstore, rank: int, rc: _RunConfig) -> None:
+    """--fault kill-*: record when and who, then SIGKILL this process (no cleanup runs)."""
+    dstore.set("fault/kill", json.dumps({"rank": rank, "pid": os.getpid(), "time": time.time(),
+                                         "fault": f"{rc.fault[0]}:{rc.fault[1]}"}))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _wait_key(dstore, key: str, timeout: float, check=None) -> None:
+    """Wait for ``key`` in the store, but stop at once when the driver set ``abort`` (another rank
+    failed) and call ``check()`` (e.g. a liveness probe of the refit peers) while waiting."""
+    deadline = time.monotonic() + timeout
+    while not dstore.check([key]):
+        if dstore.check(["abort"]):
+            raise RuntimeError(f"stopped waiting for {key!r}: {dstore.get('abort').decode()}")
+        if check is not None:
+            check()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:g} s waiting for {key!r}")
+        time.sleep(0.02)
+
+
+def _readers_alive(tr) -> None:
+    """Raises PeerDiedError if a reader of ``tr``'s arena died: ``fence`` with no time to wait checks
+    the readers' liveness once; readers merely behind are fine here (the real fence comes later)."""
+    try:
+        tr.fence(timeout=0.0)
+    except TimeoutError:
+        pass
 
 
 def _refit_store(rc: _RunConfig, store):
@@ -406,7 +564,7 @@ def _trainer_main(rank, rc: _RunConfig, store, dstore, tgroup, device) -> None:
     local = {n: lay.shard(full0[n], rank).to(device) for n, lay in src_layouts.items()}
 
     tr = RefitTrainer(local, src_layouts, rank=rank, world_size=rc.world_size,
-                      store=_refit_store(rc, store), timeout=rc.timeout)
+                      store=_refit_store(rc, store), timeout=rc.timeout, peer_timeout=rc.peer_timeout)
     try:
         # Train on the arena tensors themselves: Parameter(t) shares t's storage, and Adam updates
         # in place, so every optimizer step writes straight into the published buffers.
@@ -424,13 +582,14 @@ def _trainer_main(rank, rc: _RunConfig, store, dstore, tgroup, device) -> None:
         queue = 0
         dropped = 0
         for step in range(1, rc.steps + 1):
-            _maybe_crash(rank, step)
+            if rank == rc.trainers - 1 and _fault_at(rc, "crash-trainer", step):
+                raise RuntimeError(f"injected failure (--fault crash-trainer:{step})")
             t_step = time.perf_counter()
             # Both trainers read the same queue in the same order and apply the same rule, so they
             # always pick the same batch without talking to each other.
             while True:
                 key = f"traj/{queue}"
-                dstore.wait([key], datetime.timedelta(seconds=rc.timeout))
+                _wait_key(dstore, key, rc.timeout, check=lambda: _readers_alive(tr))
                 batch = pickle.loads(dstore.get(key))
                 queue += 1
                 staleness = version - batch["version"]
@@ -459,6 +618,8 @@ def _trainer_main(rank, rc: _RunConfig, store, dstore, tgroup, device) -> None:
             tr.fence()  # every inference rank finished reading `version`: now it may change
             opt.step()
             version = tr.publish()
+            if rank == 0 and _fault_at(rc, "kill-trainer", version):
+                _kill_self(dstore, rank, rc)  # the inference ranks are about to pull `version`
             full = P.gather_full(src_layouts, tr.tensors, rank, tgroup, comm)
             if rank == 0:
                 _publish_probe(dstore, cfg, version, full)
@@ -472,7 +633,7 @@ def _trainer_main(rank, rc: _RunConfig, store, dstore, tgroup, device) -> None:
         tr.fence()  # the last version is read by everyone before the arena goes away
         dstore.add("trainers_done", 1)
         # Keep the arena alive until every inference rank has closed its endpoint.
-        dstore.wait(["inference_closed"], datetime.timedelta(seconds=rc.timeout))
+        _wait_key(dstore, "inference_closed", rc.timeout)
     finally:
         tr.close()
 
@@ -500,7 +661,7 @@ def _inference_main(rank, rc: _RunConfig, store, dstore, igroup, device) -> None
 
     inf = RefitInference(dst_layouts, rank=rank, world_size=rc.world_size,
                          store=_refit_store(rc, store), mode=rc.mode, device=device,
-                         backend=rc.backend, timeout=rc.timeout)
+                         backend=rc.backend, timeout=rc.timeout, peer_timeout=rc.peer_timeout)
     try:
         inf.pull()  # waits (up to the timeout) for version 1, the trainers' initial weights
         assert inf.version == 1, inf.version
@@ -522,9 +683,30 @@ def _inference_main(rank, rc: _RunConfig, store, dstore, igroup, device) -> None
             if final_version is None and dstore.check(["final_version"]):
                 final_version = int(dstore.get("final_version"))
             done = pulling is not None and inf.pull_done()
+            failed = done and inf.pull_error() is not None
+            aborted = dstore.check(["abort"])  # the driver saw a rank fail
             state = torch.tensor([inf.available_version(), int(done), int(final_version is not None and
-                                  inf.version == final_version and pulling is None)], dtype=torch.int64)
-            latest, all_done, all_finished = comm.all_reduce_min(state, igroup).tolist()
+                                  inf.version == final_version and pulling is None), int(not failed),
+                                  int(not aborted)], dtype=torch.int64)
+            latest, all_done, all_finished, all_ok, go_on = comm.all_reduce_min(state, igroup).tolist()
+            if not (all_ok and go_on):
+                # Some TP rank's pull failed, or another rank of the demo did: every TP rank drops
+                # its pull (even a successful one), so the group keeps serving one complete version.
+                noticed = time.time()
+                cause = None
+                if pulling is not None:
+                    deadline = time.monotonic() + 2 * rc.timeout  # the pull's own waits are bounded
+                    while not inf.pull_done() and time.monotonic() < deadline:
+                        time.sleep(0.005)
+                    cause = inf.pull_error() if inf.pull_done() else None
+                    inf.discard()
+                if cause is None:
+                    cause = (f"another TP rank's pull of version {pulling} failed" if not all_ok else
+                             f"the demo is stopping: {dstore.get('abort').decode()}" if aborted else
+                             "another TP rank saw the demo stop")
+                _fail_group(rank, inf, dstore, igroup, comm, leader, dst_layouts, refits, plan_bytes,
+                            f"refit of version {pulling} failed" if pulling is not None else "refit stopped",
+                            cause, noticed)
             if all_finished:
                 break
             stall = None
@@ -537,6 +719,8 @@ def _inference_main(rank, rc: _RunConfig, store, dstore, igroup, device) -> None
                         raise RuntimeError(f"rank {rank}: swapped in version {serving}, expected {pulling}")
                     pulling = None
                 if pulling is None and latest > inf.version:
+                    if leader and _fault_at(rc, "kill-inference", inf.version + 1):
+                        _kill_self(dstore, rank, rc)
                     started = inf.start_pull()
                     if started != inf.version + 1:
                         # The fence keeps the trainers at most one version ahead of the slowest
@@ -545,9 +729,20 @@ def _inference_main(rank, rc: _RunConfig, store, dstore, igroup, device) -> None
                                            f"{inf.version + 1}")
                     pulling = started
             elif latest > inf.version:
+                if leader and _fault_at(rc, "kill-inference", inf.version + 1):
+                    _kill_self(dstore, rank, rc)
                 t = time.perf_counter()
-                inf.pull()
+                cause = None
+                try:
+                    inf.pull()
+                except Exception as e:  # torn: inf.consistent is False now
+                    cause = e
                 stall = time.perf_counter() - t
+                ok = comm.all_reduce_min(torch.tensor([int(cause is None)], dtype=torch.int64), igroup)
+                if not int(ok):
+                    _fail_group(rank, inf, dstore, igroup, comm, leader, dst_layouts, refits, plan_bytes,
+                                f"in-place refit of version {latest} failed",
+                                cause or "another TP rank's pull failed", time.time())
             if stall is not None:
                 refits += 1
                 # The slowest TP rank decides both the refit time and the stall.
@@ -563,7 +758,6 @@ def _inference_main(rank, rc: _RunConfig, store, dstore, igroup, device) -> None
             if leader:
                 _check_pending(dstore, pending, verified, bad, block=False)
 
-            _maybe_crash(rank, batch_id)
             # ---- one rollout batch on the serving weights (re-read: swap() replaces the dict)
             w = inf.tensors
             version = inf.version
@@ -601,9 +795,45 @@ def _inference_main(rank, rc: _RunConfig, store, dstore, igroup, device) -> None
                 "bytes_per_refit": int(total) if int(ours) >= 0 else plan_bytes, "plan_bytes": plan_bytes,
                 "batches": batch_id}))
     finally:
+        dstore.set(f"inference_state/{rank}", json.dumps({"version": inf.version, "consistent": inf.consistent}))
         inf.close()
         if dstore.add("inference_closed_count", 1) == len(rc.inference_ranks):
             dstore.set("inference_closed", "1")
+
+
+class InferenceGroupStopped(RuntimeError):
+    """The inference group stopped refitting together; ``noticed_at``: when it noticed (wall time)."""
+
+    def __init__(self, message: str, noticed_at: float):
+        super().__init__(message)
+        self.noticed_at = noticed_at
+
+
+def _fail_group(rank, inf, dstore, igroup, comm, leader, dst_layouts, refits, plan_bytes, what, cause,
+                noticed) -> None:
+    """Every TP rank, together, after the group decided to stop: check what the group serves (all
+    ranks on one version, none torn, and the gathered weights' digest equal to the digest the
+    trainers published for that version), record it as ``inference_final``, then raise."""
+    import torch
+    from . import _policy as P
+
+    vmin, neg_vmax, cons = comm.all_reduce_min(
+        torch.tensor([inf.version, -inf.version, int(inf.consistent)], dtype=torch.int64), igroup).tolist()
+    ours = torch.tensor([int(inf.bytes_per_refit)], dtype=torch.int64)
+    total = int(comm.all_reduce(ours, igroup))
+    full = P.gather_full(dst_layouts, inf.tensors, rank, igroup, comm)
+    same = vmin == -neg_vmax
+    if leader:
+        sha = P.weights_digest(full)
+        key = f"probe/{vmin}"  # the trainers published it before they published vmin + 1
+        ref = pickle.loads(dstore.get(key))["weights_sha1"] if dstore.check([key]) else None
+        dstore.set("inference_final", json.dumps({
+            "version": vmin if same else None,
+            "consistent": None if ref is None else bool(cons and same and sha == ref),
+            "weights_sha1": sha, "expected_sha1": ref, "refits": refits,
+            "bytes_per_refit": total or plan_bytes}))
+    raise InferenceGroupStopped(f"rank {rank}: {what}: {cause}; the inference group serves version "
+                                f"{vmin if same else (vmin, -neg_vmax)}", noticed)
 
 
 def _verify_local(rank, cfg, inf, dst_layouts, igroup, comm, leader, pending):
