@@ -108,12 +108,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_plan)
 
     # The demo and the benchmark own their flags; they are imported only to build their parsers.
-    from . import demo
+    from . import bench, demo
 
     d = sub.add_parser("demo", help="an asynchronous RL loop that refits through tritonreshard",
                        description=demo.__doc__.split("\n\n")[0] if demo.__doc__ else None)
     demo.add_arguments(d)
     d.set_defaults(func=demo.run)
+
+    b = sub.add_parser("bench", help="refit throughput against memcpy, p2p and gather+broadcast",
+                       description=bench.__doc__.split("\n\n")[0] if bench.__doc__ else None)
+    bench.add_arguments(b)
+    b.set_defaults(func=bench.run)
     return parser
 
 

@@ -1,0 +1,93 @@
+"""``tritonreshard bench`` end to end: a small run in a subprocess (spawned ranks, hard timeout).
+
+Asserts the JSON shape and correctness (verified, no staging), never wall-clock times or ratios:
+machines are noisy.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+RUNNER = ("import argparse, sys, tritonreshard.bench as b\n"
+          "if __name__ == '__main__':\n"
+          "    p = argparse.ArgumentParser(); b.add_arguments(p)\n"
+          "    raise SystemExit(b.run(p.parse_args(sys.argv[1:])))\n")
+
+
+def _bench(tmp_path, *args, timeout=240):
+    script = tmp_path / "run_bench.py"  # a file, not -c: spawned ranks re-import the main module
+    script.write_text(RUNNER)
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    out = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, f"stdout:\n{out.stdout}\nstderr:\n{out.stderr[-4000:]}"
+    shm_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    assert not {n for n in shm_after - shm_before if n.startswith("trs-")}, "bench left shared memory behind"
+    return out
+
+
+def _check_shape(data):
+    assert set(data) >= {"bytes", "results"}
+    assert isinstance(data["bytes"], int) and data["bytes"] > 0
+    res = data["results"]
+    assert set(res) == {"memcpy", "tritonreshard", "p2p", "gather_broadcast"}
+    for name, r in res.items():
+        assert r["seconds"] > 0 and r["gbps"] > 0, name
+        assert r["gbps"] == pytest.approx(data["bytes"] / r["seconds"] / 1e9), name
+    ours = res["tritonreshard"]
+    assert ours["verified"] is True
+    assert ours["staging_bytes"] == 0
+    assert res["p2p"]["verified"] is True and res["gather_broadcast"]["verified"] is True
+
+
+def test_bench_json(tmp_path):
+    out = _bench(tmp_path, "--size", "8MiB", "--repeats", "3", "--warmup", "1", "--json")
+    data = json.loads(out.stdout.strip().splitlines()[-1])
+    _check_shape(data)
+    assert data["layout"] == "fsdp-tp" and data["trainers"] == 2 and data["inference"] == 4
+    # Destination bytes: every TP shard once, plus the replicated norms on every inference rank.
+    assert data["bytes"] >= data["model_bytes"]
+    assert "refit" in out.stderr  # the progress bar goes to stderr
+
+
+@pytest.mark.parametrize("layout", ["cols-replicas", "colocated", "replicated-sources"])
+def test_bench_layouts(tmp_path, layout):
+    out = _bench(tmp_path, "--size", "2MiB", "--layout", layout, "--repeats", "2", "--warmup", "1",
+                 "--mode", "inplace", "--json")
+    data = json.loads(out.stdout.strip().splitlines()[-1])
+    _check_shape(data)
+    assert data["layout"] == layout
+
+
+def test_bench_table_and_many_tensors(tmp_path):
+    out = _bench(tmp_path, "--size", "2MiB", "--tensors", "300", "--repeats", "2", "--warmup", "0",
+                 "--methods", "memcpy,tritonreshard")
+    assert "tritonreshard" in out.stdout and "GB/s" in out.stdout and "x memcpy" in out.stdout
+    assert "300 tensors" in out.stdout
+
+
+def test_bench_rejects_bad_arguments(tmp_path):
+    script = tmp_path / "run_bench.py"
+    script.write_text(RUNNER)
+    out = subprocess.run([sys.executable, str(script), "--size", "lots", "--json"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and "--size" in out.stderr
+    out = subprocess.run([sys.executable, str(script), "--layout", "replicated-sources", "--trainers", "3"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "even --trainers" in out.stderr
+
+
+def test_parse_size_and_model():
+    from tritonreshard import bench
+    assert bench.parse_size("256MiB") == 256 << 20
+    assert bench.parse_size("1GiB") == 1 << 30
+    assert bench.parse_size("1000") == 1000 and bench.parse_size(4096) == 4096
+    with pytest.raises(ValueError, match="--size"):
+        bench.parse_size("12 parsecs")
+    for size in ("8MiB", "256MiB", "1GiB"):
+        cfg = bench.BenchConfig(size=bench.parse_size(size))
+        total = sum(2 * t.shape[0] * (t.shape[1] if len(t.shape) > 1 else 1) for t in bench._model(cfg))
+        assert abs(total - cfg.size) <= 2 * 4096, size   # within an embedding row
+    cfg = bench.BenchConfig(size=bench.parse_size("16MiB"), tensors=10_000)
+    assert len(bench._model(cfg)) == 10_000
