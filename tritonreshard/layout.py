@@ -15,7 +15,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
+from itertools import product
 from typing import Any
 
 import torch
@@ -125,6 +126,34 @@ def _convert_placement(p: Any) -> Placement | None:
         if name == "Replicate":
             return Replicate()
     return None
+
+
+@lru_cache(maxsize=4096)
+def _segments_by_mesh_index(shape: tuple[int, ...], mesh_shape: tuple[int, ...],
+                            placements: tuple[Placement, ...]) -> tuple:
+    """Segments of every mesh position (row-major), shared by all layouts of the same geometry:
+    a model's layers repeat a few shapes, so big state dicts compute each geometry once."""
+    out = []
+    for coord in product(*(range(n) for n in mesh_shape)):
+        per_dim = []
+        for d, n in enumerate(shape):
+            splits = [md for md, p in enumerate(placements) if isinstance(p, Shard) and p.dim == d]
+            first = placements[splits[0]] if splits else None
+            blocks = first.blocks if first is not None and first.blocks is not None else (n,)
+            segs: list[Segment] = []
+            base, local = 0, 0
+            for b in blocks:
+                lo, hi = 0, b
+                for md in splits:  # mesh dim 0 outermost: split the current piece again
+                    s, e = _chunk_bounds(hi - lo, mesh_shape[md], coord[md])
+                    lo, hi = lo + s, lo + e
+                if hi > lo:
+                    segs.append((base + lo, base + hi, local))
+                    local += hi - lo
+                base += b
+            per_dim.append(tuple(segs))
+        out.append(tuple(per_dim))
+    return tuple(out)
 
 
 @dataclass(frozen=True, init=False)
@@ -242,7 +271,7 @@ class Layout:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @cached_property
     def _coords(self) -> dict[int, tuple[int, ...]]:
@@ -267,27 +296,8 @@ class Layout:
 
     @cached_property
     def _segments_cache(self) -> dict[int, tuple[tuple[Segment, ...], ...]]:
-        return {r: self._compute_segments(r) for r in self.ranks}
-
-    def _compute_segments(self, rank: int) -> tuple[tuple[Segment, ...], ...]:
-        coord = self._coords[rank]
-        result = []
-        for d, n in enumerate(self.shape):
-            splits = [(md, p) for md, p in enumerate(self.placements) if isinstance(p, Shard) and p.dim == d]
-            blocks = splits[0][1].blocks if splits and splits[0][1].blocks is not None else (n,)
-            segs: list[Segment] = []
-            base, local = 0, 0
-            for b in blocks:
-                lo, hi = 0, b
-                for md, _ in splits:  # mesh dim 0 outermost: split the current piece again
-                    s, e = _chunk_bounds(hi - lo, self.mesh_shape[md], coord[md])
-                    lo, hi = lo + s, lo + e
-                if hi > lo:
-                    segs.append((base + lo, base + hi, local))
-                    local += hi - lo
-                base += b
-            result.append(tuple(segs))
-        return tuple(result)
+        per_index = _segments_by_mesh_index(self.shape, self.mesh_shape, self.placements)
+        return dict(zip(self.ranks, per_index))
 
     def local_shape(self, rank: int) -> tuple[int, ...]:
         """Shape of ``rank``'s local shard (a dim may be 0 for empty trailing shards)."""

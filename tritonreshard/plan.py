@@ -19,7 +19,7 @@ from itertools import product
 
 import torch
 
-from .layout import Layout, Segment
+from .layout import Layout, Segment, _segments_by_mesh_index
 
 __all__ = ["TransferOp", "Plan", "PlanStats", "plan_reshard", "CASTABLE_DTYPES"]
 
@@ -349,6 +349,50 @@ def plan_reshard(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, La
     return _plan_cached(needed, tuple(sorted(dst_layouts.items())))
 
 
+def _geometry(layout: Layout) -> tuple:
+    """What the overlap pieces depend on: shape, mesh and placements (not the dtype)."""
+    return (layout.shape, layout.mesh_shape, layout.ranks, layout.placements)
+
+
+def _segments_of(geometry: tuple) -> dict:
+    shape, mesh_shape, ranks, placements = geometry
+    return dict(zip(ranks, _segments_by_mesh_index(shape, mesh_shape, placements)))
+
+
+@lru_cache(maxsize=1024)
+def _pair_pieces(s_geo: tuple, d_geo: tuple) -> tuple:
+    """The overlap pieces of one (source layout, destination layout) pair, independent of the
+    tensor's name and dtype, so the layers of a model that repeat a geometry share the work.
+
+    Returns ``(dst_rank, replicas, dims, numel, template)`` rows; ``template`` is
+    ``(src_rank, src_slices, dst_slices, global_index)`` when the source is fixed (one replica, or
+    the destination holds the data itself) and None when replicas must be balanced.
+    """
+    s_segments, d_segments = _segments_of(s_geo), _segments_of(d_geo)
+    groups: dict[tuple, list[int]] = {}  # source ranks with identical regions are replicas
+    for r in s_geo[2]:
+        segs = s_segments[r]
+        if all(segs):  # empty shards hold nothing to read
+            groups.setdefault(segs, []).append(r)
+    rows = []
+    for dst_rank in d_geo[2]:
+        d_segs = d_segments[dst_rank]
+        if not all(d_segs):
+            continue
+        for s_segs, replicas in groups.items():
+            per_dim = [_intersect_dim(s, d) for s, d in zip(s_segs, d_segs)]
+            if not all(per_dim):
+                continue
+            for dims in product(*per_dim):
+                numel = math.prod(p[2] for p in dims)
+                template = None
+                if len(replicas) == 1 or dst_rank in replicas:
+                    op = _make_op("", dst_rank if dst_rank in replicas else replicas[0], dst_rank, dims)
+                    template = (op.src_rank, op.src_slices, op.dst_slices, op.global_index)
+                rows.append((dst_rank, tuple(replicas), dims, numel, template))
+    return tuple(rows)
+
+
 @lru_cache(maxsize=128)
 def _plan_cached(src_items: tuple[tuple[str, Layout], ...], dst_items: tuple[tuple[str, Layout], ...]) -> Plan:
     src, dst = dict(src_items), dict(dst_items)
@@ -360,28 +404,13 @@ def _plan_cached(src_items: tuple[tuple[str, Layout], ...], dst_items: tuple[tup
     for name, d_lay in dst_items:
         s_lay = src[name]
         s_isz = s_lay.itemsize
-        # Source ranks with identical regions are replicas of each other.
-        groups: dict[tuple, list[int]] = {}
-        for r in s_lay.ranks:
-            segs = s_lay.segments(r)
-            if all(segs):  # empty shards hold nothing to read
-                groups.setdefault(segs, []).append(r)
-        for dst_rank in d_lay.ranks:
-            d_segs = d_lay.segments(dst_rank)
-            if not all(d_segs):
-                continue
-            for s_segs, replicas in groups.items():
-                per_dim = [_intersect_dim(s, d) for s, d in zip(s_segs, d_segs)]
-                if not all(per_dim):
-                    continue
-                for dims in product(*per_dim):
-                    numel = math.prod(p[2] for p in dims)
-                    if len(replicas) == 1 or dst_rank in replicas:
-                        src_rank = dst_rank if dst_rank in replicas else replicas[0]
-                        ops.append(_make_op(name, src_rank, dst_rank, dims))
-                        load[src_rank] += numel * s_isz
-                    else:
-                        pending.append((name, dst_rank, dims, tuple(replicas), numel * s_isz))
+        for dst_rank, replicas, dims, numel, template in _pair_pieces(_geometry(s_lay), _geometry(d_lay)):
+            if template is not None:
+                src_rank, ss, ds, g = template
+                ops.append(TransferOp(name, src_rank, dst_rank, ss, ds, g))
+                load[src_rank] += numel * s_isz
+            else:
+                pending.append((name, dst_rank, dims, replicas, numel * s_isz))
 
     # Balance replicated reads: biggest pieces first (LPT), then water-fill where one replica would
     # otherwise carry much more than its share.
