@@ -371,7 +371,9 @@ class RefitEndpoint:
         exports = _Exports(rank, None, None)
         self._src_views: dict[str, torch.Tensor] = {}
         if rank in plan.src_ranks:
-            names = sorted(src_map)
+            # Same-geometry shards back to back, so the torch backend can coalesce their copies.
+            names = sorted(src_map, key=lambda n: (tuple(src_map[n].shape), str(src_map[n].dtype),
+                                                   repr(plan.dst_layouts.get(n)), n))
             sizes = [src_map[n].numel() * src_map[n].element_size() for n in names]
             offsets, total = pack_offsets(sizes)
             src_device = next(iter(src_map.values())).device if src_map else torch.device("cpu")
@@ -402,14 +404,25 @@ class RefitEndpoint:
                 self._peer_controls[s] = open_control_block(e.control, secret=self._secret,
                                                             timeout=self.timeout)
             n_sets = 2 if self.mode == "shadow" else 1
+            # One flat allocation per buffer set, same-geometry shards back to back (as in the
+            # trainers' arenas): copies of equal shards then differ by a constant address step.
+            geo = {n: (l.local_shape(rank), str(l.dtype), repr(plan.src_layouts[n]), n)
+                   for n, l in self._dst_layouts.items()}
+            order = sorted(self._dst_layouts, key=geo.__getitem__)
             for i in range(n_sets):
-                bufs = {}
-                for name, lay in self._dst_layouts.items():
-                    t = dst_map.get(name) if i == 0 else None
-                    bufs[name] = t if t is not None else torch.zeros(lay.local_shape(rank), dtype=lay.dtype,
-                                                                     device=dst_device)
-                self._buffers.append(bufs)
-            ops = plan.ops_for_dst(rank)
+                own = [n for n in order if not (i == 0 and n in dst_map)]
+                sizes = [self._dst_layouts[n].local_numel(rank) * self._dst_layouts[n].itemsize for n in own]
+                offsets, total = pack_offsets(sizes)
+                flat = torch.zeros(total, dtype=torch.uint8, device=dst_device)
+                bufs = {n: dst_map[n] for n in order if i == 0 and n in dst_map}
+                for n, off, size in zip(own, offsets, sizes):
+                    lay = self._dst_layouts[n]
+                    bufs[n] = flat[off:off + size].view(lay.dtype).view(lay.local_shape(rank))
+                self._buffers.append({n: bufs[n] for n in order})
+            dst_pos = {n: i for i, n in enumerate(order)}
+            ops = sorted(plan.ops_for_dst(rank), key=lambda op: (
+                op.src_rank, self._exports[op.src_rank].offsets[op.name], dst_pos[op.name],
+                tuple(s.start for s in op.dst_slices)))
             src_full = {}
 
             def src_view(op):
@@ -682,6 +695,14 @@ class RefitEndpoint:
     @property
     def num_descriptors(self) -> int:
         return len(self._tables[0]) if self._tables else 0
+
+    @property
+    def num_copies(self) -> int:
+        """Work items per pull: kernel launches (triton backend) or coalesced ``copy_`` calls (torch)."""
+        if not self._tables:
+            return 0
+        t = self._tables[0]
+        return t.num_launches if self.backend == "triton" else t.num_torch_copies
 
     @property
     def handles_opened(self) -> int:
