@@ -240,7 +240,8 @@ class DescriptorTable:
         problems, unsupported, entries = [], [], []
         device = None
         for i, op in enumerate(ops):
-            s_full, d_full = src(op), dst(op)
+            # Detached aliases: copies into a Parameter (e.g. an engine's weights) are not autograd ops.
+            s_full, d_full = src(op).detach(), dst(op).detach()
             where = f"op {i} ({op.name!r} r{op.src_rank}->r{op.dst_rank})"
             try:
                 s_view, d_view = s_full[tuple(op.src_slices)], d_full[tuple(op.dst_slices)]

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from .layout import Layout, Replicate, Shard
+from .layout import MAX_RANKS, Layout, Replicate, Shard
 from .plan import plan_reshard
 
 __all__ = ["main", "parse_layout_spec"]
@@ -64,6 +64,8 @@ def parse_layout_spec(spec: str, shape, dtype, first_default: int = 0, what: str
             placements.append(Shard(int(m.group(2)), blocks))
         pos = m.end()
     n = math.prod(mesh_shape)
+    if n > MAX_RANKS:
+        raise ValueError(f"{what}={spec!r}: mesh of {n} ranks; at most {MAX_RANKS} are supported")
     ranks = torch.arange(first, first + n).reshape(mesh_shape).tolist() if n else []
     return Layout(shape, ranks, placements, dtype)
 

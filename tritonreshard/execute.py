@@ -58,6 +58,62 @@ def _check(param: str, shards, layouts, required, device, problems) -> torch.dev
     return device
 
 
+def writable_problem(t: torch.Tensor) -> str | None:
+    """Why the engine can't write ``t`` in place, or None."""
+    if t.is_inference():
+        return "is an inference tensor (created under torch.inference_mode) and cannot be written in place"
+    if t.requires_grad and t.is_leaf and not isinstance(t, torch.nn.Parameter):
+        return "requires grad; pass .detach() or a Parameter"
+    if t.numel() > 1 and any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape)):
+        return f"has overlapping memory (stride {tuple(t.stride())}): writes would collide"
+    return None
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    span = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) + 1
+    return t.data_ptr(), t.data_ptr() + span * t.element_size()
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when some element of ``a`` and some element of ``b`` occupy the same bytes."""
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0 or a.device.type == "meta":
+        return False
+    (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
+    if a1 <= b0 or b1 <= a0:
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() or a.element_size() != b.element_size():
+        return True  # conservative: spans overlap across different storages or dtypes
+    # Same storage, same element size, spans overlap: compare element positions exactly (rare:
+    # interleaved strided views, e.g. the even and odd columns of one buffer, don't overlap).
+    n = max(a.storage_offset() + (a1 - a0) // a.element_size(), b.storage_offset() + (b1 - b0) // b.element_size())
+    idx = torch.arange(n, device="cpu")
+    ia = idx.as_strided(a.shape, a.stride(), a.storage_offset()).reshape(-1)
+    ib = idx.as_strided(b.shape, b.stride(), b.storage_offset()).reshape(-1)
+    return bool(torch.isin(ia, ib).any())
+
+
+def _check_writable(out, src_shards, dst_req, src_req, problems) -> None:
+    """Outputs must be writable, and must not share memory with each other or with a source."""
+    def get(shards, r, n):
+        t = shards.get(r) if isinstance(shards, Mapping) else None
+        t = t.get(n) if isinstance(t, Mapping) else None
+        return t if isinstance(t, torch.Tensor) else None
+
+    outs = [(r, n, t) for r, n in dst_req if (t := get(out, r, n)) is not None]
+    srcs = [(r, n, t) for r, n in src_req if (t := get(src_shards, r, n)) is not None]
+    for i, (r, n, t) in enumerate(outs):
+        why = writable_problem(t)
+        if why:
+            problems.append(f"out[{r}][{n!r}] {why}")
+        for r2, n2, t2 in outs[:i]:
+            if _shares_memory(t, t2):
+                problems.append(f"out[{r}][{n!r}] shares memory with out[{r2}][{n2!r}]: writes would collide")
+        for r2, n2, t2 in srcs:
+            if _shares_memory(t, t2):
+                problems.append(f"out[{r}][{n!r}] shares memory with src_shards[{r2}][{n2!r}]: the copy "
+                                f"would read what it writes")
+
+
 def execute_local(plan, src_shards, out=None, backend: str = "auto") -> dict[int, dict[str, torch.Tensor]]:
     """Run ``plan`` with every rank's tensors in this process; returns ``{dst_rank: {name: tensor}}``.
 
@@ -81,6 +137,7 @@ def execute_local(plan, src_shards, out=None, backend: str = "auto") -> dict[int
     device = _check("src_shards", src_shards, plan.src_layouts, src_req, None, problems)
     if out is not None:
         device = _check("out", out, plan.dst_layouts, dst_req, device, problems)
+        _check_writable(out, src_shards, dst_req, src_req, problems)
     device = device or torch.device("cpu")
     if backend == "auto":
         backend = "triton" if device.type == "cuda" else "torch"

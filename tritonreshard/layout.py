@@ -23,6 +23,9 @@ import torch
 
 __all__ = ["Shard", "Replicate", "Layout", "Placement"]
 
+#: Largest mesh accepted (an int mesh would otherwise materialise any number of ranks).
+MAX_RANKS = 1 << 20
+
 # A segment of one tensor dim that a rank holds: global [start, stop) placed at local offset `local`.
 Segment = tuple[int, int, int]
 
@@ -77,6 +80,8 @@ def _normalize_mesh(mesh: Any) -> tuple[tuple[int, ...], tuple[int, ...], list[s
     if isinstance(mesh, int):
         if mesh < 1:
             return (), (), [f"mesh={mesh!r}: a mesh needs at least one rank"]
+        if mesh > MAX_RANKS:
+            return (), (), [f"mesh={mesh!r}: at most {MAX_RANKS} ranks are supported"]
         return (mesh,), tuple(range(mesh)), []
 
     shape: list[int] = []
@@ -108,7 +113,8 @@ def _normalize_mesh(mesh: Any) -> tuple[tuple[int, ...], tuple[int, ...], list[s
         problems.append(f"mesh={mesh!r}: a mesh needs at least one rank")
     if problems:
         return tuple(shape), tuple(flat), problems
-    dups = sorted({r for r in flat if flat.count(r) > 1})
+    seen: set[int] = set()
+    dups = sorted({r for r in flat if r in seen or seen.add(r)})  # O(n): meshes can be large
     if dups:
         problems.append(f"mesh={mesh!r} has duplicate ranks {dups}")
     return tuple(shape), tuple(flat), problems

@@ -51,6 +51,7 @@ import torch
 
 from . import _rendezvous as rdv
 from ._descriptors import DescriptorTable
+from .execute import writable_problem
 from .layout import Layout
 from .plan import Plan, plan_reshard
 from .transport import (create_arena, create_control_block, open_arena, open_control_block,
@@ -115,14 +116,14 @@ def _connect(store, rank: int, world_size: int, timeout: float, group: str):
     return base, torch.distributed.PrefixStore(f"trs/{group}/", base)
 
 
-def _writable_problem(t: torch.Tensor) -> str | None:
-    if t.is_inference():
-        return "is an inference tensor (created under torch.inference_mode) and cannot be written in place"
-    if t.requires_grad and t.is_leaf and not isinstance(t, torch.nn.Parameter):
-        return "requires grad; pass .detach() or a Parameter"
-    if t.numel() > 1 and any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape)):
-        return f"has overlapping memory (stride {tuple(t.stride())}): writes would collide"
-    return None
+def _timeout_arg(what: str, timeout, default: float) -> float:
+    """``timeout`` of a call (None: the endpoint's), checked before anything waits."""
+    if timeout is None:
+        return default
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+        raise ValueError(f"{what}: timeout must be a number of seconds >= 0 (0: check once), got "
+                         f"timeout={timeout!r}")
+    return float(timeout)
 
 
 class RefitEndpoint:
@@ -282,6 +283,9 @@ class RefitEndpoint:
             given = {t.device for t in tensors.values() if isinstance(t, torch.Tensor)}
             device = next(iter(given)) if len(given) == 1 else torch.device("cpu")
         device = torch.device(device)
+        if device.type not in ("cpu", "cuda"):
+            return {}, torch.device("cpu"), [f"device must be cpu or cuda, got device={str(device)!r} (from "
+                                             f"the argument or the dst_tensors' device)"]
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         out = {}
@@ -305,7 +309,7 @@ class RefitEndpoint:
                 problems.append(f"dst_tensors[{name!r}] has dtype {t.dtype}, dst_layouts[{name!r}] says {lay.dtype}")
             if t.device != device:
                 problems.append(f"dst_tensors[{name!r}] is on {t.device}, device is {device}")
-            why = _writable_problem(t)
+            why = writable_problem(t)
             if why:
                 problems.append(f"dst_tensors[{name!r}] {why}")
             out[name] = t
@@ -535,6 +539,7 @@ class RefitEndpoint:
         self._check_open("fence")
         if self._control is None:
             raise ValueError(f"fence: rank {self.rank} has no source side (src_layouts was not given)")
+        timeout = _timeout_arg("fence", timeout, self.timeout)
         v, control = self.published, self._control
         readers = [r for r in self._readers]
         behind = lambda: {r: control.acked_version(r) for r in readers if control.acked_version(r) < v}  # noqa: E731
@@ -565,6 +570,8 @@ class RefitEndpoint:
             raise RefitError(f"rank {self.rank}: sources moved past version {version} before it was read "
                              f"({ahead}); a trainer published without fence()")
         t0 = time.perf_counter()
+        if self.mode == "inplace":  # from here on a failure leaves the serving tensors torn
+            self.consistent = False
         self._tables[slot].run(self.backend)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
@@ -585,6 +592,8 @@ class RefitEndpoint:
 
     def _next_version(self, version, timeout):
         if version is not None:
+            if isinstance(version, bool) or not isinstance(version, int):
+                raise ValueError(f"version must be an int (or None: the newest), got version={version!r}")
             if version <= self.version:
                 raise ValueError(f"version={version} must be newer than the serving version {self.version}")
             return version
@@ -600,12 +609,11 @@ class RefitEndpoint:
         """
         self._check_open("pull")
         self._check_dst("pull")
-        timeout = self.timeout if timeout is None else timeout
+        timeout = _timeout_arg("pull", timeout, self.timeout)
         if self.mode == "shadow":
             self.start_pull(version, timeout)
             return self.swap()
         target = self._next_version(version, timeout)
-        self.consistent = False
         try:
             self._pull_into(0, target, timeout)
         except BaseException:
@@ -625,7 +633,7 @@ class RefitEndpoint:
                              f"in-place pulls are synchronous: use pull()")
         if self._pull_thread is not None:
             return self._pull_target
-        timeout = self.timeout if timeout is None else timeout
+        timeout = _timeout_arg("start_pull", timeout, self.timeout)
         target = self._next_version(version, timeout)
         spare = 1 - self._serving
         self._pull_target, self._pull_result = target, None

@@ -1,0 +1,157 @@
+"""Security: shared buffers are readable by the same user only, names are unguessable, a process
+outside the group can't attach to a real engine arena, and the group secret never shows up in logs,
+reprs or error messages.
+"""
+import io
+import logging
+import os
+import re
+import stat
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import tritonreshard as trs
+from tritonreshard import Layout, Replicate
+from tritonreshard import _rendezvous as rdv
+from tritonreshard.transport import create_arena, create_control_block, open_arena, open_control_block
+
+from _mp import free_port, run_ranks
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_named_segments_are_0600_and_ids_have_128_random_bits():
+    arena, ctl = create_arena(1000), create_control_block(2, 2)
+    try:
+        for h in (arena.handle, ctl.handle):
+            assert h.kind == "shm-name"
+            st = os.stat(f"/dev/shm/{h.segment_name}")
+            assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid()
+            assert re.fullmatch(r"trs-[0-9a-f]{32}", h.segment_name)  # 32 hex digits = 128 bits
+            assert h.arena_id not in repr(h) and h.arena_id not in repr(arena)
+    finally:
+        arena.close()
+        ctl.close()
+    ids = {create_arena(1).handle.arena_id for _ in range(20)}  # (closed when collected)
+    assert len(ids) == 20
+    other_run = subprocess.run(
+        [sys.executable, "-c", "from tritonreshard.transport import create_arena as c; a = c(1); "
+                               "print(a.handle.arena_id); a.close()"],
+        capture_output=True, text=True, timeout=120, check=True).stdout.strip()
+    assert re.fullmatch(r"[0-9a-f]{32}", other_run) and other_run not in ids | {arena.handle.arena_id}
+
+
+def test_memfd_arenas_have_no_name_and_refuse_a_wrong_secret():
+    secret = rdv.GroupSecret.generate()
+    before = set(os.listdir("/dev/shm"))
+    arena = create_arena(4096, secret=secret)
+    ctl = create_control_block(1, 1, secret=secret)
+    try:
+        assert arena.handle.kind == "shm-fd" and not os.path.exists(f"/dev/shm/{arena.handle.segment_name}")
+        assert not {e for e in set(os.listdir("/dev/shm")) - before if e.startswith("trs-")}
+        for bad in (rdv.GroupSecret.generate(), b"x" * 32):
+            with pytest.raises(PermissionError, match="group secret mismatch"):
+                open_arena(arena.export(), secret=bad, timeout=5)
+            with pytest.raises(PermissionError, match="group secret mismatch"):
+                open_control_block(ctl.export(), secret=bad, timeout=5)
+        with pytest.raises(ValueError, match="needs secret"):
+            open_arena(arena.export(), timeout=5)
+        with pytest.raises(ValueError, match="at least 16 bytes"):
+            open_arena(arena.export(), secret=b"short", timeout=5)
+        peer = open_arena(arena.export(), secret=secret, timeout=5)  # the owner still serves members
+        peer.close()
+    finally:
+        arena.close()
+        ctl.close()
+
+
+def _attack_worker(rank, port, secret_hex):
+    """Ranks 0 (trainer) and 1, 2 (inference) form the group, with the secret from the environment
+    (so it is not in the store). Rank 3 is not a member: it reads the trainer's handles from the
+    store (which has no authentication) and tries to map them with a guessed secret."""
+    torch.set_num_threads(1)
+    log = io.StringIO()
+    handler = logging.StreamHandler(log)
+    logging.getLogger().addHandler(handler)
+    logging.getLogger().setLevel(logging.DEBUG)
+    if rank != 3:
+        os.environ[rdv.SECRET_ENV] = secret_hex
+    kw = dict(rank=rank, world_size=3, store=f"127.0.0.1:{port}", timeout=60)
+    src = {"w": Layout((4, 6), [0], [Replicate()])}
+    dst = {"w": Layout((4, 6), [1, 2], [Replicate()])}
+    report = {}
+    if rank == 3:
+        store = rdv.connect_store(f"127.0.0.1:{port}", world_size=3, is_master=False, timeout=60)
+        prefixed = torch.distributed.PrefixStore("trs/default/", store)
+        exports = rdv.fetch(prefixed, "exports/0", timeout=60)
+        guess = rdv.GroupSecret.generate()
+        errors = []
+        for opener, handle in ((open_arena, exports.arena), (open_control_block, exports.control)):
+            try:
+                opener(handle, secret=guess, timeout=10).close()
+                errors.append(("opened", ""))
+            except Exception as exc:  # noqa: BLE001 - the type is what we check
+                errors.append((type(exc).__name__, str(exc)))
+        report["errors"] = errors
+        report["secret_in_store"] = prefixed.check([rdv.SECRET_KEY])
+        rdv.publish(prefixed, "attacked", True)
+    elif rank == 0:
+        with trs.RefitTrainer({"w": torch.arange(24.0).reshape(4, 6)}, src, **kw) as ep:
+            ep.publish()
+            ep.fence()
+            report["texts"] = [repr(ep), str(ep), repr(ep._secret), str(ep._secret), repr(ep._arena),
+                               repr(ep._arena.handle), repr(ep._control), str(ep.plan), repr(ep.plan)]
+    else:
+        if rank == 2:  # maps the trainer's arena only after the attack: the owner must still serve it
+            gather = rdv.all_gather_obj
+
+            def delayed(store, prefix, *args, **kwargs):
+                out = gather(store, prefix, *args, **kwargs)
+                if prefix == "exports":
+                    rdv.fetch(store, "attacked", timeout=60)
+                return out
+            rdv.all_gather_obj = delayed
+        with trs.RefitInference(dst, **kw) as ep:
+            assert ep.pull() == 1
+            report["exact"] = torch.equal(ep.tensors["w"], torch.arange(24.0).reshape(4, 6))
+            report["texts"] = [repr(ep), repr(ep._peer_arenas[0]), repr(ep._peer_controls[0])]
+    # A set-up that fails: its message must not carry the secret either.
+    try:
+        trs.RefitInference({"w": "not a layout"}, rank=0, world_size=1, store=f"127.0.0.1:{free_port()}",
+                           timeout=5)
+    except Exception as exc:  # noqa: BLE001
+        report["setup_error"] = f"{type(exc).__name__}: {exc}"
+    logging.getLogger().removeHandler(handler)
+    report["log"] = log.getvalue()
+    return report
+
+
+def test_outsider_cannot_attach_and_the_secret_never_leaks():
+    secret = rdv.GroupSecret.generate()
+    secret_hex = bytes(secret).hex()
+    out = run_ranks(_attack_worker, 4, args=(free_port(), secret_hex), timeout=150)
+    errors = out[3]["errors"]
+    assert [e[0] for e in errors] == ["PermissionError", "PermissionError"], errors
+    assert all("group secret mismatch" in e[1] for e in errors), errors
+    assert out[3]["secret_in_store"] is False
+    assert out[1]["exact"] and out[2]["exact"]  # the owner kept serving the real members
+    assert "refused a client with a bad group-secret proof" in out[0]["log"]
+    forbidden = [secret_hex, secret_hex.upper(), repr(bytes(secret))[2:-1]]
+    for r, rep in out.items():
+        blob = "\n".join(rep.get("texts", []) + [rep["log"], rep.get("setup_error", ""),
+                                                 *[m for _, m in rep.get("errors", [])]])
+        for f in forbidden:
+            assert f not in blob, f"rank {r} leaked the group secret"
+    assert "GroupSecret(<redacted>)" in out[0]["texts"]
+
+
+def test_group_secret_redacts_itself():
+    s = rdv.GroupSecret.generate()
+    for text in (repr(s), str(s), f"{s}", f"{s!r}", repr([s]), repr({"k": s})):
+        assert bytes(s).hex() not in text and "redacted" in text
+    with pytest.raises(ValueError) as info:
+        rdv.GroupSecret(b"short")
+    assert "short" not in str(info.value)

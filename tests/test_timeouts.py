@@ -1,0 +1,242 @@
+"""No hangs, dead peers: every wait has a timeout naming what it waited for, and a SIGKILLed (or
+stopped) peer is noticed within a bounded time and named.
+
+Documented choices checked here: a dead *reader* makes the trainer's ``fence()`` raise
+``PeerDiedError`` naming it (the refit fails clearly; readers are never dropped silently), and a
+rank whose pull failed sets the abort word, so its peers stop waiting at once.
+"""
+import gc
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import tritonreshard as trs
+from tritonreshard import Layout, Replicate
+from tritonreshard import _rendezvous as rdv
+from tritonreshard.refit import _proc_state
+
+from _faults import die, fd_count, our_fds, our_maps, run_ranks_killing
+from _mp import free_port, run_ranks
+
+pytestmark = pytest.mark.timeout(180)
+
+SHAPE = (4, 6)
+
+
+def value(v):
+    return torch.arange(24, dtype=torch.float32).reshape(SHAPE) + 1000 * v
+
+
+# ------------------------------------------------------------------------------ set-up timeouts
+
+def test_setup_with_a_missing_rank_times_out_naming_the_key_and_rank():
+    lay = {"w": Layout(SHAPE, [0], [Replicate()])}
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError) as info:  # rank 0 hosts the store; rank 1 never comes
+        trs.RefitTrainer({"w": value(1)}, lay, rank=0, world_size=2, store=f"127.0.0.1:{free_port()}",
+                         timeout=1.5)
+    assert time.monotonic() - t0 < 30
+    msg = str(info.value)
+    assert "'hello/1'" in msg and "from rank 1" in msg and "1.5 s" in msg, msg
+
+
+def test_setup_without_a_store_times_out_naming_the_address():
+    port = free_port()
+    with pytest.raises(TimeoutError, match=f"TCPStore at 127.0.0.1:{port}"):
+        trs.RefitInference({"w": Layout(SHAPE, [1], [Replicate()])}, rank=1, world_size=2,
+                           store=f"127.0.0.1:{port}", timeout=1.5)
+
+
+# ------------------------------------------------------------------------------ wait timeouts
+
+def _timeouts_worker(rank, port):
+    torch.set_num_threads(1)
+    store_kw = dict(rank=rank, world_size=2, store=f"127.0.0.1:{port}", timeout=60)
+    src = {"w": Layout(SHAPE, [0], [Replicate()])}
+    dst = {"w": Layout(SHAPE, [1], [Replicate()])}
+    report = {}
+    if rank == 0:
+        with trs.RefitTrainer({"w": value(1)}, src, **store_kw) as ep:
+            store = ep._store
+            ep.publish()
+            t0 = time.monotonic()
+            with pytest.raises(TimeoutError) as info:  # the reader doesn't pull yet
+                ep.fence(timeout=1.0)
+            report["fence_timeout"] = (str(info.value), time.monotonic() - t0)
+            store.set("fence_timed_out", b"1")
+            ep.fence()  # now it pulls version 1
+            store.wait(["pull_timed_out"])
+            ep.source_tensors["w"].copy_(value(2))
+            ep.publish()
+            t0 = time.monotonic()
+            with pytest.raises(trs.RefitError) as info:  # the reader aborted: no 60 s wait
+                ep.fence()
+            report["abort"] = (str(info.value), time.monotonic() - t0)
+            store.set("trainer_done", b"1")
+    else:
+        with trs.RefitInference(dst, **store_kw) as ep:
+            store = ep._store
+            store.wait(["fence_timed_out"])
+            assert ep.pull() == 1
+            t0 = time.monotonic()
+            with pytest.raises(TimeoutError) as info:  # nobody publishes version 2
+                ep.pull(timeout=1.0)
+            report["pull_timeout"] = (str(info.value), time.monotonic() - t0)
+            assert ep.version == 1 and torch.equal(ep.tensors["w"], value(1))
+            store.set("pull_timed_out", b"1")
+            store.wait(["trainer_done"])
+    return report
+
+
+def test_fence_and_pull_time_out_naming_what_they_waited_for_and_abort_stops_peers():
+    out = run_ranks(_timeouts_worker, 2, args=(free_port(),), timeout=150)
+    msg, took = out[0]["fence_timeout"]
+    assert "rank 0: timed out after 1 s waiting for readers [1] to ack version 1" in msg, msg
+    assert "still behind" in msg and "{1: 0}" in msg, msg
+    msg, took = out[1]["pull_timeout"]
+    assert "rank 1: timed out after 1 s waiting for sources [0] to publish version 2" in msg, msg
+    assert "published: {0: 1}" in msg, msg
+    msg, took = out[0]["abort"]
+    assert "aborted" in msg and "rank 1 set the abort word" in msg, msg
+    assert took < 20, f"the trainer waited {took:.1f} s after the reader aborted"
+
+
+# ------------------------------------------------------------------------------ a trainer dies
+
+TRAINER = 3  # not rank 0: rank 0 hosts the store, which the survivors still use afterwards
+
+
+def _fd_targets():
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.add((fd, os.readlink(f"/proc/self/fd/{fd}")))
+        except OSError:
+            pass
+    return out
+
+
+def _hold_copies_until_dead(ep, pid, store, rank):
+    """Make every copy of ``ep`` wait (after it started) until process ``pid`` is gone."""
+    for table in ep._tables:
+        def run(backend, _orig=table.run):
+            store.set(f"copying/{rank}", b"1")
+            deadline = time.monotonic() + 60
+            while _proc_state(pid) not in (None, "Z", "X") and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return _orig(backend)
+        table.run = run
+
+
+def _dead_trainer_worker(rank, port):
+    """Rank 3 trains; rank 0 and 1 serve in place, rank 2 in shadow mode. Version 1 arrives
+    everywhere; then the trainer publishes version 2 and is SIGKILLed while ranks 0 and 2 copy it
+    (their copy is held until the trainer is gone) and while rank 1 waits for version 3."""
+    torch.set_num_threads(1)
+    kw = dict(rank=rank, world_size=4, store=f"127.0.0.1:{port}", timeout=60)
+    src = {"w": Layout(SHAPE, [TRAINER], [Replicate()])}
+    dst = {"w": Layout(SHAPE, [0, 1, 2], [Replicate()])}
+    if rank == TRAINER:
+        ep = trs.RefitTrainer({"w": value(1)}, src, **kw)
+        ep.publish()
+        ep.fence()
+        ep.source_tensors["w"].copy_(value(2))
+        ep.publish()
+        ep._store.wait(["copying/0", "copying/2", "waiting/1"])
+        ep._store.set("killed_at", str(time.monotonic()).encode())
+        die()
+    # The survivors bring their own store, so the fd baseline includes its sockets and threads.
+    base = rdv.connect_store(f"127.0.0.1:{port}", world_size=4, is_master=rank == 0, timeout=60)
+    fds0 = _fd_targets()
+    mode = "shadow" if rank == 2 else "inplace"
+    ep = trs.RefitInference(dst, mode=mode, **dict(kw, store=base))
+    store = ep._store
+    assert ep.pull() == 1 and torch.equal(ep.tensors["w"], value(1))
+    pid = ep._peers[TRAINER].pid
+    report = {}
+    if rank in (0, 2):
+        _hold_copies_until_dead(ep, pid, store, rank)
+    try:
+        if rank == 1:
+            store.set("waiting/1", b"1")
+            ep.pull(version=3)  # waits; the trainer dies before this rank copies anything
+        else:
+            ep.pull()
+        raise AssertionError("pull succeeded although the trainer died")
+    except trs.PeerDiedError as exc:
+        report["latency"] = time.monotonic() - float(store.get("killed_at"))
+        report["error"], report["error_rank"] = str(exc), exc.rank
+    report.update(version=ep.version, consistent=ep.consistent,
+                  serving_is_v1=torch.equal(ep.tensors["w"], value(1)))
+    ep.close()
+    del ep
+    gc.collect()
+    report.update(our_fds=our_fds(), our_maps=our_maps(), fd_growth=sorted(_fd_targets() - fds0))
+    store.set(f"done/{rank}", b"1")
+    if rank == 0:  # keep the store up until every survivor is done with it
+        store.wait(["done/1", "done/2"])
+    return report
+
+
+def test_trainer_sigkilled_mid_pull_is_named_and_weights_stay_known():
+    out = run_ranks_killing(_dead_trainer_worker, 4, victims=[TRAINER], args=(free_port(),), timeout=150)
+    for r, rep in out.items():
+        assert rep["error_rank"] == TRAINER, rep
+        assert f"rank {TRAINER} (pid" in rep["error"] and "died" in rep["error"], rep["error"]
+        assert rep["version"] == 1, rep
+        # Liveness bound, generous for a loaded machine (a local dead pid is noticed at once).
+        assert rep["latency"] < 10 + 20, rep
+        assert rep["our_fds"] == [] and rep["our_maps"] == [], rep
+        # (rank 0 hosts the store: its server holds one socket per connected client)
+        assert [t for _, t in rep["fd_growth"] if r != 0 or "socket:" not in t] == [], rep
+    assert "during the pull of version 2" in out[0]["error"]
+    assert out[0]["consistent"] is False                       # in place, died mid-copy: torn
+    assert "while waiting for sources [3] to publish version 3" in out[1]["error"]
+    assert out[1]["consistent"] is True and out[1]["serving_is_v1"]  # in place, died before copying
+    assert out[2]["consistent"] is True and out[2]["serving_is_v1"]  # shadow: still version 1, exact
+    print("trainer death noticed after (s):", {r: round(rep["latency"], 3) for r, rep in out.items()})
+
+
+# ------------------------------------------------------------------------------ a reader dies
+
+def _dead_reader_worker(rank, port, how):
+    torch.set_num_threads(1)
+    kw = dict(rank=rank, world_size=2, store=f"127.0.0.1:{port}", timeout=60, peer_timeout=1.5)
+    if rank == 1:
+        ep = trs.RefitInference({"w": Layout(SHAPE, [1], [Replicate()])}, **kw)
+        assert ep.pull() == 1
+        ep._store.set("gone_at", str(time.monotonic()).encode())
+        if how == "kill":
+            die()
+        os.kill(os.getpid(), signal.SIGSTOP)  # hung, not dead: only the heartbeat tells
+        time.sleep(60)
+        return {}
+    with trs.RefitTrainer({"w": value(1)}, {"w": Layout(SHAPE, [0], [Replicate()])}, **kw) as ep:
+        ep.publish()
+        ep.fence()
+        ep._store.wait(["gone_at"])
+        ep.source_tensors["w"].copy_(value(2))
+        ep.publish()
+        with pytest.raises(trs.PeerDiedError) as info:
+            ep.fence()
+        latency = time.monotonic() - float(ep._store.get("gone_at"))
+        if how == "stop":
+            os.kill(ep._peers[1].pid, signal.SIGKILL)
+        return {"error": str(info.value), "rank": info.value.rank, "latency": latency}
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_reader_gone_makes_fence_raise_peer_died(how):
+    out = run_ranks_killing(_dead_reader_worker, 2, victims=[1], args=(free_port(), how), timeout=120)
+    rep = out[0]
+    assert rep["rank"] == 1 and "while waiting for readers [1] to ack version 2" in rep["error"], rep
+    if how == "kill":
+        assert "rank 1 (pid" in rep["error"] and "died" in rep["error"], rep
+        assert rep["latency"] < 20, rep
+    else:  # SIGSTOPped: alive but silent, noticed after peer_timeout=1.5 s
+        assert "sent no heartbeat" in rep["error"] and "peer_timeout=1.5 s" in rep["error"], rep
+        assert 1.5 <= rep["latency"] < 1.5 + 20, rep
+    print(f"reader {how}: noticed after {rep['latency']:.3f} s")
