@@ -128,6 +128,9 @@ if __name__ == "__main__":
     # The launcher owns the rendezvous store; every process connects to it as a client.
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     addr = f"127.0.0.1:{master.port}"
+    from tritonreshard._rendezvous import secret_for_children
+
+    secret_for_children()  # children inherit it; it never crosses the store
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_run, args=(r, addr)) for r in range(WORLD)]
     for p in procs:

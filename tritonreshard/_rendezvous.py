@@ -24,7 +24,7 @@ from typing import Any
 import torch.distributed as dist
 
 __all__ = ["GroupSecret", "connect_store", "publish", "fetch", "all_gather_obj", "group_secret",
-           "SECRET_ENV", "SECRET_KEY"]
+           "SECRET_ENV", "SECRET_KEY", "secret_for_children"]
 
 SECRET_ENV = "TRITONRESHARD_GROUP_SECRET"
 SECRET_KEY = "trs/group_secret"
@@ -124,6 +124,13 @@ def all_gather_obj(store: dist.Store, prefix: str, rank: int, world: int, obj: A
     publish(store, f"{prefix}/{rank}", obj)
     return [fetch(store, f"{prefix}/{r}", timeout=timeout, what=f"all_gather {prefix!r} from rank {r}")
             for r in range(world)]
+
+
+def secret_for_children() -> None:
+    """Launcher (before spawning a group's processes): put a fresh group secret in this process's
+    environment, which spawned children inherit, so the secret never goes through the store.
+    Keeps one that is already set."""
+    os.environ.setdefault(SECRET_ENV, secrets.token_hex(_SECRET_BYTES))
 
 
 def group_secret(store: dist.Store, *, is_master: bool, timeout: float,

@@ -673,6 +673,9 @@ class BenchSession:
         self._progress_seen = 0
         self._memcpy_bufs = None
         self.closed = False
+        from ._rendezvous import secret_for_children
+
+        secret_for_children()  # children inherit it; it never crosses the store
         ctx = mp.get_context("spawn")
         self._procs = [ctx.Process(target=_worker, args=(r, cfg, self._store.port), name=f"trs-bench-rank{r}",
                                    daemon=True) for r in range(cfg.world_size)]

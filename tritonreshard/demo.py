@@ -216,6 +216,9 @@ def run(args: argparse.Namespace) -> int:
                     peer_timeout=args.peer_timeout,
                     fault=_parse_fault(args.fault, args.steps) if args.fault else None)
 
+    from ._rendezvous import secret_for_children
+
+    secret_for_children()  # children inherit it; it never crosses the store
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_worker, args=(rank, rc), name=f"trs-demo-rank{rank}") for rank in range(world)]
     t0 = time.perf_counter()
