@@ -108,3 +108,14 @@ def rss_kib() -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
     raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def fd_targets() -> set:
+    """(fd, target) pairs of this process's open file descriptors."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.add((fd, os.readlink(f"/proc/self/fd/{fd}")))
+        except OSError:
+            pass
+    return out

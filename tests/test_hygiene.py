@@ -27,22 +27,12 @@ from tritonreshard import Layout, Replicate
 from tritonreshard import _rendezvous as rdv
 from tritonreshard.transport import create_arena, create_control_block, open_arena, open_control_block
 
-from _faults import our_fds, our_maps, shm_entries, wait_no_new_shm
+from _faults import fd_targets, our_fds, our_maps, shm_entries, wait_no_new_shm
 from _mp import free_port
 
 pytestmark = pytest.mark.timeout(180)
 
 SECRET = rdv.GroupSecret.generate()
-
-
-def fd_targets():
-    out = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            out.add((fd, os.readlink(f"/proc/self/fd/{fd}")))
-        except OSError:
-            pass
-    return out
 
 
 def snapshot():

@@ -18,7 +18,7 @@ from tritonreshard import Layout, Replicate
 from tritonreshard import _rendezvous as rdv
 from tritonreshard.refit import _proc_state
 
-from _faults import die, fd_count, our_fds, our_maps, run_ranks_killing
+from _faults import die, fd_count, fd_targets, our_fds, our_maps, run_ranks_killing
 from _mp import free_port, run_ranks
 
 pytestmark = pytest.mark.timeout(180)
@@ -109,16 +109,6 @@ def test_fence_and_pull_time_out_naming_what_they_waited_for_and_abort_stops_pee
 TRAINER = 3  # not rank 0: rank 0 hosts the store, which the survivors still use afterwards
 
 
-def _fd_targets():
-    out = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            out.add((fd, os.readlink(f"/proc/self/fd/{fd}")))
-        except OSError:
-            pass
-    return out
-
-
 def _hold_copies_until_dead(ep, pid, store, rank):
     """Make every copy of ``ep`` wait (after it started) until process ``pid`` is gone."""
     for table in ep._tables:
@@ -150,7 +140,7 @@ def _dead_trainer_worker(rank, port):
         die()
     # The survivors bring their own store, so the fd baseline includes its sockets and threads.
     base = rdv.connect_store(f"127.0.0.1:{port}", world_size=4, is_master=rank == 0, timeout=60)
-    fds0 = _fd_targets()
+    fds0 = fd_targets()
     mode = "shadow" if rank == 2 else "inplace"
     ep = trs.RefitInference(dst, mode=mode, **dict(kw, store=base))
     store = ep._store
@@ -174,7 +164,7 @@ def _dead_trainer_worker(rank, port):
     ep.close()
     del ep
     gc.collect()
-    report.update(our_fds=our_fds(), our_maps=our_maps(), fd_growth=sorted(_fd_targets() - fds0))
+    report.update(our_fds=our_fds(), our_maps=our_maps(), fd_growth=sorted(fd_targets() - fds0))
     store.set(f"done/{rank}", b"1")
     if rank == 0:  # keep the store up until every survivor is done with it
         store.wait(["done/1", "done/2"])

@@ -59,6 +59,8 @@ import zlib
 from dataclasses import dataclass
 from itertools import product
 
+from .plan import _fmt_bytes
+
 __all__ = ["add_arguments", "run"]
 
 METHODS = ("memcpy", "tritonreshard", "p2p", "gather_broadcast")
@@ -78,14 +80,6 @@ def parse_size(text) -> int:
         raise ValueError(f"--size={text!r}: use bytes as an int or a number with a unit "
                          f"(KiB, MiB, GiB, KB, MB, GB), e.g. 256MiB")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 # ============================================================================================

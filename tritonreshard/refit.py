@@ -158,7 +158,7 @@ class RefitEndpoint:
                  dst_layouts=None, dst_tensors=None, mode: str = "shadow", device=None,
                  backend: str = "auto", timeout: float = 60.0, peer_timeout: float = 10.0,
                  group: str = "default"):
-        self._closed = True  # until set-up succeeded far enough to need closing
+        self._closed = True  # until set-up succeeded far enough to need closing (see close())
         bad = []
         if not isinstance(world_size, int) or world_size < 1:
             bad.append(f"world_size must be a positive int, got world_size={world_size!r}")
@@ -202,7 +202,7 @@ class RefitEndpoint:
         self.plan = self._validate_group(hellos)
 
         # Phase 2: arenas. Every handle and resource from here on is released by close().
-        self._closed = False
+        self._closed = self._released = False
         self._arena = self._control = None
         self._peer_arenas: dict[int, object] = {}
         self._peer_controls: dict[int, object] = {}
@@ -354,14 +354,10 @@ class RefitEndpoint:
         if problems:
             raise ValueError(f"refit group {self.world_size} ranks: {len(problems)} problem(s), "
                              f"nothing was moved:\n  - " + "\n  - ".join(problems))
-        devices = {}
-        for op in plan.ops:
-            s, d = self._peers[op.src_rank], self._peers[op.dst_rank]
-            if s.host != d.host:
-                devices.setdefault("hosts", []).append((op.src_rank, op.dst_rank))
-        if devices:
-            pairs = sorted(set(devices["hosts"]))[:8]
-            raise NotImplementedError(f"refit across hosts is not supported yet (pairs {pairs}): every "
+        cross = sorted({(op.src_rank, op.dst_rank) for op in plan.ops
+                        if self._peers[op.src_rank].host != self._peers[op.dst_rank].host})
+        if cross:  # every rank sees the same pairs, so every rank raises
+            raise NotImplementedError(f"refit across hosts is not supported yet (pairs {cross[:8]}): every "
                                       f"source and destination rank must share one machine")
         return plan
 
@@ -735,10 +731,9 @@ class RefitEndpoint:
     def close(self, abort: bool = False) -> None:
         """Release everything (arenas, mappings, control blocks, threads). Idempotent; safe after an
         exception or a peer's death. ``abort=True`` also tells peers to stop waiting for this rank."""
-        if getattr(self, "_closed", True) and not hasattr(self, "_stop"):
+        if getattr(self, "_released", True):
             return
-        if self._closed and self._arena is None and not self._peer_arenas and not self._tables:
-            return
+        self._released = True
         self._closed = True
         self._stop.set()
         if abort:
@@ -771,7 +766,7 @@ class RefitEndpoint:
         return False
 
     def __del__(self):
-        if not getattr(self, "_closed", True):
+        if not getattr(self, "_released", True):
             self.close()
 
     def __repr__(self):
