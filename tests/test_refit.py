@@ -178,3 +178,25 @@ def test_bad_arguments_are_rejected_before_joining():
         trs.RefitInference({"w": Layout((4,), 1, [Shard(0)])}, rank=0, world_size=1, mode="x", backend="y")
     with pytest.raises(ValueError, match=r"rank must be in \[0, 2\), got rank=5"):
         trs.RefitInference({"w": Layout((4,), 1, [Shard(0)])}, rank=5, world_size=2)
+
+
+def test_module_parameters_move_into_the_arena_once_and_train_there():
+    # One process, both sides (a colocated rank): the module's parameters become arena views, the
+    # optimizer updates them in place, and every pull (cast to bf16) sees exactly that version.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    src = {"weight": Layout((3, 4), [0], [Replicate()]), "bias": Layout((3,), [0], [Replicate()])}
+    dst = {k: Layout(v.shape, [0], [Replicate()], torch.bfloat16) for k, v in src.items()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with trs.RefitEndpoint(rank=0, world_size=1, store=f"127.0.0.1:{free_port()}", src_tensors=model,
+                           src_layouts=src, dst_layouts=dst) as ep:
+        arena_ptrs = {n: t.data_ptr() for n, t in ep.source_tensors.items()}
+        for step in range(1, 4):
+            ep.fence()
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            assert ep.publish() == step and ep.pull() == step
+            assert {n: p.data_ptr() for n, p in model.named_parameters()} == arena_ptrs  # no copy per step
+            for n, p in model.named_parameters():
+                assert torch.equal(ep.tensors[n], p.detach().to(torch.bfloat16)), (n, step)
