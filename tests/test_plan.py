@@ -169,7 +169,7 @@ def test_packed_blocks_go_to_the_right_rank():
     h = 6
     src = Layout((2 * h, 4), 2, [Shard(0)])
     dst = Layout((2 * h, 4), [2, 3, 4], [Shard(0, blocks=(h, h))])
-    plan = check_exactly_once({"gate_up": src}, {"gate_up": dst})
+    check_exactly_once({"gate_up": src}, {"gate_up": dst})
     # Rank 3 holds gate rows 2:4 and up rows 8:10.
     assert dst.segments(3)[0] == ((2, 4, 0), (8, 10, 2))
     assert dst.local_shape(3) == (4, 4)

@@ -18,7 +18,7 @@ from tritonreshard import Layout, Replicate
 from tritonreshard import _rendezvous as rdv
 from tritonreshard.refit import _proc_state
 
-from _faults import die, fd_count, fd_targets, our_fds, our_maps, run_ranks_killing
+from _faults import die, fd_targets, our_fds, our_maps, run_ranks_killing
 from _mp import free_port, run_ranks
 
 pytestmark = pytest.mark.timeout(180)

@@ -251,7 +251,6 @@ def _key16(v: int) -> int:
 def _hash_bits(layout, rank: int, name: str, device, cache: dict | None = None):
     """int16 bits of ``rank``'s local shard at version 0: a hash of (name, global index).
     ``cache``: global-index tensors by (layout, rank), shared by tensors of equal layouts."""
-    import torch
     key = (layout, rank)
     idx = cache.get(key) if cache is not None else None
     if idx is None:

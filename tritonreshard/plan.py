@@ -146,13 +146,15 @@ def _cut_global(intervals: tuple[tuple[int, int], ...], start: int, stop: int) -
     return tuple(out)
 
 
+def _op_fields(dims: tuple[_DimPiece, ...]) -> tuple:
+    """(src_slices, dst_slices, global_index) of a piece."""
+    return (tuple(slice(s, s + n) for s, _, n, _ in dims),
+            tuple(slice(d, d + n) for _, d, n, _ in dims),
+            tuple(g for _, _, _, g in dims))
+
+
 def _make_op(name: str, src: int, dst: int, dims: tuple[_DimPiece, ...]) -> TransferOp:
-    return TransferOp(
-        name, src, dst,
-        tuple(slice(s, s + n) for s, _, n, _ in dims),
-        tuple(slice(d, d + n) for _, d, n, _ in dims),
-        tuple(g for _, _, _, g in dims),
-    )
+    return TransferOp(name, src, dst, *_op_fields(dims))
 
 
 def _split(dims: tuple[_DimPiece, ...], units: list[int]) -> list[tuple[_DimPiece, ...]]:
@@ -387,8 +389,7 @@ def _pair_pieces(s_geo: tuple, d_geo: tuple) -> tuple:
                 numel = math.prod(p[2] for p in dims)
                 template = None
                 if len(replicas) == 1 or dst_rank in replicas:
-                    op = _make_op("", dst_rank if dst_rank in replicas else replicas[0], dst_rank, dims)
-                    template = (op.src_rank, op.src_slices, op.dst_slices, op.global_index)
+                    template = (dst_rank if dst_rank in replicas else replicas[0], *_op_fields(dims))
                 rows.append((dst_rank, tuple(replicas), dims, numel, template))
     return tuple(rows)
 

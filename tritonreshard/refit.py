@@ -39,7 +39,6 @@ Guarantees (see also the README):
 """
 from __future__ import annotations
 
-import math
 import os
 import socket
 import threading
@@ -199,7 +198,12 @@ class RefitEndpoint:
                        dict(dst_layouts) if dst_layouts is not None else None, tuple(problems))
         hellos = rdv.all_gather_obj(self._store, "hello", rank, world_size, hello, timeout=self.timeout)
         self._peers = {h.rank: h for h in hellos}
-        self.plan = self._validate_group(hellos)
+        rdv.publish(self._store, f"hello-read/{rank}", True)
+        try:
+            self.plan = self._validate_group(hellos)
+        except (ValueError, NotImplementedError):
+            self._outlive_store_readers("hello-read")  # so every rank reads the hellos and raises too
+            raise
 
         # Phase 2: arenas. Every handle and resource from here on is released by close().
         self._closed = self._released = False
@@ -377,7 +381,6 @@ class RefitEndpoint:
             sizes = [src_map[n].numel() * src_map[n].element_size() for n in names]
             offsets, total = pack_offsets(sizes)
             src_device = next(iter(src_map.values())).device if src_map else torch.device("cpu")
-            remote_readers = [r for r in self._readers if r != rank]
             self._arena = create_arena(max(total, 1), src_device, secret=self._secret)
             self._control = create_control_block(self.world_size, self.world_size, secret=self._secret)
             for name, off in zip(names, offsets):
@@ -387,7 +390,6 @@ class RefitEndpoint:
                 if name in self._module_params:
                     self._module_params[name].data = view
             exports = _Exports(rank, self._arena.export(), self._control.export(), dict(zip(names, offsets)))
-            self._remote_readers = remote_readers
         exported = rdv.all_gather_obj(self._store, "exports", rank, self.world_size, exports,
                                       timeout=self.timeout)
         self._exports = {e.rank: e for e in exported}
@@ -441,6 +443,8 @@ class RefitEndpoint:
             self._serving = 0
         # Everyone mapped what it needs: owners stop handing their arenas out.
         rdv.all_gather_obj(self._store, "mapped", rank, self.world_size, True, timeout=self.timeout)
+        rdv.publish(self._store, f"setup-done/{rank}", True)
+        self._outlive_store_readers("setup-done")
         if self._arena is not None:
             self._arena.unlink()
             self._control.unlink()
@@ -448,6 +452,14 @@ class RefitEndpoint:
         self._hb_thread = threading.Thread(target=self._heartbeat_loop, name=f"trs-heartbeat-{rank}",
                                            daemon=True)
         self._hb_thread.start()
+
+    def _outlive_store_readers(self, key: str) -> None:
+        """Rank 0 hosts the TCPStore: before it may return (and perhaps exit), wait until every rank
+        published ``key``, i.e. read everything it needs from the store. Other ranks return at once."""
+        if self.rank != 0:
+            return
+        for r in range(self.world_size):
+            rdv.fetch(self._store, f"{key}/{r}", timeout=self.timeout, what=f"rank {r} to finish reading the store")
 
     # ------------------------------------------------------------------ liveness
     def _heartbeat(self):
@@ -586,7 +598,7 @@ class RefitEndpoint:
         self.last_pull_seconds = time.perf_counter() - t0
         self.pulls += 1
 
-    def _next_version(self, version, timeout):
+    def _next_version(self, version):
         if version is not None:
             if isinstance(version, bool) or not isinstance(version, int):
                 raise ValueError(f"version must be an int (or None: the newest), got version={version!r}")
@@ -609,7 +621,7 @@ class RefitEndpoint:
         if self.mode == "shadow":
             self.start_pull(version, timeout)
             return self.swap()
-        target = self._next_version(version, timeout)
+        target = self._next_version(version)
         try:
             self._pull_into(0, target, timeout)
         except BaseException:
@@ -630,7 +642,7 @@ class RefitEndpoint:
         if self._pull_thread is not None:
             return self._pull_target
         timeout = _timeout_arg("start_pull", timeout, self.timeout)
-        target = self._next_version(version, timeout)
+        target = self._next_version(version)
         spare = 1 - self._serving
         self._pull_target, self._pull_result = target, None
 

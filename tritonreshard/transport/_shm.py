@@ -26,7 +26,7 @@ import stat
 
 import torch
 
-from ._base import SHM_PREFIX, Arena, ArenaHandle, _new_handle
+from ._base import Arena, ArenaHandle, _new_handle
 from ._fdserver import FdServer, as_secret_bytes, request_fds
 
 __all__ = ["ShmArena", "unlink_segment", "SHM_DIR"]
