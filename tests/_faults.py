@@ -1,61 +1,12 @@
-"""Helpers for fault-injection tests: ranks that are expected to die, resource snapshots.
+"""Helpers for fault-injection tests: dying on purpose and resource snapshots.
 
-``run_ranks_killing`` is ``_mp.run_ranks`` for groups in which some ranks SIGKILL themselves (or are
-killed): it collects the survivors' reports and checks that each victim really died of SIGKILL.
+Groups in which some ranks SIGKILL themselves run through ``_mp.run_ranks(..., victims=[...])``.
 """
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import time
-
-import torch.multiprocessing as mp
-
-from _mp import _entry
-
-
-def run_ranks_killing(fn, nprocs: int, victims, args=(), timeout: float = 120.0) -> dict:
-    """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes; ranks in ``victims`` must die of
-    SIGKILL, every other rank must return. Returns the survivors' ``{rank: value}``; a survivor's
-    exception fails the call with its traceback."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_entry, args=(fn, r, args, results), daemon=True) for r in range(nprocs)]
-    for p in procs:
-        p.start()
-    out: dict = {}
-    survivors = set(range(nprocs)) - set(victims)
-    deadline = time.monotonic() + timeout
-    try:
-        while not survivors <= set(out):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"ranks {sorted(survivors - set(out))} did not finish within {timeout:g} s")
-            try:
-                rank, status, value = results.get(timeout=0.5)
-            except queue.Empty:
-                gone = [r for r in survivors - set(out) if not procs[r].is_alive()]
-                if gone and results.empty():
-                    time.sleep(0.5)
-                    if results.empty():
-                        raise RuntimeError(f"ranks {gone} exited without a report "
-                                           f"(exit codes {[procs[r].exitcode for r in gone]})")
-                continue
-            out[rank] = (status, value)
-        for r in victims:
-            procs[r].join(max(1.0, deadline - time.monotonic()))
-            assert procs[r].exitcode == -signal.SIGKILL, f"rank {r} exit code {procs[r].exitcode}, expected SIGKILL"
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(5)
-        results.close()
-    errors = {r: v for r, (s, v) in out.items() if s == "error"}
-    if errors:
-        r, (name, msg, tb) = sorted(errors.items())[0]
-        raise AssertionError(f"rank {r} raised {name}: {msg}\n{tb}")
-    return {r: v for r, (s, v) in out.items() if r in survivors}
 
 
 def die():

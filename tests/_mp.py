@@ -6,6 +6,7 @@ with that rank's traceback.
 from __future__ import annotations
 
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -26,11 +27,13 @@ def _entry(fn, rank, args, results):
         results.put((rank, "error", (type(exc).__name__, str(exc), traceback.format_exc())))
 
 
-def run_ranks(fn, nprocs: int, args=(), timeout: float = 120.0, allow_errors: bool = False) -> dict:
+def run_ranks(fn, nprocs: int, args=(), timeout: float = 120.0, allow_errors: bool = False,
+              victims=()) -> dict:
     """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes; return {rank: value}.
 
     With ``allow_errors`` a rank's exception is returned as ``("error", (type, message, tb))``
-    instead of failing the call.
+    instead of failing the call. Ranks in ``victims`` must die of SIGKILL (fault-injection tests):
+    they report nothing, their exit code is checked, and only the survivors are returned.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -38,28 +41,32 @@ def run_ranks(fn, nprocs: int, args=(), timeout: float = 120.0, allow_errors: bo
     for p in procs:
         p.start()
     out: dict = {}
+    survivors = set(range(nprocs)) - set(victims)
     deadline = time.monotonic() + timeout
     try:
-        while len(out) < nprocs:
+        while not survivors <= set(out):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"ranks {sorted(set(range(nprocs)) - set(out))} did not finish within "
+                raise TimeoutError(f"ranks {sorted(survivors - set(out))} did not finish within "
                                    f"{timeout:g} s")
             try:
-                rank, status, value = results.get(timeout=min(remaining, 1.0))
+                rank, status, value = results.get(timeout=min(remaining, 0.5))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in out and p.exitcode]
-                if dead:
+                gone = [r for r in sorted(survivors - set(out)) if not procs[r].is_alive()]
+                if gone:
                     time.sleep(0.5)  # its report may still be in the pipe
                     while not results.empty():
                         rank, status, value = results.get()
                         out[rank] = (status, value)
-                    dead = [r for r in dead if r not in out]
-                    if dead:
-                        raise RuntimeError(f"ranks {dead} died with exit codes "
-                                           f"{[procs[r].exitcode for r in dead]}")
+                    gone = [r for r in gone if r not in out]
+                    if gone:
+                        raise RuntimeError(f"ranks {gone} died without a report, exit codes "
+                                           f"{[procs[r].exitcode for r in gone]}")
                 continue
             out[rank] = (status, value)
+        for r in victims:
+            procs[r].join(max(1.0, deadline - time.monotonic()))
+            assert procs[r].exitcode == -signal.SIGKILL, f"rank {r} exit code {procs[r].exitcode}, expected SIGKILL"
     finally:
         for p in procs:
             p.join(timeout=max(0.1, min(10.0, deadline - time.monotonic())))
@@ -68,6 +75,7 @@ def run_ranks(fn, nprocs: int, args=(), timeout: float = 120.0, allow_errors: bo
                 p.kill()
                 p.join(5)
         results.close()
+    out = {r: v for r, v in out.items() if r in survivors}
     if not allow_errors:
         errors = {r: v for r, (s, v) in out.items() if s == "error"}
         if errors:

@@ -18,7 +18,7 @@ from tritonreshard import Layout, Replicate
 from tritonreshard import _rendezvous as rdv
 from tritonreshard.refit import _proc_state
 
-from _faults import die, fd_targets, our_fds, our_maps, run_ranks_killing
+from _faults import die, fd_targets, our_fds, our_maps
 from _mp import free_port, run_ranks
 
 pytestmark = pytest.mark.timeout(180)
@@ -172,7 +172,7 @@ def _dead_trainer_worker(rank, port):
 
 
 def test_trainer_sigkilled_mid_pull_is_named_and_weights_stay_known():
-    out = run_ranks_killing(_dead_trainer_worker, 4, victims=[TRAINER], args=(free_port(),), timeout=150)
+    out = run_ranks(_dead_trainer_worker, 4, args=(free_port(),), timeout=150, victims=[TRAINER])
     for r, rep in out.items():
         assert rep["error_rank"] == TRAINER, rep
         assert f"rank {TRAINER} (pid" in rep["error"] and "died" in rep["error"], rep["error"]
@@ -220,7 +220,7 @@ def _dead_reader_worker(rank, port, how):
 
 @pytest.mark.parametrize("how", ["kill", "stop"])
 def test_reader_gone_makes_fence_raise_peer_died(how):
-    out = run_ranks_killing(_dead_reader_worker, 2, victims=[1], args=(free_port(), how), timeout=120)
+    out = run_ranks(_dead_reader_worker, 2, args=(free_port(), how), timeout=120, victims=[1])
     rep = out[0]
     assert rep["rank"] == 1 and "while waiting for readers [1] to ack version 2" in rep["error"], rep
     if how == "kill":
