@@ -59,7 +59,7 @@ import zlib
 from dataclasses import dataclass
 from itertools import product
 
-from .plan import _fmt_bytes
+from tritonreshard.plan import _fmt_bytes
 
 __all__ = ["add_arguments", "run"]
 
@@ -418,7 +418,7 @@ class _Rank:
         import torch
         import torch.distributed as dist
 
-        from .refit import RefitEndpoint
+        from tritonreshard.refit import RefitEndpoint
         self.rank, self.cfg = rank, cfg
         timeout = datetime.timedelta(seconds=cfg.timeout)
         if cfg.device == "cuda":
@@ -666,7 +666,7 @@ class BenchSession:
         self._progress_seen = 0
         self._memcpy_bufs = None
         self.closed = False
-        from ._rendezvous import secret_for_children
+        from tritonreshard._rendezvous import secret_for_children
 
         secret_for_children()  # children inherit it; it never crosses the store
         ctx = mp.get_context("spawn")

@@ -10,8 +10,8 @@ import time
 
 import torch
 
-from .layout import MAX_RANKS, Layout, Replicate, Shard
-from .plan import plan_reshard
+from tritonreshard.layout import MAX_RANKS, Layout, Replicate, Shard
+from tritonreshard.plan import plan_reshard
 
 __all__ = ["main", "parse_layout_spec"]
 

@@ -21,7 +21,7 @@ Trajectories carry the version that generated them; a trainer at version ``v`` d
 
 Verification (exact by construction): after every refit, the inference ranks all-gather their TP
 shards into full weights (pure copies, so bit-identical to the global tensors) and the first
-inference rank runs :func:`tritonreshard._policy.probe`, a dense CPU float32 single-threaded forward
+inference rank runs :func:`tritonreshard.apps._policy.probe`, a dense CPU float32 single-threaded forward
 on fixed probe inputs. The trainers all-gather their row shards of the same version and run the
 very same function, publishing a SHA-1 of the weight bytes and the probe logits' bytes. The
 inference side compares both bit for bit: equal digests mean every element of every parameter
@@ -44,7 +44,7 @@ aborted: if not, every TP rank discards its pull, the group verifies what it ser
 the trainers' digest of that version) and records it, then exits. Survivors get ``--peer-timeout``
 + 10 s to exit on their own before the driver terminates them.
 
-Entry points (wired by ``tritonreshard/cli.py``): :func:`add_arguments` and :func:`run`.
+Entry points (wired by ``apps/cli.py``): :func:`add_arguments` and :func:`run`.
 """
 from __future__ import annotations
 
@@ -216,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
                     peer_timeout=args.peer_timeout,
                     fault=_parse_fault(args.fault, args.steps) if args.fault else None)
 
-    from ._rendezvous import secret_for_children
+    from tritonreshard._rendezvous import secret_for_children
 
     secret_for_children()  # children inherit it; it never crosses the store
     ctx = mp.get_context("spawn")
@@ -558,7 +558,7 @@ def _refit_store(rc: _RunConfig, store):
 def _trainer_main(rank, rc: _RunConfig, store, dstore, tgroup, device) -> None:
     import torch
     from . import _policy as P
-    from .refit import RefitTrainer
+    from tritonreshard.refit import RefitTrainer
 
     cfg = P.PolicyConfig()
     comm = P.Comm(device, "nccl" if "nccl" in rc.dist_backend else "gloo")
@@ -651,8 +651,8 @@ def _publish_probe(dstore, cfg, version: int, full) -> None:
 def _inference_main(rank, rc: _RunConfig, store, dstore, igroup, device) -> None:
     import torch
     from . import _policy as P
-    from .plan import plan_reshard
-    from .refit import RefitInference
+    from tritonreshard.plan import plan_reshard
+    from tritonreshard.refit import RefitInference
 
     cfg = P.PolicyConfig()
     comm = P.Comm(device, "nccl" if "nccl" in rc.dist_backend else "gloo")
@@ -879,7 +879,7 @@ def _check_pending(dstore, pending, verified, bad, block: bool, timeout: float =
 
 
 def _main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tritonreshard.demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tritonreshard.apps.demo", description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

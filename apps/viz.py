@@ -10,8 +10,8 @@
 """
 from __future__ import annotations
 
-from .layout import Layout
-from .plan import Plan, _fmt_bytes
+from tritonreshard.layout import Layout
+from tritonreshard.plan import Plan, _fmt_bytes
 
 __all__ = ["draw_plan"]
 

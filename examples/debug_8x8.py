@@ -30,11 +30,11 @@ plan = trs.plan_reshard(src_layouts, dst_layouts)
 print(plan)
 
 # %% [markdown]
-# ## 2. The picture (if `tritonreshard.viz` is available)
+# ## 2. The picture (if `tritonreshard.apps.viz` is available)
 
 # %%
 try:
-    from tritonreshard.viz import draw_plan
+    from tritonreshard.apps.viz import draw_plan
 except ImportError as exc:  # viz is optional (matplotlib)
     print("no picture:", exc)
 else:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-RUNNER = ("import argparse, sys, tritonreshard.bench as b\n"
+RUNNER = ("import argparse, sys, tritonreshard.apps.bench as b\n"
           "if __name__ == '__main__':\n"
           "    p = argparse.ArgumentParser(); b.add_arguments(p)\n"
           "    raise SystemExit(b.run(p.parse_args(sys.argv[1:])))\n")
@@ -79,7 +79,7 @@ def test_bench_rejects_bad_arguments(tmp_path):
 
 
 def test_parse_size_and_model():
-    from tritonreshard import bench
+    from tritonreshard.apps import bench
     assert bench.parse_size("256MiB") == 256 << 20
     assert bench.parse_size("1GiB") == 1 << 30
     assert bench.parse_size("1000") == 1000 and bench.parse_size(4096) == 4096

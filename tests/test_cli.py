@@ -4,7 +4,7 @@ import sys
 
 import torch
 
-from tritonreshard.cli import main, parse_layout_spec
+from tritonreshard.apps.cli import main, parse_layout_spec
 from tritonreshard import Replicate, Shard
 
 
@@ -32,7 +32,7 @@ def test_bad_spec_is_a_clear_error(capsys):
 
 
 def test_console_script_runs():
-    out = subprocess.run([sys.executable, "-m", "tritonreshard.cli", "plan"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "tritonreshard.apps.cli", "plan"], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "8 ops" in out.stdout

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tritonreshard import demo
+from tritonreshard.apps import demo
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -25,7 +25,7 @@ def _shm() -> set:
 
 
 def _run_demo(*extra, timeout=240, env=None):
-    cmd = [sys.executable, "-m", "tritonreshard.demo", "--json", "--timeout", "180", *extra]
+    cmd = [sys.executable, "-m", "tritonreshard.apps.demo", "--json", "--timeout", "180", *extra]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                           env={**os.environ, **(env or {})})
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tritonreshard import demo
+from tritonreshard.apps import demo
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -33,7 +33,7 @@ def _alive(pid: int) -> bool:
 
 def _run_fault(fault: str, steps: int = 3):
     before = _shm()
-    cmd = [sys.executable, "-m", "tritonreshard.demo", "--json", "--timeout", "150", "--steps", str(steps),
+    cmd = [sys.executable, "-m", "tritonreshard.apps.demo", "--json", "--timeout", "150", "--steps", str(steps),
            "--peer-timeout", str(PEER_TIMEOUT), "--fault", fault]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert out.returncode == 1, (out.returncode, out.stderr[-5000:])
