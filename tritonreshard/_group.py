@@ -304,6 +304,8 @@ class Group:
             self.check_peers(peers, what)
             self.check_abort(controls, what)
 
+        if self.ended is not None:  # the epoch is over: nothing of it can be waited for any more
+            self.check_peers((), what)
         if not _wait.wait_until(done, doorbell or (lambda: None), time.monotonic() + timeout, check):
             extra = f" ({status()})" if status else ""
             raise TimeoutError(f"rank {self.rank}: timed out after {timeout:g} s waiting for {what}{extra}")

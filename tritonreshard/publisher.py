@@ -49,6 +49,7 @@ class Publisher:
     def __init__(self, group: Group, plan: Plan, tensors: dict, *, params=None, start_version: int = 0):
         self.group, self.rank = group, group.rank
         self.published = int(start_version)
+        self._fenced_version = 0  # what fence() waits for: nothing read from this arena yet
         self.readers = tuple(plan.readers_of(self.rank))
         names = sorted(tensors, key=lambda n: (tuple(tensors[n].shape), str(tensors[n].dtype),
                                                repr(plan.dst_layouts.get(n)), n))
@@ -91,6 +92,7 @@ class Publisher:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.published += 1
+        self._fenced_version = self.published
         self._control.publish(self.published)
         return self.published
 
@@ -103,7 +105,7 @@ class Publisher:
         timeout fails only this call: ``fence(timeout=0)`` is a poll.
         """
         timeout = check_timeout("fence", timeout, self.group.timeout)
-        v, control, readers = self.published, self._control, list(self.readers)
+        v, control, readers = self._fenced_version, self._control, list(self.readers)
 
         def behind():
             return {r: control.acked_version(r) for r in readers if control.acked_version(r) < v}
@@ -115,7 +117,7 @@ class Publisher:
 
     def fenced(self) -> bool:
         """True when every reader acked the last published version (no waiting)."""
-        return all(self._control.acked_version(r) >= self.published for r in self.readers)
+        return all(self._control.acked_version(r) >= self._fenced_version for r in self.readers)
 
     def abort(self) -> None:
         if self._control is not None:
