@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tritonreshard.apps import demo
+from tritonreshard.transport import SHM_PREFIX
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -16,9 +17,10 @@ PEER_TIMEOUT = 5.0
 
 
 def _shm() -> set:
+    """Our own /dev/shm names only: other programs' entries (psm_*, sem.mp-*) come and go."""
     if not os.path.isdir("/dev/shm"):
         return set()
-    return {n for n in os.listdir("/dev/shm") if not n.startswith("sem.mp-")}
+    return {n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIX)}
 
 
 def _alive(pid: int) -> bool:
