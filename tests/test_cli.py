@@ -41,11 +41,11 @@ def test_console_script_runs():
 
 def test_plan_into_a_closed_pipe_is_quiet():
     """``tritonreshard plan ... | head -1``: the reader leaves early; no BrokenPipeError traceback."""
-    proc = subprocess.Popen([sys.executable, "-m", "tritonreshard.apps.cli", "plan", "--shape", "64x64",
-                             "--src", "8:S(0)", "--dst", "8:S(1)", "--all-ops"],
+    proc = subprocess.Popen([sys.executable, "-m", "tritonreshard.apps.cli", "plan", "--shape", "512x512",
+                             "--src", "64:S(0)", "--dst", "64:S(1)", "--all-ops"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     first = proc.stdout.readline()
-    proc.stdout.close()  # like head: read one line, then go away
+    proc.stdout.close()  # like head: read one line, then go away (4096 ops: far more than a pipe buffer)
     err = proc.stderr.read().decode()
     proc.wait(timeout=120)
     assert first.startswith(b"source"), first
