@@ -87,6 +87,12 @@ class ControlBlock:
         self._slots[_PUBLISHED * LINE] = version
         self.ring()
 
+    @property
+    def published_ns(self) -> int:
+        """``time.monotonic_ns()`` when the last version was published (CLOCK_MONOTONIC: comparable
+        across the processes of a host)."""
+        return int(self._slots[_PUBLISHED_NS * LINE])
+
     def acked_version(self, reader: int) -> int:
         return int(self._slots[self._ack_slot(reader)])
 
