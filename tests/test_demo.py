@@ -125,10 +125,51 @@ def test_demo_bad_png_path_fails_first(tmp_path, capsys):
     assert ".png" in capsys.readouterr().err
 
 
+def _check_example_output(out):
+    assert out.returncode == 0, out.stderr[-5000:]
+    lines = out.stdout.splitlines()
+    # Whole lines only: every line is one of the example's own, none run into another.
+    kinds = ("trainer: step ", "inference rank ", "done: ")
+    assert all(line.startswith(kinds) for line in lines), out.stdout
+    assert sum(line.startswith("trainer: step ") for line in lines) == 5
+    assert sorted(line.split(":")[0] for line in lines if line.startswith("inference rank ")) == \
+        ["inference rank 1", "inference rank 2"]
+    assert all(line.count("bit for bit") <= 1 for line in lines)
+    assert lines.count("done: every inference rank serves the trainer's final weights, bit for bit") == 1
+
+
 def test_example_rl_refit():
     before = _shm()
     out = subprocess.run([sys.executable, str(ROOT / "examples" / "rl_refit.py")], capture_output=True,
                          text=True, timeout=180, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-5000:]
-    assert "bit for bit" in out.stdout
+    _check_example_output(out)
     assert _shm() - before == set()
+
+
+def test_example_rl_refit_under_torchrun():
+    """``torchrun --standalone --nproc-per-node 3 examples/rl_refit.py``: the endpoints meet in the
+    job's own store (the launcher's rendezvous and the default process group), no port clash."""
+    before = _shm()
+    env = {k: v for k, v in os.environ.items() if k != "TRITONRESHARD_GROUP_SECRET"}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+                          str(ROOT / "examples" / "rl_refit.py")], capture_output=True, text=True, timeout=240,
+                         cwd=ROOT, env=env)
+    _check_example_output(out)
+    assert _shm() - before == set()
+
+
+def test_example_rl_refit_imports_nothing_private():
+    import ast
+    tree = ast.parse((ROOT / "examples" / "rl_refit.py").read_text())
+    private = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tritonreshard"):
+            names = node.module.split(".") + [a.name for a in node.names]
+            private += [n for n in names if n.startswith("_")]
+        elif isinstance(node, ast.Import):
+            private += [p for a in node.names if a.name.startswith("tritonreshard")
+                        for p in a.name.split(".") if p.startswith("_")]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "trs":
+            if node.attr.startswith("_"):
+                private.append(node.attr)
+    assert private == [], private
