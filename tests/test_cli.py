@@ -89,3 +89,15 @@ def test_plan_bad_png_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "does not exist" in err and str(bad) in err, err
     assert not bad.parent.exists()
+
+
+def test_readme_single_process_blocks_run(capsys):
+    """The README's API tour and "Executing a plan in one process" run as written (no undefined names)."""
+    import re
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    tour = next(b for b in blocks if "trs.plan_reshard(src, dst)" in b)
+    local = next(b for b in blocks if "trs.execute_local(" in b)
+    exec(compile(tour + "\n" + local, "README.md", "exec"), {})  # noqa: S102 -- the README's own code
+    assert "8 ops" in capsys.readouterr().out
