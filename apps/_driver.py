@@ -1,13 +1,13 @@
 """The process driver the demo and the bench share: spawn one process per rank around a TCPStore the
-driver hosts, watch them, report one clear error per failed rank, stop them, sweep shared memory.
+driver hosts, watch them, report one clear error per failed rank, stop them, check shared memory.
 
 Which process calls what:
 
 * the driver: ``Driver(name, world_size, target, args, timeout)``, ``start()``, then ``wait(ready,
   what)`` as often as it likes (returns when ``ready()`` is true; raises :class:`RankFailed` as soon
   as a rank exited non-zero or recorded an error, :class:`TimeoutError` after ``timeout``), and
-  ``close()`` in a ``finally`` (SIGTERM to survivors, SIGKILL after a grace period, and removal of
-  the engine's named segments a killed rank left in ``/dev/shm``);
+  ``close()`` in a ``finally`` (SIGTERM to survivors, SIGKILL after a grace period, then a check
+  that no engine segment appeared in ``/dev/shm``);
 * every rank: ``target(rank, store, pstore, *args)`` runs inside :func:`_rank_entry`, which turns
   SIGTERM into ``SystemExit`` (so ``with``/``finally`` blocks close endpoints), connects to the
   driver's store, and when ``target`` raises records one line (``error/<rank>``: the exception type
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 __all__ = ["Driver", "RankFailed", "RankError", "poll_until", "wait_key", "our_shm_entries",
-           "remove_segments", "one_line"]
+           "one_line"]
 
 SHM_PREFIX = "trs-"  # the engine's named segments; other programs' entries (psm_*, sem.mp-*) are not ours
 
@@ -41,19 +41,6 @@ def our_shm_entries() -> set[str]:
         return {n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIX)}
     except FileNotFoundError:
         return set()
-
-
-def remove_segments(names) -> list[str]:
-    """Unlinks the engine's segments among ``names`` (left by ranks killed before their close())."""
-    removed = []
-    for name in names:
-        if name.startswith(SHM_PREFIX):
-            try:
-                os.unlink(os.path.join("/dev/shm", name))
-                removed.append(name)
-            except FileNotFoundError:
-                pass
-    return removed
 
 
 def poll_until(ready: Callable[[], bool], *, timeout: float, what: str, tick: Callable[[], None] | None = None,
@@ -139,12 +126,14 @@ def _rank_entry(target, rank: int, port: int, prefix: str, timeout: float, args:
     try:
         target(rank, store, pstore, *args)
     except SystemExit as e:
+        _quiet_exit()
         if e.code in (0, None):
             raise
         pstore.set(f"error/{rank}", json.dumps({"time": time.time(), "detail": f"stopped (exit code {e.code})",
                                                  "traceback": ""}))
         raise
     except BaseException as e:  # noqa: BLE001 -- recorded for the driver, then the rank exits 1
+        _quiet_exit()
         # "time": when this rank noticed the failure (an exception may carry an earlier moment).
         noticed = getattr(e, "noticed_at", None) or time.time()
         pstore.set(f"error/{rank}", json.dumps({"time": noticed, "detail": one_line(e),
@@ -154,6 +143,25 @@ def _rank_entry(target, rank: int, port: int, prefix: str, timeout: float, args:
         if os.environ.get("TRITONRESHARD_DEBUG"):
             traceback.print_exc()
         sys.exit(1)
+    _quiet_exit()
+
+
+def _quiet_exit() -> None:
+    """The rank's endpoints are closed: a SIGTERM from now on just ends the process (a SystemExit
+    raised inside the interpreter's exit hooks would only print an ignored-exception report)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _sigterm_exits() -> None:
+    """SIGTERM of the driver raises SystemExit(143), so its ``finally`` / ``with`` blocks stop the
+    ranks and sweep what they left (the default action would kill the driver and orphan them).
+    Only from the main thread, and only where nobody installed a handler of their own."""
+    import threading
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        def _exit(signum, frame):
+            raise SystemExit(128 + signum)
+        signal.signal(signal.SIGTERM, _exit)
 
 
 class Driver:
@@ -175,6 +183,7 @@ class Driver:
         self.procs: dict[int, object] = {}      # rank -> its current process
         self.exited_at: dict[int, float] = {}  # pid -> wall time the driver saw it exit
         self.closed = False
+        _sigterm_exits()
 
     # -- processes ------------------------------------------------------------------------------
     def start(self, ranks=None) -> None:
@@ -255,7 +264,12 @@ class Driver:
                 tick()
             errs = self.failures(watch)
             if errs:
-                raise RankFailed(errs, self.describe)
+                # A rank records its error, then exits: give it a moment, so the report has its
+                # exit code and the other ranks' errors that arrive meanwhile.
+                for e in errs:
+                    if e.exitcode is None:
+                        self.procs[e.rank].join(timeout=5)
+                raise RankFailed(self.failures(watch), self.describe)
         poll_until(ready, timeout=self.timeout if timeout is None else timeout, what=what, tick=check)
 
     # -- lifetime -------------------------------------------------------------------------------
@@ -277,9 +291,11 @@ class Driver:
         return stopped
 
     def close(self, join: float = 10.0) -> list[str]:
-        """Joins the ranks (``join`` s), stops any left, and removes the engine segments that ranks
-        killed before their ``close()`` left behind. Returns those segments' names (a leak when no
-        rank was killed)."""
+        """Joins the ranks (``join`` s), stops any left, and returns the engine segments (``trs-*``)
+        that appeared in ``/dev/shm`` meanwhile. The ranks get the group secret from :meth:`start`,
+        so the engine hands its segments over as memfds and names none, even for a rank that is
+        SIGKILLed: any name here is a leak to report. None is removed, because a name cannot tell
+        whose it is (another run on the machine may own it)."""
         if self.closed:
             return []
         self.closed = True
@@ -287,9 +303,7 @@ class Driver:
         for p in self.procs.values():
             p.join(timeout=max(0.0, deadline - time.monotonic()))
         self.stop()
-        leaked = sorted(our_shm_entries() - self._shm_before)
-        remove_segments(leaked)
-        return leaked
+        return sorted(our_shm_entries() - self._shm_before)
 
     def __enter__(self):
         return self

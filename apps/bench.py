@@ -734,7 +734,7 @@ class BenchSession:
 
     # -- lifetime ----------------------------------------------------------------------------
     def close(self, failed: bool = False) -> list[str]:
-        """Stops the ranks; returns the engine's /dev/shm entries left behind (after removing them)."""
+        """Stops the ranks; returns the engine's /dev/shm entries that appeared meanwhile (a leak)."""
         if self.closed:
             return []
         self.closed = True
@@ -939,7 +939,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     if leaked:
-        print(f"tritonreshard bench: removed /dev/shm entries left behind: {leaked}", file=sys.stderr)
+        print(f"tritonreshard bench: /dev/shm entries appeared during the run: {leaked}", file=sys.stderr)
     out["shm_leaked"] = leaked
     print(_table(out))
     if args.json:
