@@ -5,6 +5,7 @@ store and pull the following versions bit for bit.
 The driver (this test) hosts the store, so it outlives the trainers; every rank connects as a client
 (``host_store=False``). New trainer processes start at ``epoch=1`` from a "checkpoint" of version 3.
 """
+import gc
 import os
 import queue
 import signal
@@ -19,6 +20,7 @@ import torch.multiprocessing as mp
 import tritonreshard as trs
 from tritonreshard import Layout, Shard
 
+from _faults import our_fds, our_maps
 from _mp import _entry
 
 pytestmark = pytest.mark.timeout(300)
@@ -78,6 +80,8 @@ def _inference(rank, port):
         _check(ep, rank, LAST_OF_EPOCH0)  # "generation" goes on with the serving weights
         time.sleep(0.01)
     error = ep.pull_error()
+    error_text, error_rank = f"{type(error).__name__}: {error}", getattr(error, "rank", None)
+    del error  # its traceback holds the failed pull's frames (and their views of the dead arenas)
     with pytest.raises(trs.PeerDiedError):
         ep.swap()
     assert ep.version == LAST_OF_EPOCH0 and not ep.alive()
@@ -88,11 +92,13 @@ def _inference(rank, port):
     for v in range(LAST_OF_EPOCH0 + 1, LAST + 1):
         pulled.append(ep.pull())
         _check(ep, rank, v)
-    stats = ep.last_pull
+    stats, staging = ep.last_pull, ep.staging_bytes
     ep.close()
-    return {"pid_start": pid, "pid_end": os.getpid(), "error": f"{type(error).__name__}: {error}",
-            "error_rank": getattr(error, "rank", None), "pulled": pulled, "copy_ms": stats.copy_ms,
-            "staging": ep.staging_bytes}
+    del ep
+    gc.collect()
+    return {"our_fds": our_fds(), "our_maps": our_maps(), "pid_start": pid, "pid_end": os.getpid(), "error": error_text,
+            "error_rank": error_rank, "pulled": pulled, "copy_ms": stats.copy_ms,
+            "staging": staging}
 
 
 def test_inference_survives_a_trainer_restart():
@@ -139,4 +145,5 @@ def test_inference_survives_a_trainer_restart():
         assert rep["error"].startswith("PeerDiedError") and rep["error_rank"] in TRAINERS, rep
         assert rep["pulled"] == [4, 5, 6], rep
         assert rep["staging"] == 0, rep
+        assert rep["our_fds"] == [] and rep["our_maps"] == [], rep  # both epochs' mappings released
     assert all(out[r]["epoch"] == 1 for r in TRAINERS)

@@ -282,8 +282,8 @@ class Group:
     def end(self, err: PeerDiedError) -> None:
         """Mark this epoch over (first cause wins): later waits raise at once."""
         with self._lock:
-            if self.ended is None:
-                self.ended = err
+            if self.ended is None:  # a copy without traceback: it must not pin the pull's frames
+                self.ended = PeerDiedError(err.rank, str(err))
 
     # ------------------------------------------------------------------ the one wait
     def wait(self, done, what: str, timeout: float, *, peers=(), controls=(), doorbell=None,
