@@ -29,15 +29,19 @@ local shards):
 Timing of one refit: trainers write the next version's weights (untimed), every rank meets in a gloo
 barrier, reads ``time.monotonic()`` (CLOCK_MONOTONIC: one clock for every process of the machine),
 runs the method and reads the clock again; the refit's time is max(end) - min(start) over all ranks.
-``seconds`` is the median over ``--repeats`` refits after ``--warmup``.
+``seconds`` is the median over ``--repeats`` refits after ``--warmup``. For ``tritonreshard``,
+``coordination_ms`` is the median of (refit time - the slowest inference rank's copy), the copy as
+the engine measures it (``last_pull.copy_ms``: its descriptor-table copy, device sync included), and
+``staging_bytes`` the extra memory the pulls allocated as the engine measured it (``staging_bytes``
+of each rank: the most one pull took), summed over the ranks.
 
 Provenance: every element's bf16 bits are a hash of (tensor name, global index) XOR a key of the
 version, with the top exponent bit clear (finite values). Every refit changes every weight, so after
 the timed refits each inference rank checks its shards bit for bit: a stale, misplaced or unwritten
 element fails ``verified``.
 
-Processes: the driver hosts a TCPStore and spawns one process per rank (``torch.set_num_threads(1)``);
-ranks run commands from the store (:class:`BenchSession`, also used by ``bench/test_bench_refit.py``)
+Processes: the shared driver (:mod:`._driver`) hosts a TCPStore and spawns one process per rank
+(``torch.set_num_threads(1)``); ranks run commands from the store (:class:`BenchSession`, also used by ``bench/test_bench_refit.py``)
 so one set-up serves many measurements. Entry points for ``tritonreshard bench``: :func:`add_arguments`
 and :func:`run`.
 """
