@@ -194,11 +194,11 @@ class Driver:
         secret_for_children()  # children inherit it through the environment; it never crosses the store
         ctx = mp.get_context("spawn")
         for r in (range(self.world_size) if ranks is None else ranks):
+            self.pstore.delete_key(f"error/{r}")  # a restarted rank's predecessor's error is history
             p = ctx.Process(target=_rank_entry, name=f"trs-{self.name}-rank{r}",
                             args=(self._target, r, self.store.port, self.prefix, self.timeout, self._args))
             p.start()
             self.procs[r] = p
-            self.pstore.delete_key(f"error/{r}")
 
     def exitcodes(self) -> dict[int, int | None]:
         """rank -> exit code (None: running). Reading ``exitcode`` reaps: a dead rank is no zombie."""
