@@ -810,6 +810,7 @@ def _inference_main(rank, rc: _RunConfig, store, dstore, device) -> None:
                     t = time.perf_counter()
                     serving = inf.swap()
                     stall = time.perf_counter() - t
+                    installed_at = time.time()
                     if serving != pulling:
                         raise RuntimeError(f"rank {rank}: swapped in version {serving}, expected {pulling}")
                     pulling = None
@@ -837,6 +838,7 @@ def _inference_main(rank, rc: _RunConfig, store, dstore, device) -> None:
                 except Exception as e:  # noqa: BLE001 -- torn: inf.consistent is False now; decided together below
                     cause = e
                 stall = time.perf_counter() - t
+                installed_at = time.time()
                 ok = comm.all_reduce_min(torch.tensor([int(cause is None)], dtype=torch.int64), igroup)
                 if not int(ok):
                     _fail_group(rank, inf, dstore, igroup, comm, leader, dst_layouts, refits, plan_bytes,
@@ -852,7 +854,7 @@ def _inference_main(rank, rc: _RunConfig, store, dstore, device) -> None:
                     max_stall = max(max_stall, stall_t)
                     dstore.set(f"refit/{refits}", json.dumps({
                         "version": inf.version, "pull_ms": 1e3 * pull_s, "stall_ms": 1e3 * stall_t,
-                        "tp_max_abs_diff": tp_diff, "epoch": inf.epoch, "time": time.time()}))
+                        "tp_max_abs_diff": tp_diff, "epoch": inf.epoch, "time": installed_at}))
                     dstore.add("refits_done", 1)
             if leader:
                 _check_pending(dstore, pending, verified, bad, block=False)
