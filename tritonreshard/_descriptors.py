@@ -124,34 +124,19 @@ def _regions(src_view: torch.Tensor, dst_view: torch.Tensor, src_base: int, dst_
 
 
 class _Group:
-    """One launch: the regions of one (src dtype, dst dtype) group as device tensors."""
+    """The launches of one (src dtype, dst dtype) group: at most one per kernel variant, whatever the
+    number of regions (see ``tritonreshard.kernels.plan_launches``)."""
 
     def __init__(self, key, regions: list[Region], device: torch.device):
         self.key = key
-        block = _k.block_for(key)
-        log_block = block.bit_length() - 1
-        rows, counts, tile0 = [], [], 0
-        for r in regions:
-            n0, n1, n2, n3 = r.shape
-            log_w, col_tiles, ntiles = _k.tile_geometry(n3, n0 * n1 * n2, block)
-            a = _k.ALIGN_BYTES
-            aligned = (r.src_strides[3] == 1 and r.dst_strides[3] == 1 and log_w == log_block
-                       and r.src_addr % a == 0 and r.dst_addr % a == 0
-                       and all(s * r.itemsize_src % a == 0 for s in r.src_strides[:3])
-                       and all(d * r.itemsize_dst % a == 0 for d in r.dst_strides[:3]))
-            rows.append([r.src_addr, r.dst_addr, *r.shape, *r.src_strides, *r.dst_strides,
-                         tile0, log_w, col_tiles, _k.FLAG_ALIGNED if aligned else 0])
-            counts.append(ntiles)
-            tile0 += ntiles
-        self.num_tiles = tile0
-        self.num_regions = len(rows)
-        self.desc = torch.tensor(rows, dtype=torch.int64).reshape(-1, _k.NFIELDS).to(device)
-        self.tile_region = torch.repeat_interleave(
-            torch.arange(len(rows), dtype=torch.int32), torch.tensor(counts, dtype=torch.int64)
-        ).to(device)
+        boxes = [(r.src_addr, r.dst_addr, r.shape, r.src_strides, r.dst_strides) for r in regions]
+        self.launches = _k.plan_launches(key, boxes, device)
+        self.num_regions = len(regions)
+        self.num_tiles = sum(lc.num_tiles for lc in self.launches)
 
     def launch(self) -> None:
-        _k.launch_gather(self.desc, self.tile_region, self.key)
+        for lc in self.launches:
+            lc.launch()
 
 
 def _span(t: torch.Tensor) -> int:
@@ -280,8 +265,8 @@ class DescriptorTable:
         return DescriptorTable([self.entries[i] for i in indices], self.device)
 
     def run(self, backend: str = "triton") -> None:
-        """Execute every entry. ``"triton"``: one gather-kernel launch per dtype group (compiled on
-        CUDA, interpreter on CPU tensors); ``"torch"``: ``dst_view.copy_(src_view)`` per entry (the
+        """Execute every entry. ``"triton"``: one launch per (dtype group, kernel variant) (compiled
+        on CUDA, Triton's interpreter on CPU tensors); ``"torch"``: ``dst_view.copy_(src_view)`` per entry (the
         fast CPU path; equal bits except NaN payloads, see ``tritonreshard.kernels.gather``)."""
         if backend == "triton":
             for g in self._groups:
@@ -302,8 +287,9 @@ class DescriptorTable:
 
     @property
     def num_launches(self) -> int:
-        """Kernel launches per ``run(backend="triton")``: one per non-empty dtype group."""
-        return sum(1 for g in self._groups if g.num_tiles)
+        """Kernel launches per ``run(backend="triton")``: one per (dtype group, kernel variant) with
+        work; at most ``2 x`` the number of dtype groups, whatever the number of tensors."""
+        return sum(1 for g in self._groups for lc in g.launches if lc.num_tiles)
 
     @property
     def num_regions(self) -> int:
@@ -317,7 +303,8 @@ class DescriptorTable:
         head = (f"DescriptorTable: {len(self)} entries, {self.num_regions} regions, {self.num_tiles} "
                 f"tiles, {self.num_launches} launch(es) on {self.device}, {self.bytes_read} B read, "
                 f"{self.bytes_written} B written")
-        groups = [f"  launch {g.key}: {g.num_regions} regions, {g.num_tiles} tiles" for g in self._groups]
+        groups = [f"  launch {lc.variant} {g.key}: {lc.num_regions} regions, {lc.num_tiles} tiles"
+                  for g in self._groups for lc in g.launches]
         return "\n".join([head, *groups, *(str(e) for e in self.entries)])
 
     def __repr__(self) -> str:

@@ -141,12 +141,6 @@ def execute_local(plan, src_shards, out=None, backend: str = "auto") -> dict[int
     device = device or torch.device("cpu")
     if backend == "auto":
         backend = "triton" if device.type == "cuda" else "torch"
-    if backend == "triton" and device.type == "cpu":
-        from . import kernels
-
-        if not kernels.INTERPRET:
-            problems.append("backend='triton' on CPU tensors needs Triton's interpreter "
-                            "(TRITON_INTERPRET=1 before tritonreshard.kernels is imported)")
     if problems:
         raise ValueError("execute_local: invalid input:\n  " + "\n  ".join(problems))
 
