@@ -21,9 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
-from triton.runtime.jit import create_function_from_signature
+from triton.runtime.jit import JITFunction, create_function_from_signature
 
 from tritonreshard import kernels
 
@@ -102,18 +103,46 @@ def compiled():
         return list(pool.map(_compile, configurations()))
 
 
+def problems_of(name: str, key, ptx: str, usage: dict) -> list[str]:
+    """Why one compiled configuration is not built for copy speed ([] if it is)."""
+    problems = []
+    if usage["STACK"] > 0 or usage.get("LOCAL", 0) > 0:
+        problems.append(f"{name}: spills ({usage})")
+    if usage["REG"] > MAX_REGS:
+        problems.append(f"{name}: {usage['REG']} registers > {MAX_REGS}")
+    if key[0] == "copy":
+        for op in ("ld", "st"):
+            if not re.search(rf"\b{op}\.global(\.[a-z0-9_]+)*?{_V128}\b", ptx):
+                problems.append(f"{name}: no 128-bit global {op} in the PTX")
+    return problems
+
+
 def test_every_launch_configuration_compiles_for_sm90_fast(compiled):
     problems, table = [], []
     for name, key, ptx, usage in compiled:
         table.append(f"{name:28s} REG {usage['REG']:4d}  STACK {usage['STACK']}")
-        if usage["STACK"] > 0 or usage.get("LOCAL", 0) > 0:
-            problems.append(f"{name}: spills ({usage})")
-        if usage["REG"] > MAX_REGS:
-            problems.append(f"{name}: {usage['REG']} registers > {MAX_REGS}")
-        if key[0] == "copy":
-            for op in ("ld", "st"):
-                if not re.search(rf"\b{op}\.global(\.[a-z0-9_]+)*?{_V128}\b", ptx):
-                    problems.append(f"{name}: no 128-bit global {op} in the PTX")
+        problems += problems_of(name, key, ptx, usage)
     print("\n".join(table))
     assert len(compiled) == len(kernels.launch_configs())
     assert not problems, "\n".join(problems)
+
+
+@triton.jit
+def _scalar_copy_kernel(src_ptr, dst_ptr, n, stride, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs * stride, mask=mask), mask=mask)
+
+
+def test_gate_flags_a_copy_without_128_bit_accesses():
+    """The checks can fail: a copy with a run-time stride and length compiles to scalar accesses."""
+    if not isinstance(_scalar_copy_kernel, JITFunction):  # TRITON_INTERPRET=1 in the environment
+        kernel = JITFunction(_scalar_copy_kernel.fn)
+    else:
+        kernel = _scalar_copy_kernel
+    src = ASTSource(kernel, {"src_ptr": "*i16", "dst_ptr": "*i16", "n": "i32", "stride": "i32", "BLOCK": "constexpr"},
+                    constexprs={"BLOCK": 1024}, attrs={(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]})
+    compiled = triton.compile(src, target=TARGET)
+    problems = problems_of("scalar", ("copy", 2), compiled.asm["ptx"], resource_usage(compiled.asm["cubin"]))
+    # (the store is scalar too: its mask compares against a run-time n of unknown divisibility)
+    assert problems == ["scalar: no 128-bit global ld in the PTX", "scalar: no 128-bit global st in the PTX"]
