@@ -6,14 +6,13 @@ addresses of the first source / destination element, shape outermost first, stri
 the innermost dim is the destination's contiguous one). :func:`plan_launches` turns one dtype group's
 regions into at most two launches, one per kernel variant, each with its own table:
 
-* ``"rows"`` (:func:`copy_rows_kernel`): rows whose inner dim is contiguous on both sides, whose
-  starts are 16-byte aligned and whose length is a whole number of 16-byte vectors, at least
-  ``WIDE_MIN_ROW_BYTES`` long (a row's last few elements, when not a whole vector, go to
-  ``"tiles"``). Table: int64 ``[T, 3]``, one entry per *tile* (``src_addr``, ``dst_addr``, ``n``):
-  up to ``CHUNK`` elements (4 KiB on the wider side) of one row. The kernel does no index math at
-  all: a program reads its ``TILES`` tiles' entries with one vector load per field and moves
-  ``TILES x CHUNK`` elements with 128-bit loads and stores (the only mask is per tile and in whole
-  vectors, so it never splits a vector). 24 table bytes per 4 KiB tile (< 0.6%).
+* ``"rows"`` (:func:`copy_rows_kernel`): whole ``CHUNK``-element tiles (``ROWS_TILE_BYTES`` = 4 KiB
+  on the wider side) of rows whose inner dim is contiguous on both sides and whose starts are
+  16-byte aligned. Table: int64 ``[T, 2]``, one entry per tile (``src_addr``, ``dst_addr``). The
+  kernel does no index math and has no mask inside a tile: a program reads its ``TILES`` tiles'
+  addresses with one vector load per field and moves ``TILES x CHUNK`` elements with 128-bit loads
+  and stores. 16 table bytes per 4 KiB tile (< 0.4%). The rest of such a row (shorter than a tile)
+  goes to ``"tiles"``, cut where its whole vectors end so that part keeps the 128-bit path there.
 * ``"tiles"`` (:func:`copy_tiles_kernel`): everything else (narrow rows, strided or transposed inner
   dims, unaligned starts, tails). Regions are 2-D here (``n_rows x n_cols``; the builder splits
   outer dims and re-flows long contiguous runs into ``COLS``-wide rows). Table: int64
@@ -75,9 +74,8 @@ FLAG_ALIGNED = 1
 ALIGN_BYTES = 16  # one 128-bit vector
 MAX_DIMS = 4  # regions the builder hands over are 4-D boxes
 VARIANTS = ("rows", "tiles")
-WIDE_MIN_ROW_BYTES = 1024  # shorter rows would make the per-tile table a visible share of the bytes
 INDEX_LIMIT = 2**30  # rows / columns per "tiles" region: 32-bit index math cannot overflow
-_ROWS_TILE_BYTES = 4096  # "rows": one tile, on the wider side
+ROWS_TILE_BYTES = 4096  # "rows": one tile, on the wider side (a multiple of ALIGN_BYTES)
 _ROWS_TILES_PER_PROGRAM = 4  # 16 KiB per program: bytes in flight hide the one table read
 _TILES_TILE_BYTES = 4096  # "tiles": one [ROWS, COLS] tile, on the wider side
 _TILES_COLS = 64  # columns per tile: 64..512 bytes per row segment, whole vectors
@@ -135,10 +133,11 @@ def _vec(key) -> int:
 def _constexprs(variant: str, key) -> dict:
     sb, db, sk, dk = _widths(key)
     wide = max(sb, db)
-    common = dict(SRC_T=_BITS_T[sb], DST_T=_BITS_T[db], SRC_KIND=sk, DST_KIND=dk, VEC=_vec(key))
+    common = dict(SRC_T=_BITS_T[sb], DST_T=_BITS_T[db], SRC_KIND=sk, DST_KIND=dk)
     if variant == "rows":
-        return dict(common, CHUNK=_ROWS_TILE_BYTES // wide, TILES=_ROWS_TILES_PER_PROGRAM)
-    return dict(common, ROWS=_TILES_TILE_BYTES // wide // _TILES_COLS, COLS=_TILES_COLS, NFIELDS=NFIELDS)
+        return dict(common, CHUNK=ROWS_TILE_BYTES // wide, TILES=_ROWS_TILES_PER_PROGRAM)
+    return dict(common, VEC=_vec(key), ROWS=_TILES_TILE_BYTES // wide // _TILES_COLS, COLS=_TILES_COLS,
+                NFIELDS=NFIELDS)
 
 # ---------------------------------------------------------------------------------------------------
 # bit-exact conversions (integer arithmetic only; fp32 bits are carried in int32)
@@ -218,30 +217,26 @@ def _convert_bits(x, SRC_KIND: tl.constexpr, DST_KIND: tl.constexpr):
 
 @jit(do_not_specialize=["num_tiles"])
 def copy_rows_kernel(
-    tiles_ptr,  # int64 [num_tiles, 3]: (src_addr, dst_addr, n) per tile; n is a multiple of VEC
+    tiles_ptr,  # int64 [num_tiles, 2]: (src_addr, dst_addr) of each CHUNK-element tile
     num_tiles,
     SRC_T: tl.constexpr,  # integer type of the source's bit width
     DST_T: tl.constexpr,
     SRC_KIND: tl.constexpr,  # 0 raw bits, 1 fp32, 2 bf16, 3 fp16
     DST_KIND: tl.constexpr,
-    VEC: tl.constexpr,  # elements per 128-bit vector on the narrower side
     CHUNK: tl.constexpr,  # elements per tile
     TILES: tl.constexpr,  # tiles per program
 ):
     tile = tl.program_id(0).to(tl.int64) * TILES + tl.arange(0, TILES).to(tl.int64)
-    live = tile < num_tiles
-    entry = tiles_ptr + tile * 3
-    src_addr = tl.load(entry, mask=live, other=0)
-    dst_addr = tl.load(entry + 1, mask=live, other=0)
-    # n is a whole number of vectors (the builder's guarantee), so the mask never splits a vector
-    n = tl.multiple_of(tl.load(entry + 2, mask=live, other=0), VEC)
-    # 16-byte aligned starts (the builder's guarantee) + contiguous lanes: 128-bit accesses
+    live = tile < num_tiles  # only the last program has tiles past the end
+    src_addr = tl.load(tiles_ptr + tile * 2, mask=live, other=0)
+    dst_addr = tl.load(tiles_ptr + tile * 2 + 1, mask=live, other=0)
+    # Whole tiles of 16-byte aligned starts (the builder's guarantee) + contiguous lanes: 128-bit
+    # accesses, and no mask inside a tile (the mask is per tile, constant along the lanes).
     src = tl.multiple_of(src_addr.to(tl.pointer_type(SRC_T)), 16)
     dst = tl.multiple_of(dst_addr.to(tl.pointer_type(DST_T)), 16)
     lane = tl.arange(0, CHUNK)
-    mask = lane[None, :] < n[:, None]
-    x = tl.load(src[:, None] + lane[None, :], mask=mask)
-    tl.store(dst[:, None] + lane[None, :], _convert_bits(x, SRC_KIND, DST_KIND), mask=mask)
+    x = tl.load(src[:, None] + lane[None, :], mask=live[:, None])
+    tl.store(dst[:, None] + lane[None, :], _convert_bits(x, SRC_KIND, DST_KIND), mask=live[:, None])
 
 
 @jit
@@ -315,16 +310,16 @@ def _outer_offsets(shape, strides) -> np.ndarray:
     return off.reshape(-1)
 
 
-def _rows_tiles(box, body: int, sb: int, db: int, chunk: int) -> np.ndarray:
-    """``"rows"`` table entries of the first ``body`` elements of every row of ``box``."""
+def _rows_tiles(box, full: int, sb: int, db: int, chunk: int) -> np.ndarray:
+    """``"rows"`` table entries of the first ``full`` (a multiple of ``chunk``) elements of every
+    row of ``box``."""
     sa, da, shape, ss, ds = box
     so, do = _outer_offsets(shape, ss), _outer_offsets(shape, ds)
-    starts = np.arange(0, body, chunk, dtype=np.int64)
-    out = np.empty((so.size, starts.size, 3), dtype=np.int64)
+    starts = np.arange(0, full, chunk, dtype=np.int64)
+    out = np.empty((so.size, starts.size, 2), dtype=np.int64)
     out[..., 0] = sa + (so[:, None] + starts[None, :]) * sb
     out[..., 1] = da + (do[:, None] + starts[None, :]) * db
-    out[..., 2] = np.minimum(chunk, body - starts)[None, :]
-    return out.reshape(-1, 3)
+    return out.reshape(-1, 2)
 
 
 def _tiles_regions(box, sb: int, db: int, cols: int):
@@ -400,7 +395,7 @@ def plan_launches(key, boxes, device) -> list[GatherLaunch]:
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be cpu or cuda, got device={str(device)!r}")
     sb, db, _, _ = _widths(key)
-    vec, wide = _vec(key), max(sb, db)
+    vec = _vec(key)
     chunk = _constexprs("rows", key)["CHUNK"]
     tc = _constexprs("tiles", key)
     rows_parts, rows_regions, pieces = [], 0, []
@@ -412,14 +407,19 @@ def plan_launches(key, boxes, device) -> list[GatherLaunch]:
         aligned_rows = (ss[3] == 1 and ds[3] == 1 and sa % ALIGN_BYTES == 0 and da % ALIGN_BYTES == 0
                         and all(n == 1 or (s * sb) % ALIGN_BYTES == 0 for n, s in zip(shape[:3], ss[:3]))
                         and all(n == 1 or (d * db) % ALIGN_BYTES == 0 for n, d in zip(shape[:3], ds[:3])))
-        body = n3 - n3 % vec
-        if aligned_rows and body * wide >= WIDE_MIN_ROW_BYTES:
-            rows_parts.append(_rows_tiles(box, body, sb, db, chunk))
+        if not aligned_rows:
+            pieces.extend(_tiles_regions(box, sb, db, tc["COLS"]))
+            continue
+        # Aligned rows: whole CHUNK tiles to "rows"; the rest of each row to "tiles", cut where
+        # the whole vectors end so that the vector part keeps the 128-bit path.
+        full, body = n3 - n3 % chunk, n3 - n3 % vec
+        if full:
+            rows_parts.append(_rows_tiles(box, full, sb, db, chunk))
             rows_regions += 1
-            if body == n3:
-                continue
-            box = (sa + body * sb, da + body * db, (*shape[:3], n3 - body), ss, ds)  # the tails
-        pieces.extend(_tiles_regions(box, sb, db, tc["COLS"]))
+        for lo, hi in ((full, body), (max(full, body), n3)):
+            if hi > lo:
+                pieces.extend(_tiles_regions((sa + lo * sb, da + lo * db, (*shape[:3], hi - lo), ss, ds),
+                                             sb, db, tc["COLS"]))
 
     launches = []
     if rows_parts:

@@ -41,7 +41,7 @@ def _example_boxes(key):
     wide row (``"rows"``) and one strided narrow region (``"tiles"``). Addresses are only numbers
     here (nothing is launched); they are 16-byte aligned like any allocation."""
     sb, db = (key[1], key[1]) if key[0] == "copy" else (key[1].itemsize, key[2].itemsize)
-    n = 4 * kernels.WIDE_MIN_ROW_BYTES // min(sb, db)
+    n = 2 * kernels.ROWS_TILE_BYTES // min(sb, db)
     wide = (1 << 20, 1 << 30, (1, 1, 2, n), (0, 0, n, 1), (0, 0, n, 1))
     narrow = (1 << 21, 1 << 31, (1, 1, 3, 5), (0, 0, 1, 3), (0, 0, 5, 1))
     return [wide, narrow]

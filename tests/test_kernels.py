@@ -296,9 +296,9 @@ def _variants(table):
                                                  (torch.bfloat16, torch.float32), (torch.int8, torch.int8)],
                          ids=["copy16", "f32-bf16", "bf16-f32", "copy8"])
 def test_wide_rows_tails_and_narrow_regions_in_one_table(src_dtype, dst_dtype, device):
-    """Aligned wide rows take the 128-bit "rows" kernel (several 4 KiB tiles per row, a partial last
-    tile), their last odd elements and the narrow / unaligned regions take "tiles": two launches,
-    every element exact, nothing outside the slices written."""
+    """Aligned wide rows take the 128-bit "rows" kernel (whole 4 KiB tiles); the rest of each row
+    (whole vectors: the aligned "tiles" path; an odd tail) and the narrow unaligned region take
+    "tiles": two launches, every element exact, nothing outside the slices written."""
     vec = 16 // min(src_dtype.itemsize, dst_dtype.itemsize)
     cols = 4096 // max(src_dtype.itemsize, dst_dtype.itemsize) * 2 + 3 * vec + 3  # 2 full tiles, a partial one, a tail
     pad16 = lambda n: -(-n // 16) * 16  # noqa: E731  (16 elements: 16-byte aligned row strides)
@@ -312,7 +312,10 @@ def test_wide_rows_tails_and_narrow_regions_in_one_table(src_dtype, dst_dtype, d
     table = DescriptorTable.build(ops, src=lambda o: src_full, dst=lambda o: dst_full)
     variants = _variants(table)
     assert [v for v, _ in variants] == ["rows", "tiles"] and table.num_launches == 2
-    assert variants[0][1] == 3 * 3  # 3 rows x (2 full + 1 partial) tiles
+    assert variants[0][1] == 3 * 2  # 3 rows x 2 whole 4 KiB tiles; the rest of each row: "tiles"
+    (tiles,) = [lc for g in table._groups for lc in g.launches if lc.variant == "tiles"]
+    flags = tiles.table[:, kernels.FIELD_NAMES.index("flags")].tolist()
+    assert flags == [kernels.FLAG_ALIGNED, 0, 0]  # rest of the rows: whole vectors, odd tail; narrow op
     table.run("triton")
     assert_same_bits(dst_full[0:3, 0:cols], src_full[0:3, 0:cols].to(dst_dtype))
     assert_same_bits(dst_full[1:4, cols:cols + 8], src_full[0:3, 1:9].to(dst_dtype))
