@@ -1,10 +1,12 @@
-"""A rank's transfer ops -> descriptor tables for the gather kernel, built once and reused every refit.
+"""A rank's transfer ops -> descriptor tables for the gather kernels, built once and reused every refit.
 
 Who calls what: a destination rank (or :func:`tritonreshard.execute_local`, for all ranks of one
 process) calls :meth:`DescriptorTable.build` once with callables that return torch views: the source
 rank's full local shard (possibly a view into an arena mapped from another process) and this rank's
-local shard. Every refit it then calls :meth:`DescriptorTable.run`, which is one kernel launch per
-(source dtype, destination dtype) group, whatever the number of tensors and source ranks.
+local shard. Every refit it then calls :meth:`DescriptorTable.run`, which is at most two kernel
+launches (one per kernel variant, see ``tritonreshard.kernels.gather``) per (source dtype,
+destination dtype) group, whatever the number of tensors and source ranks. A CUDA launch goes to the
+current stream of the tables' device.
 
 A table holds raw addresses: the tensors behind the views must stay allocated (and mapped) as long as
 the table is used. The table keeps references to the views, which keeps torch-owned storage alive;
@@ -256,7 +258,7 @@ class DescriptorTable:
             raise ValueError("cannot build descriptor table:\n  " + "\n  ".join(problems))
         if unsupported:
             raise NotImplementedError(
-                "dtype conversions the gather kernel does not implement (same dtype of any width, or "
+                "dtype conversions the gather kernels do not implement (same dtype of any width, or "
                 "float32/bfloat16/float16 pairs):\n  " + "\n  ".join(unsupported))
         return cls(entries, device if device is not None else torch.device("cpu"))
 

@@ -2,7 +2,7 @@
 
 The cross-process engine runs the same :class:`~tritonreshard._descriptors.DescriptorTable` per
 destination rank over mapped arenas; here every rank's tensors live in this process, so one table
-covers the whole plan and a Triton run is one launch per dtype pair.
+covers the whole plan and a Triton run is at most two launches (kernel variants) per dtype pair.
 """
 from __future__ import annotations
 
