@@ -16,11 +16,13 @@ regions into at most two launches, one per kernel variant, each with its own tab
 * ``"tiles"`` (:func:`copy_tiles_kernel`): everything else (narrow rows, strided or transposed inner
   dims, unaligned starts, tails). Regions are 2-D here (``n_rows x n_cols``; the builder splits
   outer dims and re-flows long contiguous runs into ``COLS``-wide rows). Table: int64
-  ``[R, NFIELDS]`` (fields below) plus an int32 tile -> region map. A program moves one
-  ``[ROWS, COLS]`` tile (4 KiB on the wider side): the tile's position is decoded once per program
-  in 32 bits (the builder keeps rows and columns below ``INDEX_LIMIT``), offsets are per row plus
-  per column, so the only per-element work is one add; regions flagged "aligned" (unit inner
-  strides, 16-byte aligned rows, length a whole number of vectors) take a 128-bit path.
+  ``[R, NFIELDS]`` (fields below) plus an int32 tile -> region map. A tile is ``[ROWS, COLS]``
+  (4 KiB on the wider side, 2 KiB for 1-byte copies); a program moves ``TILES`` consecutive tiles,
+  reading tile k+1's table row while tile k's data moves, so the two dependent table reads are
+  waited for once per program, not once per tile. A tile's position is decoded once, in 32 bits
+  (the builder keeps rows and columns below ``INDEX_LIMIT``); offsets are per row plus per column,
+  so the only per-element work is one add. Regions flagged "aligned" (unit inner strides, 16-byte
+  aligned rows, length a whole number of vectors) take a 128-bit path.
 
 ====  ===========  ============================================================================
 col   name         meaning (``"tiles"`` table)
@@ -77,8 +79,9 @@ VARIANTS = ("rows", "tiles")
 INDEX_LIMIT = 2**30  # rows / columns per "tiles" region: 32-bit index math cannot overflow
 ROWS_TILE_BYTES = 4096  # "rows": one tile, on the wider side (a multiple of ALIGN_BYTES)
 _ROWS_TILES_PER_PROGRAM = 4  # 16 KiB per program: bytes in flight hide the one table read
-_TILES_TILE_BYTES = 4096  # "tiles": one [ROWS, COLS] tile, on the wider side
+_TILES_TILE_BYTES = 4096  # "tiles": one [ROWS, COLS] tile, on the wider side (2 KiB for 1-byte copies)
 _TILES_COLS = 64  # columns per tile: 64..512 bytes per row segment, whole vectors
+_TILES_PER_PROGRAM = 4  # 16 KiB per program; the table reads of the next tile overlap this one's data
 _NUM_WARPS = 4
 
 # dtype "kinds" the conversion code understands; RAW means "copy the bits"
@@ -136,8 +139,10 @@ def _constexprs(variant: str, key) -> dict:
     common = dict(SRC_T=_BITS_T[sb], DST_T=_BITS_T[db], SRC_KIND=sk, DST_KIND=dk)
     if variant == "rows":
         return dict(common, CHUNK=ROWS_TILE_BYTES // wide, TILES=_ROWS_TILES_PER_PROGRAM)
-    return dict(common, VEC=_vec(key), ROWS=_TILES_TILE_BYTES // wide // _TILES_COLS, COLS=_TILES_COLS,
-                NFIELDS=NFIELDS)
+    # at most 2048 elements a tile (16 a thread): the strided path keeps a 64-bit address per element
+    elems = min(_TILES_TILE_BYTES // wide, 2048)
+    return dict(common, VEC=_vec(key), ROWS=elems // _TILES_COLS, COLS=_TILES_COLS,
+                TILES=_TILES_PER_PROGRAM, NFIELDS=NFIELDS)
 
 # ---------------------------------------------------------------------------------------------------
 # bit-exact conversions (integer arithmetic only; fp32 bits are carried in int32)
@@ -240,39 +245,24 @@ def copy_rows_kernel(
 
 
 @jit
-def copy_tiles_kernel(
-    desc_ptr,  # int64 [num_regions, NFIELDS]
-    tile_region_ptr,  # int32 [num_tiles]: region of each tile; one program per tile
-    SRC_T: tl.constexpr,
-    DST_T: tl.constexpr,
-    SRC_KIND: tl.constexpr,
-    DST_KIND: tl.constexpr,
-    VEC: tl.constexpr,
-    ROWS: tl.constexpr,  # rows per tile
-    COLS: tl.constexpr,  # columns per tile (a multiple of VEC)
-    NFIELDS: tl.constexpr,
-):
-    tile = tl.program_id(0)
-    region = tl.load(tile_region_ptr + tile)
+def _tile_fields(desc_ptr, region, NFIELDS: tl.constexpr):
+    """One "tiles" table row as scalars (sizes and tile bookkeeping in int32: < INDEX_LIMIT)."""
     d = desc_ptr + region.to(tl.int64) * NFIELDS
-    src_addr = tl.load(d + 0)
-    dst_addr = tl.load(d + 1)
-    n_rows = tl.load(d + 2).to(tl.int32)  # < INDEX_LIMIT: 32-bit row / column math cannot overflow
-    n_cols = tl.load(d + 3).to(tl.int32)
-    ss_row = tl.load(d + 4)
-    ss_col = tl.load(d + 5)
-    ds_row = tl.load(d + 6)
-    ds_col = tl.load(d + 7)
-    tile0 = tl.load(d + 8).to(tl.int32)
-    col_tiles = tl.load(d + 9).to(tl.int32)
-    flags = tl.load(d + 10)
+    return (tl.load(d + 0), tl.load(d + 1), tl.load(d + 2).to(tl.int32), tl.load(d + 3).to(tl.int32),
+            tl.load(d + 4), tl.load(d + 5), tl.load(d + 6), tl.load(d + 7),
+            tl.load(d + 8).to(tl.int32), tl.load(d + 9).to(tl.int32), tl.load(d + 10).to(tl.int32))
 
+
+@jit
+def _copy_tile(tile, num_tiles, f, SRC_T: tl.constexpr, DST_T: tl.constexpr, SRC_KIND: tl.constexpr,
+               DST_KIND: tl.constexpr, VEC: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    src_addr, dst_addr, n_rows, n_cols, ss_row, ss_col, ds_row, ds_col, tile0, col_tiles, flags = f
     local = tile - tile0
-    row_tile = local // col_tiles  # once per program, not per element
+    row_tile = local // col_tiles  # once per tile, in 32 bits, not per element
     col_tile = local - row_tile * col_tiles
     rows = row_tile * ROWS + tl.arange(0, ROWS)
     cols = col_tile * COLS + tl.arange(0, COLS)
-    row_ok = rows < n_rows
+    row_ok = rows < tl.where(tile < num_tiles, n_rows, 0)  # tiles past the end (last program): none
     rows64 = rows.to(tl.int64)
     src_base = src_addr.to(tl.pointer_type(SRC_T))
     dst_base = dst_addr.to(tl.pointer_type(DST_T))
@@ -281,7 +271,9 @@ def copy_tiles_kernel(
         # by the builder): per-row pointers + contiguous columns give 128-bit accesses.
         src_rows = tl.multiple_of(src_base + rows64 * ss_row, 16)
         dst_rows = tl.multiple_of(dst_base + rows64 * ds_row, 16)
-        mask = row_ok[:, None] & (cols < tl.multiple_of(n_cols, VEC))[None, :]
+        # n_cols is a whole number of vectors; saying so with arithmetic (a hint on a function
+        # argument would be lost) lets the mask keep whole vectors together
+        mask = row_ok[:, None] & (cols < (n_cols // VEC) * VEC)[None, :]
         x = tl.load(src_rows[:, None] + cols[None, :], mask=mask)
         tl.store(dst_rows[:, None] + cols[None, :], _convert_bits(x, SRC_KIND, DST_KIND), mask=mask)
     else:
@@ -291,6 +283,37 @@ def copy_tiles_kernel(
         dst_off = (rows64 * ds_row)[:, None] + (cols64 * ds_col)[None, :]
         x = tl.load(src_base + src_off, mask=mask)
         tl.store(dst_base + dst_off, _convert_bits(x, SRC_KIND, DST_KIND), mask=mask)
+
+
+@jit(do_not_specialize=["num_tiles"])
+def copy_tiles_kernel(
+    desc_ptr,  # int64 [num_regions, NFIELDS]
+    tile_region_ptr,  # int32 [num_tiles]: region of each tile
+    num_tiles,
+    SRC_T: tl.constexpr,
+    DST_T: tl.constexpr,
+    SRC_KIND: tl.constexpr,
+    DST_KIND: tl.constexpr,
+    VEC: tl.constexpr,
+    ROWS: tl.constexpr,  # rows per tile
+    COLS: tl.constexpr,  # columns per tile (a multiple of VEC)
+    TILES: tl.constexpr,  # consecutive tiles per program
+    NFIELDS: tl.constexpr,
+):
+    # Table reads are pipelined: while tile k's data moves, tile k+1's table row and tile k+2's
+    # region index are already in flight, so only the first tile of a program waits for them.
+    # (A run-time loop: one copy of the body keeps the code small and the compile fast.)
+    first = tl.program_id(0) * TILES
+    region = tl.load(tile_region_ptr + first)  # first < num_tiles: the grid is cdiv(num_tiles, TILES)
+    f = _tile_fields(desc_ptr, region, NFIELDS)
+    last = num_tiles - 1  # look-ahead past the end re-reads the last entry (always in bounds)
+    region = tl.load(tile_region_ptr + tl.minimum(first + 1, last))
+    for k in range(TILES):
+        tile = first + k
+        f_next = _tile_fields(desc_ptr, region, NFIELDS)
+        region = tl.load(tile_region_ptr + tl.minimum(tile + 2, last))
+        _copy_tile(tile, num_tiles, f, SRC_T, DST_T, SRC_KIND, DST_KIND, VEC, ROWS, COLS)
+        f = f_next
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -366,7 +389,8 @@ class GatherLaunch:
         kw = dict(_constexprs(self.variant, self.key), num_warps=_NUM_WARPS)
         if self.variant == "rows":
             return copy_rows_kernel, (_cdiv(self.num_tiles, kw["TILES"]),), (self.table, self.num_tiles), kw
-        return copy_tiles_kernel, (self.num_tiles,), (self.table, self.tile_region), kw
+        grid = (_cdiv(self.num_tiles, kw["TILES"]),)
+        return copy_tiles_kernel, grid, (self.table, self.tile_region, self.num_tiles), kw
 
     def launch(self) -> None:
         """Enqueue the copy (CUDA: on the current stream of the table's device; CPU: runs now)."""
