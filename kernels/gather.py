@@ -90,7 +90,6 @@ _KIND = {torch.float32: _F32, torch.bfloat16: _BF16, torch.float16: _F16}
 _BITS_T = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
 
 
-
 def supported_conversion(src_dtype: torch.dtype, dst_dtype: torch.dtype) -> bool:
     """True if the kernels can copy ``src_dtype`` -> ``dst_dtype`` (same dtype of width 1/2/4/8 bytes,
     or any pair among float32, bfloat16, float16)."""

@@ -11,7 +11,6 @@ same-dtype copy without 128-bit global loads and stores, any spill (cubin stack 
 """
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import tempfile
@@ -143,8 +142,9 @@ def test_gate_flags_a_copy_without_128_bit_accesses():
         kernel = JITFunction(_scalar_copy_kernel.fn)
     else:
         kernel = _scalar_copy_kernel
-    src = ASTSource(kernel, {"src_ptr": "*i16", "dst_ptr": "*i16", "n": "i32", "stride": "i32", "BLOCK": "constexpr"},
-                    constexprs={"BLOCK": 1024}, attrs={(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]})
+    signature = {"src_ptr": "*i16", "dst_ptr": "*i16", "n": "i32", "stride": "i32", "BLOCK": "constexpr"}
+    aligned = {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]}
+    src = ASTSource(kernel, signature, constexprs={"BLOCK": 1024}, attrs=aligned)
     compiled = triton.compile(src, target=TARGET)
     problems = problems_of("scalar", ("copy", 2), compiled.asm["ptx"], resource_usage(compiled.asm["cubin"]))
     # (the store is scalar too: its mask compares against a run-time n of unknown divisibility)
