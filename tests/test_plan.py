@@ -390,3 +390,18 @@ def test_parts_plans_are_cached_and_hashable():
     parts = {"x": [trs.Part("a", [(2, 6)]), trs.Part(None, [slice(0, 2)])]}
     assert trs.plan_reshard(src, dst, parts) is trs.plan_reshard(src, dst, parts)
     assert check_parts_exactly_once(src, dst, parts).parts["x"][1] == trs.Part(None, [(0, 2)])
+
+
+def test_plan_picture_of_a_destination_built_from_parts(tmp_path):
+    pytest.importorskip("matplotlib")
+    from tritonreshard.viz import draw_plan
+
+    src = {n: Layout((s, 3), [0, 1], [Shard(0)]) for n, s in (("q", 4), ("k", 2), ("v", 2))}
+    dst = {"qkv": Layout((12, 3), [4, 5, 6, 7], [Shard(0, (4, 4, 4))]), "k": Layout((2, 3), [4, 5], [Shard(0)])}
+    parts = [trs.Part("q", [(0, 4), None])]
+    parts += [trs.Part(n, [(o + j, o + 1 + j), None], (j // 2, 0)) for n, o in (("k", 4), ("v", 8)) for j in range(4)]
+    plan = trs.plan_reshard(src, dst, {"qkv": parts})
+    for name in ("qkv", "k"):
+        path = draw_plan(plan, str(tmp_path / f"{name}.png"), name=name)
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
