@@ -215,3 +215,20 @@ def test_seven_b_llama_plans_for_tp8():
     # Each sharded matrix: one op per (trainer row block, TP rank) overlap; no vocab padding (32000 = 500*64).
     assert not plan.fills
     assert plan.stats.remote_bytes == plan.stats.total_bytes
+
+
+def test_llama_refit_example_checks_every_rank_with_a_tp_forward():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "examples" / "llama_refit.py"), "--plan-7b"],
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, MPLBACKEND="Agg"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "7B-shaped Llama, FSDP 8 -> TP 8: recipe + plan" in out and "9552 ops" in out
+    assert "2 zero fills" in out and "6 built from parts" in out
+    for step in (0, 1):
+        assert f"step {step}: loss" in out and "matches the HF model" in out
