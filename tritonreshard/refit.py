@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import _fsdp
 from . import _rendezvous as rdv
 from ._descriptors import DescriptorTable
 from .execute import writable_problem
@@ -158,6 +159,11 @@ class RefitEndpoint:
                  backend: str = "auto", timeout: float = 60.0, peer_timeout: float = 10.0,
                  group: str = "default"):
         self._closed = True  # until set-up succeeded far enough to need closing (see close())
+        # FSDP2 hook (3 of 6 lines; see tritonreshard/_fsdp.py): a fully_shard model brings its layouts.
+        if isinstance(src_tensors, torch.nn.Module) and _fsdp.is_fsdp2(src_tensors):
+            src_tensors = _fsdp.FSDP2Source(src_tensors)
+            src_layouts = src_tensors.layouts if src_layouts is None else src_layouts
+        self._fsdp2 = src_tensors if isinstance(src_tensors, _fsdp.FSDP2Source) else None
         bad = []
         if not isinstance(world_size, int) or world_size < 1:
             bad.append(f"world_size must be a positive int, got world_size={world_size!r}")
@@ -378,14 +384,19 @@ class RefitEndpoint:
             # Same-geometry shards back to back, so the torch backend can coalesce their copies.
             names = sorted(src_map, key=lambda n: (tuple(src_map[n].shape), str(src_map[n].dtype),
                                                    repr(plan.dst_layouts.get(n)), n))
-            sizes = [src_map[n].numel() * src_map[n].element_size() for n in names]
+            sizes = [(self._fsdp2.padded_numel(n) if self._fsdp2 else src_map[n].numel()) * src_map[n].element_size()
+                     for n in names]  # FSDP2 hook: room for FSDP's padded shard
             offsets, total = pack_offsets(sizes)
             src_device = next(iter(src_map.values())).device if src_map else torch.device("cpu")
             self._arena = create_arena(max(total, 1), src_device, secret=self._secret)
             self._control = create_control_block(self.world_size, self.world_size, secret=self._secret)
-            for name, off in zip(names, offsets):
-                view = self._arena.tensor(off, src_map[name].shape, src_map[name].dtype)
-                view.copy_(src_map[name])  # the one copy: afterwards training runs on the arena
+            for name, off, size in zip(names, offsets, sizes):
+                if self._fsdp2 is not None:  # FSDP2 hook: FSDP all-gathers and steps on the arena from now on
+                    n_el = size // src_map[name].element_size()
+                    view = self._fsdp2.rebind(name, self._arena.tensor(off, n_el, src_map[name].dtype))
+                else:
+                    view = self._arena.tensor(off, src_map[name].shape, src_map[name].dtype)
+                    view.copy_(src_map[name])  # the one copy: afterwards training runs on the arena
                 self._src_views[name] = view
                 if name in self._module_params:
                     self._module_params[name].data = view
