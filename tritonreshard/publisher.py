@@ -44,25 +44,34 @@ class Publisher:
             the arena once. ``params``: ``{name: nn.Parameter}`` re-pointed at the arena views.
         start_version: the version before the first ``publish()`` (a restarted trainer resumes its
             numbering from a checkpoint).
+        fsdp2: a :class:`~tritonreshard._fsdp.FSDP2Source` when ``tensors`` are a ``fully_shard``
+            model's shards: each moves into the arena with FSDP's padding (``rebind``).
     """
 
-    def __init__(self, group: Group, plan: Plan, tensors: dict, *, params=None, start_version: int = 0):
+    def __init__(self, group: Group, plan: Plan, tensors: dict, *, params=None, start_version: int = 0,
+                 fsdp2=None):
         self.group, self.rank = group, group.rank
         self.published = int(start_version)
         self._fenced_version = 0  # what fence() waits for: nothing read from this arena yet
         self.readers = tuple(plan.readers_of(self.rank))
         names = sorted(tensors, key=lambda n: (tuple(tensors[n].shape), str(tensors[n].dtype),
                                                repr(plan.dst_layouts.get(n)), n))
-        sizes = [tensors[n].numel() * tensors[n].element_size() for n in names]
+        def room(n):  # FSDP2 all-gathers its padded shard, so the arena holds the padding too
+            return fsdp2.padded_numel(n) if fsdp2 is not None else tensors[n].numel()
+        sizes = [room(n) * tensors[n].element_size() for n in names]
         offsets, total = pack_offsets(sizes)
         self.device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
         self._arena = self._control = None
         self.tensors: dict[str, torch.Tensor] = {}
         self._arena = create_arena(max(total, 1), self.device, secret=group.secret)
         self._control = create_control_block(group.world_size, group.world_size, secret=group.secret)
-        for name, off in zip(names, offsets):
-            view = self._arena.tensor(off, tensors[name].shape, tensors[name].dtype)
-            view.copy_(tensors[name])  # the one copy: afterwards training runs on the arena
+        for name, off, size in zip(names, offsets, sizes):
+            t = tensors[name]
+            if fsdp2 is not None:  # FSDP2 all-gathers and steps on the arena from now on
+                view = fsdp2.rebind(name, self._arena.tensor(off, size // t.element_size(), t.dtype))
+            else:
+                view = self._arena.tensor(off, t.shape, t.dtype)
+                view.copy_(t)  # the one copy: afterwards training runs on the arena
             self.tensors[name] = view
             if params and name in params:
                 params[name].data = view

@@ -41,6 +41,7 @@ from collections.abc import Mapping
 
 import torch
 
+from . import _fsdp
 from ._group import (Group, Member, PeerDiedError, RefitError, check_timeout, connect,
                      host_identity)
 from .execute import writable_problem
@@ -97,6 +98,11 @@ class RefitEndpoint:
                  host_store: bool | None = None, start_version: int = 0, sources=LocalSources):
         self._released = True  # until set-up succeeded far enough to need closing (see close())
         rank, world_size = _default_rank(rank, world_size)
+        # A fully_shard model brings its layouts, and FSDP2 keeps training on the arena (see _fsdp).
+        fsdp2 = None
+        if isinstance(src_tensors, torch.nn.Module) and _fsdp.is_fsdp2(src_tensors):
+            fsdp2 = src_tensors = _fsdp.FSDP2Source(src_tensors)
+            src_layouts = fsdp2.layouts if src_layouts is None else src_layouts
         bad = []
         if not isinstance(world_size, int) or world_size < 1:
             bad.append(f"world_size must be a positive int, got world_size={world_size!r}")
@@ -146,7 +152,7 @@ class RefitEndpoint:
             plan = self.plan
             if rank in plan.src_ranks:
                 self.publisher = Publisher(self.group, plan, src_map, params=self._module_params,
-                                           start_version=start_version)
+                                           start_version=start_version, fsdp2=fsdp2)
             dst_layouts_here = {n: l for n, l in plan.dst_layouts.items() if rank in l.ranks}
             if dst_layouts_here:
                 self.subscriber = Subscriber(rank, dst_layouts_here, tensors=dst_map, device=dst_device,
