@@ -159,11 +159,12 @@ class RefitEndpoint:
                  backend: str = "auto", timeout: float = 60.0, peer_timeout: float = 10.0,
                  group: str = "default"):
         self._closed = True  # until set-up succeeded far enough to need closing (see close())
-        # FSDP2 hook (3 of 6 lines; see tritonreshard/_fsdp.py): a fully_shard model brings its layouts.
+        # FSDP2 hook (1 of 3; see tritonreshard/_fsdp.py): a fully_shard model brings its layouts.
         if isinstance(src_tensors, torch.nn.Module) and _fsdp.is_fsdp2(src_tensors):
             src_tensors = _fsdp.FSDP2Source(src_tensors)
-            src_layouts = src_tensors.layouts if src_layouts is None else src_layouts
         self._fsdp2 = src_tensors if isinstance(src_tensors, _fsdp.FSDP2Source) else None
+        if self._fsdp2 is not None and src_layouts is None:
+            src_layouts = self._fsdp2.layouts
         bad = []
         if not isinstance(world_size, int) or world_size < 1:
             bad.append(f"world_size must be a positive int, got world_size={world_size!r}")
@@ -385,13 +386,13 @@ class RefitEndpoint:
             names = sorted(src_map, key=lambda n: (tuple(src_map[n].shape), str(src_map[n].dtype),
                                                    repr(plan.dst_layouts.get(n)), n))
             sizes = [(self._fsdp2.padded_numel(n) if self._fsdp2 else src_map[n].numel()) * src_map[n].element_size()
-                     for n in names]  # FSDP2 hook: room for FSDP's padded shard
+                     for n in names]  # FSDP2 hook (2 of 3): room for FSDP's padded shard
             offsets, total = pack_offsets(sizes)
             src_device = next(iter(src_map.values())).device if src_map else torch.device("cpu")
             self._arena = create_arena(max(total, 1), src_device, secret=self._secret)
             self._control = create_control_block(self.world_size, self.world_size, secret=self._secret)
             for name, off, size in zip(names, offsets, sizes):
-                if self._fsdp2 is not None:  # FSDP2 hook: FSDP all-gathers and steps on the arena from now on
+                if self._fsdp2 is not None:  # FSDP2 hook (3 of 3): FSDP all-gathers and steps on the arena from now on
                     n_el = size // src_map[name].element_size()
                     view = self._fsdp2.rebind(name, self._arena.tensor(off, n_el, src_map[name].dtype))
                 else:
