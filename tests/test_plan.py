@@ -394,7 +394,7 @@ def test_parts_plans_are_cached_and_hashable():
 
 def test_plan_picture_of_a_destination_built_from_parts(tmp_path):
     pytest.importorskip("matplotlib")
-    from tritonreshard.viz import draw_plan
+    from tritonreshard.apps.viz import draw_plan
 
     src = {n: Layout((s, 3), [0, 1], [Shard(0)]) for n, s in (("q", 4), ("k", 2), ("v", 2))}
     dst = {"qkv": Layout((12, 3), [4, 5, 6, 7], [Shard(0, (4, 4, 4))]), "k": Layout((2, 3), [4, 5], [Shard(0)])}

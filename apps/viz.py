@@ -12,10 +12,10 @@
 """
 from __future__ import annotations
 
-from .layout import Layout
-from .plan import Plan, _fmt_bytes
+from tritonreshard.layout import Layout
+from tritonreshard.plan import Plan, _fmt_bytes
 
-__all__ = ["draw_plan"]
+__all__ = ["draw_plan", "check_figure_path"]
 
 _MAX_DST_PANELS = 8
 
@@ -166,3 +166,28 @@ def draw_plan(plan: Plan, path: str, name: str | None = None, title: str | None 
     plt.close(fig)
     return path
 
+
+
+def check_figure_path(path: str, what: str = "--png") -> None:
+    """Raises ``ValueError`` naming ``what`` when a figure cannot be saved to ``path`` (a format
+    matplotlib does not write, a missing or read-only folder): checked before any work, so a run
+    never fails at its very end."""
+    import os
+
+    from matplotlib.figure import Figure
+
+    problems = []
+    ext = os.path.splitext(path)[1].lower().lstrip(".")
+    formats = Figure().canvas.get_supported_filetypes()
+    if ext not in formats:
+        problems.append(f"{what}={path!r}: the file name must end in one of "
+                        f"{', '.join('.' + f for f in sorted(formats))}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        problems.append(f"{what}={path!r}: folder {folder!r} does not exist")
+    elif not os.access(folder, os.W_OK):
+        problems.append(f"{what}={path!r}: folder {folder!r} is not writable")
+    elif os.path.isdir(path):
+        problems.append(f"{what}={path!r} is a folder; give a file name")
+    if problems:
+        raise ValueError("; ".join(problems))
