@@ -20,6 +20,7 @@ def _configs():
         "llama": transformers.LlamaConfig(num_attention_heads=4, num_key_value_heads=2, **common),
         "llama_bias": transformers.LlamaConfig(num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
                                                mlp_bias=True, **common),
+        "llama_mha": transformers.LlamaConfig(num_attention_heads=4, num_key_value_heads=4, **common),
         "mistral": transformers.MistralConfig(num_attention_heads=8, num_key_value_heads=2, **common),
         "qwen2_tied": transformers.Qwen2Config(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
                                                **{k: v for k, v in common.items() if k != "head_dim"}),
@@ -30,7 +31,9 @@ def _configs():
     }
 
 
-CASES = [("llama", 1), ("llama", 2), ("llama", 4), ("llama_bias", 4), ("mistral", 8), ("mistral", 2),
+# KV heads (2, or 4 for llama_mha) vs tp: below (llama 1, llama_mha 2), at (llama 2), above (llama 4,
+# mistral 8: 4 replicas per KV head).
+CASES = [("llama", 1), ("llama", 2), ("llama", 4), ("llama_mha", 2), ("llama_bias", 4), ("mistral", 8), ("mistral", 2),
          ("qwen2_tied", 2), ("qwen2_tied", 4), ("qwen3", 2), ("qwen3", 4), ("qwen3_moe", 2), ("qwen3_moe", 4)]
 
 
