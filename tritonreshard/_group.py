@@ -66,6 +66,8 @@ class Member:
     src_layouts: dict | None = None
     dst_layouts: dict | None = None
     problems: tuple[str, ...] = ()
+    #: Destination side: ``{dst name: (Part, ...)}`` (``plan_reshard``'s ``parts=``); ``{}`` for none.
+    dst_parts: dict | None = None
 
     def __repr__(self):
         roles = [r for r, on in (("trainer", self.src_layouts is not None),
@@ -109,11 +111,20 @@ def _desc(layout) -> str:
     return "missing" if layout is None else str(layout) + f" {tuple(layout.shape)} {layout.dtype}"
 
 
+def _parts_desc(parts) -> str:
+    return "missing" if parts is None else "[" + ", ".join(map(str, parts)) + "]"
+
+
 def validate_members(members: list[Member], world_size: int) -> Plan:
     """The group's plan from every rank's :class:`Member`; raises one ``ValueError`` listing every
-    problem (each rank computes the same, so every rank raises the same)."""
+    problem (each rank computes the same, so every rank raises the same).
+
+    The destination side's ``dst_parts`` (recipes: q/k/v -> qkv, padded vocab, ...) go into
+    ``plan_reshard`` with the layouts, so every rank derives the same plan; inference ranks that
+    disagree on them are rejected like ranks that disagree on layouts."""
     problems = [f"rank {m.rank}: {p}" for m in members for p in m.problems]
     layouts = {}
+    parts = None
     for side in ("src", "dst"):
         holders = [m for m in members if getattr(m, f"{side}_layouts") is not None]
         role = "trainer" if side == "src" else "inference"
@@ -130,6 +141,17 @@ def validate_members(members: list[Member], world_size: int) -> Plan:
                     problems.append(
                         f"rank {m.rank} joined with {side}_layouts[{name!r}]={_desc(b)} but rank "
                         f"{ref.rank} has {_desc(a)}: every {role} rank must pass the same layouts")
+        if side == "dst":
+            ref_parts = ref.dst_parts or {}
+            for m in holders[1:]:
+                other = m.dst_parts or {}
+                for name in sorted(set(ref_parts) | set(other)):
+                    a, b = ref_parts.get(name), other.get(name)
+                    if a != b:
+                        problems.append(
+                            f"rank {m.rank} joined with parts[{name!r}]={_parts_desc(b)} but rank "
+                            f"{ref.rank} has {_parts_desc(a)}: every inference rank must pass the same parts")
+            parts = ref_parts
         ranks = {m.rank for m in holders}
         for name, lay in ref_layouts.items():
             if isinstance(lay, Layout):
@@ -141,7 +163,7 @@ def validate_members(members: list[Member], world_size: int) -> Plan:
     plan = None
     if not problems:
         try:
-            plan = plan_reshard(layouts["src"], layouts["dst"])
+            plan = plan_reshard(layouts["src"], layouts["dst"], parts or None)
         except (ValueError, TypeError) as exc:
             problems.append(str(exc))
     if problems:

@@ -45,7 +45,7 @@ from . import _fsdp
 from ._group import (Group, Member, PeerDiedError, RefitError, check_timeout, connect,
                      host_identity)
 from .execute import writable_problem
-from .layout import Layout
+from .layout import Layout, Part
 from .publisher import Exports, Publisher
 from .subscriber import LocalSources, PullStats, Subscriber
 
@@ -77,6 +77,13 @@ class RefitEndpoint:
         start_version: source side: the version before the first ``publish()`` (a restarted trainer
             continues the numbering of its checkpoint).
         dst_layouts: destination side: ``{name: Layout}`` of the whole inference group.
+        parts: destination side, optional: ``{dst name: [trs.Part, ...]}`` as for
+            :func:`~tritonreshard.plan_reshard`: a destination built from other sources (HF q/k/v ->
+            vLLM ``qkv_proj``) or padded with zeros (``Part(None, box)``, e.g. vocab rows past the
+            real vocab). Every inference rank passes the same parts (the group checks); padding is
+            zeroed once when the buffers are set up, never per pull. A recipe gives them:
+            ``RefitInference(spec.dst, parts=spec.parts, ...)`` or
+            ``RefitInference.from_recipe(spec, ...)``.
         dst_tensors: destination side, optional: tensors to write (e.g. the engine's parameters);
             the serving buffer set in in-place mode, the first of the two sets in shadow mode.
         mode: ``"shadow"`` (pull into a second buffer set, then ``swap``) or ``"inplace"``.
@@ -95,7 +102,8 @@ class RefitEndpoint:
                  src_tensors=None, src_layouts=None, dst_layouts=None, dst_tensors=None,
                  mode: str = "shadow", device=None, backend: str = "auto", timeout: float = 60.0,
                  peer_timeout: float = 10.0, group: str = "default", epoch: int = 0,
-                 host_store: bool | None = None, start_version: int = 0, sources=LocalSources):
+                 host_store: bool | None = None, start_version: int = 0, sources=LocalSources,
+                 parts=None):
         self._released = True  # until set-up succeeded far enough to need closing (see close())
         rank, world_size = _default_rank(rank, world_size)
         # A fully_shard model brings its layouts, and FSDP2 keeps training on the arena (see _fsdp).
@@ -116,6 +124,9 @@ class RefitEndpoint:
             bad.append(f"backend must be 'auto', 'torch' or 'triton', got backend={backend!r}")
         if src_layouts is None and dst_layouts is None:
             bad.append("give src_layouts (trainer side), dst_layouts (inference side) or both")
+        if parts is not None and dst_layouts is None:
+            bad.append(f"parts describe destinations: give them with dst_layouts (the inference side), "
+                       f"got parts={_short(parts)} and dst_layouts=None")
         if (src_tensors is None) != (src_layouts is None):
             bad.append("src_tensors and src_layouts go together (the trainer side needs both)")
         if not (isinstance(timeout, (int, float)) and timeout > 0):
@@ -135,12 +146,15 @@ class RefitEndpoint:
         src_map, problems = self._local_sources(src_tensors, src_layouts)
         dst_map, dst_device, dst_problems = self._local_destinations(dst_tensors, dst_layouts, device)
         problems += dst_problems
+        dst_parts, parts_problems = _local_parts(parts) if dst_layouts is not None else ({}, [])
+        problems += parts_problems
         self.device = dst_device if dst_layouts is not None else (
             next(iter(src_map.values())).device if src_map else torch.device("cpu"))
         self.backend = backend if backend != "auto" else ("triton" if self.device.type == "cuda" else "torch")
         self._member = Member(rank, os.getpid(), host_identity(), str(self.device),
                               dict(src_layouts) if src_layouts is not None else None,
-                              dict(dst_layouts) if dst_layouts is not None else None, tuple(problems))
+                              dict(dst_layouts) if dst_layouts is not None else None, tuple(problems),
+                              dst_parts if dst_layouts is not None else None)
         self._base_store, self._hosts_store = connect(store, rank=rank, world_size=world_size,
                                                       timeout=self.timeout, host_store=host_store)
         self.publisher: Publisher | None = None
@@ -157,9 +171,12 @@ class RefitEndpoint:
                                            start_version=start_version, fsdp2=fsdp2)
             dst_layouts_here = {n: l for n, l in plan.dst_layouts.items() if rank in l.ranks}
             if dst_layouts_here:
+                # Buffers of the same source geometry sit together (copies of equal shards then
+                # differ by a constant step); a destination built from parts has no namesake source.
                 self.subscriber = Subscriber(rank, dst_layouts_here, tensors=dst_map, device=dst_device,
                                              mode=mode, backend=self.backend, sources=sources,
-                                             src_order={n: repr(plan.src_layouts[n]) for n in dst_layouts_here})
+                                             src_order={n: repr(plan.src_layouts.get(n)) for n in dst_layouts_here},
+                                             fills=plan.fills_for_dst(rank))
             self._attach(self.group, plan)
         except BaseException:
             self.close(abort=True)
@@ -512,6 +529,38 @@ class RefitEndpoint:
                 f"mode={self.mode} backend={self.backend}>")
 
 
+def _short(obj, limit: int = 120) -> str:
+    text = repr(obj)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _local_parts(parts) -> tuple[dict, list[str]]:
+    """``parts`` as ``{dst name: (Part, ...)}`` (plain data: it travels in the rank's hello and is
+    compared with the other inference ranks'), and the problems found. Boxes are checked against
+    the layouts by ``plan_reshard`` when the group meets."""
+    if parts is None:
+        return {}, []
+    if not isinstance(parts, Mapping):
+        return {}, [f"parts must be a mapping dst name -> [trs.Part, ...], got {type(parts).__name__} "
+                    f"(parts={_short(parts)})"]
+    out, problems = {}, []
+    for name, ps in parts.items():
+        if isinstance(ps, (Part, str, bytes)) or not isinstance(ps, (list, tuple)) or not all(
+                isinstance(p, Part) for p in ps):
+            problems.append(f"parts[{name!r}] must be a list of trs.Part, got {_short(ps)}")
+            continue
+        out[name] = tuple(ps)
+    return out, problems
+
+
+def _recipe_spec(spec, what: str):
+    from .recipes import RecipeSpec  # planning layer; imported here to keep refit's imports lean
+    if not isinstance(spec, RecipeSpec):
+        raise ValueError(f"{what}: spec must be a trs.recipes.RecipeSpec (from trs.recipes.hf_to_vllm), "
+                         f"got spec={_short(spec)}")
+    return spec
+
+
 def _default_rank(rank, world_size):
     """``rank`` / ``world_size`` given, else torch.distributed's (if initialised), else the
     launcher's ``$RANK`` / ``$WORLD_SIZE`` (torchrun sets them)."""
@@ -541,15 +590,33 @@ class RefitTrainer(RefitEndpoint):
         super().__init__(rank=rank, world_size=world_size, store=store, src_tensors=tensors,
                          src_layouts=layouts, **kwargs)
 
+    @classmethod
+    def from_recipe(cls, spec, tensors, **kwargs) -> "RefitTrainer":
+        """The trainer side of a recipe (``trs.recipes.hf_to_vllm``): ``tensors`` are this rank's
+        shards of the HF parameters, ``{name: tensor}`` with ``spec.src[name].local_shape(rank)``
+        (or the ``nn.Module`` holding them). Same as ``RefitTrainer(tensors, spec.src, **kwargs)``."""
+        return cls(tensors, _recipe_spec(spec, "RefitTrainer.from_recipe").src, **kwargs)
+
 
 class RefitInference(RefitEndpoint):
     """Inference (destination) side of a refit group; see :class:`RefitEndpoint` for the arguments.
 
     ``layouts``: the inference group's global layouts (same on every inference rank); ``tensors``:
-    optional tensors to write (e.g. the engine's parameters).
+    optional tensors to write (e.g. the engine's parameters); ``parts``: optional
+    ``{name: [trs.Part, ...]}`` building destinations from other sources or zero padding (recipes:
+    :meth:`from_recipe`).
     """
 
     def __init__(self, layouts, *, rank: int | None = None, world_size: int | None = None, store=None,
                  mode: str = "shadow", tensors=None, **kwargs):
         super().__init__(rank=rank, world_size=world_size, store=store, dst_layouts=layouts,
                          dst_tensors=tensors, mode=mode, **kwargs)
+
+    @classmethod
+    def from_recipe(cls, spec, **kwargs) -> "RefitInference":
+        """The inference side of a recipe (``trs.recipes.hf_to_vllm``): vLLM's parameters
+        (``spec.dst``) built from the HF ones by ``spec.parts``. Same as
+        ``RefitInference(spec.dst, parts=spec.parts, **kwargs)``; ``tensors=`` may be the engine's
+        parameters (``{vLLM name: tensor}``)."""
+        spec = _recipe_spec(spec, "RefitInference.from_recipe")
+        return cls(spec.dst, parts=spec.parts, **kwargs)

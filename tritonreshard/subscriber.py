@@ -143,7 +143,8 @@ class LocalSources:
         return len(self._arenas)
 
     def tensor(self, rank: int, name: str, layout) -> torch.Tensor:
-        """Source ``rank``'s whole local shard of ``name`` (a view into its arena, no copy)."""
+        """Source ``rank``'s whole local shard of source tensor ``name`` (an op's ``src_name``; a
+        view into its arena, no copy)."""
         if self.local is not None and rank == self.group.rank:
             return self.local.tensors[name]
         return self._arenas[rank].tensor(self.exports[rank].offsets[name], layout.local_shape(rank), layout.dtype)
@@ -170,10 +171,13 @@ class Subscriber:
         device: device of the buffers; mode: ``"shadow"`` or ``"inplace"``; backend: ``"triton"`` or
             ``"torch"``.
         sources: factory with :class:`LocalSources`' signature (the seam for other byte sources).
+        fills: this rank's zero fills (``plan.fills_for_dst(rank)``: padding no op writes, e.g.
+            vocab rows past the real vocab). Zeroed once in every buffer set here, at allocation
+            (a given ``tensors`` set included), never per pull.
     """
 
     def __init__(self, rank: int, layouts: dict, *, tensors=None, device: torch.device, mode: str,
-                 backend: str, src_order=None, sources=LocalSources):
+                 backend: str, src_order=None, sources=LocalSources, fills=()):
         self.rank, self.mode, self.backend, self.device = rank, mode, backend, device
         self.layouts = dict(layouts)
         self._sources_factory = sources
@@ -207,12 +211,21 @@ class Subscriber:
                 lay = self.layouts[n]
                 bufs[n] = flat[off:off + size].view(lay.dtype).view(lay.local_shape(rank))
             self._buffers.append({n: bufs[n] for n in self._order})
+        self.fills = tuple(fills)
+        for bufs in self._buffers:  # padding: no op ever writes it, so once is enough
+            for f in self.fills:
+                bufs[f.name][f.dst_slices].zero_()
         self._serving = 0
 
     # ------------------------------------------------------------------ epochs
     def attach(self, group: Group, plan: Plan, exports: dict, *, local=None) -> None:
         """Read from ``group``'s sources: map their arenas, build one descriptor table per buffer
         set. The buffers (and the serving version) are kept."""
+        fills = plan.fills_for_dst(self.rank)
+        if set(fills) != set(self.fills):  # the same layouts and parts join every epoch
+            raise RefitError(f"rank {self.rank}: epoch {group.epoch}'s plan zero-fills {len(fills)} "
+                             f"region(s) of this rank's buffers, the buffers were set up with "
+                             f"{len(self.fills)}: a subscriber keeps its destination layouts and parts")
         self.detach()
         self.group = group
         self.sources = self._sources_factory(group, exports, plan.sources_of(self.rank), local=local,
@@ -222,14 +235,16 @@ class Subscriber:
             group.watch(s, c)
         pos = {n: i for i, n in enumerate(self._order)}
         offsets = {s: exports[s].offsets for s in plan.sources_of(self.rank)}
+        # Sources are keyed by the source tensor's name (op.src_name), destination buffers by the
+        # destination's (op.name): they differ for parts= plans (q/k/v -> qkv_proj, ...).
         ops = sorted(plan.ops_for_dst(self.rank), key=lambda op: (
-            op.src_rank, offsets[op.src_rank][op.name], pos[op.name], tuple(s.start for s in op.dst_slices)))
+            op.src_rank, offsets[op.src_rank][op.src_name], pos[op.name], tuple(s.start for s in op.dst_slices)))
         full = {}
 
         def src_view(op):
-            key = (op.src_rank, op.name)
+            key = (op.src_rank, op.src_name)
             if key not in full:
-                full[key] = self.sources.tensor(op.src_rank, op.name, plan.src_layouts[op.name])
+                full[key] = self.sources.tensor(op.src_rank, op.src_name, plan.src_layouts[op.src_name])
             return full[key]
 
         self._tables = [DescriptorTable.build(ops, src=src_view, dst=lambda op, b=bufs: b[op.name])
