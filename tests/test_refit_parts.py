@@ -1,0 +1,182 @@
+"""The cross-process engine runs ``parts=`` plans: recipes (HF -> vLLM) and hand-made parts.
+
+Trainers hold HF-named source shards, inference ranks vLLM-named destinations built from them
+(q/k/v -> qkv_proj, gate/up -> gate_up_proj, padded vocab). Each rank's result must equal
+``execute_local`` of the same plan bit for bit, padding must be zero, and destinations start
+poisoned (NaN) so a missed element shows. Data is provenance-encoded and changes every version:
+element ``i`` of source ``name`` at version ``v`` holds ``i + 1000 * v + 100000 * name_id``
+(exact in float32 for these sizes).
+"""
+import math
+
+import pytest
+import torch
+
+import tritonreshard as trs
+from tritonreshard import Layout, Part, Replicate, Shard
+
+from _mp import free_port, run_ranks
+
+pytestmark = pytest.mark.timeout(300)
+
+TRAINERS = [0, 1]
+
+
+def _full(name_id: int, layout: Layout, version: int) -> torch.Tensor:
+    n = math.prod(layout.shape)
+    return (torch.arange(n, dtype=torch.float64) + 1000 * version + 100000 * name_id).reshape(layout.shape)
+
+
+def _src_shards(src: dict, rank: int, version: int) -> dict:
+    ids = {n: i + 1 for i, n in enumerate(sorted(src))}
+    return {n: lay.shard(_full(ids[n], lay, version).to(lay.dtype), rank) for n, lay in src.items()
+            if rank in lay.ranks}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def _check(rank, plan, tensors, want, fills, v):
+    assert sorted(tensors) == sorted(want[rank]), rank
+    for n, t in tensors.items():
+        w = want[rank][n]
+        assert t.dtype == w.dtype and t.shape == w.shape, (rank, n)
+        assert not torch.isnan(t).any(), f"rank {rank} {n} v{v}: NaN (poison) left"
+        assert torch.equal(_bits(t), _bits(w)), f"rank {rank} {n} v{v}:\n{t}\n!=\n{w}"
+    for f in fills:
+        assert torch.equal(_bits(tensors[f.name][f.dst_slices]), torch.zeros_like(_bits(tensors[f.name][f.dst_slices]))), f
+
+
+def _worker(rank, world, port, src, dst, parts, mode, versions, use_from_recipe, spec):
+    torch.set_num_threads(1)
+    plan = trs.plan_reshard(src, dst, parts)
+    kwargs = dict(rank=rank, world_size=world, store=f"127.0.0.1:{port}", timeout=90)
+    trainer = rank in plan.src_ranks
+    report = {"fills": 0, "checked": 0}
+    if trainer:
+        shards = _src_shards(src, rank, 1)
+        ep = (trs.RefitTrainer.from_recipe(spec, shards, **kwargs) if use_from_recipe
+              else trs.RefitTrainer(shards, src, **kwargs))
+    else:
+        poison = {n: torch.full(lay.local_shape(rank), float("nan"), dtype=lay.dtype)
+                  for n, lay in dst.items() if rank in lay.ranks}
+        kwargs.update(tensors=poison, mode=mode)
+        ep = (trs.RefitInference.from_recipe(spec, **kwargs) if use_from_recipe
+              else trs.RefitInference(dst, parts=parts, **kwargs))
+    with ep:
+        fills = plan.fills_for_dst(rank)
+        report["fills"] = sum(f.numel for f in fills)
+        if not trainer:
+            # Padding is zeroed at set-up (no pull ever writes it); the rest is still poison.
+            for f in fills:
+                assert not ep.tensors[f.name][f.dst_slices].any()
+            if mode == "inplace":
+                assert all(torch.isnan(t).any() for t in ep.tensors.values())
+        for v in range(1, versions + 1):
+            if trainer:
+                ep.fence()
+                if v > 1:  # the "optimizer step": new weights, in place in the arena
+                    for n, t in _src_shards(src, rank, v).items():
+                        ep.source_tensors[n].copy_(t)
+                assert ep.publish() == v
+                continue
+            # Every rank's expected output, computed here from the full sources of version v.
+            want = trs.execute_local(plan, {r: _src_shards(src, r, v) for r in plan.src_ranks}, backend="torch")
+            if mode == "shadow" and v > 1:
+                assert ep.start_pull() == v
+                assert ep.swap() == v
+            else:
+                assert ep.pull() == v
+            assert ep.version == v and ep.consistent
+            _check(rank, plan, ep.tensors, want, fills, v)
+            report["checked"] += 1
+        if trainer:
+            ep.fence()
+    return report
+
+
+def _tiny_llama_spec(tp):
+    transformers = pytest.importorskip("transformers")
+    # vocab 100 pads to 128 in vLLM: rank tp-1 holds zero rows; GQA (4 heads, 2 KV heads).
+    config = transformers.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    inference = list(range(len(TRAINERS), len(TRAINERS) + tp))
+    return trs.recipes.hf_to_vllm(config, tp=tp, trainer_ranks=TRAINERS, inference_ranks=inference,
+                                  dtype=torch.float32, src_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("mode,tp,from_recipe,versions", [("shadow", 2, True, 3), ("inplace", 4, False, 2)])
+def test_llama_recipe_refits_bit_exact_through_the_engine(mode, tp, from_recipe, versions):
+    spec = _tiny_llama_spec(tp)
+    plan = spec.plan()
+    assert any(op.src_name != op.name for op in plan.ops) and plan.fills  # the recipe's features are used
+    assert {"model.layers.0.self_attn.qkv_proj.weight", "model.embed_tokens.weight"} <= set(spec.dst)
+    world = len(TRAINERS) + tp
+    out = run_ranks(_worker, world, args=(world, free_port(), spec.src, spec.dst, spec.parts, mode, versions,
+                                          from_recipe, spec), timeout=280)
+    inference = range(len(TRAINERS), world)
+    assert all(out[r]["checked"] == versions for r in inference)
+    assert out[world - 1]["fills"] > 0  # the last TP rank holds the vocab padding
+
+
+def _hand_layouts(n_inf):
+    inf = list(range(2, 2 + n_inf))
+    src = {"a": Layout((6, 4), TRAINERS, [Shard(0)]),
+           "b": Layout((3, 4), TRAINERS, [Replicate()])}
+    dst = {"ab": Layout((12, 4), inf, [Shard(0)]),                       # a | b | zeros
+           "a_mid": Layout((4, 4), inf, [Shard(1)], dtype=torch.bfloat16),  # a again, rows 1..4, cast
+           "b": Layout((3, 4), inf, [Replicate()])}                       # namesake, no parts
+    parts = {"ab": [Part("a", [(0, 6), None]), Part("b", [(6, 9), None]), Part(None, [(9, 12), None])],
+             "a_mid": [Part("a", [(0, 4), (0, 4)], src_start=(1, 0))]}
+    return src, dst, parts
+
+
+@pytest.mark.parametrize("mode", ["shadow", "inplace"])
+def test_hand_made_parts_with_padding_and_a_reused_source(mode):
+    src, dst, parts = _hand_layouts(2)
+    plan = trs.plan_reshard(src, dst, parts)
+    assert {op.src_name for op in plan.ops if op.name in ("ab", "a_mid")} == {"a", "b"}
+    assert sum(f.numel for f in plan.fills) == 3 * 4  # rows 9..12 of ab, on rank 3
+    out = run_ranks(_worker, 4, args=(4, free_port(), src, dst, parts, mode, 2, False, None), timeout=200)
+    assert out[2]["checked"] == out[3]["checked"] == 2
+    assert out[3]["fills"] == 12 and out[2]["fills"] == 0
+
+
+def _disagree_worker(rank, world, port):
+    src, dst, parts = _hand_layouts(2)
+    kwargs = dict(rank=rank, world_size=world, store=f"127.0.0.1:{port}", timeout=60)
+    if rank < 2:
+        ep = trs.RefitTrainer(_src_shards(src, rank, 1), src, **kwargs)
+    elif rank == 3:  # believes ab's padding is only 2 rows, and passes a non-Part for a_mid
+        bad = dict(parts, ab=[Part("a", [(0, 6), None]), Part("b", [(6, 9), None]), Part(None, [(9, 11), None]),
+                              Part("b", [(11, 12), None])],
+                   a_mid=["a"])
+        ep = trs.RefitInference(dst, parts=bad, **kwargs)
+    else:
+        ep = trs.RefitInference(dst, parts=parts, **kwargs)
+    ep.close()
+
+
+def test_inference_ranks_disagreeing_on_parts_fail_on_every_rank_naming_both():
+    out = run_ranks(_disagree_worker, 4, args=(4, free_port()), timeout=120, allow_errors=True)
+    for r in range(4):
+        status, value = out[r]
+        assert status == "error", f"rank {r} did not fail: {value}"
+        name, message, _ = value
+        assert name == "ValueError" and "nothing was moved" in message
+        assert "rank 3: parts['a_mid'] must be a list of trs.Part, got ['a']" in message
+        assert ("rank 3 joined with parts['ab']=[[0:6, :] <- a, [6:9, :] <- b, [9:11, :] <- zeros, "
+                "[11:12, :] <- b] but rank 2 has [[0:6, :] <- a, [6:9, :] <- b, [9:12, :] <- zeros]") in message
+
+
+def test_parts_and_recipe_arguments_are_checked_before_joining():
+    src, dst, parts = _hand_layouts(1)
+    with pytest.raises(ValueError, match=r"parts describe destinations: give them with dst_layouts.*"
+                                         r"dst_layouts=None"):
+        trs.RefitEndpoint(rank=0, world_size=1, src_tensors=_src_shards(src, 0, 1), src_layouts=src, parts=parts)
+    with pytest.raises(ValueError, match=r"RefitInference.from_recipe: spec must be a trs.recipes.RecipeSpec.*"
+                                         r"got spec=\{'ab'"):
+        trs.RefitInference.from_recipe(dst, rank=0, world_size=1)
+    with pytest.raises(ValueError, match=r"RefitTrainer.from_recipe: spec must be"):
+        trs.RefitTrainer.from_recipe(src, {}, rank=0, world_size=1)
