@@ -1,0 +1,293 @@
+"""Refit a running vLLM engine from FSDP trainer processes through the "tritonreshard" backend.
+
+A tiny Llama (hidden 128, 4 heads, 2 KV heads, head_dim 32, vocab 1000, 2 layers) is built locally
+with transformers (no downloads). Two trainer processes hold FSDP row shards (``Shard(0)``) of its
+Hugging Face parameters in tritonreshard's shared arenas and perturb them each step (an
+evolution-strategies style update); vLLM serves the model with tensor parallelism ``--tp`` and is
+refitted ``--refits`` times through vLLM's own four-phase flow:
+
+    llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": ...})   # once
+    llm.collective_rpc("start_weight_update")
+    llm.collective_rpc("update_weights", kwargs={"update_info": {"version": v}})
+    llm.collective_rpc("finish_weight_update")
+
+Each vLLM worker pulls exactly its own TP shards from the trainers' arenas. After every refit,
+vLLM's greedy generation (float32, eager) must equal transformers' float32 greedy generation with the
+trainers' weights, token for token. ``--fault`` then kills a trainer during ``update_weights``: the
+call must fail naming the dead rank, and vLLM must keep generating with the previous weights.
+``--reload`` also times vLLM's own ``reload_weights`` from full tensors on the same model.
+
+Run: ``python examples/vllm_refit.py --tp 2 --refits 2 --json`` (about 2 minutes on 2 CPU cores).
+The last stdout line (``--json``) is one JSON object with ``refits``, ``tp``, ``prompts``,
+``tokens_compared``, ``mismatches`` and ``refit_ms`` (per refit).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import signal
+import socket
+import sys
+import tempfile
+import time
+
+# vLLM's CPU backend: KV cache size in GiB (the default memory fraction fails on small machines),
+# one OpenMP thread per TP worker, and pickled callables for the two measurement RPCs below.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+SEED = 0
+SIGMA = 0.02          # perturbation per step, about the init std of the weights
+TRAINERS = [0, 1]     # global ranks of the trainer processes in the refit group
+
+
+def tiny_llama_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                       vocab_size=1000, num_hidden_layers=2, intermediate_size=256, max_position_embeddings=256,
+                       tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+
+
+# ---------------------------------------------------------------------------------------- trainers
+def trainer(rank: int, model_dir: str, tp: int, store: str, commands, results) -> None:
+    """One FSDP trainer: row shard ``rank`` of every HF parameter, perturbed in the shared arena."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    torch.set_num_threads(1)
+    from safetensors.torch import load_file
+
+    import tritonreshard.vllm as trs_vllm
+
+    cfg = tiny_llama_config()
+    full = load_file(os.path.join(model_dir, "model.safetensors"))
+    inference = list(range(len(TRAINERS), len(TRAINERS) + tp))
+    lay = trs_vllm.llama_layouts(cfg, tp=tp, trainer_ranks=TRAINERS, inference_ranks=inference)
+    shards = {n: lay.src[n].shard(full[n], rank).contiguous() for n in lay.src}
+    with trs_vllm.Trainer(cfg, shards, rank=rank, tp=tp, trainer_ranks=TRAINERS, inference_ranks=inference,
+                          store=store, timeout=300.0) as tr:
+        results.put(("ready", rank, None))
+        while True:
+            cmd, arg = commands.get()
+            if cmd == "stop":
+                break
+            if cmd == "die":  # the fault: die while vLLM waits in update_weights for this version
+                time.sleep(arg)
+                os.kill(os.getpid(), signal.SIGKILL)
+            # cmd == "step": every reader acked the last version, then write the arena in place.
+            tr.fence()
+            g = torch.Generator().manual_seed(SEED * 1000 + arg * 10 + rank)
+            for name in sorted(tr.tensors):
+                t = tr.tensors[name]
+                t.add_(torch.randn(t.shape, generator=g) * SIGMA)
+            v = tr.publish()
+            results.put(("published", rank, (v, {n: t.clone() for n, t in tr.tensors.items()})))
+
+
+# ---------------------------------------------------------------------------------------- checks
+def hf_greedy(model, prompts, max_tokens):
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = model.generate(torch.tensor([p]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                 do_sample=False, pad_token_id=0)
+            out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def vllm_greedy(llm, prompts, max_tokens):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def compare(llm, hf, prompts, max_tokens, what, summary):
+    got, want = vllm_greedy(llm, prompts, max_tokens), hf_greedy(hf, prompts, max_tokens)
+    bad = sum(a != b for g, w in zip(got, want) for a, b in zip(g, w)) + sum(
+        abs(len(g) - len(w)) for g, w in zip(got, want))
+    summary["tokens_compared"] += sum(len(w) for w in want)
+    summary["mismatches"] += bad
+    print(f"{what}: vLLM greedy {'==' if not bad else '!='} transformers greedy "
+          f"({sum(len(w) for w in want)} tokens, {bad} mismatches)", flush=True)
+    return bad
+
+
+def _worker_stats(worker):
+    return dict(worker.weight_transfer_engine.stats)
+
+
+def _time_reload(worker, path):
+    """vLLM's own reload_weights from full (checkpoint-format) tensors, timed inside the worker."""
+    from safetensors.torch import load_file
+
+    full = load_file(path)
+    t0 = time.perf_counter()
+    worker.reload_weights(weights_iterator=iter(full.items()))
+    return (time.perf_counter() - t0) * 1e3
+
+
+# ---------------------------------------------------------------------------------------- driver
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tp", type=int, default=2, help="vLLM tensor parallelism (default 2)")
+    ap.add_argument("--refits", type=int, default=2, help="refits to run and check (default 2)")
+    ap.add_argument("--prompts", type=int, default=3, help="prompts compared after each refit (default 3)")
+    ap.add_argument("--max-tokens", type=int, default=8, help="greedy tokens generated per prompt (default 8)")
+    ap.add_argument("--fault", action="store_true",
+                    help="then kill a trainer during update_weights; vLLM must fail clearly and keep serving")
+    ap.add_argument("--reload", action="store_true", help="also time vLLM's reload_weights from full tensors")
+    ap.add_argument("--json", action="store_true", help="print a JSON summary as the last stdout line")
+    args = ap.parse_args(argv)
+    bad = [f"--{k}={v} must be >= {lo}" for k, v, lo in (("tp", args.tp, 1), ("refits", args.refits, 1),
+                                                          ("prompts", args.prompts, 1),
+                                                          ("max-tokens", args.max_tokens, 1)) if v < lo]
+    if bad:
+        ap.error("; ".join(bad))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1))
+                                                                for i in range(args.tp)))
+    from transformers import LlamaForCausalLM
+
+    import tritonreshard.vllm as trs_vllm
+    from tritonreshard._rendezvous import secret_for_children
+
+    torch.manual_seed(SEED)
+    cfg = tiny_llama_config()
+    hf = LlamaForCausalLM(cfg).float().eval()
+    model_dir = tempfile.mkdtemp(prefix="trs-vllm-")
+    hf.save_pretrained(model_dir)
+    g = torch.Generator().manual_seed(SEED + 1)
+    prompts = [torch.randint(0, cfg.vocab_size, (12 + i,), generator=g).tolist() for i in range(args.prompts)]
+    summary = {"refits": 0, "tp": args.tp, "prompts": len(prompts), "tokens_compared": 0, "mismatches": 0,
+               "refit_ms": [], "worker": []}
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        store = f"127.0.0.1:{s.getsockname()[1]}"
+    secret_for_children()  # trainers and vLLM's workers inherit the group secret; it never crosses the store
+    ctx = mp.get_context("spawn")
+    commands = {r: ctx.Queue() for r in TRAINERS}
+    results = ctx.Queue()
+    procs = {r: ctx.Process(target=trainer, args=(r, model_dir, args.tp, store, commands[r], results), daemon=True)
+             for r in TRAINERS}
+    for p in procs.values():
+        p.start()
+
+    from vllm import LLM
+
+    print(f"starting vLLM (TP={args.tp}) with weight_transfer_config backend 'tritonreshard' ...", flush=True)
+    t0 = time.perf_counter()
+    llm = LLM(model_dir, tensor_parallel_size=args.tp, dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
+              max_model_len=128, max_num_seqs=max(4, len(prompts)), seed=SEED,
+              weight_transfer_config={"backend": trs_vllm.BACKEND})
+    summary["engine_start_s"] = round(time.perf_counter() - t0, 1)
+    print(f"engine started in {summary['engine_start_s']} s", flush=True)
+    try:
+        info = trs_vllm.init_info(store=store, trainer_ranks=TRAINERS,
+                                  inference_ranks=list(range(len(TRAINERS), len(TRAINERS) + args.tp)),
+                                  timeout=300.0, peer_timeout=10.0)
+        llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": info})
+        for _ in TRAINERS:
+            _expect(results, "ready", procs)
+        print("refit group formed: 2 trainers, vLLM workers joined from inside the engine", flush=True)
+        compare(llm, hf, prompts, args.max_tokens, "version 0 (checkpoint)", summary)
+
+        weights = None
+        for k in range(1, args.refits + 1):
+            for r in TRAINERS:
+                commands[r].put(("step", k))
+            shards = {}
+            for _ in TRAINERS:
+                _, r, (v, sh) = _expect(results, "published", procs)
+                shards[r] = sh
+            t0 = time.perf_counter()
+            llm.collective_rpc("start_weight_update")
+            llm.collective_rpc("update_weights", kwargs={"update_info": {"version": k}})
+            llm.collective_rpc("finish_weight_update")
+            summary["refit_ms"].append(round((time.perf_counter() - t0) * 1e3, 2))
+            llm.reset_prefix_cache()  # cached KV was computed with the previous weights
+            summary["worker"].append(llm.collective_rpc(_worker_stats)[0])
+            summary["refits"] += 1
+            weights = {n: torch.cat([shards[r][n] for r in TRAINERS]) for n in shards[TRAINERS[0]]}
+            hf.load_state_dict(weights)
+            print(f"refit {k}: {summary['refit_ms'][-1]} ms (worker: pull {summary['worker'][-1]['pull_ms']:.2f} ms, "
+                  f"apply {summary['worker'][-1]['apply_ms']:.2f} ms)", flush=True)
+            compare(llm, hf, prompts, args.max_tokens, f"version {k}", summary)
+
+        if args.reload:
+            from safetensors.torch import save_file
+
+            path = os.path.join(model_dir, "current.safetensors")
+            save_file({n: t.contiguous() for n, t in weights.items()}, path)
+            reload_ms = [llm.collective_rpc(_time_reload, args=(path,)) for _ in range(3)]
+            llm.reset_prefix_cache()
+            summary["reload_weights_ms"] = [round(max(r), 2) for r in reload_ms]
+            print(f"vLLM reload_weights from full tensors: {summary['reload_weights_ms']} ms", flush=True)
+            compare(llm, hf, prompts, args.max_tokens, "after reload_weights", summary)
+
+        if args.fault:
+            victim = TRAINERS[-1]
+            commands[victim].put(("die", 1.0))
+            commands[TRAINERS[0]].put(("step", args.refits + 1))
+            llm.collective_rpc("start_weight_update")
+            t0 = time.perf_counter()
+            try:
+                llm.collective_rpc("update_weights", kwargs={"update_info": {"version": args.refits + 1}})
+                summary["fault"] = {"error": None}
+            except Exception as exc:  # the expected failure, reported below
+                msg = str(exc)  # vLLM wraps the worker's error text: keep the backend's sentence
+                line = msg[msg.find("tritonreshard refit failed"):].split("', please check")[0] \
+                    if "tritonreshard refit failed" in msg else msg
+                summary["fault"] = {"error": line.strip(), "names_rank": f"rank {victim}" in line,
+                                    "detect_ms": round((time.perf_counter() - t0) * 1e3, 1)}
+            print(f"fault: trainer rank {victim} killed during update_weights -> {summary['fault']['error']}", flush=True)
+            before = summary["mismatches"]
+            compare(llm, hf, prompts, args.max_tokens, f"after the failed refit (still version {args.refits})",
+                    summary)
+            summary["fault"]["serves_previous"] = summary["mismatches"] == before
+    finally:
+        for r, p in procs.items():
+            if p.is_alive():
+                commands[r].put(("stop", None))
+        llm.collective_rpc("shutdown_weight_transfer_engine")
+        for p in procs.values():
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+        del llm
+    summary["refit_ms_median"] = sorted(summary["refit_ms"])[len(summary["refit_ms"]) // 2]
+    ok = summary["mismatches"] == 0 and summary["refits"] == args.refits and (
+        not args.fault or (summary["fault"]["error"] and summary["fault"]["names_rank"]
+                           and summary["fault"]["serves_previous"]))
+    summary["ok"] = bool(ok)
+    if args.json:
+        print(json.dumps(summary), flush=True)
+    return summary
+
+
+def _expect(results, kind, procs, timeout=300.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            msg = results.get(timeout=1.0)
+        except queue.Empty:
+            dead = [r for r, p in procs.items() if not p.is_alive()]
+            if dead:
+                raise RuntimeError(f"trainer rank(s) {dead} exited (codes {[procs[r].exitcode for r in dead]}) "
+                                   f"while the driver waited for {kind!r}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {kind!r} from the trainers within {timeout:g} s")
+            continue
+        if msg[0] != kind:
+            raise RuntimeError(f"expected {kind!r} from the trainers, got {msg[0]!r}")
+        return msg
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main()["ok"] else 1)
