@@ -46,16 +46,23 @@ SIGMA = 0.02          # perturbation per step, about the init std of the weights
 TRAINERS = [0, 1]     # global ranks of the trainer processes in the refit group
 
 
-def tiny_llama_config():
+MODELS = {  # "tiny" is the checked model; "small" (45M parameters, 180 MB fp32) is for timing refits
+    "tiny": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1000,
+                 num_hidden_layers=2, intermediate_size=256),
+    "small": dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=32000,
+                  num_hidden_layers=4, intermediate_size=1536),
+}
+
+
+def llama_config(model: str = "tiny"):
     from transformers import LlamaConfig
 
-    return LlamaConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                       vocab_size=1000, num_hidden_layers=2, intermediate_size=256, max_position_embeddings=256,
-                       tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    return LlamaConfig(**MODELS[model], max_position_embeddings=256, tie_word_embeddings=False,
+                       architectures=["LlamaForCausalLM"])
 
 
 # ---------------------------------------------------------------------------------------- trainers
-def trainer(rank: int, model_dir: str, tp: int, store: str, commands, results) -> None:
+def trainer(rank: int, model_dir: str, model: str, tp: int, store: str, commands, results) -> None:
     """One FSDP trainer: row shard ``rank`` of every HF parameter, perturbed in the shared arena."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     torch.set_num_threads(1)
@@ -63,7 +70,7 @@ def trainer(rank: int, model_dir: str, tp: int, store: str, commands, results) -
 
     import tritonreshard.vllm as trs_vllm
 
-    cfg = tiny_llama_config()
+    cfg = llama_config(model)
     full = load_file(os.path.join(model_dir, "model.safetensors"))
     inference = list(range(len(TRAINERS), len(TRAINERS) + tp))
     lay = trs_vllm.llama_layouts(cfg, tp=tp, trainer_ranks=TRAINERS, inference_ranks=inference)
@@ -138,6 +145,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tp", type=int, default=2, help="vLLM tensor parallelism (default 2)")
     ap.add_argument("--refits", type=int, default=2, help="refits to run and check (default 2)")
+    ap.add_argument("--model", choices=sorted(MODELS), default="tiny",
+                    help="tiny: the checked 2-layer Llama (default); small: 45M parameters, for timing")
     ap.add_argument("--prompts", type=int, default=3, help="prompts compared after each refit (default 3)")
     ap.add_argument("--max-tokens", type=int, default=8, help="greedy tokens generated per prompt (default 8)")
     ap.add_argument("--fault", action="store_true",
@@ -158,13 +167,13 @@ def main(argv=None) -> dict:
     from tritonreshard._rendezvous import secret_for_children
 
     torch.manual_seed(SEED)
-    cfg = tiny_llama_config()
+    cfg = llama_config(args.model)
     hf = LlamaForCausalLM(cfg).float().eval()
     model_dir = tempfile.mkdtemp(prefix="trs-vllm-")
     hf.save_pretrained(model_dir)
     g = torch.Generator().manual_seed(SEED + 1)
     prompts = [torch.randint(0, cfg.vocab_size, (12 + i,), generator=g).tolist() for i in range(args.prompts)]
-    summary = {"refits": 0, "tp": args.tp, "prompts": len(prompts), "tokens_compared": 0, "mismatches": 0,
+    summary = {"model": args.model, "parameters": sum(p.numel() for p in hf.parameters()), "refits": 0, "tp": args.tp, "prompts": len(prompts), "tokens_compared": 0, "mismatches": 0,
                "refit_ms": [], "worker": []}
 
     with socket.socket() as s:
@@ -174,7 +183,7 @@ def main(argv=None) -> dict:
     ctx = mp.get_context("spawn")
     commands = {r: ctx.Queue() for r in TRAINERS}
     results = ctx.Queue()
-    procs = {r: ctx.Process(target=trainer, args=(r, model_dir, args.tp, store, commands[r], results), daemon=True)
+    procs = {r: ctx.Process(target=trainer, args=(r, model_dir, args.model, args.tp, store, commands[r], results), daemon=True)
              for r in TRAINERS}
     for p in procs.values():
         p.start()
@@ -225,10 +234,16 @@ def main(argv=None) -> dict:
 
             path = os.path.join(model_dir, "current.safetensors")
             save_file({n: t.contiguous() for n, t in weights.items()}, path)
-            reload_ms = [llm.collective_rpc(_time_reload, args=(path,)) for _ in range(3)]
+            reload_ms, rpc_ms = [], []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                reload_ms.append(max(llm.collective_rpc(_time_reload, args=(path,))))  # slowest worker
+                rpc_ms.append(round((time.perf_counter() - t0) * 1e3, 2))
             llm.reset_prefix_cache()
-            summary["reload_weights_ms"] = [round(max(r), 2) for r in reload_ms]
-            print(f"vLLM reload_weights from full tensors: {summary['reload_weights_ms']} ms", flush=True)
+            summary["reload_weights_ms"] = [round(ms, 2) for ms in reload_ms]
+            summary["reload_rpc_ms"] = rpc_ms  # including each worker reading the full tensors from disk
+            print(f"vLLM reload_weights from full tensors: {summary['reload_weights_ms']} ms in the workers, "
+                  f"{rpc_ms} ms with reading them", flush=True)
             compare(llm, hf, prompts, args.max_tokens, "after reload_weights", summary)
 
         if args.fault:

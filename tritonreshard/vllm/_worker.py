@@ -233,7 +233,7 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         self.applied_version = version
         self.stats = {"version": version, "pull_ms": (t_agree - t0) * 1e3, "apply_ms": (t2 - t1) * 1e3,
                       "agree_ms": (t1 - t_agree) * 1e3,
-                      "copy_ms": self._sub.last_pull_seconds * 1e3, "bytes": self._sub.bytes_per_refit}
+                      "copy_ms": self._sub.last_pull_seconds * 1e3, "bytes": self._sub.bytes_per_refit, **self._apply_split}
 
     @torch.no_grad()
     def _apply(self, bufs: dict[str, torch.Tensor]) -> None:
@@ -244,17 +244,26 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
                     target[b.zero_rows[0]:b.zero_rows[1]].zero_()
 
         if self._processed:
+            t0 = time.perf_counter()
             initialize_layerwise_reload(self.model)
+            t1 = time.perf_counter()
             for mname in sorted(self._layers):
                 mod, binds = self._layers[mname]
                 info = _layerwise.get_layerwise_info(mod)
                 materialize_layer(mod, info)
+                # Copy, never alias the shadow buffers: some post-processing keeps views of the
+                # load-format weight (zentorch), and a later pull into an aliased buffer would then
+                # change the served weights unprocessed.
                 for pname in {p for p, _ in binds}:
                     fill(getattr(mod, pname).data, [(p, b) for p, b in binds if p == pname])
                 # vLLM's own post-load processing; for a plain layer it only copies into the kernel tensors.
                 _layerwise._layerwise_process(mod, info)
+            t2 = time.perf_counter()
             finalize_layerwise_reload(self.model, self.model_config)
+            self._apply_split = {"layerwise_init_ms": (t1 - t0) * 1e3, "process_ms": (t2 - t1) * 1e3,
+                                 "finalize_ms": (time.perf_counter() - t2) * 1e3}
             return
+        self._apply_split = {}
         for mname, (mod, binds) in self._layers.items():
             for pname in {p for p, _ in binds}:
                 fill(getattr(mod, pname).data, [(p, b) for p, b in binds if p == pname])
