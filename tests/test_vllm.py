@@ -84,14 +84,16 @@ def test_layouts_reject_bad_input_all_at_once():
         init_info(store="nohost", trainer_ranks=[0], inference_ranks=[1], src_dtype="int8")
 
 
-@needs_vllm
-def test_entry_point_registers_the_engine():
-    code = ("from vllm.plugins import load_general_plugins; load_general_plugins();"
-            "from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory as F;"
-            "print(F._registry['tritonreshard']().__name__)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "TritonreshardWeightTransferEngine"
+def test_entry_point_names_the_register_function():
+    """vLLM loads ``vllm.general_plugins`` entry points in every process it starts; the end-to-end
+    test below proves the engine is found through it (its workers import nothing of ours)."""
+    from importlib.metadata import entry_points
+
+    import tritonreshard.vllm
+
+    eps = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "tritonreshard"]
+    assert len(eps) == 1, "reinstall the package (pip install -e .) to refresh its entry points"
+    assert eps[0].load() is tritonreshard.vllm.register
 
 
 @needs_vllm

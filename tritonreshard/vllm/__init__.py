@@ -21,6 +21,8 @@ Importing this package does not import vLLM.
 """
 from __future__ import annotations
 
+import torch
+
 from ..refit import RefitTrainer
 from ._layouts import Bind, VLLMLayouts, llama_layouts
 
@@ -69,12 +71,13 @@ class Trainer(RefitTrainer):
 
     def __init__(self, config, shards, *, rank: int, tp: int, trainer_ranks, inference_ranks, store,
                  src_dtype=None, group: str = "vllm", **kwargs):
-        import torch
-
         dtype = src_dtype or next(iter(shards.values() if isinstance(shards, dict) else
                                        (p for _, p in shards.named_parameters()))).dtype
+        names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+        if dtype not in names:
+            raise ValueError(f"Trainer: the shards' dtype must be one of {sorted(names.values())}, got {dtype}")
         self.layouts = llama_layouts(config, tp=tp, trainer_ranks=trainer_ranks, inference_ranks=inference_ranks,
                                      src_dtype=dtype)
-        self.src_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+        self.src_dtype = names[dtype]  # what init_info(src_dtype=...) needs on the vLLM side
         super().__init__(shards, self.layouts.src, rank=rank, world_size=len(trainer_ranks) + len(inference_ranks),
                          store=store, group=group, **kwargs)
