@@ -62,7 +62,7 @@ def llama_config(model: str = "tiny"):
 
 
 # ---------------------------------------------------------------------------------------- trainers
-def trainer(rank: int, model_dir: str, model: str, tp: int, store: str, commands, results) -> None:
+def trainer(rank: int, model_dir: str, model: str, tp: int, store: str, group: str, commands, results) -> None:
     """One FSDP trainer: row shard ``rank`` of every HF parameter, perturbed in the shared arena."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     torch.set_num_threads(1)
@@ -76,7 +76,7 @@ def trainer(rank: int, model_dir: str, model: str, tp: int, store: str, commands
     lay = trs_vllm.llama_layouts(cfg, tp=tp, trainer_ranks=TRAINERS, inference_ranks=inference)
     shards = {n: lay.src[n].shard(full[n], rank).contiguous() for n in lay.src}
     with trs_vllm.Trainer(cfg, shards, rank=rank, tp=tp, trainer_ranks=TRAINERS, inference_ranks=inference,
-                          store=store, timeout=300.0) as tr:
+                          store=store, group=group, timeout=300.0) as tr:
         results.put(("ready", rank, None))
         while True:
             cmd, arg = commands.get()
@@ -151,6 +151,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=8, help="greedy tokens generated per prompt (default 8)")
     ap.add_argument("--fault", action="store_true",
                     help="then kill a trainer during update_weights; vLLM must fail clearly and keep serving")
+    ap.add_argument("--recover", action="store_true",
+                    help="with --fault: then start new trainers and refit the same engine again")
     ap.add_argument("--reload", action="store_true", help="also time vLLM's reload_weights from full tensors")
     ap.add_argument("--json", action="store_true", help="print a JSON summary as the last stdout line")
     args = ap.parse_args(argv)
@@ -176,17 +178,10 @@ def main(argv=None) -> dict:
     summary = {"model": args.model, "parameters": sum(p.numel() for p in hf.parameters()), "refits": 0, "tp": args.tp, "prompts": len(prompts), "tokens_compared": 0, "mismatches": 0,
                "refit_ms": [], "worker": []}
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        store = f"127.0.0.1:{s.getsockname()[1]}"
     secret_for_children()  # trainers and vLLM's workers inherit the group secret; it never crosses the store
     ctx = mp.get_context("spawn")
-    commands = {r: ctx.Queue() for r in TRAINERS}
-    results = ctx.Queue()
-    procs = {r: ctx.Process(target=trainer, args=(r, model_dir, args.model, args.tp, store, commands[r], results), daemon=True)
-             for r in TRAINERS}
-    for p in procs.values():
-        p.start()
+    inference = list(range(len(TRAINERS), len(TRAINERS) + args.tp))
+    group = TrainerGroup(ctx, model_dir, args, tag="vllm")
 
     from vllm import LLM
 
@@ -197,37 +192,42 @@ def main(argv=None) -> dict:
               weight_transfer_config={"backend": trs_vllm.BACKEND})
     summary["engine_start_s"] = round(time.perf_counter() - t0, 1)
     print(f"engine started in {summary['engine_start_s']} s", flush=True)
-    try:
-        info = trs_vllm.init_info(store=store, trainer_ranks=TRAINERS,
-                                  inference_ranks=list(range(len(TRAINERS), len(TRAINERS) + args.tp)),
-                                  timeout=300.0, peer_timeout=10.0)
+
+    def join(group):
+        """Phase 1: the vLLM workers join the trainers' refit group (blocks until all met)."""
+        info = trs_vllm.init_info(store=group.store, trainer_ranks=TRAINERS, inference_ranks=inference,
+                                  group=group.tag, timeout=300.0, peer_timeout=10.0)
         llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": info})
         for _ in TRAINERS:
-            _expect(results, "ready", procs)
-        print("refit group formed: 2 trainers, vLLM workers joined from inside the engine", flush=True)
-        compare(llm, hf, prompts, args.max_tokens, "version 0 (checkpoint)", summary)
+            group.expect("ready")
+        print(f"refit group {group.tag!r} formed: {len(TRAINERS)} trainers, {args.tp} vLLM workers joined from "
+              f"inside the engine", flush=True)
 
-        weights = None
+    def refit(group, step, version, what):
+        """Trainers take a step and publish; vLLM runs phases 2-4; then the greedy check."""
+        shards = group.step(step)
+        t0 = time.perf_counter()
+        llm.collective_rpc("start_weight_update")
+        llm.collective_rpc("update_weights", kwargs={"update_info": {"version": version}})
+        llm.collective_rpc("finish_weight_update")
+        summary["refit_ms"].append(round((time.perf_counter() - t0) * 1e3, 2))
+        llm.reset_prefix_cache()  # cached KV was computed with the previous weights
+        summary["worker"].append(llm.collective_rpc(_worker_stats)[0])
+        summary["refits"] += 1
+        weights = {n: torch.cat([shards[r][n] for r in TRAINERS]) for n in shards[TRAINERS[0]]}
+        hf.load_state_dict(weights)
+        w = summary["worker"][-1]
+        print(f"{what}: {summary['refit_ms'][-1]} ms (in each worker: pull {w['pull_ms']:.2f} ms, "
+              f"apply {w['apply_ms']:.2f} ms)", flush=True)
+        compare(llm, hf, prompts, args.max_tokens, f"{what}, version {version}", summary)
+        return weights
+
+    groups = [group]
+    try:
+        join(group)
+        compare(llm, hf, prompts, args.max_tokens, "version 0 (checkpoint)", summary)
         for k in range(1, args.refits + 1):
-            for r in TRAINERS:
-                commands[r].put(("step", k))
-            shards = {}
-            for _ in TRAINERS:
-                _, r, (v, sh) = _expect(results, "published", procs)
-                shards[r] = sh
-            t0 = time.perf_counter()
-            llm.collective_rpc("start_weight_update")
-            llm.collective_rpc("update_weights", kwargs={"update_info": {"version": k}})
-            llm.collective_rpc("finish_weight_update")
-            summary["refit_ms"].append(round((time.perf_counter() - t0) * 1e3, 2))
-            llm.reset_prefix_cache()  # cached KV was computed with the previous weights
-            summary["worker"].append(llm.collective_rpc(_worker_stats)[0])
-            summary["refits"] += 1
-            weights = {n: torch.cat([shards[r][n] for r in TRAINERS]) for n in shards[TRAINERS[0]]}
-            hf.load_state_dict(weights)
-            print(f"refit {k}: {summary['refit_ms'][-1]} ms (worker: pull {summary['worker'][-1]['pull_ms']:.2f} ms, "
-                  f"apply {summary['worker'][-1]['apply_ms']:.2f} ms)", flush=True)
-            compare(llm, hf, prompts, args.max_tokens, f"version {k}", summary)
+            weights = refit(group, k, k, f"refit {k}")
 
         if args.reload:
             from safetensors.torch import save_file
@@ -248,8 +248,8 @@ def main(argv=None) -> dict:
 
         if args.fault:
             victim = TRAINERS[-1]
-            commands[victim].put(("die", 1.0))
-            commands[TRAINERS[0]].put(("step", args.refits + 1))
+            group.commands[victim].put(("die", 1.0))
+            group.commands[TRAINERS[0]].put(("step", args.refits + 1))
             llm.collective_rpc("start_weight_update")
             t0 = time.perf_counter()
             try:
@@ -266,24 +266,70 @@ def main(argv=None) -> dict:
             compare(llm, hf, prompts, args.max_tokens, f"after the failed refit (still version {args.refits})",
                     summary)
             summary["fault"]["serves_previous"] = summary["mismatches"] == before
+
+            if args.recover:  # same engine, new trainer processes: a new refit group under a new name
+                group.stop()
+                llm.collective_rpc("shutdown_weight_transfer_engine")
+                group = TrainerGroup(ctx, model_dir, args, tag="vllm-restart-1")
+                groups.append(group)
+                join(group)
+                refit(group, args.refits + 2, 1, "refit after the trainers restarted")
+                summary["recovered"] = True
     finally:
-        for r, p in procs.items():
-            if p.is_alive():
-                commands[r].put(("stop", None))
+        for g in groups:
+            g.stop()
         llm.collective_rpc("shutdown_weight_transfer_engine")
-        for p in procs.values():
-            p.join(30)
-            if p.is_alive():
-                p.kill()
         del llm
     summary["refit_ms_median"] = sorted(summary["refit_ms"])[len(summary["refit_ms"]) // 2]
-    ok = summary["mismatches"] == 0 and summary["refits"] == args.refits and (
+    ok = summary["mismatches"] == 0 and summary["refits"] == args.refits + bool(args.fault and args.recover) and (
         not args.fault or (summary["fault"]["error"] and summary["fault"]["names_rank"]
                            and summary["fault"]["serves_previous"]))
     summary["ok"] = bool(ok)
     if args.json:
         print(json.dumps(summary), flush=True)
     return summary
+
+
+class TrainerGroup:
+    """The trainer processes of one refit group (trainer rank 0 hosts its TCPStore on a free port).
+    Each group has its own results queue: a dead group's unread messages hold tensors shared by
+    processes that are gone."""
+
+    def __init__(self, ctx, model_dir, args, tag):
+        results = ctx.Queue()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.store = f"127.0.0.1:{s.getsockname()[1]}"
+        self.tag, self.results = tag, results
+        self.commands = {r: ctx.Queue() for r in TRAINERS}
+        self.procs = {r: ctx.Process(target=trainer, args=(r, model_dir, args.model, args.tp, self.store, tag,
+                                                           self.commands[r], results), daemon=True)
+                      for r in TRAINERS}
+        for p in self.procs.values():
+            p.start()
+
+    def expect(self, kind):
+        return _expect(self.results, kind, self.procs)
+
+    def step(self, step):
+        """Every trainer perturbs its shards and publishes; returns {rank: its shards}."""
+        for r in TRAINERS:
+            self.commands[r].put(("step", step))
+        shards = {}
+        for _ in TRAINERS:
+            _, r, (_, sh) = self.expect("published")
+            shards[r] = sh
+        return shards
+
+    def stop(self):
+        for r, p in self.procs.items():
+            if p.is_alive():
+                self.commands[r].put(("stop", None))
+        for p in self.procs.values():
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
 
 
 def _expect(results, kind, procs, timeout=300.0):

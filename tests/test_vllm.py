@@ -101,21 +101,24 @@ def test_entry_point_names_the_register_function():
 @pytest.mark.timeout(900)
 def test_vllm_engine_refit_end_to_end():
     """examples/vllm_refit.py against a real vLLM TP=2 engine: 2 refits, greedy equality after each,
-    vLLM's reload_weights timed, then a trainer SIGKILLed during update_weights."""
+    vLLM's reload_weights timed, a trainer SIGKILLed during update_weights, then new trainer
+    processes refit the same engine."""
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1")
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "vllm_refit.py"), "--tp", "2", "--refits", "2",
-                           "--fault", "--reload", "--json"], capture_output=True, text=True, timeout=840, env=env,
+                           "--fault", "--recover", "--reload", "--json"], capture_output=True, text=True, timeout=840, env=env,
                           cwd=ROOT)
     lines = proc.stdout.strip().splitlines()
-    assert lines, proc.stderr[-4000:]
+    assert lines and lines[-1].startswith("{"), (proc.returncode, proc.stdout[-3000:], proc.stderr[-4000:])
     summary = json.loads(lines[-1])
     assert proc.returncode == 0, (summary, proc.stderr[-4000:])
-    assert summary["refits"] == 2 and summary["tp"] == 2 and summary["prompts"] >= 3
-    # version 0, two refits, after reload_weights, after the failed refit: 5 checks x 3 prompts x 8 tokens
-    assert summary["tokens_compared"] == 5 * 3 * 8
+    assert summary["refits"] == 3 and summary["tp"] == 2 and summary["prompts"] >= 3
+    # version 0, two refits, after reload_weights, after the failed refit, after the restart:
+    # 6 checks x 3 prompts x 8 tokens
+    assert summary["tokens_compared"] == 6 * 3 * 8
     assert summary["mismatches"] == 0
-    assert len(summary["refit_ms"]) == 2 and all(ms > 0 for ms in summary["refit_ms"])
-    assert [w["version"] for w in summary["worker"]] == [1, 2]
+    assert len(summary["refit_ms"]) == 3 and all(ms > 0 for ms in summary["refit_ms"])
+    assert [w["version"] for w in summary["worker"]] == [1, 2, 1]  # the new group counts from 1
+    assert summary["recovered"] is True
     assert len(summary["reload_weights_ms"]) == 3
     fault = summary["fault"]
     assert fault["error"].startswith("tritonreshard refit failed"), fault
@@ -123,3 +126,4 @@ def test_vllm_engine_refit_end_to_end():
     assert "keeps serving version 2" in fault["error"]
     assert fault["serves_previous"] is True
     assert "version 2: vLLM greedy == transformers greedy" in proc.stdout
+    assert "refit after the trainers restarted, version 1: vLLM greedy == transformers greedy" in proc.stdout
