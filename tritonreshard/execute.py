@@ -2,7 +2,7 @@
 
 The cross-process engine runs the same :class:`~tritonreshard._descriptors.DescriptorTable` per
 destination rank over mapped arenas; here every rank's tensors live in this process, so one table
-covers the whole plan and a Triton run is one launch per dtype pair.
+covers the whole plan and a Triton run is at most two launches (kernel variants) per dtype pair.
 """
 from __future__ import annotations
 
@@ -141,12 +141,6 @@ def execute_local(plan, src_shards, out=None, backend: str = "auto") -> dict[int
     device = device or torch.device("cpu")
     if backend == "auto":
         backend = "triton" if device.type == "cuda" else "torch"
-    if backend == "triton" and device.type == "cpu":
-        from . import kernels
-
-        if not kernels.INTERPRET:
-            problems.append("backend='triton' on CPU tensors needs Triton's interpreter "
-                            "(TRITON_INTERPRET=1 before tritonreshard.kernels is imported)")
     if problems:
         raise ValueError("execute_local: invalid input:\n  " + "\n  ".join(problems))
 
