@@ -224,6 +224,15 @@ def main(argv=None) -> dict:
 
     groups = [group]
     try:
+        if args.fault:  # a bad init_info fails clearly on every worker, and the engine stays usable
+            bad = trs_vllm.init_info(store=group.store, trainer_ranks=TRAINERS, inference_ranks=inference[:-1] or [99])
+            try:
+                llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": bad})
+                summary["bad_init_error"] = None
+            except Exception as exc:  # the expected failure, reported in the summary
+                msg = str(exc)
+                summary["bad_init_error"] = msg[msg.find("tritonreshard init"):].split("', please check")[0]
+            print(f"bad init_info -> {summary['bad_init_error']}", flush=True)
         join(group)
         compare(llm, hf, prompts, args.max_tokens, "version 0 (checkpoint)", summary)
         for k in range(1, args.refits + 1):
@@ -282,7 +291,7 @@ def main(argv=None) -> dict:
         del llm
     summary["refit_ms_median"] = sorted(summary["refit_ms"])[len(summary["refit_ms"]) // 2]
     ok = summary["mismatches"] == 0 and summary["refits"] == args.refits + bool(args.fault and args.recover) and (
-        not args.fault or (summary["fault"]["error"] and summary["fault"]["names_rank"]
+        not args.fault or (summary["fault"]["error"] and summary["fault"]["names_rank"] and summary["bad_init_error"]
                            and summary["fault"]["serves_previous"]))
     summary["ok"] = bool(ok)
     if args.json:

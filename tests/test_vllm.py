@@ -120,6 +120,8 @@ def test_vllm_engine_refit_end_to_end():
     assert [w["version"] for w in summary["worker"]] == [1, 2, 1]  # the new group counts from 1
     assert summary["recovered"] is True
     assert len(summary["reload_weights_ms"]) == 3
+    assert summary["bad_init_error"].startswith("tritonreshard init_weight_transfer_engine failed"), summary
+    assert "inference_ranks=[2] must name one rank per TP rank (tp=2)" in summary["bad_init_error"]
     fault = summary["fault"]
     assert fault["error"].startswith("tritonreshard refit failed"), fault
     assert "rank 1" in fault["error"] and "died" in fault["error"], fault
