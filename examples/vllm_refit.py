@@ -120,6 +120,7 @@ def compare(llm, hf, prompts, max_tokens, what, summary):
     bad = sum(a != b for g, w in zip(got, want) for a, b in zip(g, w)) + sum(
         abs(len(g) - len(w)) for g, w in zip(got, want))
     summary["tokens_compared"] += sum(len(w) for w in want)
+    summary["greedy"].append(got)  # so a reader (and the test) can see each refit changed the output
     summary["mismatches"] += bad
     print(f"{what}: vLLM greedy {'==' if not bad else '!='} transformers greedy "
           f"({sum(len(w) for w in want)} tokens, {bad} mismatches)", flush=True)
@@ -176,7 +177,7 @@ def main(argv=None) -> dict:
     g = torch.Generator().manual_seed(SEED + 1)
     prompts = [torch.randint(0, cfg.vocab_size, (12 + i,), generator=g).tolist() for i in range(args.prompts)]
     summary = {"model": args.model, "parameters": sum(p.numel() for p in hf.parameters()), "refits": 0, "tp": args.tp, "prompts": len(prompts), "tokens_compared": 0, "mismatches": 0,
-               "refit_ms": [], "worker": []}
+               "refit_ms": [], "worker": [], "greedy": []}
 
     secret_for_children()  # trainers and vLLM's workers inherit the group secret; it never crosses the store
     ctx = mp.get_context("spawn")

@@ -116,6 +116,10 @@ def test_vllm_engine_refit_end_to_end():
     # 6 checks x 3 prompts x 8 tokens
     assert summary["tokens_compared"] == 6 * 3 * 8
     assert summary["mismatches"] == 0
+    # The checks are not vacuous: every refit changed vLLM's greedy output (v0 -> v1 -> v2), and the
+    # failed refit did not (checks: v0, v1, v2, after reload, after the failure, after the restart).
+    g = summary["greedy"]
+    assert g[0] != g[1] and g[1] != g[2] and g[2] == g[3] == g[4] and g[4] != g[5]
     assert len(summary["refit_ms"]) == 3 and all(ms > 0 for ms in summary["refit_ms"])
     assert [w["version"] for w in summary["worker"]] == [1, 2, 1]  # the new group counts from 1
     assert summary["recovered"] is True
