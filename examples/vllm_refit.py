@@ -166,8 +166,8 @@ def main(argv=None) -> dict:
                                                                 for i in range(args.tp)))
     from transformers import LlamaForCausalLM
 
+    import tritonreshard as trs
     import tritonreshard.vllm as trs_vllm
-    from tritonreshard._rendezvous import secret_for_children
 
     torch.manual_seed(SEED)
     cfg = llama_config(args.model)
@@ -179,7 +179,7 @@ def main(argv=None) -> dict:
     summary = {"model": args.model, "parameters": sum(p.numel() for p in hf.parameters()), "refits": 0, "tp": args.tp, "prompts": len(prompts), "tokens_compared": 0, "mismatches": 0,
                "refit_ms": [], "worker": [], "greedy": []}
 
-    secret_for_children()  # trainers and vLLM's workers inherit the group secret; it never crosses the store
+    trs.secret_for_children()  # trainers and vLLM's workers inherit the group secret; it never crosses the store
     ctx = mp.get_context("spawn")
     inference = list(range(len(TRAINERS), len(TRAINERS) + args.tp))
     group = TrainerGroup(ctx, model_dir, args, tag="vllm")

@@ -46,6 +46,13 @@ def test_layouts_fill_vllm_load_format_exactly(tp):
         base += L.numel
     out = trs.execute_local(trs.plan_reshard(lay.src, lay.dst), {r: {n: lay.src[n].shard(full[n], r) for n in lay.src}
                                                                 for r in (0, 1)}, backend="torch")
+    from transformers import LlamaConfig
+
+    spec = trs.recipes.hf_to_vllm(LlamaConfig(**TINY), tp=tp, trainer_ranks=[0, 1], inference_ranks=list(range(2, 2 + tp)),
+                                  dtype=torch.float32, src_dtype=torch.float32)
+    assert {n: spec.dst[n].local_shape(2) for n in spec.dst} == lay.param_shapes
+    recipe_out = trs.execute_local(spec.plan(), {r: {n: spec.src[n].shard(full[n], r) for n in spec.src}
+                                                 for r in (0, 1)}, backend="torch")
     kv_rank = lambda r: r * 2 // tp if tp <= 2 else r // (tp // 2)  # noqa: E731  (2 KV heads)
     for t in range(tp):
         params = {p: torch.full(s, float("nan")) for p, s in lay.param_shapes.items()}
@@ -70,6 +77,10 @@ def test_layouts_fill_vllm_load_format_exactly(tp):
             padded = torch.cat([full[n], torch.zeros(24, 128)])          # 1000 -> 1024
             assert torch.equal(params[n], padded.chunk(tp)[t])
         assert not any(p.isnan().any() for p in params.values())
+        # ... and equals what trs.recipes.hf_to_vllm's plan builds (its parts go straight into vLLM's
+        # names; the endpoints cannot carry parts yet, which is why the backend binds rows itself).
+        for name, want in recipe_out[2 + t].items():
+            assert torch.equal(params[name], want), (tp, t, name)
 
 
 def test_layouts_reject_bad_input_all_at_once():

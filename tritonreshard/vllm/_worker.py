@@ -233,7 +233,9 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         self.applied_version = version
         self.stats = {"version": version, "pull_ms": (t_agree - t0) * 1e3, "apply_ms": (t2 - t1) * 1e3,
                       "agree_ms": (t1 - t_agree) * 1e3,
-                      "copy_ms": self._sub.last_pull_seconds * 1e3, "bytes": self._sub.bytes_per_refit, **self._apply_split}
+                      "copy_ms": self._sub.last_pull.copy_ms,
+                      "wait_ms": self._sub.last_pull.wait_ms, "staging_bytes": self._sub.last_pull.staging_bytes,
+                      "bytes": self._sub.bytes_per_refit, **self._apply_split}
 
     @torch.no_grad()
     def _apply(self, bufs: dict[str, torch.Tensor]) -> None:
