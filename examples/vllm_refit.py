@@ -289,9 +289,6 @@ def main(argv=None) -> dict:
         for g in groups:
             g.stop()
         llm.collective_rpc("shutdown_weight_transfer_engine")
-        # vLLM's default grace is 5 s before it SIGKILLs its workers, which then leave their TP
-        # shared-memory segments (vllm_dist_*) in /dev/shm; on a busy machine they need longer.
-        llm.llm_engine.engine_core.shutdown(timeout=60)
         del llm
     summary["refit_ms_median"] = sorted(summary["refit_ms"])[len(summary["refit_ms"]) // 2]
     ok = summary["mismatches"] == 0 and summary["refits"] == args.refits + bool(args.fault and args.recover) and (

@@ -27,6 +27,7 @@ from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_pa
 from vllm.logger import init_logger
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
+from vllm.model_executor.layers.attention import is_deferred_attention_layer
 from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
@@ -260,6 +261,15 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
                     fill(getattr(mod, pname).data, [(p, b) for p, b in binds if p == pname])
                 # vLLM's own post-load processing; for a plain layer it only copies into the kernel tensors.
                 _layerwise._layerwise_process(mod, info)
+            # Layers nothing of ours lands in (rotary caches): put vLLM's own tensors back as
+            # finalize would, minus its "failed to load weights" warning on every refit.
+            bound = {id(mod) for mod, _ in self._layers.values()}
+            for mod in self.model.modules():
+                info = _layerwise.get_layerwise_info(mod)
+                if (id(mod) not in bound and info.can_load() and info.load_numel == 0
+                        and info.kernel_tensors is not None and not is_deferred_attention_layer(mod)):
+                    _layerwise._place_kernel_tensors(mod, info)
+                    info.reset()
             t2 = time.perf_counter()
             finalize_layerwise_reload(self.model, self.model_config)
             self._apply_split = {"layerwise_init_ms": (t1 - t0) * 1e3, "process_ms": (t2 - t1) * 1e3,
