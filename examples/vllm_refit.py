@@ -127,6 +127,20 @@ def compare(llm, hf, prompts, max_tokens, what, summary):
     return bad
 
 
+def _dist_ident(worker):
+    """The name vLLM's CPU workers give their shared-memory TP communicator (``VLLM_DIST_IDENT``)."""
+    return os.environ.get("VLLM_DIST_IDENT")
+
+
+def _remove_vllm_shm(idents) -> list[str]:
+    """vLLM SIGKILLs workers that outlive its 5 s shutdown grace (common on a busy machine); they then
+    leave their TP shared-memory segments in /dev/shm. Remove exactly this engine's, by its names."""
+    left = sorted(f for f in os.listdir("/dev/shm") if any(i and f.startswith(f"{i}-") for i in idents))
+    for f in left:
+        os.unlink(os.path.join("/dev/shm", f))
+    return left
+
+
 def _worker_stats(worker):
     return dict(worker.weight_transfer_engine.stats)
 
@@ -193,6 +207,7 @@ def main(argv=None) -> dict:
               weight_transfer_config={"backend": trs_vllm.BACKEND})
     summary["engine_start_s"] = round(time.perf_counter() - t0, 1)
     print(f"engine started in {summary['engine_start_s']} s", flush=True)
+    idents = summary["vllm_dist_idents"] = sorted(set(llm.collective_rpc(_dist_ident)) - {None})
 
     def join(group):
         """Phase 1: the vLLM workers join the trainers' refit group (blocks until all met)."""
@@ -289,7 +304,8 @@ def main(argv=None) -> dict:
         for g in groups:
             g.stop()
         llm.collective_rpc("shutdown_weight_transfer_engine")
-        del llm
+        llm.llm_engine.engine_core.shutdown()  # now, not at interpreter exit: the check below needs it
+        summary["vllm_shm_removed"] = _remove_vllm_shm(idents) if os.path.isdir("/dev/shm") else []
     summary["refit_ms_median"] = sorted(summary["refit_ms"])[len(summary["refit_ms"]) // 2]
     ok = summary["mismatches"] == 0 and summary["refits"] == args.refits + bool(args.fault and args.recover) and (
         not args.fault or (summary["fault"]["error"] and summary["fault"]["names_rank"] and summary["bad_init_error"]

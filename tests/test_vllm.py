@@ -142,5 +142,9 @@ def test_vllm_engine_refit_end_to_end():
     assert "rank 1" in fault["error"] and "died" in fault["error"], fault
     assert "keeps serving version 2" in fault["error"]
     assert fault["serves_previous"] is True
+    # Nothing of this run is left in /dev/shm: neither ours nor the vLLM engine's TP segments.
+    assert summary["vllm_dist_idents"], summary
+    left = [f for f in os.listdir("/dev/shm") if f.startswith(tuple(summary["vllm_dist_idents"])) or f.startswith("trs-")]
+    assert left == [], left
     assert "version 2: vLLM greedy == transformers greedy" in proc.stdout
     assert "refit after the trainers restarted, version 1: vLLM greedy == transformers greedy" in proc.stdout
