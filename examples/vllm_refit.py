@@ -1,0 +1,380 @@
+"""Refit a running vLLM engine from FSDP trainer processes through the "tritonreshard" backend.
+
+A tiny Llama (hidden 128, 4 heads, 2 KV heads, head_dim 32, vocab 1000, 2 layers) is built locally
+with transformers (no downloads). Two trainer processes hold FSDP row shards (``Shard(0)``) of its
+Hugging Face parameters in tritonreshard's shared arenas and perturb them each step (an
+evolution-strategies style update); vLLM serves the model with tensor parallelism ``--tp`` and is
+refitted ``--refits`` times through vLLM's own four-phase flow:
+
+    llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": ...})   # once
+    llm.collective_rpc("start_weight_update")
+    llm.collective_rpc("update_weights", kwargs={"update_info": {"version": v}})
+    llm.collective_rpc("finish_weight_update")
+
+Each vLLM worker pulls exactly its own TP shards from the trainers' arenas. After every refit,
+vLLM's greedy generation (float32, eager) must equal transformers' float32 greedy generation with the
+trainers' weights, token for token. ``--fault`` then kills a trainer during ``update_weights``: the
+call must fail naming the dead rank, and vLLM must keep generating with the previous weights.
+``--reload`` also times vLLM's own ``reload_weights`` from full tensors on the same model.
+
+Run: ``python examples/vllm_refit.py --tp 2 --refits 2 --json`` (about 2 minutes on 2 CPU cores).
+The last stdout line (``--json``) is one JSON object with ``refits``, ``tp``, ``prompts``,
+``tokens_compared``, ``mismatches`` and ``refit_ms`` (per refit).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import signal
+import socket
+import sys
+import tempfile
+import time
+
+# vLLM's CPU backend: KV cache size in GiB (the default memory fraction fails on small machines),
+# one OpenMP thread per TP worker, and pickled callables for the two measurement RPCs below.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+SEED = 0
+SIGMA = 0.02          # perturbation per step, about the init std of the weights
+TRAINERS = [0, 1]     # global ranks of the trainer processes in the refit group
+
+
+MODELS = {  # "tiny" is the checked model; "small" (45M parameters, 180 MB fp32) is for timing refits
+    "tiny": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1000,
+                 num_hidden_layers=2, intermediate_size=256),
+    "small": dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=32000,
+                  num_hidden_layers=4, intermediate_size=1536),
+}
+
+
+def llama_config(model: str = "tiny"):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**MODELS[model], max_position_embeddings=256, tie_word_embeddings=False,
+                       architectures=["LlamaForCausalLM"])
+
+
+# ---------------------------------------------------------------------------------------- trainers
+def trainer(rank: int, model_dir: str, model: str, tp: int, store: str, group: str, commands, results) -> None:
+    """One FSDP trainer: row shard ``rank`` of every HF parameter, perturbed in the shared arena."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    torch.set_num_threads(1)
+    from safetensors.torch import load_file
+
+    import tritonreshard.vllm as trs_vllm
+
+    cfg = llama_config(model)
+    full = load_file(os.path.join(model_dir, "model.safetensors"))
+    inference = list(range(len(TRAINERS), len(TRAINERS) + tp))
+    lay = trs_vllm.llama_layouts(cfg, tp=tp, trainer_ranks=TRAINERS, inference_ranks=inference)
+    shards = {n: lay.src[n].shard(full[n], rank).contiguous() for n in lay.src}
+    with trs_vllm.Trainer(cfg, shards, rank=rank, tp=tp, trainer_ranks=TRAINERS, inference_ranks=inference,
+                          store=store, group=group, timeout=300.0) as tr:
+        results.put(("ready", rank, None))
+        while True:
+            cmd, arg = commands.get()
+            if cmd == "stop":
+                break
+            if cmd == "die":  # the fault: die while vLLM waits in update_weights for this version
+                time.sleep(arg)
+                os.kill(os.getpid(), signal.SIGKILL)
+            # cmd == "step": every reader acked the last version, then write the arena in place.
+            tr.fence()
+            g = torch.Generator().manual_seed(SEED * 1000 + arg * 10 + rank)
+            for name in sorted(tr.tensors):
+                t = tr.tensors[name]
+                t.add_(torch.randn(t.shape, generator=g) * SIGMA)
+            v = tr.publish()
+            results.put(("published", rank, (v, {n: t.clone() for n, t in tr.tensors.items()})))
+
+
+# ---------------------------------------------------------------------------------------- checks
+def hf_greedy(model, prompts, max_tokens):
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = model.generate(torch.tensor([p]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                 do_sample=False, pad_token_id=0)
+            out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def vllm_greedy(llm, prompts, max_tokens):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def compare(llm, hf, prompts, max_tokens, what, summary):
+    got, want = vllm_greedy(llm, prompts, max_tokens), hf_greedy(hf, prompts, max_tokens)
+    bad = sum(a != b for g, w in zip(got, want) for a, b in zip(g, w)) + sum(
+        abs(len(g) - len(w)) for g, w in zip(got, want))
+    summary["tokens_compared"] += sum(len(w) for w in want)
+    summary["greedy"].append(got)  # so a reader (and the test) can see each refit changed the output
+    summary["mismatches"] += bad
+    print(f"{what}: vLLM greedy {'==' if not bad else '!='} transformers greedy "
+          f"({sum(len(w) for w in want)} tokens, {bad} mismatches)", flush=True)
+    return bad
+
+
+def _dist_ident(worker):
+    """The name vLLM's CPU workers give their shared-memory TP communicator (``VLLM_DIST_IDENT``)."""
+    return os.environ.get("VLLM_DIST_IDENT")
+
+
+def _remove_vllm_shm(idents) -> list[str]:
+    """vLLM SIGKILLs workers that outlive its 5 s shutdown grace (common on a busy machine); they then
+    leave their TP shared-memory segments in /dev/shm. Remove exactly this engine's, by its names."""
+    left = sorted(f for f in os.listdir("/dev/shm") if any(i and f.startswith(f"{i}-") for i in idents))
+    for f in left:
+        os.unlink(os.path.join("/dev/shm", f))
+    return left
+
+
+def _worker_stats(worker):
+    return dict(worker.weight_transfer_engine.stats)
+
+
+def _time_reload(worker, path):
+    """vLLM's own reload_weights from full (checkpoint-format) tensors, timed inside the worker."""
+    from safetensors.torch import load_file
+
+    full = load_file(path)
+    t0 = time.perf_counter()
+    worker.reload_weights(weights_iterator=iter(full.items()))
+    return (time.perf_counter() - t0) * 1e3
+
+
+# ---------------------------------------------------------------------------------------- driver
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tp", type=int, default=2, help="vLLM tensor parallelism (default 2)")
+    ap.add_argument("--refits", type=int, default=2, help="refits to run and check (default 2)")
+    ap.add_argument("--model", choices=sorted(MODELS), default="tiny",
+                    help="tiny: the checked 2-layer Llama (default); small: 45M parameters, for timing")
+    ap.add_argument("--prompts", type=int, default=3, help="prompts compared after each refit (default 3)")
+    ap.add_argument("--max-tokens", type=int, default=8, help="greedy tokens generated per prompt (default 8)")
+    ap.add_argument("--fault", action="store_true",
+                    help="then kill a trainer during update_weights; vLLM must fail clearly and keep serving")
+    ap.add_argument("--recover", action="store_true",
+                    help="with --fault: then start new trainers and refit the same engine again")
+    ap.add_argument("--reload", action="store_true", help="also time vLLM's reload_weights from full tensors")
+    ap.add_argument("--json", action="store_true", help="print a JSON summary as the last stdout line")
+    args = ap.parse_args(argv)
+    bad = [f"--{k}={v} must be >= {lo}" for k, v, lo in (("tp", args.tp, 1), ("refits", args.refits, 1),
+                                                          ("prompts", args.prompts, 1),
+                                                          ("max-tokens", args.max_tokens, 1)) if v < lo]
+    if bad:
+        ap.error("; ".join(bad))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1))
+                                                                for i in range(args.tp)))
+    from transformers import LlamaForCausalLM
+
+    import tritonreshard as trs
+    import tritonreshard.vllm as trs_vllm
+
+    torch.manual_seed(SEED)
+    cfg = llama_config(args.model)
+    hf = LlamaForCausalLM(cfg).float().eval()
+    model_dir = tempfile.mkdtemp(prefix="trs-vllm-")
+    hf.save_pretrained(model_dir)
+    g = torch.Generator().manual_seed(SEED + 1)
+    prompts = [torch.randint(0, cfg.vocab_size, (12 + i,), generator=g).tolist() for i in range(args.prompts)]
+    summary = {"model": args.model, "parameters": sum(p.numel() for p in hf.parameters()), "refits": 0, "tp": args.tp, "prompts": len(prompts), "tokens_compared": 0, "mismatches": 0,
+               "refit_ms": [], "worker": [], "greedy": []}
+
+    trs.secret_for_children()  # trainers and vLLM's workers inherit the group secret; it never crosses the store
+    ctx = mp.get_context("spawn")
+    inference = list(range(len(TRAINERS), len(TRAINERS) + args.tp))
+    group = TrainerGroup(ctx, model_dir, args, tag="vllm")
+
+    from vllm import LLM
+
+    print(f"starting vLLM (TP={args.tp}) with weight_transfer_config backend 'tritonreshard' ...", flush=True)
+    t0 = time.perf_counter()
+    llm = LLM(model_dir, tensor_parallel_size=args.tp, dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
+              max_model_len=128, max_num_seqs=max(4, len(prompts)), seed=SEED,
+              weight_transfer_config={"backend": trs_vllm.BACKEND})
+    summary["engine_start_s"] = round(time.perf_counter() - t0, 1)
+    print(f"engine started in {summary['engine_start_s']} s", flush=True)
+    idents = summary["vllm_dist_idents"] = sorted(set(llm.collective_rpc(_dist_ident)) - {None})
+
+    def join(group):
+        """Phase 1: the vLLM workers join the trainers' refit group (blocks until all met)."""
+        info = trs_vllm.init_info(store=group.store, trainer_ranks=TRAINERS, inference_ranks=inference,
+                                  group=group.tag, timeout=300.0, peer_timeout=10.0)
+        llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": info})
+        for _ in TRAINERS:
+            group.expect("ready")
+        print(f"refit group {group.tag!r} formed: {len(TRAINERS)} trainers, {args.tp} vLLM workers joined from "
+              f"inside the engine", flush=True)
+
+    def refit(group, step, version, what):
+        """Trainers take a step and publish; vLLM runs phases 2-4; then the greedy check."""
+        shards = group.step(step)
+        t0 = time.perf_counter()
+        llm.collective_rpc("start_weight_update")
+        llm.collective_rpc("update_weights", kwargs={"update_info": {"version": version}})
+        llm.collective_rpc("finish_weight_update")
+        summary["refit_ms"].append(round((time.perf_counter() - t0) * 1e3, 2))
+        llm.reset_prefix_cache()  # cached KV was computed with the previous weights
+        summary["worker"].append(llm.collective_rpc(_worker_stats)[0])
+        summary["refits"] += 1
+        weights = {n: torch.cat([shards[r][n] for r in TRAINERS]) for n in shards[TRAINERS[0]]}
+        hf.load_state_dict(weights)
+        w = summary["worker"][-1]
+        print(f"{what}: {summary['refit_ms'][-1]} ms (in each worker: pull {w['pull_ms']:.2f} ms, "
+              f"apply {w['apply_ms']:.2f} ms)", flush=True)
+        compare(llm, hf, prompts, args.max_tokens, f"{what}, version {version}", summary)
+        return weights
+
+    groups = [group]
+    try:
+        if args.fault:  # a bad init_info fails clearly on every worker, and the engine stays usable
+            bad = trs_vllm.init_info(store=group.store, trainer_ranks=TRAINERS, inference_ranks=inference[:-1] or [99])
+            try:
+                llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": bad})
+                summary["bad_init_error"] = None
+            except Exception as exc:  # the expected failure, reported in the summary
+                msg = str(exc)
+                summary["bad_init_error"] = msg[msg.find("tritonreshard init"):].split("', please check")[0]
+            print(f"bad init_info -> {summary['bad_init_error']}", flush=True)
+        join(group)
+        compare(llm, hf, prompts, args.max_tokens, "version 0 (checkpoint)", summary)
+        for k in range(1, args.refits + 1):
+            weights = refit(group, k, k, f"refit {k}")
+
+        if args.reload:
+            from safetensors.torch import save_file
+
+            path = os.path.join(model_dir, "current.safetensors")
+            save_file({n: t.contiguous() for n, t in weights.items()}, path)
+            reload_ms, rpc_ms = [], []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                reload_ms.append(max(llm.collective_rpc(_time_reload, args=(path,))))  # slowest worker
+                rpc_ms.append(round((time.perf_counter() - t0) * 1e3, 2))
+            llm.reset_prefix_cache()
+            summary["reload_weights_ms"] = [round(ms, 2) for ms in reload_ms]
+            summary["reload_rpc_ms"] = rpc_ms  # including each worker reading the full tensors from disk
+            print(f"vLLM reload_weights from full tensors: {summary['reload_weights_ms']} ms in the workers, "
+                  f"{rpc_ms} ms with reading them", flush=True)
+            compare(llm, hf, prompts, args.max_tokens, "after reload_weights", summary)
+
+        if args.fault:
+            victim = TRAINERS[-1]
+            group.commands[victim].put(("die", 1.0))
+            group.commands[TRAINERS[0]].put(("step", args.refits + 1))
+            llm.collective_rpc("start_weight_update")
+            t0 = time.perf_counter()
+            try:
+                llm.collective_rpc("update_weights", kwargs={"update_info": {"version": args.refits + 1}})
+                summary["fault"] = {"error": None}
+            except Exception as exc:  # the expected failure, reported below
+                msg = str(exc)  # vLLM wraps the worker's error text: keep the backend's sentence
+                line = msg[msg.find("tritonreshard refit failed"):].split("', please check")[0] \
+                    if "tritonreshard refit failed" in msg else msg
+                summary["fault"] = {"error": line.strip(), "names_rank": f"rank {victim}" in line,
+                                    "detect_ms": round((time.perf_counter() - t0) * 1e3, 1)}
+            print(f"fault: trainer rank {victim} killed during update_weights -> {summary['fault']['error']}", flush=True)
+            before = summary["mismatches"]
+            compare(llm, hf, prompts, args.max_tokens, f"after the failed refit (still version {args.refits})",
+                    summary)
+            summary["fault"]["serves_previous"] = summary["mismatches"] == before
+
+            if args.recover:  # same engine, new trainer processes: a new refit group under a new name
+                group.stop()
+                llm.collective_rpc("shutdown_weight_transfer_engine")
+                group = TrainerGroup(ctx, model_dir, args, tag="vllm-restart-1")
+                groups.append(group)
+                join(group)
+                refit(group, args.refits + 2, 1, "refit after the trainers restarted")
+                summary["recovered"] = True
+    finally:
+        for g in groups:
+            g.stop()
+        llm.collective_rpc("shutdown_weight_transfer_engine")
+        llm.llm_engine.engine_core.shutdown()  # now, not at interpreter exit: the check below needs it
+        summary["vllm_shm_removed"] = _remove_vllm_shm(idents) if os.path.isdir("/dev/shm") else []
+    summary["refit_ms_median"] = sorted(summary["refit_ms"])[len(summary["refit_ms"]) // 2]
+    ok = summary["mismatches"] == 0 and summary["refits"] == args.refits + bool(args.fault and args.recover) and (
+        not args.fault or (summary["fault"]["error"] and summary["fault"]["names_rank"] and summary["bad_init_error"]
+                           and summary["fault"]["serves_previous"]))
+    summary["ok"] = bool(ok)
+    if args.json:
+        print(json.dumps(summary), flush=True)
+    return summary
+
+
+class TrainerGroup:
+    """The trainer processes of one refit group (trainer rank 0 hosts its TCPStore on a free port).
+    Each group has its own results queue: a dead group's unread messages hold tensors shared by
+    processes that are gone."""
+
+    def __init__(self, ctx, model_dir, args, tag):
+        results = ctx.Queue()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.store = f"127.0.0.1:{s.getsockname()[1]}"
+        self.tag, self.results = tag, results
+        self.commands = {r: ctx.Queue() for r in TRAINERS}
+        self.procs = {r: ctx.Process(target=trainer, args=(r, model_dir, args.model, args.tp, self.store, tag,
+                                                           self.commands[r], results), daemon=True)
+                      for r in TRAINERS}
+        for p in self.procs.values():
+            p.start()
+
+    def expect(self, kind):
+        return _expect(self.results, kind, self.procs)
+
+    def step(self, step):
+        """Every trainer perturbs its shards and publishes; returns {rank: its shards}."""
+        for r in TRAINERS:
+            self.commands[r].put(("step", step))
+        shards = {}
+        for _ in TRAINERS:
+            _, r, (_, sh) = self.expect("published")
+            shards[r] = sh
+        return shards
+
+    def stop(self):
+        for r, p in self.procs.items():
+            if p.is_alive():
+                self.commands[r].put(("stop", None))
+        for p in self.procs.values():
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+def _expect(results, kind, procs, timeout=300.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            msg = results.get(timeout=1.0)
+        except queue.Empty:
+            dead = [r for r, p in procs.items() if not p.is_alive()]
+            if dead:
+                raise RuntimeError(f"trainer rank(s) {dead} exited (codes {[procs[r].exitcode for r in dead]}) "
+                                   f"while the driver waited for {kind!r}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {kind!r} from the trainers within {timeout:g} s")
+            continue
+        if msg[0] != kind:
+            raise RuntimeError(f"expected {kind!r} from the trainers, got {msg[0]!r}")
+        return msg
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main()["ok"] else 1)

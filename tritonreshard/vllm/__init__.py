@@ -1,0 +1,83 @@
+"""tritonreshard as a vLLM weight-transfer backend (``weight_transfer_config={"backend": "tritonreshard"}``).
+
+Inference side: :mod:`tritonreshard.vllm._worker` (imported by vLLM's workers only, through the
+``vllm.general_plugins`` entry point :func:`register`). Trainer side: :class:`Trainer`, used in each
+trainer process; the RL script drives vLLM's four phases::
+
+    # every trainer process (FSDP rank r of the trainers; its row shards of the HF parameters)
+    tr = tritonreshard.vllm.Trainer(hf_config, shards, rank=r, tp=2, trainer_ranks=[0, 1],
+                                    inference_ranks=[2, 3], store="127.0.0.1:29600")
+    tr.fence(); optimizer.step(); tr.publish()          # each step
+
+    # the script that owns the vLLM engine (LLM(..., weight_transfer_config={"backend": "tritonreshard"}))
+    llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": tritonreshard.vllm.init_info(
+        store="127.0.0.1:29600", trainer_ranks=[0, 1], inference_ranks=[2, 3])})   # once
+    llm.collective_rpc("start_weight_update")                                   # each refit
+    llm.collective_rpc("update_weights", kwargs={"update_info": {"version": v}})
+    llm.collective_rpc("finish_weight_update")
+    llm.reset_prefix_cache()                       # cached KV was computed with the old weights
+
+Importing this package does not import vLLM.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..refit import RefitTrainer
+from ._layouts import Bind, VLLMLayouts, llama_layouts
+
+__all__ = ["Trainer", "init_info", "llama_layouts", "VLLMLayouts", "Bind", "register", "BACKEND"]
+
+BACKEND = "tritonreshard"
+
+
+def register() -> None:
+    """``vllm.general_plugins`` entry point: register the engine with vLLM's factory (lazily: the
+    worker module is imported only when a worker creates the engine). Runs in every vLLM process."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if BACKEND not in WeightTransferEngineFactory._registry:  # plugins may load more than once per process
+        WeightTransferEngineFactory.register_engine(BACKEND, "tritonreshard.vllm._worker",
+                                                    "TritonreshardWeightTransferEngine")
+
+
+def init_info(*, store: str, trainer_ranks, inference_ranks, src_dtype: str = "float32", group: str = "vllm",
+              timeout: float = 60.0, peer_timeout: float = 10.0) -> dict:
+    """The plain dict to pass to ``init_weight_transfer_engine``. ``store``: ``"host:port"`` of the
+    refit group's TCPStore (trainer rank 0 hosts it); ``inference_ranks[t]`` is vLLM TP rank ``t``'s
+    global rank in the refit group; ``src_dtype``: the trainers' parameter dtype."""
+    problems = []
+    if not isinstance(store, str) or ":" not in store:
+        problems.append(f"store must be 'host:port', got store={store!r}")
+    if src_dtype not in ("float32", "bfloat16", "float16"):
+        problems.append(f"src_dtype must be 'float32', 'bfloat16' or 'float16', got src_dtype={src_dtype!r}")
+    if problems:
+        raise ValueError("init_info: " + "; ".join(problems))
+    return {"store": store, "trainer_ranks": [int(r) for r in trainer_ranks],
+            "inference_ranks": [int(r) for r in inference_ranks], "src_dtype": src_dtype, "group": group,
+            "timeout": float(timeout), "peer_timeout": float(peer_timeout)}
+
+
+class Trainer(RefitTrainer):
+    """Trainer side of a vLLM refit group: a :class:`~tritonreshard.RefitTrainer` whose layouts come
+    from the model's Hugging Face ``config`` and vLLM's tensor parallelism ``tp``.
+
+    ``shards``: this rank's FSDP row shards ``{HF parameter name: tensor}`` (``Shard(0)`` over
+    ``trainer_ranks``), copied once into the shared arena; train on ``tensors`` afterwards (or pass
+    an ``nn.Module`` whose parameters are those shards: they are re-pointed at the arena). Call
+    ``fence()`` before changing the weights and ``publish()`` after; the vLLM workers pull from
+    the arena. ``rank`` is this process's rank in the refit group (one of ``trainer_ranks``).
+    """
+
+    def __init__(self, config, shards, *, rank: int, tp: int, trainer_ranks, inference_ranks, store,
+                 src_dtype=None, group: str = "vllm", **kwargs):
+        dtype = src_dtype or next(iter(shards.values() if isinstance(shards, dict) else
+                                       (p for _, p in shards.named_parameters()))).dtype
+        names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+        if dtype not in names:
+            raise ValueError(f"Trainer: the shards' dtype must be one of {sorted(names.values())}, got {dtype}")
+        self.layouts = llama_layouts(config, tp=tp, trainer_ranks=trainer_ranks, inference_ranks=inference_ranks,
+                                     src_dtype=dtype)
+        self.src_dtype = names[dtype]  # what init_info(src_dtype=...) needs on the vLLM side
+        super().__init__(shards, self.layouts.src, rank=rank, world_size=len(trainer_ranks) + len(inference_ranks),
+                         store=store, group=group, **kwargs)

@@ -1,0 +1,303 @@
+"""Inference side: the ``"tritonreshard"`` weight-transfer engine, one instance per vLLM worker.
+
+Imported only inside vLLM (the ``vllm.general_plugins`` entry point registers it lazily). Each
+worker (TP rank ``t``) joins the refit group as global rank ``inference_ranks[t]`` and pulls exactly
+its own shards out of the trainers' shared arenas into its own buffer set (shadow mode: the serving
+weights are untouched while the copy runs). Then the TP group agrees; only when every TP rank pulled
+the same version does any rank apply it:
+
+* layers whose live parameters are not their load format (vLLM's CPU backend repacks linear
+  weights into oneDNN handles, leaving ``weight`` of shape [0]; quantized layers) go through vLLM's
+  layerwise reload: the load-format parameters are materialized, filled from the pulled buffers,
+  and vLLM's own ``process_weights_after_loading`` runs and copies into the kernel tensors;
+* plain layers (unquantized on CUDA, norms) are written in place from the pulled buffers.
+
+A failed pull on any rank raises on every rank, naming the failed rank(s), before anything is
+applied: the engine keeps serving the previous version.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size, get_tp_group
+from vllm.logger import init_logger
+from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
+                                                   WeightTransferUpdateInfo)
+from vllm.model_executor.layers.attention import is_deferred_attention_layer
+from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+from vllm.model_executor.model_loader.reload import layerwise as _layerwise
+from vllm.model_executor.model_loader.reload.meta import materialize_layer
+from vllm.platforms import current_platform
+
+from ..refit import RefitError, RefitInference
+from ._layouts import llama_layouts
+
+__all__ = ["TritonreshardInitInfo", "TritonreshardUpdateInfo", "TritonreshardWeightTransferEngine"]
+
+logger = init_logger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class TritonreshardInitInfo(WeightTransferInitInfo):
+    """``init_weight_transfer_engine`` payload (a plain dict on the wire; see
+    :func:`tritonreshard.vllm.init_info`)."""
+
+    store: str
+    trainer_ranks: list[int]
+    inference_ranks: list[int]
+    src_dtype: str = "float32"
+    group: str = "vllm"
+    timeout: float = 60.0
+    peer_timeout: float = 10.0
+
+
+@dataclass
+class TritonreshardUpdateInfo(WeightTransferUpdateInfo):
+    """``update_weights`` payload: the version to install (None: the next one) and how long to wait
+    for it (None: the init timeout)."""
+
+    version: int | None = None
+    timeout: float | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitInfo, TritonreshardUpdateInfo]):
+    """vLLM ``WeightTransferEngine`` pulling TP shards through tritonreshard (registered as
+    ``"tritonreshard"``). Which process calls what: vLLM calls every method in every worker, driven
+    by the four phases (``init_weight_transfer_engine``, ``start_weight_update``,
+    ``update_weights``, ``finish_weight_update``) of the engine's ``collective_rpc``."""
+
+    init_info_cls = TritonreshardInitInfo
+    update_info_cls = TritonreshardUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model):
+        super().__init__(config, vllm_config, device, model)
+        self._sub: RefitInference | None = None
+        self._session = False
+        self.applied_version = 0
+        self.stats: dict = {}
+        self._worker = _creating_worker()
+
+    def _agree(self, version, error) -> list:
+        """Every TP rank's ``(rank, version, error text)``: all ranks decide together."""
+        outcomes = [None] * get_tensor_model_parallel_world_size()
+        dist.all_gather_object(outcomes, (getattr(self, "rank", get_tensor_model_parallel_rank()), version,
+                                          None if error is None else f"{type(error).__name__}: {error}"),
+                               group=get_tp_group().cpu_group)
+        return outcomes
+
+    def _fail(self, outcomes, cause, what: str = "refit") -> None:
+        """Raise the TP group's agreed failure so that vLLM stays usable.
+
+        vLLM 0.32's multiproc executor reads the workers' replies in rank order and raises at the
+        first failure, leaving later ranks' replies queued: every later ``collective_rpc`` would then
+        read a stale reply. So only the last TP rank raises (with every rank's reason); the others
+        close their weight-update session as vLLM does after an exception, and return.
+        """
+        failed = [(r, e) for r, _, e in outcomes if e is not None]
+        versions = {v for _, v, e in outcomes if e is None}
+        texts = {e for _, e in failed}
+        why = (f"every rank: {failed[0][1]}" if len(failed) > 1 and len(texts) == 1 else
+               "; ".join(f"rank {r}: {e}" for r, e in failed) or f"TP ranks pulled different versions {versions}")
+        err = RefitError(f"tritonreshard {what} failed ({why}); nothing was applied, vLLM keeps serving "
+                         f"version {self.applied_version}")
+        if get_tensor_model_parallel_rank() < get_tensor_model_parallel_world_size() - 1 and self._worker is not None:
+            logger.warning("%s", err)
+            if what == "refit":
+                self._worker._weight_update_active = False
+                self.reset_weight_update_target()
+                self._session = False
+            return
+        raise err from cause
+
+    # ------------------------------------------------------------------ phase 1
+    def init_transfer_engine(self, init_info: TritonreshardInitInfo) -> None:
+        if self._sub is not None:  # the same on every rank: no agreement needed
+            raise RuntimeError(f"tritonreshard (rank {self.rank}): init_weight_transfer_engine was already called "
+                               f"(call shutdown_weight_transfer_engine first)")
+        error = None
+        try:  # broad on purpose: every TP rank must reach the agreement (see receive_weights)
+            self._init(init_info)
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+        outcomes = self._agree(0, error)
+        if any(e is not None for _, _, e in outcomes):
+            if self._sub is not None:
+                self._sub.close(abort=True)
+                self._sub = None
+            self._fail(outcomes, error, what="init_weight_transfer_engine")
+
+    def _init(self, init_info: TritonreshardInitInfo) -> None:
+        pc = self.parallel_config
+        problems = []
+        if pc.pipeline_parallel_size != 1 or pc.data_parallel_size != 1:
+            problems.append(f"pipeline_parallel_size={pc.pipeline_parallel_size} and data_parallel_size="
+                            f"{pc.data_parallel_size}: only tensor parallelism is supported")
+        if init_info.src_dtype not in _DTYPES:
+            problems.append(f"init_info src_dtype={init_info.src_dtype!r} must be one of {sorted(_DTYPES)}")
+        if problems:
+            raise ValueError("tritonreshard init_weight_transfer_engine: " + "; ".join(problems))
+        self.tp_rank, tp = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        self.layouts = llama_layouts(self.model_config.hf_config, tp=tp, trainer_ranks=init_info.trainer_ranks,
+                                     inference_ranks=init_info.inference_ranks,
+                                     src_dtype=_DTYPES[init_info.src_dtype], dst_dtype=self.model_config.dtype)
+        self.rank = self.layouts.inference_ranks[self.tp_rank]
+        self._binds = self.layouts.binds(self.tp_rank)
+        self._check_model()
+        self._timeout = float(init_info.timeout)
+        world = len(init_info.trainer_ranks) + tp
+        self._sub = RefitInference(self.layouts.dst, rank=self.rank, world_size=world, store=init_info.store,
+                                   mode="shadow", device=self.device, timeout=init_info.timeout,
+                                   peer_timeout=init_info.peer_timeout, group=init_info.group)
+
+    def _check_model(self) -> None:
+        """Every bound vLLM parameter exists with the load-format shape the layouts expect, and the
+        binds cover it exactly once (padding rows excepted), checked before anything moves."""
+        restore = {}
+        for mname, mod in self.model.named_modules():
+            meta_params, _ = _layerwise.get_layerwise_info(mod).restore_metadata
+            for pname, meta in meta_params.items():
+                restore[f"{mname}.{pname}" if mname else pname] = meta
+        self._restore_shapes = {n: tuple(m.shape) for n, m in restore.items()}
+        problems = []
+        for param, shape in self.layouts.param_shapes.items():
+            have = self._restore_shapes.get(param)
+            if have is None:
+                problems.append(f"vLLM model has no parameter {param!r}")
+            elif have != tuple(shape):
+                problems.append(f"vLLM parameter {param!r} has load-format shape {have}, layouts expect {tuple(shape)}")
+        cover: dict[str, int] = {}
+        for b in self._binds:
+            cover[b.param] = cover.get(b.param, 0) + (b.dst_rows[1] - b.dst_rows[0]) + (
+                b.zero_rows[1] - b.zero_rows[0] if b.zero_rows else 0)
+        for param, rows in cover.items():
+            if param in self._restore_shapes and rows != self._restore_shapes[param][0]:
+                problems.append(f"binds fill {rows} rows of {param!r}, which has {self._restore_shapes[param][0]}")
+        unbound = sorted(n for n in self._restore_shapes if n not in cover)
+        if unbound:
+            problems.append(f"vLLM parameters no layout fills: {unbound}")
+        if problems:
+            raise ValueError(f"tritonreshard (TP rank {self.tp_rank}): the model does not match the layouts: "
+                             + "; ".join(problems))
+        # Which layers vLLM post-processes after loading (their live tensors are not the load format).
+        modules = dict(self.model.named_modules())
+        self._layers: dict[str, tuple[torch.nn.Module, list]] = {}
+        for b in self._binds:
+            mname, pname = b.param.rsplit(".", 1)
+            self._layers.setdefault(mname, (modules[mname], []))[1].append((pname, b))
+        self._processed = {m for m, (mod, _) in self._layers.items() if self._needs_processing(m, mod)}
+
+    def _needs_processing(self, mname: str, mod: torch.nn.Module) -> bool:
+        qm = getattr(mod, "quant_method", None)
+        if qm is None:
+            return False
+        if not isinstance(qm, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)) or current_platform.is_cpu():
+            return True  # quantized, or the CPU backend's repack into oneDNN / sgl handles
+        return any(tuple(p.shape) != self._restore_shapes.get(f"{mname}.{n}") for n, p in
+                   mod.named_parameters(recurse=False))
+
+    # ------------------------------------------------------------------ phases 2-4
+    def start_weight_update(self) -> None:
+        if self._sub is None:
+            raise RuntimeError(f"tritonreshard (TP rank {get_tensor_model_parallel_rank()}): start_weight_update "
+                               f"before init_weight_transfer_engine")
+        self._session = True
+
+    def receive_weights(self, update_info: TritonreshardUpdateInfo) -> None:
+        if not self._session:
+            raise RuntimeError(f"tritonreshard (rank {self.rank}): update_weights outside start/finish_weight_update")
+        t0 = time.perf_counter()
+        error = None
+        # Broad on purpose: whatever failed here, every TP rank must reach the agreement below (or
+        # the others would wait in it for vLLM's collective timeout); the error is re-raised.
+        try:
+            version = self._sub.pull(update_info.version, update_info.timeout)
+        except Exception as exc:  # noqa: BLE001
+            error, version = exc, None
+        t_agree = time.perf_counter()
+        outcomes = self._agree(version, error)
+        t1 = time.perf_counter()
+        if any(e is not None for _, _, e in outcomes) or len({v for _, v, _ in outcomes}) > 1:
+            self._fail(outcomes, error)
+            return
+        self._apply(self._sub.tensors)
+        t2 = time.perf_counter()
+        self.applied_version = version
+        self.stats = {"version": version, "pull_ms": (t_agree - t0) * 1e3, "apply_ms": (t2 - t1) * 1e3,
+                      "agree_ms": (t1 - t_agree) * 1e3,
+                      "copy_ms": self._sub.last_pull.copy_ms,
+                      "wait_ms": self._sub.last_pull.wait_ms, "staging_bytes": self._sub.last_pull.staging_bytes,
+                      "bytes": self._sub.bytes_per_refit, **self._apply_split}
+
+    @torch.no_grad()
+    def _apply(self, bufs: dict[str, torch.Tensor]) -> None:
+        def fill(target: torch.Tensor, binds) -> None:
+            for _, b in binds:
+                target[b.dst_rows[0]:b.dst_rows[1]].copy_(bufs[b.name][b.src_rows[0]:b.src_rows[1]])
+                if b.zero_rows:
+                    target[b.zero_rows[0]:b.zero_rows[1]].zero_()
+
+        if self._processed:
+            t0 = time.perf_counter()
+            initialize_layerwise_reload(self.model)
+            t1 = time.perf_counter()
+            for mname in sorted(self._layers):
+                mod, binds = self._layers[mname]
+                info = _layerwise.get_layerwise_info(mod)
+                materialize_layer(mod, info)
+                # Copy, never alias the shadow buffers: some post-processing keeps views of the
+                # load-format weight (zentorch), and a later pull into an aliased buffer would then
+                # change the served weights unprocessed.
+                for pname in {p for p, _ in binds}:
+                    fill(getattr(mod, pname).data, [(p, b) for p, b in binds if p == pname])
+                # vLLM's own post-load processing; for a plain layer it only copies into the kernel tensors.
+                _layerwise._layerwise_process(mod, info)
+            # Layers nothing of ours lands in (rotary caches): put vLLM's own tensors back as
+            # finalize would, minus its "failed to load weights" warning on every refit.
+            bound = {id(mod) for mod, _ in self._layers.values()}
+            for mod in self.model.modules():
+                info = _layerwise.get_layerwise_info(mod)
+                if (id(mod) not in bound and info.can_load() and info.load_numel == 0
+                        and info.kernel_tensors is not None and not is_deferred_attention_layer(mod)):
+                    _layerwise._place_kernel_tensors(mod, info)
+                    info.reset()
+            t2 = time.perf_counter()
+            finalize_layerwise_reload(self.model, self.model_config)
+            self._apply_split = {"layerwise_init_ms": (t1 - t0) * 1e3, "process_ms": (t2 - t1) * 1e3,
+                                 "finalize_ms": (time.perf_counter() - t2) * 1e3}
+            return
+        self._apply_split = {}
+        for mname, (mod, binds) in self._layers.items():
+            for pname in {p for p, _ in binds}:
+                fill(getattr(mod, pname).data, [(p, b) for p, b in binds if p == pname])
+
+    def finish_weight_update(self) -> None:
+        self._session = False
+
+    def shutdown(self) -> None:
+        if self._sub is not None:
+            self._sub.close()
+            self._sub = None
+
+
+def _creating_worker():
+    """The vLLM worker whose ``load_model`` is creating this engine (a few frames up), or None.
+    Needed only to close its weight-update session on a failed update (see ``_fail``)."""
+    frame = sys._getframe(1)
+    for _ in range(8):
+        if frame is None:
+            return None
+        obj = frame.f_locals.get("self")
+        if hasattr(obj, "_weight_update_active") and hasattr(obj, "model_runner"):
+            return obj
+        frame = frame.f_back
+    return None
