@@ -47,7 +47,8 @@ import torch
 
 from .plan import Plan, TransferOp, _cut_global, _fmt_bytes, _fmt_global, _fmt_slices
 
-__all__ = ["CrossTransfer", "FanoutOp", "HostPlan", "plan_hosts", "box_is_contiguous"]
+__all__ = ["CrossTransfer", "FanoutOp", "HostPlan", "Message", "plan_hosts", "plan_messages",
+           "box_is_contiguous"]
 
 #: Receive buffers start every box on this boundary (the transports' arena alignment), so boxes that
 #: are back to back in the source arena stay back to back in the buffer and travel as one message.
@@ -499,3 +500,57 @@ def plan_hosts(plan: Plan, hosts: Mapping[int, str], *,
     local.sort(key=lambda op: (op.name, op.dst_rank, tuple(s.start for s in op.dst_slices), op.src_rank))
     fanout.sort(key=lambda f: (f.op.name, f.dst_rank, tuple(s.start for s in f.op.dst_slices), f.transfer))
     return HostPlan(plan, host_of, tuple(local), tuple(transfers), tuple(fanout), buffer_bytes)
+
+
+@dataclass(frozen=True)
+class Message:
+    """One point-to-point message of a refit: ``sender`` -> ``receiver``, ``nbytes`` bytes landing at
+    byte ``recv_offset`` of the receiver's buffer, carrying ``transfers`` (indices, back to back).
+
+    ``src_offset``: byte offset of the bytes in the sender's arena when they are one range there
+    (sent straight from the arena); ``None`` when the sender packs its single, non-contiguous box
+    first.
+    """
+
+    sender: int
+    receiver: int
+    transfers: tuple[int, ...]
+    recv_offset: int
+    nbytes: int
+    src_offset: int | None
+
+
+def _box_byte_offset(box: tuple[slice, ...], shape: tuple[int, ...], itemsize: int) -> int:
+    off, stride = 0, itemsize
+    for s, n in zip(reversed(box), reversed(shape)):
+        off += s.start * stride
+        stride *= n
+    return off
+
+
+def plan_messages(hp: HostPlan, src_offsets: Mapping[tuple[int, str], int]) -> tuple[Message, ...]:
+    """The messages of ``hp`` given where each source shard lives in its sender's arena.
+
+    Transfers from one sender to one receiver that are back to back both in the sender's arena and
+    in the receive buffer travel as one message (a whole arena needed on a host is one message per
+    sender and receiver). Sender and receiver derive the same list from the same inputs.
+    """
+    missing = sorted({(t.src_rank, t.name) for t in hp.transfers} - set(src_offsets))
+    if missing:
+        raise ValueError(f"plan_messages: src_offsets has no arena offset for (rank, name) {missing[:8]}")
+    out: list[Message] = []
+    for t in sorted(hp.transfers, key=lambda t: (t.src_rank, t.receiver, t.offset)):
+        lay = hp.plan.src_layouts[t.name]
+        src = None
+        if t.contiguous:
+            src = src_offsets[(t.src_rank, t.name)] + _box_byte_offset(t.box, lay.local_shape(t.src_rank),
+                                                                       lay.itemsize)
+        last = out[-1] if out else None
+        if (last is not None and src is not None and last.src_offset is not None
+                and (last.sender, last.receiver) == (t.src_rank, t.receiver)
+                and last.src_offset + last.nbytes == src and last.recv_offset + last.nbytes == t.offset):
+            out[-1] = Message(last.sender, last.receiver, last.transfers + (t.index,), last.recv_offset,
+                              last.nbytes + t.nbytes, last.src_offset)
+        else:
+            out.append(Message(t.src_rank, t.receiver, (t.index,), t.offset, t.nbytes, src))
+    return tuple(out)
