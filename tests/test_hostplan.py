@@ -352,3 +352,26 @@ def test_property_exactly_once_and_each_byte_crosses_once(data):
     ranks = range(9)
     hosts = {r: f"h{data.draw(st.integers(0, 2))}" for r in ranks}
     check(srcs, dsts, hosts)
+
+
+def test_receiver_runs_keep_arena_neighbours_in_few_messages():
+    from tritonreshard._hostplan import plan_messages
+    from tritonreshard.transport import pack_offsets
+    src, dst = {}, {}
+    for i in range(24):
+        shape = (64, 128 * (1 + i % 3))
+        src[f"t{i:02d}"] = Layout(shape, 2, [Shard(0)], torch.bfloat16)
+        dst[f"t{i:02d}"] = Layout(shape, [2, 3, 4, 5], [Replicate()], torch.bfloat16)
+    plan = trs.plan_reshard(src, dst)
+    offsets = {}
+    for r in (0, 1):
+        names = sorted(src)
+        offs, _ = pack_offsets([src[n].local_numel(r) * 2 for n in names])
+        offsets.update({(r, n): o for n, o in zip(names, offs)})
+    hp = check(src, dst, _hosts({"a": [0, 1], "b": [2, 3, 4, 5]}), src_offsets=offsets)
+    msgs = plan_messages(hp, offsets)
+    # Each receiver takes one run of the senders' arenas: at most (runs + senders - 1) messages.
+    assert len(msgs) <= 4 + 2 - 1, [(m.sender, m.receiver, len(m.transfers)) for m in msgs]
+    assert sum(m.nbytes for m in msgs) == hp.cross_host_bytes
+    loads = [hp.buffer_bytes[r] for r in (2, 3, 4, 5)]
+    assert max(loads) <= 1.1 * min(loads), loads

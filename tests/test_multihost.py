@@ -40,7 +40,7 @@ def _arena_layout(plan, rank):
     return dict(zip(names, offsets)), total
 
 
-def _setup(rank, world, port, src, dst, hosts):
+def _setup(rank, world, port, src, dst, hosts, device="cpu"):
     plan = trs.plan_reshard(src, dst)
     src_offsets = {}
     for r in plan.src_ranks:
@@ -49,15 +49,18 @@ def _setup(rank, world, port, src, dst, hosts):
     hp = plan_hosts(plan, hosts, src_offsets=src_offsets)
     msgs = plan_messages(hp, src_offsets)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=30))
-    link = DistLink(store, rank=rank, world_size=world, timeout=20.0, prefix="test-dist/")
+    if device == "cuda":
+        device = f"cuda:{rank}"
+        torch.cuda.set_device(device)
+    link = DistLink(store, rank=rank, world_size=world, timeout=20.0, prefix="test-dist/", device=device)
     arena = shard = None
     if rank in plan.src_ranks:
         offs, total = _arena_layout(plan, rank)
-        arena = torch.zeros(total, dtype=torch.uint8)
+        arena = torch.zeros(total, dtype=torch.uint8, device=device)
         shard = {n: arena[o:o + plan.src_layouts[n].local_numel(rank) * plan.src_layouts[n].itemsize]
                  .view(plan.src_layouts[n].dtype).view(plan.src_layouts[n].local_shape(rank))
                  for n, o in offs.items()}
-    recv = torch.full((hp.buffer_bytes.get(rank, 0),), 0xA5, dtype=torch.uint8)
+    recv = torch.full((hp.buffer_bytes.get(rank, 0),), 0xA5, dtype=torch.uint8, device=device)
     copy = CrossHostCopy(link, msgs, hp.transfers, arena=arena, shard=shard,
                          recv_buffer=recv if rank in hp.buffer_bytes else None)
     return plan, hp, store, link, shard, recv, copy
@@ -67,13 +70,13 @@ def _fill(plan, shard, rank, version):
     for n, t in shard.items():
         lay = plan.src_layouts[n]
         g = torch.arange(lay.numel, dtype=torch.int64).reshape(lay.shape)
-        t.copy_(_value(version, lay.shard(g, rank), t.dtype))
+        t.copy_(_value(version, lay.shard(g, rank), t.dtype).to(t.device))
 
 
-def _rank_refits(rank, world, port, src, dst, hosts, versions):
+def _rank_refits(rank, world, port, src, dst, hosts, versions, device="cpu"):
     """One rank: ``versions`` refits over the wire. Returns the receive buffer after each."""
     os.environ["TRITONRESHARD_HOST"] = hosts[rank]
-    plan, hp, store, link, shard, recv, copy = _setup(rank, world, port, src, dst, hosts)
+    plan, hp, store, link, shard, recv, copy = _setup(rank, world, port, src, dst, hosts, device)
     got = []
     for v in range(1, versions + 1):
         if shard:
@@ -85,7 +88,7 @@ def _rank_refits(rank, world, port, src, dst, hosts, versions):
         if pending_recv is not None:
             pending_recv.wait()
             copy.check_headers(v)
-        got.append(recv.numpy().tobytes())  # plain bytes: tensors would travel as fds of a dead process
+        got.append(recv.cpu().numpy().tobytes())  # plain bytes: tensors would travel as fds of a dead process
     stats = (copy.bytes_sent_per_refit, copy.bytes_received_per_refit, copy.num_messages,
              copy.send_staging_bytes)
     store.set(f"done/{rank}", "1")
@@ -119,9 +122,10 @@ def _check_outputs(plan, hp, buffers, version):
                 f"{n} on rank {r}, version {version}"
 
 
-def _run(src, dst, hosts, versions=2):
+def _run(src, dst, hosts, versions=2, device="cpu"):
     world = len(hosts)
-    res = run_ranks(_rank_refits, world, args=(world, free_port(), src, dst, hosts, versions), timeout=120)
+    res = run_ranks(_rank_refits, world, args=(world, free_port(), src, dst, hosts, versions, device),
+                    timeout=120)
     plan = trs.plan_reshard(src, dst)
     hp = plan_hosts(plan, hosts, src_offsets={
         (r, n): o for r in plan.src_ranks for n, o in _arena_layout(plan, r)[0].items()})
@@ -145,6 +149,16 @@ def test_seed_example_across_two_hosts_over_gloo():
     assert hp.cross_host_bytes == 256
     # Each trainer sends its whole shard once: one header + one message.
     assert stats[0][2] == stats[1][2] == 1 and stats[0][3] == 0
+
+
+@pytest.mark.cuda
+def test_nccl_between_two_gpus_on_two_simulated_hosts():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("NCCL needs one GPU per rank: 2 GPUs")
+    src = {"w": Layout((64, 96), 1, [Replicate()], torch.bfloat16), "c": Layout((40, 24), 1, [Replicate()])}
+    dst = {"w": Layout((64, 96), [1], [Replicate()], torch.bfloat16), "c": Layout((40, 24), [1], [Shard(1)])}
+    hp, stats = _run(src, dst, _hosts({"a": [0], "b": [1]}), versions=3, device="cuda")
+    assert hp.cross_host_bytes == 64 * 96 * 2 + 40 * 24 * 4
 
 
 def test_columns_to_replicas_four_ranks_on_one_host_each_byte_once():

@@ -18,7 +18,8 @@ each byte needed on a host crosses into it exactly once:
   the host is one box, sent straight from the source's memory as one contiguous message). Each box
   has exactly one sender (a source replica, balanced by bytes sent) and exactly one receiving rank on
   the destination host (balanced by bytes received over the host's ranks that need data from other
-  hosts; boxes are split along their outermost dim to even out the load).
+  hosts: each receiver takes one contiguous run of the host's boxes in the senders' arena order,
+  a box split along its outermost dim where a run ends, so neighbours travel as one message).
 * **receive buffers**: each receiver holds its boxes back to back (``align``-byte aligned, source
   dtype). They are the only staging of the cross-host path; :attr:`HostPlan.buffer_bytes` counts
   them per rank.
@@ -53,9 +54,9 @@ __all__ = ["CrossTransfer", "FanoutOp", "HostPlan", "Message", "plan_hosts", "pl
 #: Receive buffers start every box on this boundary (the transports' arena alignment), so boxes that
 #: are back to back in the source arena stay back to back in the buffer and travel as one message.
 RECV_ALIGN = 256
-# A box is split to balance receivers only into parts at least this big.
+# A box is split between two receivers only into parts at least this big.
 _MIN_SPLIT_BYTES = 64 * 1024
-# A whole box goes to the least-loaded receiver while that keeps it within this factor of a fair share.
+# A whole box stays in a receiver's run while that keeps the run within this factor of its share.
 _BALANCE_SLACK = 1.05
 
 Box = tuple[tuple[int, int], ...]   # per dim [start, stop) in a source rank's local shard
@@ -436,31 +437,60 @@ def plan_hosts(plan: Plan, hosts: Mapping[int, str], *,
             items[h].append((name, group, box))
         receivers_of_host[h].update(op.dst_rank for op in ops)
 
-    # Balance: boxes biggest first to the least-loaded receiver of the host, split when one box would
-    # put a receiver well above its fair share; the sender is the least-loaded replica.
+    # Balance. Each box's sender is the least-loaded replica (biggest boxes first). Then the host's
+    # boxes, in (sender, arena) order, are cut into one contiguous run per receiver of about the fair
+    # share, a box at a run's end split along its outermost dim: boxes back to back in a sender's
+    # arena stay together, so they travel as few messages and receivers stay balanced by bytes.
     assigned: list[tuple[str, str, tuple[int, ...], Box, int, int]] = []  # host, name, group, box, sender, recv
     send_load: dict[int, int] = defaultdict(int)
+
+    def nbytes(name: str, box: Box) -> int:
+        return math.prod(b - a for a, b in box) * src_lay[name].itemsize
+
+    def arena_pos(sender: int, name: str) -> int:
+        return src_offsets.get((sender, name), 0) if src_offsets is not None else 0
+
     for h in sorted(items):
         recvs = sorted(receivers_of_host[h])
-        isz = {n: src_lay[n].itemsize for n, _, _ in items[h]}
-        nbytes = lambda name, box: math.prod(b - a for a, b in box) * isz[name]  # noqa: E731
-        fair = sum(nbytes(n, b) for n, _, b in items[h]) / len(recvs)
-        load = {r: 0 for r in recvs}
+        seq = []
         for name, group, box in sorted(items[h], key=lambda it: (-nbytes(it[0], it[2]), it[0], it[2])):
-            size = nbytes(name, box)
-            order = sorted(recvs, key=lambda r: (load[r], r))
-            parts = [box]
-            if load[order[0]] + size > fair * _BALANCE_SLACK and any(b - a > 1 for a, b in box):
-                axis_extent = next(b - a for a, b in box if b - a > 1)
-                n = min(len(recvs), axis_extent, size // _MIN_SPLIT_BYTES)
-                if n > 1:
-                    parts = _split_box(box, n)
-            for part, r in zip(parts, order):
-                sender = min(group, key=lambda s: (send_load[s], s))
-                psize = nbytes(name, part)
-                send_load[sender] += psize
-                load[r] += psize
-                assigned.append((h, name, group, part, sender, r))
+            sender = min(group, key=lambda s: (send_load[s], s))
+            send_load[sender] += nbytes(name, box)
+            seq.append((sender, arena_pos(sender, name), name, box, group))
+        seq.sort(key=lambda x: x[:4])
+        left = sum(nbytes(name, box) for _, _, name, box, _ in seq)   # bytes not in a closed run
+        i, filled, share = 0, 0, left / len(recvs)   # current run, its bytes, its share of what is left
+
+        def next_run():
+            nonlocal i, filled, share, left
+            left -= filled
+            i, filled = i + 1, 0
+            share = left / (len(recvs) - i)
+
+        for sender, _, name, box, group in seq:
+            rest = box
+            while rest is not None:
+                size, room = nbytes(name, rest), share - filled
+                last = i == len(recvs) - 1
+                if last or size <= room * _BALANCE_SLACK:
+                    part, rest = rest, None
+                else:
+                    axis = next((d for d, (a, b) in enumerate(rest) if b - a > 1), None)
+                    extent = 0 if axis is None else rest[axis][1] - rest[axis][0]
+                    rows = 0 if axis is None else int(room / (size / extent))
+                    if 0 < rows < extent and room >= _MIN_SPLIT_BYTES and size - room >= _MIN_SPLIT_BYTES:
+                        a0 = rest[axis][0]
+                        part = rest[:axis] + ((a0, a0 + rows),) + rest[axis + 1:]
+                        rest = rest[:axis] + ((a0 + rows, rest[axis][1]),) + rest[axis + 1:]
+                    elif filled == 0 or room >= size / 2:   # an empty run, or most of it fits: take it
+                        part, rest = rest, None
+                    else:                                    # most of it does not: the next run starts
+                        next_run()
+                        continue
+                assigned.append((h, name, group, part, sender, recvs[i]))
+                filled += nbytes(name, part)
+                if not last and filled >= share * (1 - 1e-9):
+                    next_run()
 
     # Receive buffers: per receiver, grouped by sender, in the sender's arena order.
     def order_key(a):
