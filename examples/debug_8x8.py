@@ -14,11 +14,12 @@ import time
 import torch
 
 import tritonreshard as trs
-from tritonreshard import kernels  # sets TRITON_INTERPRET=1 when there is no GPU
 from tritonreshard._descriptors import DescriptorTable
 from tritonreshard.execute import execute_local
 
-print("Triton interpreter:", kernels.INTERPRET)
+# CUDA tensors run the compiled kernels; the CPU tensors of this notebook run the same kernels in
+# Triton's interpreter (exact, slow: fine for 8x8).
+print("CUDA available:", torch.cuda.is_available())
 
 # %% [markdown]
 # ## 1. Layouts and plan
@@ -30,11 +31,11 @@ plan = trs.plan_reshard(src_layouts, dst_layouts)
 print(plan)
 
 # %% [markdown]
-# ## 2. The picture (if `tritonreshard.viz` is available)
+# ## 2. The picture (if `tritonreshard.apps.viz` is available)
 
 # %%
 try:
-    from tritonreshard.viz import draw_plan
+    from tritonreshard.apps.viz import draw_plan
 except ImportError as exc:  # viz is optional (matplotlib)
     print("no picture:", exc)
 else:

@@ -10,21 +10,28 @@ The pattern to copy into your own RL code:
     trainer                                   inference
     -------                                   ---------
     tr = trs.RefitTrainer(tensors, layouts,   inf = trs.RefitInference(layouts, rank, world_size,
-                          rank, world_size,                            store, mode="shadow")
-                          store)              loop:
-    params = Parameters over tr.tensors         if inf.available_version() > inf.version:
-    tr.publish()                    # v1            inf.start_pull()      # background
-    loop:                                       generate on inf.tensors   # old weights meanwhile
-        loss.backward()                         if inf.pull_done(): inf.swap()
-        tr.fence()   # readers done with v
+                          rank, world_size)                            mode="shadow")
+    params = Parameters over tr.tensors       loop:
+    tr.publish()                    # v1        if inf.available_version() > inf.version:
+    loop:                                           inf.start_pull()      # background
+        loss.backward()                         generate on inf.tensors   # old weights meanwhile
+        tr.fence()   # readers done with v      if inf.pull_done(): inf.swap()
         opt.step()   # writes the arena
         tr.publish()                 # v+1
 
 Every inference rank must pull every version: the trainer's ``fence()`` waits for all of them.
-Run: ``python examples/rl_refit.py`` (CPU, a few seconds).
+
+Inside a torch.distributed job (the usual case) nothing else is needed: with ``store`` left out,
+the endpoints meet in the job's own store (the default process group's). Run it either way:
+
+    torchrun --standalone --nproc-per-node 3 examples/rl_refit.py
+    python examples/rl_refit.py      # spawns the 3 ranks itself, the way torchrun would
+
+(CPU, a few seconds.)
 """
-import datetime
-import io
+import os
+import socket
+import sys
 
 import torch
 import torch.distributed as dist
@@ -44,51 +51,66 @@ DST = {"w_in": trs.Layout((H, D), SERVERS, [trs.Shard(0)]),    # column-parallel
        "w_out": trs.Layout((D, H), SERVERS, [trs.Shard(1)])}   # row-parallel
 
 
-def trainer(addr: str) -> None:
+def say(line: str) -> None:
+    """One whole line in one write: several processes share this stdout, and a line written in
+    pieces (text, then newline, by separate flushes) can run into another process's line."""
+    os.write(sys.stdout.fileno(), (line + "\n").encode())
+
+
+def trainer() -> dict:
     torch.manual_seed(0)
     init = {"w_in": torch.randn(H, D) / D ** 0.5, "w_out": torch.randn(D, H) / H ** 0.5}
-    tr = trs.RefitTrainer(init, SRC, rank=0, world_size=WORLD, store=_store(addr))
-    # Train on the arena itself: no copy per step, publish() only bumps the version.
-    params = {n: torch.nn.Parameter(t) for n, t in tr.tensors.items()}
-    opt = torch.optim.SGD(params.values(), lr=0.1)
-    tr.publish()                                        # version 1: the initial weights
-    x, y = torch.randn(64, D), torch.randn(64, D)
-    for step in range(STEPS):
-        loss = ((torch.relu(x @ params["w_in"].T) @ params["w_out"].T - y) ** 2).mean()
-        opt.zero_grad()
-        loss.backward()                                 # overlaps the inference ranks' pulls
-        tr.fence()                                      # ...which must finish before we write
-        opt.step()
-        v = tr.publish()
-        print(f"trainer: step {step} loss {loss.item():.4f} -> published version {v}")
-    tr.fence()                                          # every server has read the last version
-    _store(addr).set("final", _dumps({n: t.clone() for n, t in tr.tensors.items()}))
-    _store(addr).wait(["served"])                       # keep the arena until the servers are done
-    tr.close()
+    with trs.RefitTrainer(init, SRC, rank=0, world_size=WORLD) as tr:  # store: the job's
+        # Train on the arena itself: no copy per step, publish() only bumps the version.
+        params = {n: torch.nn.Parameter(t) for n, t in tr.tensors.items()}
+        opt = torch.optim.SGD(params.values(), lr=0.1)
+        tr.publish()                                    # version 1: the initial weights
+        x, y = torch.randn(64, D), torch.randn(64, D)
+        for step in range(STEPS):
+            loss = ((torch.relu(x @ params["w_in"].T) @ params["w_out"].T - y) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()                             # overlaps the inference ranks' pulls
+            tr.fence()                                  # ...which must finish before we write
+            opt.step()
+            v = tr.publish()
+            say(f"trainer: step {step} loss {loss.item():.4f} -> published version {v}")
+        tr.fence()                                      # every server has read the last version
+        final = {n: t.detach().clone() for n, t in tr.tensors.items()}
+        _share_final(final)
+        dist.barrier()                                  # keep the arena until the servers are done
+    return final
 
 
-def inference(rank: int, addr: str) -> None:
-    inf = trs.RefitInference(DST, rank=rank, world_size=WORLD, store=_store(addr), mode="shadow")
-    inf.pull()                                          # version 1: wait for it, install it
-    served = 0
-    while inf.version < STEPS + 1:
-        if inf.available_version() > inf.version:
-            inf.start_pull()                            # background copy into the shadow buffers
-            while not inf.pull_done():
-                _generate(inf.tensors)                  # keep serving the previous version
-                served += 1
-            inf.swap()                                  # install the new version between steps
-        else:
-            _generate(inf.tensors)
-    # Check: this rank's shards equal the trainer's final weights, sliced by the TP layout.
-    final = _loads(_store(addr).get("final"))
-    for name, layout in DST.items():
-        assert torch.equal(inf.tensors[name], layout.shard(final[name], rank)), name
-    print(f"inference rank {rank}: serving version {inf.version}, shards exact, "
-          f"{served} generation steps ran while a refit was in flight", flush=True)
-    inf.close()
-    if _store(addr).add("served_count", 1) == len(SERVERS):
-        _store(addr).set("served", "1")
+def inference(rank: int) -> None:
+    with trs.RefitInference(DST, rank=rank, world_size=WORLD, mode="shadow") as inf:
+        inf.pull()                                      # version 1: wait for it, install it
+        served = 0
+        while inf.version < STEPS + 1:
+            if inf.available_version() > inf.version:
+                inf.start_pull()                        # background copy into the shadow buffers
+                while not inf.pull_done():
+                    _generate(inf.tensors)              # keep serving the previous version
+                    served += 1
+                inf.swap()                              # install the new version between steps
+            else:
+                _generate(inf.tensors)
+        # Check: this rank's shards equal the trainer's final weights, sliced by the TP layout.
+        final = _share_final(None)
+        for name, layout in DST.items():
+            assert torch.equal(inf.tensors[name], layout.shard(final[name], rank)), name
+        say(f"inference rank {rank}: serving version {inf.version}, shards equal the trainer's bit for bit, "
+            f"{served} generation steps ran while a refit was in flight")
+        dist.barrier()
+
+
+def _share_final(final):
+    """The trainer's final weights to every rank (a broadcast over the job's process group)."""
+    out = {}
+    for name, layout in SRC.items():
+        t = final[name] if final is not None else torch.empty(layout.shape, dtype=layout.dtype)
+        dist.broadcast(t, src=TRAINER[0])
+        out[name] = t
+    return out
 
 
 def _generate(w):
@@ -98,49 +120,48 @@ def _generate(w):
     return torch.relu(x @ w["w_in"].T) @ w["w_out"].T
 
 
-_stores = {}
-
-
-def _store(addr: str) -> dist.TCPStore:
-    if addr not in _stores:
-        host, port = addr.rsplit(":", 1)
-        _stores[addr] = dist.TCPStore(host, int(port), is_master=False,
-                                      timeout=datetime.timedelta(seconds=30))
-    return _stores[addr]
-
-
-def _dumps(obj) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def _loads(data: bytes):
-    return torch.load(io.BytesIO(data))
-
-
-def _run(rank: int, addr: str) -> None:
+def main() -> None:
+    """One rank of the job: torchrun (or ``_spawn`` below) set RANK, WORLD_SIZE, MASTER_ADDR/PORT."""
     torch.set_num_threads(1)
-    trainer(addr) if rank in TRAINER else inference(rank, addr)
+    dist.init_process_group("gloo")   # the job's process group; the refit endpoints reuse its store
+    rank = dist.get_rank()
+    assert dist.get_world_size() == WORLD, f"run with {WORLD} processes, got {dist.get_world_size()}"
+    try:
+        if rank in TRAINER:
+            trainer()
+            say("done: every inference rank serves the trainer's final weights, bit for bit")
+        else:
+            inference(rank)
+    finally:
+        dist.destroy_process_group()
 
 
-if __name__ == "__main__":
-    # The launcher owns the rendezvous store; every process connects to it as a client.
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    addr = f"127.0.0.1:{master.port}"
-    from tritonreshard._rendezvous import secret_for_children
+def _child(rank: int, port: int) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    main()
 
-    secret_for_children()  # children inherit it; it never crosses the store
+
+def _spawn() -> None:
+    """Without torchrun: start the 3 ranks the way it would (rank 0's process group hosts the store)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    trs.secret_for_children()  # children inherit the group secret; it never crosses the store
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_run, args=(r, addr)) for r in range(WORLD)]
+    procs = [ctx.Process(target=_child, args=(r, port)) for r in range(WORLD)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(timeout=120)
-    codes = [p.exitcode for p in procs]
     for p in procs:
         if p.is_alive():
             p.kill()
+            p.join()
+    codes = [p.exitcode for p in procs]
     if any(c != 0 for c in codes):
         raise SystemExit(f"ranks exited with codes {codes}")
-    print("done: every inference rank serves the trainer's final weights, bit for bit")
+
+
+if __name__ == "__main__":
+    main() if "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ else _spawn()

@@ -1,51 +1,51 @@
 """Triton kernels of tritonreshard (imported as ``tritonreshard.kernels``).
 
-One kernel, :func:`gather_kernel`, copies a batch of rectangular regions described by a descriptor
-table (raw addresses, shapes, strides) and converts dtypes on the way; :func:`launch_gather` is its
-thin host wrapper. Tables are built by :mod:`tritonreshard._descriptors`.
+Two kernels copy batches of rectangular regions described by tables (raw addresses, shapes,
+strides) and convert dtypes on the way: :func:`copy_rows_kernel` (aligned contiguous rows, 128-bit,
+no index math) and :func:`copy_tiles_kernel` (narrow, strided or unaligned regions, 2-D tiles).
+:func:`plan_launches` turns one dtype group's regions into their launches; the tables' format and the
+design are in :mod:`tritonreshard.kernels.gather`. Tables are built by
+:mod:`tritonreshard._descriptors`.
 
-Interpreter setup: Triton picks "interpreter or compiler" when a kernel is *decorated*, from the
-``TRITON_INTERPRET`` environment variable. On a machine without CUDA this package sets
-``TRITON_INTERPRET=1`` (``os.environ.setdefault``, so an explicit ``TRITON_INTERPRET=0`` wins) before it
-imports Triton, so the same kernels run on CPU tensors in the interpreter: exact, slow, meant for
-tests and debugging. Import this package before anything else decorates Triton kernels if you rely on
-that; with CUDA available nothing is changed and kernels compile.
+Compiled or interpreted is decided per launch from the tables' device: CUDA tensors run the compiled
+kernels, CPU tensors run the same source in Triton's interpreter (exact, slow: tests and
+debugging). Importing this package sets no environment variable, changes nothing for other
+libraries' Triton kernels and does not initialise CUDA.
 """
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from .gather import (  # noqa: E402  (the environment must be set before triton is imported)
+from .gather import (
     ALIGN_BYTES,
-    FLAG_ALIGNED,
     FIELD_NAMES,
-    NFIELDS,
+    FLAG_ALIGNED,
+    INDEX_LIMIT,
     MAX_DIMS,
-    block_for,
-    gather_kernel,
+    NFIELDS,
+    VARIANTS,
+    ROWS_TILE_BYTES,
+    GatherLaunch,
+    copy_rows_kernel,
+    copy_tiles_kernel,
     group_key,
-    launch_gather,
+    group_keys,
+    launch_configs,
+    plan_launches,
     supported_conversion,
-    tile_geometry,
 )
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-"""True when kernels run in Triton's interpreter (CPU tensors) rather than compiled."""
 
 __all__ = [
     "ALIGN_BYTES",
-    "FLAG_ALIGNED",
     "FIELD_NAMES",
-    "INTERPRET",
+    "FLAG_ALIGNED",
+    "INDEX_LIMIT",
     "MAX_DIMS",
     "NFIELDS",
-    "block_for",
-    "gather_kernel",
+    "VARIANTS",
+    "ROWS_TILE_BYTES",
+    "GatherLaunch",
+    "copy_rows_kernel",
+    "copy_tiles_kernel",
     "group_key",
-    "launch_gather",
+    "group_keys",
+    "launch_configs",
+    "plan_launches",
     "supported_conversion",
-    "tile_geometry",
 ]

@@ -4,7 +4,7 @@ import sys
 
 import torch
 
-from tritonreshard.cli import main, parse_layout_spec
+from tritonreshard.apps.cli import main, parse_layout_spec
 from tritonreshard import Replicate, Shard
 
 
@@ -15,10 +15,11 @@ def test_plan_prints_the_seed_example(capsys):
     assert out.count("32 B") >= 8
 
 
-def test_plan_png_is_written(tmp_path):
+def test_plan_png_is_written(tmp_path, capsys):
     png = tmp_path / "plan.png"
     assert main(["plan", "--png", str(png), "--src", "4:S(1)", "--dst", "4:R"]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert f"wrote {png}" in capsys.readouterr().out
 
 
 def test_spec_grammar():
@@ -32,7 +33,71 @@ def test_bad_spec_is_a_clear_error(capsys):
 
 
 def test_console_script_runs():
-    out = subprocess.run([sys.executable, "-m", "tritonreshard.cli", "plan"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "tritonreshard.apps.cli", "plan"], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "8 ops" in out.stdout
+
+
+def test_plan_into_a_closed_pipe_is_quiet():
+    """``tritonreshard plan ... | head -1``: the reader leaves early; no BrokenPipeError traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "tritonreshard.apps.cli", "plan", "--shape", "512x512",
+                             "--src", "64:S(0)", "--dst", "64:S(1)", "--all-ops"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = proc.stdout.readline()
+    proc.stdout.close()  # like head: read one line, then go away (4096 ops: far more than a pipe buffer)
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=120)
+    assert first.startswith(b"source"), first
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    assert proc.returncode == 141
+
+
+def test_negative_size_reaches_the_size_check(capsys, tmp_path):
+    """``--size -5MiB`` is a bad size, not a missing argument (argparse's reading of a leading '-')."""
+    from tritonreshard.apps.cli import main as cli_main
+    assert cli_main(["bench", "--size", "-5MiB"]) == 2
+    err = capsys.readouterr().err
+    assert "--size='-5MiB' must be a positive number of bytes" in err, err
+    assert "expected one argument" not in err
+
+
+def test_help_has_no_markup(capsys):
+    import pytest
+    texts = []
+    for argv in ([], ["plan"], ["demo"], ["bench"]):
+        with pytest.raises(SystemExit) as exc:
+            main([*argv, "--help"])
+        assert exc.value.code == 0
+        texts.append(capsys.readouterr().out)
+    for text in texts:
+        assert "``" not in text and ":func:" not in text, text[:400]
+    assert "tritonreshard demo: an asynchronous RL loop" in texts[2]
+
+
+def test_plan_says_which_dtype_its_bytes_count(capsys):
+    assert main(["plan", "--src-dtype", "fp32", "--dst-dtype", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "count destination bytes (torch.bfloat16); send counts source bytes (torch.float32)" in out
+    assert main(["plan"]) == 0
+    assert "count destination bytes" not in capsys.readouterr().out  # one dtype: nothing to say
+
+
+def test_plan_bad_png_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "missing" / "plan.png"
+    assert main(["plan", "--png", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "does not exist" in err and str(bad) in err, err
+    assert not bad.parent.exists()
+
+
+def test_readme_single_process_blocks_run(capsys):
+    """The README's API tour and "Executing a plan in one process" run as written (no undefined names)."""
+    import re
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    tour = next(b for b in blocks if "trs.plan_reshard(src, dst)" in b)
+    local = next(b for b in blocks if "trs.execute_local(" in b)
+    exec(compile(tour + "\n" + local, "README.md", "exec"), {})  # noqa: S102 -- the README's own code
+    assert "8 ops" in capsys.readouterr().out

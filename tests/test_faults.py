@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tritonreshard import demo
+from tritonreshard.apps import demo
+from tritonreshard.transport import SHM_PREFIX
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -16,9 +17,10 @@ PEER_TIMEOUT = 5.0
 
 
 def _shm() -> set:
+    """Our own /dev/shm names only: other programs' entries (psm_*, sem.mp-*) come and go."""
     if not os.path.isdir("/dev/shm"):
         return set()
-    return {n for n in os.listdir("/dev/shm") if not n.startswith("sem.mp-")}
+    return {n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIX)}
 
 
 def _alive(pid: int) -> bool:
@@ -33,7 +35,7 @@ def _alive(pid: int) -> bool:
 
 def _run_fault(fault: str, steps: int = 3):
     before = _shm()
-    cmd = [sys.executable, "-m", "tritonreshard.demo", "--json", "--timeout", "150", "--steps", str(steps),
+    cmd = [sys.executable, "-m", "tritonreshard.apps.demo", "--json", "--timeout", "150", "--steps", str(steps),
            "--peer-timeout", str(PEER_TIMEOUT), "--fault", fault]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert out.returncode == 1, (out.returncode, out.stderr[-5000:])

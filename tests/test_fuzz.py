@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import tritonreshard as trs
 from tritonreshard import Layout, Replicate, Shard
-from tritonreshard.cli import main, parse_layout_spec
+from tritonreshard.apps.cli import main, parse_layout_spec
 
 from _mp import free_port
 

@@ -3,6 +3,10 @@
 CPU runs use Triton's interpreter (small tensors on purpose); ``@pytest.mark.cuda`` runs the same
 cases compiled. Outputs are poisoned before each run and compared as bit patterns.
 """
+import os
+import subprocess
+import sys
+import textwrap
 from dataclasses import dataclass
 
 import numpy as np
@@ -280,6 +284,115 @@ def test_build_rejects_bad_input():
         DescriptorTable.build([full_op(src)], src=lambda o: src, dst=lambda o: src).run("cuda")
 
 
-def test_interpreter_is_on_without_cuda():
-    if not torch.cuda.is_available():
-        assert kernels.INTERPRET
+# ------------------------------------------------------------------------------- kernel variants
+
+
+def _variants(table):
+    return sorted((lc.variant, lc.num_tiles) for g in table._groups for lc in g.launches)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("src_dtype,dst_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+                                                 (torch.bfloat16, torch.float32), (torch.int8, torch.int8)],
+                         ids=["copy16", "f32-bf16", "bf16-f32", "copy8"])
+def test_wide_rows_tails_and_narrow_regions_in_one_table(src_dtype, dst_dtype, device):
+    """Aligned wide rows take the 128-bit "rows" kernel (whole 4 KiB tiles); the rest of each row
+    (whole vectors: the aligned "tiles" path; an odd tail) and the narrow unaligned region take
+    "tiles": two launches, every element exact, nothing outside the slices written."""
+    vec = 16 // min(src_dtype.itemsize, dst_dtype.itemsize)
+    cols = 4096 // max(src_dtype.itemsize, dst_dtype.itemsize) * 2 + 3 * vec + 3  # 2 full tiles, a partial one, a tail
+    pad16 = lambda n: -(-n // 16) * 16  # noqa: E731  (16 elements: 16-byte aligned row strides)
+    src_full = random_tensor((3, pad16(cols + 9)), src_dtype, seed=7).to(device)
+    dst_full = poison(torch.empty((4, pad16(cols + 8)), dtype=dst_dtype, device=device))
+    before = bits(dst_full).clone()
+    ops = [
+        Op("w", 0, 1, (slice(0, 3), slice(0, cols)), (slice(0, 3), slice(0, cols))),  # aligned wide rows (+ tails)
+        Op("n", 0, 1, (slice(0, 3), slice(1, 9)), (slice(1, 4), slice(cols, cols + 8))),  # narrow, unaligned
+    ]
+    table = DescriptorTable.build(ops, src=lambda o: src_full, dst=lambda o: dst_full)
+    variants = _variants(table)
+    assert [v for v, _ in variants] == ["rows", "tiles"] and table.num_launches == 2
+    assert variants[0][1] == 3 * 2  # 3 rows x 2 whole 4 KiB tiles; the rest of each row: "tiles"
+    (tiles,) = [lc for g in table._groups for lc in g.launches if lc.variant == "tiles"]
+    flags = tiles.table[:, kernels.FIELD_NAMES.index("flags")].tolist()
+    assert flags == [kernels.FLAG_ALIGNED, 0, 0]  # rest of the rows: whole vectors, odd tail; narrow op
+    table.run("triton")
+    assert_same_bits(dst_full[0:3, 0:cols], src_full[0:3, 0:cols].to(dst_dtype))
+    assert_same_bits(dst_full[1:4, cols:cols + 8], src_full[0:3, 1:9].to(dst_dtype))
+    written = torch.zeros(dst_full.shape, dtype=torch.bool)
+    written[0:3, 0:cols] = True
+    written[1:4, cols:cols + 8] = True
+    written = written.to(device)
+    assert torch.equal(bits(dst_full)[~written], before[~written])
+
+
+def test_long_unaligned_run_is_reflowed_into_full_rows():
+    """A contiguous run that starts off a 16-byte boundary cannot take "rows"; the builder re-flows
+    it into COLS-wide rows so every lane of a "tiles" tile is used (few tiles), and stays exact."""
+    src = random_tensor((1000,), torch.float32, seed=9)
+    out = poison(torch.empty(1000, dtype=torch.bfloat16))
+    op = Op("t", 0, 1, (slice(1, 998),), (slice(3, 1000),))
+    table = DescriptorTable.build([op], src=lambda o: src, dst=lambda o: out)
+    (launch,) = table._groups[0].launches
+    assert launch.variant == "tiles" and launch.num_regions == 2  # 15 rows of 64 + a 37-element tail
+    assert launch.num_tiles == 2
+    table.run("triton")
+    assert_same_bits(out[3:], src[1:998].to(torch.bfloat16))
+    assert out[:3].isnan().all()
+
+
+def test_plan_launches_rejects_unknown_device():
+    with pytest.raises(ValueError, match="device must be cpu or cuda, got device='meta'"):
+        kernels.plan_launches(("copy", 4), [], "meta")
+
+
+def test_import_neither_initialises_cuda_nor_switches_triton_to_the_interpreter(tmp_path):
+    """``import tritonreshard`` must not touch CUDA (a fork after import must stay possible) and must
+    leave ``triton.jit`` compiling for every other library: checked in a fresh interpreter whose CUDA
+    entry points raise if called."""
+    script = tmp_path / "probe.py"
+    script.write_text(textwrap.dedent('''
+        import os, torch
+        def boom(*a, **k):
+            raise AssertionError("CUDA was touched at import")
+        for name in ("is_available", "device_count", "init", "_lazy_init", "current_device"):
+            setattr(torch.cuda, name, boom)
+        torch._C._cuda_getDeviceCount = boom
+        import tritonreshard, tritonreshard.kernels, tritonreshard._descriptors, tritonreshard.execute
+        import triton, triton.language as tl
+        from triton.runtime.jit import JITFunction
+        assert "TRITON_INTERPRET" not in os.environ, os.environ["TRITON_INTERPRET"]
+        @triton.jit
+        def other_library_kernel(x_ptr):
+            tl.store(x_ptr, 1)
+        assert type(other_library_kernel) is JITFunction, type(other_library_kernel)
+        assert type(tritonreshard.kernels.copy_rows_kernel) is JITFunction
+        print("ok")
+    '''))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
+
+
+def test_interpreter_env_does_not_change_which_kernels_run(tmp_path):
+    """With ``TRITON_INTERPRET=1`` set by the user, our kernels are still the compiled JIT functions
+    (what a CUDA launch and the compile gate use); CPU tensors still run exactly."""
+    script = tmp_path / "probe.py"
+    script.write_text(textwrap.dedent('''
+        import torch
+        from triton.runtime.jit import JITFunction
+        from tritonreshard import kernels
+        from tritonreshard._descriptors import DescriptorTable
+        assert type(kernels.copy_tiles_kernel) is JITFunction
+        src = torch.arange(40, dtype=torch.float32).reshape(4, 10)
+        out = torch.full((4, 10), float("nan"), dtype=torch.bfloat16)
+        class Op:
+            name, src_rank, dst_rank, shape = "t", 0, 1, (4, 10)
+            src_slices = dst_slices = (slice(0, 4), slice(0, 10))
+        DescriptorTable.build([Op()], src=lambda o: src, dst=lambda o: out).run("triton")
+        assert torch.equal(out, src.to(torch.bfloat16))
+        print("ok")
+    '''))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr

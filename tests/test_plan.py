@@ -244,3 +244,164 @@ def test_llama_7b_fsdp8_to_tp8_plans_fast_and_exactly_once():
     for name, lay in dst.items():
         for r in lay.ranks:
             assert sum(op.numel for op in plan.ops_for_dst(r) if op.name == name) == lay.local_numel(r)
+
+
+# -- parts: several sources into one destination, replicated boxes, zero padding --------------------
+
+def _expected_from_parts(dst_lay, parts, globals_):
+    """The destination's global tensor assembled from the parts (padding = 0), on provenance data."""
+    full = torch.zeros(dst_lay.shape, dtype=torch.int64)
+    for p in parts:
+        box = tuple(slice(a, b) if iv is not None else slice(None)
+                    for iv, (a, b) in zip(p.dst, [iv or (0, n) for iv, n in zip(p.dst, dst_lay.shape)]))
+        if p.src is None:
+            continue
+        start = p.src_start or (0,) * dst_lay.ndim
+        ext = [full[box].shape[d] for d in range(dst_lay.ndim)]
+        full[box] = globals_[p.src][tuple(slice(s, s + n) for s, n in zip(start, ext))]
+    return full
+
+
+def check_parts_exactly_once(src_layouts, dst_layouts, parts):
+    plan = trs.plan_reshard(src_layouts, dst_layouts, parts)
+    offset, globals_ = 1, {}
+    for n, lay in src_layouts.items():  # distinct, non-zero values in every source
+        globals_[n] = torch.arange(offset, offset + math.prod(lay.shape), dtype=torch.int64).reshape(lay.shape)
+        offset += math.prod(lay.shape)
+    src_shards = {}
+    for name, lay in plan.src_layouts.items():
+        for r in lay.ranks:
+            src_shards.setdefault(r, {})[name] = lay.shard(globals_[name], r)
+    for name, lay in dst_layouts.items():
+        want = _expected_from_parts(lay, parts[name], globals_) if name in parts else globals_[name]
+        for r in lay.ranks:
+            out = torch.full(lay.local_shape(r), -1, dtype=torch.int64)
+            count = torch.zeros(lay.local_shape(r), dtype=torch.int64)
+            for op in plan.ops_for_dst(r):
+                if op.name == name:
+                    out[op.dst_slices] = src_shards[op.src_rank][op.src_name][op.src_slices]
+                    count[op.dst_slices] += 1
+            for f in plan.fills_for_dst(r):
+                if f.name == name:
+                    out[f.dst_slices] = 0
+                    count[f.dst_slices] += 1
+            assert torch.all(count == 1), f"{name} on rank {r}: coverage {count.tolist()}"
+            assert torch.equal(out, lay.shard(want, r)), f"{name} on rank {r}"
+    return plan
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_exactly_once_random_parts(data):
+    """A destination cut along one dim into boxes, each from a random source (of any layout, at a
+    random offset inside a bigger source), some boxes padding, some sources feeding several boxes."""
+    dst = data.draw(layouts())
+    if dst.ndim == 0:
+        return
+    dim = data.draw(st.integers(0, dst.ndim - 1))
+    cuts = sorted(data.draw(st.lists(st.integers(0, dst.shape[dim]), max_size=3)))
+    edges = [0, *cuts, dst.shape[dim]]
+    srcs, parts = {}, []
+    for i, (a, b) in enumerate(zip(edges, edges[1:])):
+        if a == b and data.draw(st.booleans()):
+            continue  # empty boxes may be listed or left out
+        box = [None] * dst.ndim
+        box[dim] = (a, b)
+        kind = data.draw(st.sampled_from(["src", "src", "pad", "reuse"]))
+        if kind == "pad":
+            parts.append(trs.Part(None, box))
+            continue
+        if kind == "reuse" and srcs:
+            name = data.draw(st.sampled_from(sorted(srcs)))
+            extent = list(dst.shape)
+            extent[dim] = b - a
+            fits = all(e <= n for e, n in zip(extent, srcs[name].shape))
+            if fits:
+                start = [0] * dst.ndim
+                start[dim] = data.draw(st.integers(0, srcs[name].shape[dim] - (b - a)))
+                parts.append(trs.Part(name, box, start))
+                continue
+        extra = data.draw(st.integers(0, 3))
+        shape = list(dst.shape)
+        shape[dim] = b - a + extra
+        name = f"s{i}"
+        srcs[name] = data.draw(layouts(shape=tuple(shape)))
+        start = [0] * dst.ndim
+        start[dim] = data.draw(st.integers(0, extra))
+        parts.append(trs.Part(name, box, start))
+    plan = check_parts_exactly_once(srcs, {"t": dst}, {"t": parts})
+    assert sum(op.numel for op in plan.ops) + sum(f.numel for f in plan.fills) == sum(
+        dst.local_numel(r) for r in dst.ranks)
+
+
+def test_qkv_with_replicated_kv_and_padding_op_by_op():
+    # q: 4 rows over 4 ranks; k/v: 2 heads of 1 row, each on 2 ranks (rank r holds head r // 2)
+    src = {n: Layout((s, 3), [0, 1], [Shard(0)]) for n, s in (("q", 4), ("k", 2), ("v", 2))}
+    dst = {"qkv": Layout((12, 3), [4, 5, 6, 7], [Shard(0, (4, 4, 4))])}
+    parts = [trs.Part("q", [(0, 4), None])]
+    parts += [trs.Part("k", [(4 + j, 5 + j), None], (j // 2, 0)) for j in range(4)]
+    parts += [trs.Part("v", [(8 + j, 9 + j), None], (j // 2, 0)) for j in range(4)]
+    plan = check_parts_exactly_once(src, dst, {"qkv": parts})
+    ops6 = [(op.src_name, op.src_rank, op.global_index[0], op.dst_slices[0]) for op in plan.ops_for_dst(6)]
+    assert ops6 == [("q", 1, ((2, 3),), slice(0, 1)), ("k", 1, ((1, 2),), slice(1, 2)),
+                    ("v", 1, ((1, 2),), slice(2, 3))]
+    assert "from k" in str(plan.ops_for_dst(6)[1])
+    emb = {"e": Layout((10, 2), [4, 5, 6, 7], [Shard(0)])}
+    plan = check_parts_exactly_once({"e": Layout((7, 2), [0, 1], [Shard(0)])}, emb,
+                                    {"e": [trs.Part("e", [(0, 7), None]), trs.Part(None, [(7, 10), None])]})
+    # rows chunk as 3,3,3,1: padding rows 7:10 are rank 6's local rows 1:3 and rank 7's row 0
+    assert [(f.dst_rank, f.dst_slices) for f in plan.fills] == [(6, (slice(1, 3), slice(0, 2))),
+                                                                (7, (slice(0, 1), slice(0, 2)))]
+    assert plan.stats.fill_bytes == 3 * 2 * 4
+    assert "zeros->6" in plan.table() and "1 built from parts" in plan.summary()
+
+
+def test_parts_holes_overlaps_and_bad_boxes_are_all_reported():
+    src = {"a": Layout((4, 3), 2, [Shard(0)]), "b": Layout((4, 3), 2, [Shard(0)]),
+           "i": Layout((4, 3), 2, [Shard(0)], torch.int32)}
+    dst = {"x": Layout((10, 3), [2, 3], [Shard(0)]), "y": Layout((4, 3), [2, 3], [Shard(1)])}
+    parts = {
+        "x": [trs.Part("a", [(0, 4), None]), trs.Part("b", [(3, 7), None]), trs.Part(None, [(8, 9), None])],
+        "y": [trs.Part("a", [(0, 4), (0, 2)]), trs.Part("zzz", [(0, 4), (2, 3)]),
+              trs.Part("b", [(0, 5), (0, 1)]), trs.Part("i", [None, None], (1, 0))],
+        "nope": [],
+    }
+    with pytest.raises(ValueError) as e:
+        trs.plan_reshard(src, dst, parts)
+    msg = str(e.value)
+    assert "7 problem(s)" in msg, msg
+    assert "parts['nope'] names no destination" in msg
+    assert ("dst_layouts['x']: parts [0] [0:4, :] <- a and [1] [3:7, :] <- b overlap on [3:4, 0:3]") in msg
+    assert "dst_layouts['x']: no part covers [7:8, 0:3] (a hole" in msg
+    assert "dst_layouts['x']: no part covers [9:10, 0:3]" in msg
+    assert "src_layouts has no 'zzz'" in msg
+    assert "dst box [0:5, 0:1] is outside dst_layouts['y'].shape=(4, 3)" in msg
+    assert "source box [1:5, 0:3] is outside src_layouts['i'].shape=(4, 3)" in msg
+    with pytest.raises(ValueError, match=r"dst_layouts\['y'\].dtype=torch.float32 cannot be produced from "
+                                         r"src_layouts\['i'\].dtype=torch.int32"):
+        trs.plan_reshard(src, dst, {"y": [trs.Part("i", [None, None])]})
+    with pytest.raises(TypeError, match="must be a source tensor name"):
+        trs.Part(3, [(0, 1)])
+
+
+def test_parts_plans_are_cached_and_hashable():
+    src = {"a": Layout((4,), 2, [Shard(0)])}
+    dst = {"x": Layout((6,), 3, [Shard(0)])}
+    parts = {"x": [trs.Part("a", [(2, 6)]), trs.Part(None, [slice(0, 2)])]}
+    assert trs.plan_reshard(src, dst, parts) is trs.plan_reshard(src, dst, parts)
+    assert check_parts_exactly_once(src, dst, parts).parts["x"][1] == trs.Part(None, [(0, 2)])
+
+
+def test_plan_picture_of_a_destination_built_from_parts(tmp_path):
+    pytest.importorskip("matplotlib")
+    from tritonreshard.apps.viz import draw_plan
+
+    src = {n: Layout((s, 3), [0, 1], [Shard(0)]) for n, s in (("q", 4), ("k", 2), ("v", 2))}
+    dst = {"qkv": Layout((12, 3), [4, 5, 6, 7], [Shard(0, (4, 4, 4))]), "k": Layout((2, 3), [4, 5], [Shard(0)])}
+    parts = [trs.Part("q", [(0, 4), None])]
+    parts += [trs.Part(n, [(o + j, o + 1 + j), None], (j // 2, 0)) for n, o in (("k", 4), ("v", 8)) for j in range(4)]
+    plan = trs.plan_reshard(src, dst, {"qkv": parts})
+    for name in ("qkv", "k"):
+        path = draw_plan(plan, str(tmp_path / f"{name}.png"), name=name)
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"

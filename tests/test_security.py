@@ -85,7 +85,7 @@ def _attack_worker(rank, port, secret_hex):
     report = {}
     if rank == 3:
         store = rdv.connect_store(f"127.0.0.1:{port}", world_size=3, is_master=False, timeout=60)
-        prefixed = torch.distributed.PrefixStore("trs/default/", store)
+        prefixed = torch.distributed.PrefixStore("trs/default/e0/", store)
         exports = rdv.fetch(prefixed, "exports/0", timeout=60)
         guess = rdv.GroupSecret.generate()
         errors = []
@@ -102,8 +102,9 @@ def _attack_worker(rank, port, secret_hex):
         with trs.RefitTrainer({"w": torch.arange(24.0).reshape(4, 6)}, src, **kw) as ep:
             ep.publish()
             ep.fence()
-            report["texts"] = [repr(ep), str(ep), repr(ep._secret), str(ep._secret), repr(ep._arena),
-                               repr(ep._arena.handle), repr(ep._control), str(ep.plan), repr(ep.plan)]
+            report["texts"] = [repr(ep), str(ep), repr(ep.group), repr(ep.group.secret), str(ep.group.secret),
+                               repr(ep.publisher.exports), repr(ep.publisher.control), repr(ep.members),
+                               str(ep.plan), repr(ep.plan)]
     else:
         if rank == 2:  # maps the trainer's arena only after the attack: the owner must still serve it
             gather = rdv.all_gather_obj
@@ -117,7 +118,8 @@ def _attack_worker(rank, port, secret_hex):
         with trs.RefitInference(dst, **kw) as ep:
             assert ep.pull() == 1
             report["exact"] = torch.equal(ep.tensors["w"], torch.arange(24.0).reshape(4, 6))
-            report["texts"] = [repr(ep), repr(ep._peer_arenas[0]), repr(ep._peer_controls[0])]
+            report["texts"] = [repr(ep), repr(ep.subscriber.sources.exports[0]),
+                               repr(ep.subscriber.sources.controls[0]), repr(ep.last_pull)]
     # A set-up that fails: its message must not carry the secret either.
     try:
         trs.RefitInference({"w": "not a layout"}, rank=0, world_size=1, store=f"127.0.0.1:{free_port()}",

@@ -1,10 +1,12 @@
-"""A rank's transfer ops -> descriptor tables for the gather kernel, built once and reused every refit.
+"""A rank's transfer ops -> descriptor tables for the gather kernels, built once and reused every refit.
 
 Who calls what: a destination rank (or :func:`tritonreshard.execute_local`, for all ranks of one
 process) calls :meth:`DescriptorTable.build` once with callables that return torch views: the source
 rank's full local shard (possibly a view into an arena mapped from another process) and this rank's
-local shard. Every refit it then calls :meth:`DescriptorTable.run`, which is one kernel launch per
-(source dtype, destination dtype) group, whatever the number of tensors and source ranks.
+local shard. Every refit it then calls :meth:`DescriptorTable.run`, which is at most two kernel
+launches (one per kernel variant, see ``tritonreshard.kernels.gather``) per (source dtype,
+destination dtype) group, whatever the number of tensors and source ranks. A CUDA launch goes to the
+current stream of the tables' device.
 
 A table holds raw addresses: the tensors behind the views must stay allocated (and mapped) as long as
 the table is used. The table keeps references to the views, which keeps torch-owned storage alive;
@@ -124,34 +126,19 @@ def _regions(src_view: torch.Tensor, dst_view: torch.Tensor, src_base: int, dst_
 
 
 class _Group:
-    """One launch: the regions of one (src dtype, dst dtype) group as device tensors."""
+    """The launches of one (src dtype, dst dtype) group: at most one per kernel variant, whatever the
+    number of regions (see ``tritonreshard.kernels.plan_launches``)."""
 
     def __init__(self, key, regions: list[Region], device: torch.device):
         self.key = key
-        block = _k.block_for(key)
-        log_block = block.bit_length() - 1
-        rows, counts, tile0 = [], [], 0
-        for r in regions:
-            n0, n1, n2, n3 = r.shape
-            log_w, col_tiles, ntiles = _k.tile_geometry(n3, n0 * n1 * n2, block)
-            a = _k.ALIGN_BYTES
-            aligned = (r.src_strides[3] == 1 and r.dst_strides[3] == 1 and log_w == log_block
-                       and r.src_addr % a == 0 and r.dst_addr % a == 0
-                       and all(s * r.itemsize_src % a == 0 for s in r.src_strides[:3])
-                       and all(d * r.itemsize_dst % a == 0 for d in r.dst_strides[:3]))
-            rows.append([r.src_addr, r.dst_addr, *r.shape, *r.src_strides, *r.dst_strides,
-                         tile0, log_w, col_tiles, _k.FLAG_ALIGNED if aligned else 0])
-            counts.append(ntiles)
-            tile0 += ntiles
-        self.num_tiles = tile0
-        self.num_regions = len(rows)
-        self.desc = torch.tensor(rows, dtype=torch.int64).reshape(-1, _k.NFIELDS).to(device)
-        self.tile_region = torch.repeat_interleave(
-            torch.arange(len(rows), dtype=torch.int32), torch.tensor(counts, dtype=torch.int64)
-        ).to(device)
+        boxes = [(r.src_addr, r.dst_addr, r.shape, r.src_strides, r.dst_strides) for r in regions]
+        self.launches = _k.plan_launches(key, boxes, device)
+        self.num_regions = len(regions)
+        self.num_tiles = sum(lc.num_tiles for lc in self.launches)
 
     def launch(self) -> None:
-        _k.launch_gather(self.desc, self.tile_region, self.key)
+        for lc in self.launches:
+            lc.launch()
 
 
 def _span(t: torch.Tensor) -> int:
@@ -271,7 +258,7 @@ class DescriptorTable:
             raise ValueError("cannot build descriptor table:\n  " + "\n  ".join(problems))
         if unsupported:
             raise NotImplementedError(
-                "dtype conversions the gather kernel does not implement (same dtype of any width, or "
+                "dtype conversions the gather kernels do not implement (same dtype of any width, or "
                 "float32/bfloat16/float16 pairs):\n  " + "\n  ".join(unsupported))
         return cls(entries, device if device is not None else torch.device("cpu"))
 
@@ -280,8 +267,8 @@ class DescriptorTable:
         return DescriptorTable([self.entries[i] for i in indices], self.device)
 
     def run(self, backend: str = "triton") -> None:
-        """Execute every entry. ``"triton"``: one gather-kernel launch per dtype group (compiled on
-        CUDA, interpreter on CPU tensors); ``"torch"``: ``dst_view.copy_(src_view)`` per entry (the
+        """Execute every entry. ``"triton"``: one launch per (dtype group, kernel variant) (compiled
+        on CUDA, Triton's interpreter on CPU tensors); ``"torch"``: ``dst_view.copy_(src_view)`` per entry (the
         fast CPU path; equal bits except NaN payloads, see ``tritonreshard.kernels.gather``)."""
         if backend == "triton":
             for g in self._groups:
@@ -302,8 +289,9 @@ class DescriptorTable:
 
     @property
     def num_launches(self) -> int:
-        """Kernel launches per ``run(backend="triton")``: one per non-empty dtype group."""
-        return sum(1 for g in self._groups if g.num_tiles)
+        """Kernel launches per ``run(backend="triton")``: one per (dtype group, kernel variant) with
+        work; at most ``2 x`` the number of dtype groups, whatever the number of tensors."""
+        return sum(1 for g in self._groups for lc in g.launches if lc.num_tiles)
 
     @property
     def num_regions(self) -> int:
@@ -317,7 +305,8 @@ class DescriptorTable:
         head = (f"DescriptorTable: {len(self)} entries, {self.num_regions} regions, {self.num_tiles} "
                 f"tiles, {self.num_launches} launch(es) on {self.device}, {self.bytes_read} B read, "
                 f"{self.bytes_written} B written")
-        groups = [f"  launch {g.key}: {g.num_regions} regions, {g.num_tiles} tiles" for g in self._groups]
+        groups = [f"  launch {lc.variant} {g.key}: {lc.num_regions} regions, {lc.num_tiles} tiles"
+                  for g in self._groups for lc in g.launches]
         return "\n".join([head, *groups, *(str(e) for e in self.entries)])
 
     def __repr__(self) -> str:

@@ -2,7 +2,7 @@
 
 The cross-process engine runs the same :class:`~tritonreshard._descriptors.DescriptorTable` per
 destination rank over mapped arenas; here every rank's tensors live in this process, so one table
-covers the whole plan and a Triton run is one launch per dtype pair.
+covers the whole plan and a Triton run is at most two launches (kernel variants) per dtype pair.
 """
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def _check_writable(out, src_shards, dst_req, src_req, problems) -> None:
 def execute_local(plan, src_shards, out=None, backend: str = "auto") -> dict[int, dict[str, torch.Tensor]]:
     """Run ``plan`` with every rank's tensors in this process; returns ``{dst_rank: {name: tensor}}``.
 
-    ``src_shards[rank][name]``: the local shard of a source rank (shape ``layout.local_shape(rank)``,
+    ``src_shards[rank][name]``: the local shard of a source rank (``name`` is the op's ``src_name``) (shape ``layout.local_shape(rank)``,
     the source layout's dtype, any strides), for every (rank, name) an op reads. ``out``: the same
     nesting for every destination rank and name of the destination layouts, written in place and
     returned; if None, outputs are allocated (destination dtypes and local shapes, on the sources'
@@ -132,7 +132,7 @@ def execute_local(plan, src_shards, out=None, backend: str = "auto") -> dict[int
     problems: list[str] = []
     if backend not in _BACKENDS:
         problems.append(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    src_req = sorted({(op.src_rank, op.name) for op in plan.ops})
+    src_req = sorted({(op.src_rank, op.src_name) for op in plan.ops})
     dst_req = sorted((r, name) for name, lay in plan.dst_layouts.items() for r in lay.ranks)
     device = _check("src_shards", src_shards, plan.src_layouts, src_req, None, problems)
     if out is not None:
@@ -141,12 +141,6 @@ def execute_local(plan, src_shards, out=None, backend: str = "auto") -> dict[int
     device = device or torch.device("cpu")
     if backend == "auto":
         backend = "triton" if device.type == "cuda" else "torch"
-    if backend == "triton" and device.type == "cpu":
-        from . import kernels
-
-        if not kernels.INTERPRET:
-            problems.append("backend='triton' on CPU tensors needs Triton's interpreter "
-                            "(TRITON_INTERPRET=1 before tritonreshard.kernels is imported)")
     if problems:
         raise ValueError("execute_local: invalid input:\n  " + "\n  ".join(problems))
 
@@ -164,7 +158,7 @@ def execute_local(plan, src_shards, out=None, backend: str = "auto") -> dict[int
            tuple(_sig(out[r][n]) for r, n in dst_req))
     table = _table_cache.get(key)
     if table is None:
-        table = DescriptorTable.build(plan.ops, src=lambda op: src_shards[op.src_rank][op.name],
+        table = DescriptorTable.build(plan.ops, src=lambda op: src_shards[op.src_rank][op.src_name],
                                       dst=lambda op: out[op.dst_rank][op.name])
         if cacheable:  # (the table references its tensors, so the cache keeps them alive)
             _table_cache[key] = table
@@ -173,4 +167,6 @@ def execute_local(plan, src_shards, out=None, backend: str = "auto") -> dict[int
     else:
         _table_cache.move_to_end(key)
     table.run(backend)
+    for f in plan.fills:  # padding (e.g. vocab rows past the real vocab): no op writes it
+        out[f.dst_rank][f.name][f.dst_slices].zero_()
     return result

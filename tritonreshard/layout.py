@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Shard", "Replicate", "Layout", "Placement"]
+__all__ = ["Shard", "Replicate", "Layout", "Placement", "Part"]
 
 #: Largest mesh accepted (an int mesh would otherwise materialise any number of ranks).
 MAX_RANKS = 1 << 20
@@ -331,3 +331,50 @@ class Layout:
 
     def with_dtype(self, dtype: torch.dtype) -> "Layout":
         return Layout(self.shape, self.mesh, self.placements, dtype)
+
+
+@dataclass(frozen=True, init=False)
+class Part:
+    """Box ``dst`` of a destination tensor's global index comes from source tensor ``src``.
+
+    Args:
+        src: the source tensor's name (a key of the plan's source layouts), or ``None`` for padding
+            that the refit fills with zeros.
+        dst: one ``(start, stop)`` per destination dim (a ``slice`` or ``None`` also works; ``None``
+            is the whole dim, resolved against the destination's shape when planning).
+        src_start: where the box begins in the source's global index, one int per dim (default: the
+            origin). The box is ``src[src_start[d] : src_start[d] + (stop - start)]`` per dim.
+
+    Given to :func:`~tritonreshard.plan_reshard` as ``parts={dst_name: [Part, ...]}``; the parts of one
+    destination must tile its global shape exactly (a hole or an overlap is a ``ValueError``).
+    """
+
+    src: str | None
+    dst: tuple[tuple[int, int] | None, ...]
+    src_start: tuple[int, ...] | None = None
+
+    def __init__(self, src, dst, src_start=None):
+        def norm(iv):
+            if iv is None:
+                return None
+            if isinstance(iv, slice):
+                if iv.step not in (None, 1) or iv.start is None or iv.stop is None:
+                    raise ValueError(f"Part(dst=...): slice {iv!r} needs a start, a stop and step 1")
+                return (int(iv.start), int(iv.stop))
+            a, b = iv
+            return (int(a), int(b))
+
+        if src is not None and not isinstance(src, str):
+            raise TypeError(f"Part(src={src!r}) must be a source tensor name (str) or None for padding")
+        if isinstance(dst, (str, bytes)) or not isinstance(dst, Sequence):
+            raise TypeError(f"Part(dst={dst!r}) must be a sequence of (start, stop) per dim")
+        object.__setattr__(self, "src", src)
+        object.__setattr__(self, "dst", tuple(norm(iv) for iv in dst))
+        object.__setattr__(self, "src_start", None if src_start is None else tuple(int(x) for x in src_start))
+
+    def __str__(self) -> str:
+        box = ", ".join(":" if iv is None else f"{iv[0]}:{iv[1]}" for iv in self.dst)
+        if self.src is None:
+            return f"[{box}] <- zeros"
+        at = "" if self.src_start is None or not any(self.src_start) else f" @{list(self.src_start)}"
+        return f"[{box}] <- {self.src}{at}"

@@ -7,6 +7,12 @@ rank's local shard (nothing gathered, nothing staged).
 
 Cost grows with tensors x overlapping (src, dst) rank pairs, never with elements: per tensor dim a
 rank holds a few segments (one per block), and intersections are computed on segments.
+
+A destination may be built from other sources than its namesake (``parts=``): each
+:class:`~tritonreshard.layout.Part` maps a box of the destination's global index to a box of a source
+tensor, or marks it as padding. The planner clips the destination ranks' segments to the box and
+shifts them into the source's coordinates, then intersects as usual; padding becomes
+:class:`FillOp`s (zeros). The parts must tile the destination exactly.
 """
 from __future__ import annotations
 
@@ -19,9 +25,9 @@ from itertools import product
 
 import torch
 
-from .layout import Layout, Segment, _segments_by_mesh_index
+from .layout import Layout, Part, Segment, _segments_by_mesh_index
 
-__all__ = ["TransferOp", "Plan", "PlanStats", "plan_reshard", "CASTABLE_DTYPES"]
+__all__ = ["TransferOp", "FillOp", "Plan", "PlanStats", "plan_reshard", "CASTABLE_DTYPES"]
 
 #: Dtypes the kernels convert between in the same pass (round-to-nearest-even, like ``.to()``).
 #: Any dtype may be copied to itself.
@@ -56,10 +62,12 @@ def _fmt_bytes(n: float) -> str:
 
 @dataclass(frozen=True, eq=True)
 class TransferOp:
-    """Copy ``src_rank``'s local ``name[src_slices]`` into ``dst_rank``'s local ``name[dst_slices]``.
+    """Copy ``src_rank``'s local ``src_name[src_slices]`` into ``dst_rank``'s local ``name[dst_slices]``.
 
     Slices are unit-step, one per tensor dim, of equal extent. ``global_index`` gives, per dim, the
-    global intervals the op covers (several when a packed-block op spans block boundaries).
+    intervals of the *source's* global index the op covers (several when a packed-block op spans
+    block boundaries). ``src_name`` is the source tensor's name; it equals ``name`` unless the plan
+    was given ``parts=`` (q/k/v -> qkv and the like). Consumers look sources up by ``src_name``.
     """
 
     name: str
@@ -68,9 +76,14 @@ class TransferOp:
     src_slices: tuple[slice, ...]
     dst_slices: tuple[slice, ...]
     global_index: tuple[tuple[tuple[int, int], ...], ...]
+    src_name: str | None = None
+
+    def __post_init__(self):
+        if self.src_name is None:
+            object.__setattr__(self, "src_name", self.name)
 
     def __hash__(self) -> int:  # slices are unhashable before Python 3.12
-        return hash((self.name, self.src_rank, self.dst_rank,
+        return hash((self.name, self.src_name, self.src_rank, self.dst_rank,
                      tuple((s.start, s.stop) for s in self.src_slices),
                      tuple((s.start, s.stop) for s in self.dst_slices)))
 
@@ -88,9 +101,39 @@ class TransferOp:
         return self.src_rank == self.dst_rank
 
     def __str__(self) -> str:
-        return (f"{self.name}: {self.src_rank}->{self.dst_rank} global{_fmt_global(self.global_index)} "
+        frm = "" if self.src_name == self.name else f" from {self.src_name}"
+        return (f"{self.name}: {self.src_rank}->{self.dst_rank}{frm} global{_fmt_global(self.global_index)} "
                 f"src{_fmt_slices(self.src_slices)} -> dst{_fmt_slices(self.dst_slices)} "
                 f"({'x'.join(map(str, self.shape))})")
+
+
+@dataclass(frozen=True, eq=True)
+class FillOp:
+    """Zero ``dst_rank``'s local ``name[dst_slices]`` (padding, e.g. vocab rows past the real vocab).
+
+    ``global_index``: per dim, the destination's global intervals the fill covers. No op writes these
+    elements, so a refit engine may zero them once when it allocates the destination.
+    """
+
+    name: str
+    dst_rank: int
+    dst_slices: tuple[slice, ...]
+    global_index: tuple[tuple[tuple[int, int], ...], ...]
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.dst_rank, tuple((s.start, s.stop) for s in self.dst_slices)))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(s.stop - s.start for s in self.dst_slices)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def __str__(self) -> str:
+        return (f"{self.name}: zeros->{self.dst_rank} global{_fmt_global(self.global_index)} "
+                f"dst{_fmt_slices(self.dst_slices)} ({'x'.join(map(str, self.shape))})")
 
 
 @dataclass(frozen=True)
@@ -105,6 +148,7 @@ class PlanStats:
     pair_bytes: Mapping[tuple[int, int], int]   # (src_rank, dst_rank) -> destination bytes
     send_bytes: Mapping[int, int]               # src_rank -> source bytes it serves
     recv_bytes: Mapping[int, int]               # dst_rank -> destination bytes it writes
+    fill_bytes: int = 0                          # destination bytes zero-filled (padding), not moved
 
 
 # One dim of an intersection: (src_local_start, dst_local_start, length, global intervals).
@@ -153,8 +197,8 @@ def _op_fields(dims: tuple[_DimPiece, ...]) -> tuple:
             tuple(g for _, _, _, g in dims))
 
 
-def _make_op(name: str, src: int, dst: int, dims: tuple[_DimPiece, ...]) -> TransferOp:
-    return TransferOp(name, src, dst, *_op_fields(dims))
+def _make_op(name: str, src: int, dst: int, dims: tuple[_DimPiece, ...], src_name: str) -> TransferOp:
+    return TransferOp(name, src, dst, *_op_fields(dims), src_name)
 
 
 def _split(dims: tuple[_DimPiece, ...], units: list[int]) -> list[tuple[_DimPiece, ...]]:
@@ -172,20 +216,38 @@ def _split(dims: tuple[_DimPiece, ...], units: list[int]) -> list[tuple[_DimPiec
 
 
 class Plan:
-    """An immutable reshard plan: ``ops`` plus the layouts it was derived from.
+    """An immutable reshard plan: ``ops`` (copies), ``fills`` (zero padding) plus the layouts and
+    parts it was derived from.
 
     ``str(plan)`` is a readable table (ops, the byte matrix between ranks, per-rank totals).
     """
 
     def __init__(self, src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout],
-                 ops: tuple[TransferOp, ...]):
+                 ops: tuple[TransferOp, ...], fills: tuple[FillOp, ...] = (),
+                 parts: Mapping[str, tuple[Part, ...]] | None = None):
         self._src = dict(src_layouts)
         self._dst = dict(dst_layouts)
         self._ops = ops
+        self._fills = fills
+        self._parts = dict(parts or {})
 
     @property
     def ops(self) -> tuple[TransferOp, ...]:
         return self._ops
+
+    @property
+    def fills(self) -> tuple[FillOp, ...]:
+        """Regions of destination shards that no op writes and that must hold zeros (padding)."""
+        return self._fills
+
+    @property
+    def parts(self) -> Mapping[str, tuple[Part, ...]]:
+        """For each destination built from ``parts=``: its parts, boxes resolved to ints."""
+        return dict(self._parts)
+
+    def fills_for_dst(self, rank: int) -> tuple[FillOp, ...]:
+        """The zero fills of ``rank``'s destination shards."""
+        return tuple(f for f in self._fills if f.dst_rank == rank)
 
     @property
     def src_layouts(self) -> Mapping[str, Layout]:
@@ -202,7 +264,7 @@ class Plan:
 
     @cached_property
     def src_ranks(self) -> tuple[int, ...]:
-        return tuple(sorted({r for n in self.names for r in self._src[n].ranks}))
+        return tuple(sorted({r for lay in self._src.values() for r in lay.ranks}))
 
     @cached_property
     def dst_ranks(self) -> tuple[int, ...]:
@@ -250,9 +312,12 @@ class Plan:
         send: dict[int, int] = defaultdict(int)
         recv: dict[int, int] = defaultdict(int)
         local = 0
-        isz = {n: (self._src[n].itemsize, self._dst[n].itemsize) for n in self.names}
+        isz = {}
         for op in self._ops:
-            s_sz, d_sz = isz[op.name]
+            key = (op.src_name, op.name)
+            if key not in isz:
+                isz[key] = (self._src[op.src_name].itemsize, self._dst[op.name].itemsize)
+            s_sz, d_sz = isz[key]
             b = op.numel * d_sz
             pair[(op.src_rank, op.dst_rank)] += b
             send[op.src_rank] += op.numel * s_sz
@@ -260,30 +325,54 @@ class Plan:
             if op.is_local:
                 local += b
         total = sum(recv.values())
-        return PlanStats(len(self._ops), total, local, total - local, dict(pair), dict(send), dict(recv))
+        fill = sum(f.numel * self._dst[f.name].itemsize for f in self._fills)
+        return PlanStats(len(self._ops), total, local, total - local, dict(pair), dict(send), dict(recv), fill)
 
     def summary(self) -> str:
         st = self.stats
+        extra = ""
+        if self._parts:
+            extra += f", {len(self._parts)} built from parts"
+        if self._fills:
+            extra += f", {len(self._fills)} zero fills ({_fmt_bytes(st.fill_bytes)})"
         return (f"Plan: {len(self.names)} tensor(s), {st.num_ops} ops, {_fmt_bytes(st.total_bytes)} to "
                 f"{len(self.dst_ranks)} destination rank(s) from {len(self.src_ranks)} source rank(s) "
-                f"({_fmt_bytes(st.local_bytes)} local, {_fmt_bytes(st.remote_bytes)} remote)")
+                f"({_fmt_bytes(st.local_bytes)} local, {_fmt_bytes(st.remote_bytes)} remote{extra})")
 
     def table(self, max_ops: int | None = 64) -> str:
         """The plan as text. ``max_ops`` caps the op rows (``None``: all)."""
         st = self.stats
         lines = [self.summary()]
-        rows = [("tensor", "src->dst", "global", "src local", "dst local", "shape", "bytes")]
+        renamed = any(op.src_name != op.name for op in self._ops)
+        # With parts, "global" is the source's index, so the source's name goes with it.
+        rows = [("tensor", "src->dst", "source[global]" if renamed else "global", "src local", "dst local",
+                 "shape", "bytes")]
         shown = self._ops if max_ops is None else self._ops[:max_ops]
         for op in shown:
-            rows.append((op.name, f"{op.src_rank}->{op.dst_rank}", _fmt_global(op.global_index),
+            g = _fmt_global(op.global_index)
+            rows.append((op.name, f"{op.src_rank}->{op.dst_rank}", op.src_name + g if renamed else g,
                          _fmt_slices(op.src_slices), _fmt_slices(op.dst_slices),
                          "x".join(map(str, op.shape)) or "scalar",
                          _fmt_bytes(op.numel * self._dst[op.name].itemsize)))
+        budget = None if max_ops is None else max(0, max_ops - len(shown))
+        fills = self._fills if budget is None else self._fills[:budget]
+        for f in fills:
+            rows.append((f.name, f"zeros->{f.dst_rank}", _fmt_global(f.global_index), "-",
+                         _fmt_slices(f.dst_slices), "x".join(map(str, f.shape)),
+                         _fmt_bytes(f.numel * self._dst[f.name].itemsize)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         for r in rows:
             lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
         if len(shown) < len(self._ops):
             lines.append(f"  ... {len(self._ops) - len(shown)} more ops")
+        if len(fills) < len(self._fills):
+            lines.append(f"  ... {len(self._fills) - len(fills)} more zero fills")
+        if self._parts:
+            lines.append("parts (destination box <- source):")
+            for name in sorted(self._parts)[:16 if max_ops is not None else None]:
+                lines.append(f"  {name}: " + "; ".join(map(str, self._parts[name])))
+            if max_ops is not None and len(self._parts) > 16:
+                lines.append(f"  ... {len(self._parts) - 16} more")
         srcs, dsts = self.src_ranks, self.dst_ranks
         if len(srcs) <= 16 and len(dsts) <= 16:
             lines.append("bytes (rows: source rank, columns: destination rank)")
@@ -305,7 +394,98 @@ class Plan:
         return f"<{self.summary()}>"
 
 
-def _validate(src: Mapping[str, Layout], dst: Mapping[str, Layout]) -> None:
+# A resolved part: (source name or None for zeros, destination box, source start).
+_Resolved = tuple[str | None, tuple[tuple[int, int], ...], tuple[int, ...]]
+
+
+def _fmt_box(box) -> str:
+    return "[" + ", ".join(f"{a}:{b}" for a, b in box) + "]"
+
+
+@lru_cache(maxsize=4096)
+def _tiling_gaps(shape: tuple[int, ...], boxes: tuple[tuple[tuple[int, int], ...], ...]) -> tuple:
+    """Overlaps ``("overlap", i, j, box)`` and holes ``("hole", count, box)`` of ``boxes`` (already
+    in bounds) against ``shape``. Cached on geometry: a model's layers repeat a few tilings."""
+    out = []
+    for i in range(len(boxes)):
+        for j in range(i):
+            inter = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(boxes[i], boxes[j]))
+            if all(a < b for a, b in inter):
+                out.append(("overlap", j, i, inter))
+    if math.prod(shape) == 0:
+        return tuple(out)
+    # Holes: compress coordinates to the boxes' edges, count coverage per cell.
+    edges = [sorted({0, n, *(x for box in boxes for x in box[d])}) for d, n in enumerate(shape)]
+    grid = torch.zeros([len(e) - 1 for e in edges], dtype=torch.int32)
+    for box in boxes:
+        if all(a < b for a, b in box):
+            grid[tuple(slice(e.index(a), e.index(b)) for e, (a, b) in zip(edges, box))] += 1
+    holes = (grid == 0).nonzero().tolist()
+    for cell in holes[:4]:
+        out.append(("hole", len(holes), tuple((edges[d][c], edges[d][c + 1]) for d, c in enumerate(cell))))
+    return tuple(out)
+
+
+def _resolve_parts(name: str, d: Layout, parts, src: Mapping[str, Layout], problems: list[str]) -> tuple[_Resolved, ...]:
+    """Checks one destination's parts against the layouts; appends every problem found."""
+    where = f"parts[{name!r}]"
+    if isinstance(parts, Part) or isinstance(parts, (str, bytes)) or not isinstance(parts, (list, tuple)):
+        problems.append(f"{where} must be a list of trs.Part, got {type(parts).__name__}")
+        return ()
+    resolved, labels, n_before = [], [], len(problems)
+    for i, p in enumerate(parts):
+        w = f"{where}[{i}]"
+        if not isinstance(p, Part):
+            problems.append(f"{w} is a {type(p).__name__}, not a trs.Part")
+            continue
+        if len(p.dst) != d.ndim:
+            problems.append(f"{w}={p}: dst box has {len(p.dst)} dims but dst_layouts[{name!r}].shape={d.shape}")
+            continue
+        box = tuple((0, n) if iv is None else iv for iv, n in zip(p.dst, d.shape))
+        bad = [f"dim {k}: {a}:{b}" for k, ((a, b), n) in enumerate(zip(box, d.shape)) if not 0 <= a <= b <= n]
+        if bad:
+            problems.append(f"{w}={p}: dst box {_fmt_box(box)} is outside dst_layouts[{name!r}].shape="
+                            f"{d.shape} ({'; '.join(bad)})")
+            continue
+        start = p.src_start if p.src_start is not None else (0,) * d.ndim
+        if p.src is not None:
+            s = src.get(p.src)
+            if s is None:
+                problems.append(f"{w}={p}: src_layouts has no {p.src!r}")
+                continue
+            if s.ndim != d.ndim or len(start) != d.ndim:
+                problems.append(f"{w}={p}: src_layouts[{p.src!r}].shape={s.shape} and src_start={start} "
+                                f"must have the destination's {d.ndim} dims")
+                continue
+            stop = tuple(a + (hi - lo) for a, (lo, hi) in zip(start, box))
+            if any(a < 0 or b > n for a, b, n in zip(start, stop, s.shape)):
+                problems.append(f"{w}={p}: source box {_fmt_box(tuple(zip(start, stop)))} is outside "
+                                f"src_layouts[{p.src!r}].shape={s.shape}")
+                continue
+            if s.dtype != d.dtype and not (s.dtype in CASTABLE_DTYPES and d.dtype in CASTABLE_DTYPES):
+                problems.append(f"{w}: dst_layouts[{name!r}].dtype={d.dtype} cannot be produced from "
+                                f"src_layouts[{p.src!r}].dtype={s.dtype}")
+                continue
+        resolved.append((p.src, box, start))
+        labels.append(f"[{i}] {p}")
+    if len(problems) == n_before:
+        gaps = _tiling_gaps(d.shape, tuple(b for _, b, _ in resolved))
+        for kind, *rest in gaps:
+            if kind == "overlap":
+                i, j, box = rest
+                problems.append(f"dst_layouts[{name!r}]: parts {labels[i]} and {labels[j]} overlap on "
+                                f"{_fmt_box(box)}")
+            else:
+                count, box = rest
+                problems.append(f"dst_layouts[{name!r}]: no part covers {_fmt_box(box)} (a hole; mark "
+                                f"padding with trs.Part(None, ...))")
+        holes = [g for g in gaps if g[0] == "hole"]
+        if holes and holes[0][1] > len(holes):
+            problems.append(f"dst_layouts[{name!r}]: ... and {holes[0][1] - len(holes)} more uncovered region(s)")
+    return tuple(resolved)
+
+
+def _validate(src: Mapping[str, Layout], dst: Mapping[str, Layout], parts) -> dict[str, tuple[_Resolved, ...]]:
     for param, mapping in (("src_layouts", src), ("dst_layouts", dst)):
         if not isinstance(mapping, Mapping):
             raise TypeError(f"{param} must be a mapping of name -> Layout, got {type(mapping).__name__}")
@@ -313,11 +493,23 @@ def _validate(src: Mapping[str, Layout], dst: Mapping[str, Layout]) -> None:
                if not isinstance(k, str) or not isinstance(v, Layout)]
         if bad:
             raise TypeError(f"{param} must map str names to trs.Layout: " + "; ".join(bad))
+    if parts is None:
+        parts = {}
+    if not isinstance(parts, Mapping):
+        raise TypeError(f"parts must be a mapping of destination name -> [trs.Part, ...], got {type(parts).__name__}")
     problems = []
+    for name in parts:
+        if name not in dst:
+            problems.append(f"parts[{name!r}] names no destination: dst_layouts has no {name!r}")
+    resolved = {}
     for name, d in dst.items():
+        if name in parts:
+            resolved[name] = _resolve_parts(name, d, parts[name], src, problems)
+            continue
         s = src.get(name)
         if s is None:
-            problems.append(f"dst_layouts[{name!r}] has no source: src_layouts has no {name!r}")
+            problems.append(f"dst_layouts[{name!r}] has no source: src_layouts has no {name!r} "
+                            f"(and parts has no entry for it)")
             continue
         if s.shape != d.shape:
             problems.append(f"dst_layouts[{name!r}].shape={d.shape} != src_layouts[{name!r}].shape={s.shape}")
@@ -327,28 +519,38 @@ def _validate(src: Mapping[str, Layout], dst: Mapping[str, Layout]) -> None:
                             f"{', '.join(map(str, CASTABLE_DTYPES))}; other dtypes copy only to themselves")
     if problems:
         raise ValueError(f"plan_reshard: {len(problems)} problem(s):\n  - " + "\n  - ".join(problems))
+    return resolved
 
 
-def plan_reshard(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout]) -> Plan:
-    """Plan moving every tensor of ``dst_layouts`` from its layout in ``src_layouts``.
+def plan_reshard(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout],
+                 parts: Mapping[str, "list[Part]"] | None = None) -> Plan:
+    """Plan moving every tensor of ``dst_layouts`` from the source layouts.
 
     Args:
         src_layouts: name -> Layout on the source (trainer) ranks. Names no destination needs are
             ignored.
-        dst_layouts: name -> Layout on the destination (inference) ranks. Same global shape as the
-            source; the dtype may differ among float32 / bfloat16 / float16 (cast in the copy).
+        dst_layouts: name -> Layout on the destination (inference) ranks. A destination without an
+            entry in ``parts`` comes from the source of the same name and global shape. The dtype may
+            differ among float32 / bfloat16 / float16 (cast in the copy).
+        parts: optional ``{dst_name: [trs.Part, ...]}``: boxes of the destination's global index
+            and the source tensor (of any name) or zero padding each comes from. The parts must tile
+            the destination exactly. This builds fused tensors (q/k/v -> qkv, gate/up -> gate_up),
+            replicated pieces (one source box feeding several boxes) and padded dims.
 
-    Returns a :class:`Plan` whose ops write each element of each destination rank's local shard
-    exactly once. Meshes may be disjoint or overlap: a destination rank that holds the data as a
-    source copies locally. Reads from replicated sources are spread over the replicas.
+    Returns a :class:`Plan` whose ops and fills write each element of each destination rank's local
+    shard exactly once. Meshes may be disjoint or overlap: a destination rank that holds the data as
+    a source copies locally. Reads from replicated sources are spread over the replicas.
     Deterministic and cached: the same inputs give the same plan on every rank.
 
     Raises ``ValueError`` listing every problem (missing source, shape mismatch, unsupported dtype
-    pair) before anything moves; ``TypeError`` for values that are not Layouts.
+    pair, a part out of bounds, a hole or an overlap in a destination, naming the tensor and the
+    range) before anything moves; ``TypeError`` for values that are not Layouts / Parts.
     """
-    _validate(src_layouts, dst_layouts)
-    needed = tuple(sorted((n, src_layouts[n]) for n in dst_layouts))
-    return _plan_cached(needed, tuple(sorted(dst_layouts.items())))
+    resolved = _validate(src_layouts, dst_layouts, parts)
+    used = set(n for n in dst_layouts if n not in resolved)
+    used.update(p[0] for rs in resolved.values() for p in rs if p[0] is not None)
+    needed = tuple(sorted((n, src_layouts[n]) for n in used))
+    return _plan_cached(needed, tuple(sorted(dst_layouts.items())), tuple(sorted(resolved.items())))
 
 
 def _geometry(layout: Layout) -> tuple:
@@ -361,16 +563,31 @@ def _segments_of(geometry: tuple) -> dict:
     return dict(zip(ranks, _segments_by_mesh_index(shape, mesh_shape, placements)))
 
 
+def _clip(segs: tuple[Segment, ...], lo: int, hi: int, delta: int) -> tuple[Segment, ...]:
+    """The parts of a rank's segments inside global [lo, hi), shifted by ``delta`` (into the source's
+    coordinates); local offsets stay those of the destination."""
+    out = []
+    for g0, g1, loc in segs:
+        a, b = max(g0, lo), min(g1, hi)
+        if a < b:
+            out.append((a + delta, b + delta, loc + a - g0))
+    return tuple(out)
+
+
 @lru_cache(maxsize=1024)
-def _pair_pieces(s_geo: tuple, d_geo: tuple) -> tuple:
+def _pair_pieces(s_geo: tuple, d_geo: tuple, box: tuple | None = None, src_start: tuple | None = None) -> tuple:
     """The overlap pieces of one (source layout, destination layout) pair, independent of the
     tensor's name and dtype, so the layers of a model that repeat a geometry share the work.
+    With ``box``, only the destination's global box is filled, from the source box at ``src_start``.
 
     Returns ``(dst_rank, replicas, dims, numel, template)`` rows; ``template`` is
     ``(src_rank, src_slices, dst_slices, global_index)`` when the source is fixed (one replica, or
     the destination holds the data itself) and None when replicas must be balanced.
     """
     s_segments, d_segments = _segments_of(s_geo), _segments_of(d_geo)
+    if box is not None:
+        d_segments = {r: tuple(_clip(segs, lo, hi, st - lo) for segs, (lo, hi), st in zip(dsegs, box, src_start))
+                      for r, dsegs in d_segments.items()}
     groups: dict[tuple, list[int]] = {}  # source ranks with identical regions are replicas
     for r in s_geo[2]:
         segs = s_segments[r]
@@ -394,39 +611,62 @@ def _pair_pieces(s_geo: tuple, d_geo: tuple) -> tuple:
     return tuple(rows)
 
 
+@lru_cache(maxsize=1024)
+def _fill_pieces(d_geo: tuple, box: tuple) -> tuple:
+    """``(dst_rank, dst_slices, global_index)`` of the destination box on every destination rank."""
+    rows = []
+    for dst_rank, dsegs in _segments_of(d_geo).items():
+        per_dim = [_clip(segs, lo, hi, 0) for segs, (lo, hi) in zip(dsegs, box)]
+        for dims in product(*per_dim):
+            rows.append((dst_rank, tuple(slice(loc, loc + b - a) for a, b, loc in dims),
+                         tuple(((a, b),) for a, b, _ in dims)))
+    return tuple(rows)
+
+
 @lru_cache(maxsize=128)
-def _plan_cached(src_items: tuple[tuple[str, Layout], ...], dst_items: tuple[tuple[str, Layout], ...]) -> Plan:
-    src, dst = dict(src_items), dict(dst_items)
+def _plan_cached(src_items: tuple[tuple[str, Layout], ...], dst_items: tuple[tuple[str, Layout], ...],
+                 parts_items: tuple = ()) -> Plan:
+    src, dst, parts = dict(src_items), dict(dst_items), dict(parts_items)
     ops: list[TransferOp] = []
+    fills: list[FillOp] = []
     # Remote pieces with several candidate replicas, balanced after all fixed assignments are known.
-    pending: list[tuple[str, int, tuple[_DimPiece, ...], tuple[int, ...], int]] = []
+    pending: list[tuple[str, str, int, tuple[_DimPiece, ...], tuple[int, ...], int]] = []
     load: dict[int, int] = defaultdict(int)
 
     for name, d_lay in dst_items:
-        s_lay = src[name]
-        s_isz = s_lay.itemsize
-        for dst_rank, replicas, dims, numel, template in _pair_pieces(_geometry(s_lay), _geometry(d_lay)):
-            if template is not None:
-                src_rank, ss, ds, g = template
-                ops.append(TransferOp(name, src_rank, dst_rank, ss, ds, g))
-                load[src_rank] += numel * s_isz
-            else:
-                pending.append((name, dst_rank, dims, replicas, numel * s_isz))
+        d_geo = _geometry(d_lay)
+        jobs = parts.get(name)
+        if jobs is None:
+            jobs = ((name, None, None),)
+        for src_name, box, start in jobs:
+            if src_name is None:
+                for dst_rank, ds, g in _fill_pieces(d_geo, box):
+                    fills.append(FillOp(name, dst_rank, ds, g))
+                continue
+            s_lay = src[src_name]
+            s_isz = s_lay.itemsize
+            for dst_rank, replicas, dims, numel, template in _pair_pieces(_geometry(s_lay), d_geo, box, start):
+                if template is not None:
+                    src_rank, ss, ds, g = template
+                    ops.append(TransferOp(name, src_rank, dst_rank, ss, ds, g, src_name))
+                    load[src_rank] += numel * s_isz
+                else:
+                    pending.append((name, src_name, dst_rank, dims, replicas, numel * s_isz))
 
     # Balance replicated reads: biggest pieces first (LPT), then water-fill where one replica would
     # otherwise carry much more than its share.
     remaining: dict[tuple[int, ...], int] = defaultdict(int)
     for *_, cands, nbytes in pending:
         remaining[cands] += nbytes
-    pending.sort(key=lambda p: (-p[4], p[0], p[1], tuple(x[1] for x in p[2])))
-    for name, dst_rank, dims, cands, nbytes in pending:
+    pending.sort(key=lambda p: (-p[5], p[0], p[1], p[2], tuple(x[1] for x in p[3])))
+    for name, src_name, dst_rank, dims, cands, nbytes in pending:
         k = len(cands)
         target = (sum(load[c] for c in cands) + remaining[cands]) / k
         remaining[cands] -= nbytes
         order = sorted(cands, key=lambda c: (load[c], c))
         axis_extent = next((p[2] for p in dims if p[2] > 1), 1)
         if load[order[0]] + nbytes <= target * _BALANCE_SLACK or axis_extent <= 1 or nbytes < 2 * _MIN_SPLIT_BYTES:
-            ops.append(_make_op(name, order[0], dst_rank, dims))
+            ops.append(_make_op(name, order[0], dst_rank, dims, src_name))
             load[order[0]] += nbytes
             continue
         k_eff = min(k, nbytes // _MIN_SPLIT_BYTES, axis_extent)
@@ -445,8 +685,11 @@ def _plan_cached(src_items: tuple[tuple[str, Layout], ...], dst_items: tuple[tup
         itemsize = nbytes // math.prod(p[2] for p in dims)
         recipients = [c for c, u in zip(chosen, units) if u]
         for c, part in zip(recipients, _split(dims, units)):
-            ops.append(_make_op(name, c, dst_rank, part))
+            ops.append(_make_op(name, c, dst_rank, part, src_name))
             load[c] += math.prod(p[2] for p in part) * itemsize
 
     ops.sort(key=lambda op: (op.name, op.dst_rank, tuple(s.start for s in op.dst_slices), op.src_rank))
-    return Plan(src, dst, tuple(ops))
+    fills.sort(key=lambda f: (f.name, f.dst_rank, tuple(s.start for s in f.dst_slices)))
+    resolved_parts = {name: tuple(Part(sn, box, st if sn is not None else None) for sn, box, st in rs)
+                      for name, rs in parts.items()}
+    return Plan(src, dst, tuple(ops), tuple(fills), resolved_parts)

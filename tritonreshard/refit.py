@@ -14,12 +14,15 @@ Who calls what::
     inf.pull()                # or start_pull() ... pull_done() ... swap() in shadow mode
     weights = inf.tensors     # re-read after every swap
 
-Set-up, once: ranks meet in a torch.distributed ``TCPStore`` and exchange roles and layouts; every
-rank validates the whole group and derives the same plan, and a bad rank makes *every* rank raise the
-same ``ValueError`` before any data moves. Each trainer then places all its local shards in one
-exported arena (CPU shared memory, or CUDA memory exported through cuda-python) with a control block
-(version, acks, heartbeats); inference ranks map the arenas of the trainers they read from (one
-handle per peer, not per tensor) and build their descriptor tables once.
+An endpoint composes three parts, data flowing one way:
+
+* :class:`~tritonreshard._group.Group` (one per epoch): rendezvous in the store under
+  ``trs/<group>/e<epoch>/``, validation of the whole group (a bad rank makes *every* rank raise the
+  same ``ValueError`` before any data moves), liveness, and the one wait primitive;
+* :class:`~tritonreshard.publisher.Publisher` (trainer side): the exported arena, ``publish``,
+  ``fence``;
+* :class:`~tritonreshard.subscriber.Subscriber` (inference side): buffer sets, pulls, the copy
+  thread. A colocated rank has both.
 
 Every refit: the trainer bumps its published version. An inference rank waits until all of its
 sources published the same version, runs its descriptor table (one gather-kernel launch per dtype
@@ -27,102 +30,27 @@ group on CUDA, torch copies on CPU), checks that no source moved on or died mean
 version to each source. The trainer's ``fence`` waits for those acks, and only for the ranks that
 read its arena.
 
-Guarantees (see also the README):
-
-* shadow mode (default): pulls go to a second buffer set; ``swap()`` installs it with one reference
-  assignment. A failed pull leaves the serving weights and ``version`` untouched.
-* in-place mode: pulls write the serving tensors. A pull that fails part-way leaves them torn:
-  ``consistent`` becomes False (and ``version`` stays at the last complete version) until a later
-  pull succeeds.
-* every wait has a timeout and names what it waited for; a dead peer (its process gone, or no
-  heartbeat for ``peer_timeout`` seconds) raises :class:`PeerDiedError` naming its rank.
+Failures are scoped (see also the README): a pull or fence that times out or is abandoned fails
+that call only; a dead peer ends the group's epoch (:class:`PeerDiedError`); an inference rank
+keeps serving its last complete version and joins the trainers' next epoch with ``rejoin()``.
 """
 from __future__ import annotations
 
 import os
-import socket
-import threading
-import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import torch
 
-from . import _rendezvous as rdv
-from ._descriptors import DescriptorTable
+from . import _fsdp
+from ._group import (Group, Member, PeerDiedError, RefitError, check_timeout, connect,
+                     host_identity)
 from .execute import writable_problem
 from .layout import Layout
-from .plan import Plan, plan_reshard
-from .transport import (create_arena, create_control_block, open_arena, open_control_block,
-                        pack_offsets)
+from .publisher import Exports, Publisher
+from .subscriber import LocalSources, PullStats, Subscriber
 
-__all__ = ["RefitEndpoint", "RefitTrainer", "RefitInference", "RefitError", "PeerDiedError"]
-
-_HEARTBEAT_S = 0.2
-_LIVENESS_CHECK_S = 0.05
-
-
-class RefitError(RuntimeError):
-    """A refit could not complete (a peer aborted, a source changed weights during a pull, ...)."""
-
-
-class PeerDiedError(RefitError):
-    """A peer process of the refit group is gone. ``rank`` names it."""
-
-    def __init__(self, rank: int, message: str):
-        super().__init__(message)
-        self.rank = rank
-
-
-@dataclass(frozen=True)
-class _Hello:
-    """What a rank tells the group at set-up (phase 1: no handles yet)."""
-
-    rank: int
-    pid: int
-    host: str
-    device: str
-    src_layouts: dict | None
-    dst_layouts: dict | None
-    problems: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class _Exports:
-    """Phase 2: a source rank's arena and control block handles and where each shard lives."""
-
-    rank: int
-    arena: object | None
-    control: object | None
-    offsets: dict = field(default_factory=dict)
-
-
-def _proc_state(pid: int) -> str | None:
-    """One-letter state of a local process, or None when it no longer exists."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return data[data.rfind(b")") + 2:][:1].decode()
-
-
-def _connect(store, rank: int, world_size: int, timeout: float, group: str):
-    if isinstance(store, torch.distributed.Store):
-        base = store
-    else:
-        base = rdv.connect_store(store, world_size=world_size, is_master=rank == 0, timeout=timeout)
-    return base, torch.distributed.PrefixStore(f"trs/{group}/", base)
-
-
-def _timeout_arg(what: str, timeout, default: float) -> float:
-    """``timeout`` of a call (None: the endpoint's), checked before anything waits."""
-    if timeout is None:
-        return default
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
-        raise ValueError(f"{what}: timeout must be a number of seconds >= 0 (0: check once), got "
-                         f"timeout={timeout!r}")
-    return float(timeout)
+__all__ = ["RefitEndpoint", "RefitTrainer", "RefitInference", "RefitError", "PeerDiedError",
+           "PullStats"]
 
 
 class RefitEndpoint:
@@ -130,16 +58,24 @@ class RefitEndpoint:
     both (colocated meshes). Use :class:`RefitTrainer` / :class:`RefitInference` for one role.
 
     Args:
-        rank: this process's global rank (the ranks used in the layouts' meshes).
+        rank: this process's global rank (the ranks used in the layouts' meshes). None: the
+            initialised torch.distributed group's rank, else ``$RANK``.
         world_size: number of processes in the refit group (trainers + inference ranks; a colocated
-            process counts once).
-        store: ``"host:port"`` of the group's TCPStore (rank 0 hosts it), a ``torch.distributed.Store``,
-            or None for ``MASTER_ADDR``/``MASTER_PORT`` from the environment.
+            process counts once). None: torch.distributed's world size, else ``$WORLD_SIZE``.
+        store: ``"host:port"`` of the group's TCPStore, a ``torch.distributed.Store``, or None: the
+            initialised process group's store, else ``MASTER_ADDR``/``MASTER_PORT`` (as a client
+            under torchrun, whose agent hosts that store).
+        host_store: with ``store="host:port"``: rank 0 hosts the store (None/True) or everyone
+            connects as a client (False: a driver hosts it, e.g. so it outlives restarted ranks).
+        epoch: the group epoch (>= 0); keys live under ``trs/<group>/e<epoch>/``, so a new group
+            forms on the same store while old keys are ignored.
         src_tensors: source side: ``{name: local shard}`` or an ``nn.Module`` whose named parameters
             are the local shards. They are copied into the exported arena once; a module's
             parameters are re-pointed at the arena (``param.data``), so training runs on it with no
             copy per step. Shapes must equal ``src_layouts[name].local_shape(rank)``, dtypes match.
         src_layouts: source side: ``{name: Layout}`` of the whole trainer group (same on every trainer).
+        start_version: source side: the version before the first ``publish()`` (a restarted trainer
+            continues the numbering of its checkpoint).
         dst_layouts: destination side: ``{name: Layout}`` of the whole inference group.
         dst_tensors: destination side, optional: tensors to write (e.g. the engine's parameters);
             the serving buffer set in in-place mode, the first of the two sets in shadow mode.
@@ -151,13 +87,22 @@ class RefitEndpoint:
         peer_timeout: seconds without a heartbeat after which a peer counts as dead (a local peer
             whose process is gone is noticed at once).
         group: namespace of this group's keys in the store.
+        sources: destination side: where source bytes come from (default
+            :class:`~tritonreshard.subscriber.LocalSources`, the arenas on this host).
     """
 
-    def __init__(self, *, rank: int, world_size: int, store=None, src_tensors=None, src_layouts=None,
-                 dst_layouts=None, dst_tensors=None, mode: str = "shadow", device=None,
-                 backend: str = "auto", timeout: float = 60.0, peer_timeout: float = 10.0,
-                 group: str = "default"):
-        self._closed = True  # until set-up succeeded far enough to need closing (see close())
+    def __init__(self, *, rank: int | None = None, world_size: int | None = None, store=None,
+                 src_tensors=None, src_layouts=None, dst_layouts=None, dst_tensors=None,
+                 mode: str = "shadow", device=None, backend: str = "auto", timeout: float = 60.0,
+                 peer_timeout: float = 10.0, group: str = "default", epoch: int = 0,
+                 host_store: bool | None = None, start_version: int = 0, sources=LocalSources):
+        self._released = True  # until set-up succeeded far enough to need closing (see close())
+        rank, world_size = _default_rank(rank, world_size)
+        # A fully_shard model brings its layouts, and FSDP2 keeps training on the arena (see _fsdp).
+        fsdp2 = None
+        if isinstance(src_tensors, torch.nn.Module) and _fsdp.is_fsdp2(src_tensors):
+            fsdp2 = src_tensors = _fsdp.FSDP2Source(src_tensors)
+            src_layouts = fsdp2.layouts if src_layouts is None else src_layouts
         bad = []
         if not isinstance(world_size, int) or world_size < 1:
             bad.append(f"world_size must be a positive int, got world_size={world_size!r}")
@@ -175,11 +120,15 @@ class RefitEndpoint:
             bad.append(f"timeout must be > 0 seconds, got timeout={timeout!r}")
         if not (isinstance(peer_timeout, (int, float)) and peer_timeout > 0):
             bad.append(f"peer_timeout must be > 0 seconds, got peer_timeout={peer_timeout!r}")
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            bad.append(f"epoch must be an int >= 0, got epoch={epoch!r}")
+        if isinstance(start_version, bool) or not isinstance(start_version, int) or start_version < 0:
+            bad.append(f"start_version must be an int >= 0, got start_version={start_version!r}")
         if bad:  # nothing to tell the group: these make joining it impossible
             raise ValueError("RefitEndpoint: " + "; ".join(bad))
 
         self.rank, self.world_size, self.mode = rank, world_size, mode
-        self.timeout, self.peer_timeout = float(timeout), float(peer_timeout)
+        self.timeout, self.peer_timeout, self._group_name = float(timeout), float(peer_timeout), group
         self._module_params: dict[str, torch.nn.Parameter] = {}
         src_map, problems = self._local_sources(src_tensors, src_layouts)
         dst_map, dst_device, dst_problems = self._local_destinations(dst_tensors, dst_layouts, device)
@@ -187,45 +136,46 @@ class RefitEndpoint:
         self.device = dst_device if dst_layouts is not None else (
             next(iter(src_map.values())).device if src_map else torch.device("cpu"))
         self.backend = backend if backend != "auto" else ("triton" if self.device.type == "cuda" else "torch")
+        self._member = Member(rank, os.getpid(), host_identity(), str(self.device),
+                              dict(src_layouts) if src_layouts is not None else None,
+                              dict(dst_layouts) if dst_layouts is not None else None, tuple(problems))
+        self._base_store, self._hosts_store = connect(store, rank=rank, world_size=world_size,
+                                                      timeout=self.timeout, host_store=host_store)
+        self.publisher: Publisher | None = None
+        self.subscriber: Subscriber | None = None
+        self.group = self._new_group(epoch)
+        self.plan = self.group.join(self._member)  # every rank raises the same ValueError here
 
-        self._store_base, self._store = _connect(store, rank, world_size, self.timeout, group)
-        self._secret = rdv.group_secret(self._store, is_master=rank == 0, timeout=self.timeout)
-
-        # Phase 1: roles and layouts. Every rank validates the whole group identically, so a bad
-        # rank makes every rank raise the same error before any data moves.
-        hello = _Hello(rank, os.getpid(), socket.gethostname(), str(self.device),
-                       dict(src_layouts) if src_layouts is not None else None,
-                       dict(dst_layouts) if dst_layouts is not None else None, tuple(problems))
-        hellos = rdv.all_gather_obj(self._store, "hello", rank, world_size, hello, timeout=self.timeout)
-        self._peers = {h.rank: h for h in hellos}
-        rdv.publish(self._store, f"hello-read/{rank}", True)
+        # Arenas from here on: every handle and resource is released by close().
+        self._released = False
         try:
-            self.plan = self._validate_group(hellos)
-        except (ValueError, NotImplementedError):
-            self._outlive_store_readers("hello-read")  # so every rank reads the hellos and raises too
-            raise
-
-        # Phase 2: arenas. Every handle and resource from here on is released by close().
-        self._closed = self._released = False
-        self._arena = self._control = None
-        self._peer_arenas: dict[int, object] = {}
-        self._peer_controls: dict[int, object] = {}
-        self._tables: list[DescriptorTable] = []
-        self._stop = threading.Event()
-        self._hb_thread = None
-        self._pull_thread = None
-        self._pull_result: tuple[int, BaseException | None] | None = None
-        self.version = 0                # destination: version being served
-        self.published = 0              # source: last version published
-        self.consistent = True          # destination, in-place mode: False after a torn pull
-        self.last_pull_seconds = float("nan")
-        self.pulls = 0
-        self.staging_bytes = 0          # bytes the refit path allocated (by construction none)
-        try:
-            self._setup(src_map, dst_map, dst_device)
+            plan = self.plan
+            if rank in plan.src_ranks:
+                self.publisher = Publisher(self.group, plan, src_map, params=self._module_params,
+                                           start_version=start_version, fsdp2=fsdp2)
+            dst_layouts_here = {n: l for n, l in plan.dst_layouts.items() if rank in l.ranks}
+            if dst_layouts_here:
+                self.subscriber = Subscriber(rank, dst_layouts_here, tensors=dst_map, device=dst_device,
+                                             mode=mode, backend=self.backend, sources=sources,
+                                             src_order={n: repr(plan.src_layouts[n]) for n in dst_layouts_here})
+            self._attach(self.group, plan)
         except BaseException:
             self.close(abort=True)
             raise
+
+    def _new_group(self, epoch: int) -> Group:
+        return Group(self._base_store, rank=self.rank, world_size=self.world_size, epoch=epoch,
+                     name=self._group_name, timeout=self.timeout, peer_timeout=self.peer_timeout,
+                     hosts_store=self._hosts_store)
+
+    def _attach(self, group: Group, plan) -> None:
+        exports = group.exchange("exports", self.publisher.exports if self.publisher is not None
+                                 else Exports(self.rank))
+        if self.subscriber is not None:
+            self.subscriber.attach(group, plan, exports, local=self.publisher)
+        group.finish_setup()  # everyone mapped what it needs ...
+        if self.publisher is not None:
+            self.publisher.unlink()  # ... so owners stop handing their arenas out
 
     # ------------------------------------------------------------------ local validation
     def _local_sources(self, tensors, layouts):
@@ -322,453 +272,224 @@ class RefitEndpoint:
             problems.append(f"dst_tensors has names without a layout in dst_layouts: {extra}")
         return out, device, problems
 
-    # ------------------------------------------------------------------ group validation
-    def _validate_group(self, hellos) -> Plan:
-        problems = [f"rank {h.rank}: {p}" for h in hellos for p in h.problems]
-        plans = {}
-        for side in ("src", "dst"):
-            holders = [h for h in hellos if getattr(h, f"{side}_layouts") is not None]
-            role = "trainer" if side == "src" else "inference"
-            if not holders:
-                problems.append(f"no rank joined with {side}_layouts (no {role} side)")
-                continue
-            ref = holders[0]
-            ref_layouts = getattr(ref, f"{side}_layouts")
-            for h in holders[1:]:
-                other = getattr(h, f"{side}_layouts")
-                for name in sorted(set(ref_layouts) | set(other)):
-                    a, b = ref_layouts.get(name), other.get(name)
-                    if a != b:
-                        problems.append(
-                            f"rank {h.rank} joined with {side}_layouts[{name!r}]={_desc(b)} but rank "
-                            f"{ref.rank} has {_desc(a)}: every {role} rank must pass the same layouts")
-            members = {h.rank for h in holders}
-            for name, lay in ref_layouts.items():
-                if isinstance(lay, Layout):
-                    missing = sorted(set(lay.ranks) - members)
-                    if missing:
-                        problems.append(f"{side}_layouts[{name!r}]={lay} places shards on rank(s) "
-                                        f"{missing}, which did not join as {role} ranks")
-            plans[side] = ref_layouts
-        if not problems:
-            try:
-                plan = plan_reshard(plans["src"], plans["dst"])
-            except (ValueError, TypeError) as exc:
-                problems.append(str(exc))
-        if problems:
-            raise ValueError(f"refit group {self.world_size} ranks: {len(problems)} problem(s), "
-                             f"nothing was moved:\n  - " + "\n  - ".join(problems))
-        cross = sorted({(op.src_rank, op.dst_rank) for op in plan.ops
-                        if self._peers[op.src_rank].host != self._peers[op.dst_rank].host})
-        if cross:  # every rank sees the same pairs, so every rank raises
-            raise NotImplementedError(f"refit across hosts is not supported yet (pairs {cross[:8]}): every "
-                                      f"source and destination rank must share one machine")
-        return plan
+    # ------------------------------------------------------------------ membership and liveness
+    @property
+    def epoch(self) -> int:
+        return self.group.epoch
 
-    # ------------------------------------------------------------------ set-up
-    def _setup(self, src_map, dst_map, dst_device):
-        plan, rank = self.plan, self.rank
-        self._src_layouts = plan.src_layouts if rank in plan.src_ranks else {}
-        self._dst_layouts = {n: l for n, l in plan.dst_layouts.items() if rank in l.ranks}
-        self._readers = tuple(r for r in plan.readers_of(rank))
-        self._sources = plan.sources_of(rank)
-        exports = _Exports(rank, None, None)
-        self._src_views: dict[str, torch.Tensor] = {}
-        if rank in plan.src_ranks:
-            # Same-geometry shards back to back, so the torch backend can coalesce their copies.
-            names = sorted(src_map, key=lambda n: (tuple(src_map[n].shape), str(src_map[n].dtype),
-                                                   repr(plan.dst_layouts.get(n)), n))
-            sizes = [src_map[n].numel() * src_map[n].element_size() for n in names]
-            offsets, total = pack_offsets(sizes)
-            src_device = next(iter(src_map.values())).device if src_map else torch.device("cpu")
-            self._arena = create_arena(max(total, 1), src_device, secret=self._secret)
-            self._control = create_control_block(self.world_size, self.world_size, secret=self._secret)
-            for name, off in zip(names, offsets):
-                view = self._arena.tensor(off, src_map[name].shape, src_map[name].dtype)
-                view.copy_(src_map[name])  # the one copy: afterwards training runs on the arena
-                self._src_views[name] = view
-                if name in self._module_params:
-                    self._module_params[name].data = view
-            exports = _Exports(rank, self._arena.export(), self._control.export(), dict(zip(names, offsets)))
-        exported = rdv.all_gather_obj(self._store, "exports", rank, self.world_size, exports,
-                                      timeout=self.timeout)
-        self._exports = {e.rank: e for e in exported}
+    @property
+    def store(self):
+        """This epoch's namespace in the group's store (``trs/<group>/e<epoch>/``): for an
+        application's own keys next to the engine's."""
+        return self.group.store
 
-        # Destination side: map each source's arena once, build descriptor tables once per buffer set.
-        self._buffers: list[dict[str, torch.Tensor]] = []
-        if self._dst_layouts:
-            for s in self._sources:
-                if s == rank:
-                    continue
-                e = self._exports[s]
-                self._peer_arenas[s] = open_arena(e.arena, secret=self._secret, device=dst_device,
-                                                  timeout=self.timeout)
-                self._peer_controls[s] = open_control_block(e.control, secret=self._secret,
-                                                            timeout=self.timeout)
-            n_sets = 2 if self.mode == "shadow" else 1
-            # One flat allocation per buffer set, same-geometry shards back to back (as in the
-            # trainers' arenas): copies of equal shards then differ by a constant address step.
-            geo = {n: (l.local_shape(rank), str(l.dtype), repr(plan.src_layouts[n]), n)
-                   for n, l in self._dst_layouts.items()}
-            order = sorted(self._dst_layouts, key=geo.__getitem__)
-            for i in range(n_sets):
-                own = [n for n in order if not (i == 0 and n in dst_map)]
-                sizes = [self._dst_layouts[n].local_numel(rank) * self._dst_layouts[n].itemsize for n in own]
-                offsets, total = pack_offsets(sizes)
-                flat = torch.zeros(total, dtype=torch.uint8, device=dst_device)
-                bufs = {n: dst_map[n] for n in order if i == 0 and n in dst_map}
-                for n, off, size in zip(own, offsets, sizes):
-                    lay = self._dst_layouts[n]
-                    bufs[n] = flat[off:off + size].view(lay.dtype).view(lay.local_shape(rank))
-                self._buffers.append({n: bufs[n] for n in order})
-            dst_pos = {n: i for i, n in enumerate(order)}
-            ops = sorted(plan.ops_for_dst(rank), key=lambda op: (
-                op.src_rank, self._exports[op.src_rank].offsets[op.name], dst_pos[op.name],
-                tuple(s.start for s in op.dst_slices)))
-            src_full = {}
+    @property
+    def members(self) -> dict[int, Member]:
+        """``{rank: Member(rank, pid, host, device, ...)}`` of this epoch."""
+        return dict(self.group.members)
 
-            def src_view(op):
-                key = (op.src_rank, op.name)
-                if key not in src_full:
-                    if op.src_rank == rank:
-                        src_full[key] = self._src_views[op.name]
-                    else:
-                        lay = plan.src_layouts[op.name]
-                        src_full[key] = self._peer_arenas[op.src_rank].tensor(
-                            self._exports[op.src_rank].offsets[op.name], lay.local_shape(op.src_rank), lay.dtype)
-                return src_full[key]
+    def dead_peers(self) -> list[int]:
+        """Ranks of this epoch known dead now, without waiting (see ``Group.dead_peers``)."""
+        self._check_open("dead_peers")
+        dead = self.group.dead_peers()
+        if self.group.ended is not None and self.group.ended.rank not in dead:
+            dead = sorted([*dead, self.group.ended.rank])
+        return dead
 
-            for bufs in self._buffers:
-                self._tables.append(DescriptorTable.build(ops, src=src_view, dst=lambda op, b=bufs: b[op.name]))
-            self._serving = 0
-        # Everyone mapped what it needs: owners stop handing their arenas out.
-        rdv.all_gather_obj(self._store, "mapped", rank, self.world_size, True, timeout=self.timeout)
-        rdv.publish(self._store, f"setup-done/{rank}", True)
-        self._outlive_store_readers("setup-done")
-        if self._arena is not None:
-            self._arena.unlink()
-            self._control.unlink()
-        self._heartbeat()
-        self._hb_thread = threading.Thread(target=self._heartbeat_loop, name=f"trs-heartbeat-{rank}",
-                                           daemon=True)
-        self._hb_thread.start()
+    def alive(self) -> bool:
+        """True while this epoch has no dead peer (a cheap check: no waiting, no side effects)."""
+        return not self.dead_peers()
 
-    def _outlive_store_readers(self, key: str) -> None:
-        """Rank 0 hosts the TCPStore: before it may return (and perhaps exit), wait until every rank
-        published ``key``, i.e. read everything it needs from the store. Other ranks return at once."""
-        if self.rank != 0:
-            return
-        for r in range(self.world_size):
-            rdv.fetch(self._store, f"{key}/{r}", timeout=self.timeout, what=f"rank {r} to finish reading the store")
+    def rejoin(self, epoch: int | None = None, timeout: float | None = None) -> int:
+        """Inference side, after its trainers died: join the group's next epoch (default
+        ``self.epoch + 1``) formed by the restarted trainers, without restarting this process.
 
-    # ------------------------------------------------------------------ liveness
-    def _heartbeat(self):
-        if self._control is not None:
-            self._control.heartbeat(self.rank)
-        for c in self._peer_controls.values():
-            c.heartbeat(self.rank)
+        The serving weights and ``version`` stay as they are until a later pull; any pull in
+        flight is discarded. Blocks until every rank of the new epoch met (``timeout``: the
+        endpoint's). Returns the new epoch. On failure (e.g. a timeout) this rank reads from no
+        epoch, keeps serving, and may call ``rejoin`` again. A trainer restarts as a new process
+        with ``epoch=`` instead.
+        """
+        self._check_open("rejoin")
+        if self.publisher is not None or self.subscriber is None:
+            raise ValueError(f"rejoin: only an inference-only endpoint rejoins (rank {self.rank} has "
+                             f"{'a trainer side' if self.publisher is not None else 'no inference side'}); "
+                             f"a trainer restarts as a new process with epoch=")
+        epoch = self.group.epoch + 1 if epoch is None else epoch
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch <= self.group.epoch:
+            raise ValueError(f"rejoin: epoch must be an int > the current epoch {self.group.epoch}, "
+                             f"got epoch={epoch!r}")
+        timeout = check_timeout("rejoin", timeout, self.timeout)
+        self.subscriber.detach()
+        self.group.close()
+        group = Group(self._base_store, rank=self.rank, world_size=self.world_size, epoch=epoch,
+                      name=self._group_name, timeout=timeout, peer_timeout=self.peer_timeout,
+                      hosts_store=self._hosts_store)
+        self.group = group
+        self.plan = group.join(self._member)
+        self._attach(group, self.plan)
+        group.timeout = self.timeout
+        return epoch
 
-    def _heartbeat_loop(self):
-        while not self._stop.wait(_HEARTBEAT_S):
-            self._heartbeat()
-
-    def _dead_reason(self, peer: int, control) -> str | None:
-        """Why ``peer`` counts as dead, or None. ``control`` is a block ``peer`` heartbeats into."""
-        h = self._peers[peer]
-        if h.host == socket.gethostname():
-            state = _proc_state(h.pid)
-            if state is None or state in "ZX":
-                return f"rank {peer} (pid {h.pid}) died" + (" (zombie)" if state == "Z" else "")
-        beat = control.last_heartbeat_ns(peer)
-        age = (time.monotonic_ns() - beat) / 1e9
-        if beat > 0 and age > self.peer_timeout:
-            return f"rank {peer} (pid {h.pid}) sent no heartbeat for {age:.1f} s (peer_timeout={self.peer_timeout:g} s)"
-        return None
-
-    def _wait(self, predicate, what: str, timeout: float, peers: Mapping[int, object], status=None):
-        """Poll ``predicate`` until true; raise PeerDiedError / RefitError / TimeoutError naming ``what``."""
-        deadline = time.monotonic() + timeout
-        next_check, sleep = 0.0, 20e-6
-        while True:
-            if predicate():
-                return
-            now = time.monotonic()
-            if now >= next_check:
-                next_check = now + _LIVENESS_CHECK_S
-                for peer, control in peers.items():
-                    reason = self._dead_reason(peer, control)
-                    if reason:
-                        raise PeerDiedError(peer, f"rank {self.rank}: {reason} while waiting for {what}")
-                    if control.state == 2:  # STATE_ABORT: a peer gave up on this group
-                        raise RefitError(f"rank {self.rank}: the group was aborted ({control.abort_reason()}) "
-                                         f"while waiting for {what}")
-                if self._stop.is_set():
-                    raise RefitError(f"rank {self.rank}: endpoint closed while waiting for {what}")
-            if now >= deadline:
-                extra = f" ({status()})" if status else ""
-                raise TimeoutError(f"rank {self.rank}: timed out after {timeout:g} s waiting for {what}{extra}")
-            time.sleep(min(sleep, max(0.0, deadline - now)))
-            sleep = min(sleep * 2, 2e-3)
-
-    # ------------------------------------------------------------------ source side
+    # ------------------------------------------------------------------ trainer side
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
         """Source side: the arena-backed local shards (train on these). Destination side: the serving
         weights (in shadow mode a new dict after each ``swap``; re-read it)."""
-        if self._dst_layouts:
-            return dict(self._buffers[self._serving])
-        return dict(self._src_views)
+        self._check_open("tensors")
+        if self.subscriber is not None:
+            return self.subscriber.tensors
+        return dict(self.publisher.tensors) if self.publisher is not None else {}
 
     @property
     def source_tensors(self) -> dict[str, torch.Tensor]:
-        return dict(self._src_views)
+        return dict(self.publisher.tensors) if self.publisher is not None else {}
+
+    @property
+    def published(self) -> int:
+        """Source side: the last version published (``start_version`` before the first)."""
+        return self.publisher.published if self.publisher is not None else 0
+
+    def _pub(self, what) -> Publisher:
+        self._check_open(what)
+        if self.publisher is None:
+            raise ValueError(f"{what}: rank {self.rank} has no source side (src_layouts was not given)")
+        return self.publisher
 
     def publish(self) -> int:
         """Source side, after ``optimizer.step()``: publish the arena's contents as a new version.
-
-        Returns the version (1, 2, ...). Call ``fence()`` before changing the weights again.
-        """
-        self._check_open("publish")
-        if self._control is None:
-            raise ValueError(f"publish: rank {self.rank} has no source side (src_layouts was not given)")
-        if self._arena.device.type == "cuda":
-            torch.cuda.current_stream(self._arena.device).synchronize()  # data before the version
-        self.published += 1
-        self._control.publish(self.published)
-        return self.published
+        Returns the version. Call ``fence()`` before changing the weights again."""
+        return self._pub("publish").publish()
 
     def fence(self, timeout: float | None = None) -> None:
         """Source side, before the next ``optimizer.step()``: wait until every rank that reads this
-        rank's arena acked the last published version. Waits only for those readers.
+        rank's arena acked the last published version (see ``Publisher.fence``)."""
+        self._pub("fence").fence(timeout)
 
-        Raises PeerDiedError if a reader died (the refit fails clearly: nothing is dropped silently),
-        TimeoutError naming the readers still behind after ``timeout`` (default: the endpoint's).
-        """
-        self._check_open("fence")
-        if self._control is None:
-            raise ValueError(f"fence: rank {self.rank} has no source side (src_layouts was not given)")
-        timeout = _timeout_arg("fence", timeout, self.timeout)
-        v, control = self.published, self._control
-        readers = [r for r in self._readers]
-        behind = lambda: {r: control.acked_version(r) for r in readers if control.acked_version(r) < v}  # noqa: E731
-        self._wait(lambda: not behind(), f"readers {readers} to ack version {v}",
-                   self.timeout if timeout is None else timeout,
-                   {r: control for r in readers if r != self.rank},
-                   status=lambda: f"still behind, rank: acked version = {behind()}")
+    # ------------------------------------------------------------------ inference side
+    def _sub(self, what) -> Subscriber:
+        self._check_open(what)
+        if self.subscriber is None:
+            raise ValueError(f"{what}: rank {self.rank} has no destination side (dst_layouts was not given "
+                             f"or places nothing on this rank)")
+        return self.subscriber
 
-    # ------------------------------------------------------------------ destination side
+    @property
+    def version(self) -> int:
+        """Destination side: the version being served (0: none yet)."""
+        return self.subscriber.version if self.subscriber is not None else 0
+
+    @property
+    def consistent(self) -> bool:
+        """Destination side, in-place mode: False after a pull that failed part-way (torn)."""
+        return self.subscriber.consistent if self.subscriber is not None else True
+
+    @property
+    def pulls(self) -> int:
+        return self.subscriber.pulls if self.subscriber is not None else 0
+
+    @property
+    def last_pull(self) -> PullStats | None:
+        """Destination side: the last successful pull, measured (wait, copy, total ms, staging)."""
+        return self.subscriber.last_pull if self.subscriber is not None else None
+
+    @property
+    def last_pull_seconds(self) -> float:
+        lp = self.last_pull
+        return float("nan") if lp is None else lp.copy_ms / 1e3
+
+    @property
+    def staging_bytes(self) -> int:
+        """Destination side: the most extra memory one pull allocated, as measured (see
+        ``tritonreshard.subscriber``); 0 for a trainer-only rank."""
+        return self.subscriber.staging_bytes if self.subscriber is not None else 0
+
     def available_version(self) -> int:
         """Destination side: the newest version every source of this rank has published."""
-        self._check_open("available_version")
-        versions = [self._source_control(s).published_version for s in self._sources]
-        return min(versions) if versions else 0
-
-    def _source_control(self, s):
-        return self._control if s == self.rank else self._peer_controls[s]
-
-    def _pull_into(self, slot: int, version: int, timeout: float) -> None:
-        sources = {s: self._source_control(s) for s in self._sources}
-        remote = {s: c for s, c in sources.items() if s != self.rank}
-        published = lambda: {s: c.published_version for s, c in sources.items()}  # noqa: E731
-        self._wait(lambda: all(v >= version for v in published().values()),
-                   f"sources {list(sources)} to publish version {version}", timeout, remote,
-                   status=lambda: f"published: {published()}")
-        ahead = {s: v for s, v in published().items() if v != version}
-        if ahead:
-            raise RefitError(f"rank {self.rank}: sources moved past version {version} before it was read "
-                             f"({ahead}); a trainer published without fence()")
-        t0 = time.perf_counter()
-        if self.mode == "inplace":  # from here on a failure leaves the serving tensors torn
-            self.consistent = False
-        self._tables[slot].run(self.backend)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        # The copy is only valid if no source changed or died while it ran (a dead trainer's
-        # memory stays mapped, but the version it was publishing can no longer be vouched for).
-        for s, c in remote.items():
-            reason = self._dead_reason(s, c)
-            if reason:
-                raise PeerDiedError(s, f"rank {self.rank}: {reason} during the pull of version {version}")
-        moved = {s: v for s, v in published().items() if v != version}
-        if moved:
-            raise RefitError(f"rank {self.rank}: sources published {moved} during the pull of version "
-                             f"{version}; the copy may be torn")
-        for c in sources.values():
-            c.ack(self.rank, version)
-        self.last_pull_seconds = time.perf_counter() - t0
-        self.pulls += 1
-
-    def _next_version(self, version):
-        if version is not None:
-            if isinstance(version, bool) or not isinstance(version, int):
-                raise ValueError(f"version must be an int (or None: the newest), got version={version!r}")
-            if version <= self.version:
-                raise ValueError(f"version={version} must be newer than the serving version {self.version}")
-            return version
-        return max(self.available_version(), self.version + 1)
+        return self._sub("available_version").available_version()
 
     def pull(self, version: int | None = None, timeout: float | None = None) -> int:
         """Destination side: wait for and install the next version (default: the newest available,
         at least one newer than the serving version). Returns the version now served.
 
         Shadow mode pulls into the spare buffer set and swaps; in-place mode writes the serving
-        tensors (pause generation meanwhile). On failure the error names the rank and what failed;
-        shadow mode keeps serving the previous version, in-place mode sets ``consistent = False``.
+        tensors (pause generation meanwhile). A failure fails this pull only (the group stays
+        usable, ``pull(timeout=0)`` is a poll): shadow mode keeps serving the previous version,
+        in-place mode sets ``consistent = False`` if the copy had started.
         """
-        self._check_open("pull")
-        self._check_dst("pull")
-        timeout = _timeout_arg("pull", timeout, self.timeout)
-        if self.mode == "shadow":
-            self.start_pull(version, timeout)
-            return self.swap()
-        target = self._next_version(version)
-        try:
-            self._pull_into(0, target, timeout)
-        except BaseException:
-            self._abort()
-            raise
-        self.consistent = True
-        self.version = target
-        return target
+        sub = self._sub("pull")
+        return sub.pull(version, check_timeout("pull", timeout, self.timeout))
 
     def start_pull(self, version: int | None = None, timeout: float | None = None) -> int:
         """Shadow mode: start pulling ``version`` (default: the next) into the spare buffer set in a
         background thread, while generation goes on with the serving weights. Returns the version."""
-        self._check_open("start_pull")
-        self._check_dst("start_pull")
-        if self.mode != "shadow":
-            raise ValueError(f"start_pull needs mode='shadow' (this endpoint has mode={self.mode!r}); "
-                             f"in-place pulls are synchronous: use pull()")
-        if self._pull_thread is not None:
-            return self._pull_target
-        timeout = _timeout_arg("start_pull", timeout, self.timeout)
-        target = self._next_version(version)
-        spare = 1 - self._serving
-        self._pull_target, self._pull_result = target, None
-
-        def run():
-            try:
-                self._pull_into(spare, target, timeout)
-                self._pull_result = (target, None)
-            except BaseException as exc:  # handed to swap(), which re-raises it in the caller
-                self._pull_result = (target, exc)
-
-        self._pull_thread = threading.Thread(target=run, name=f"trs-pull-{self.rank}", daemon=True)
-        self._pull_thread.start()
-        return target
+        return self._sub("start_pull").start_pull(version, check_timeout("start_pull", timeout, self.timeout))
 
     def pull_done(self) -> bool:
         """Shadow mode: True when the background pull finished (successfully or not)."""
-        return self._pull_thread is not None and not self._pull_thread.is_alive()
+        return self.subscriber is not None and self.subscriber.pull_done()
 
     @property
     def pulling(self) -> bool:
-        return self._pull_thread is not None
+        return self.subscriber is not None and self.subscriber.pulling
 
     def pull_error(self) -> BaseException | None:
         """Shadow mode, once ``pull_done()``: the background pull's error, or None if it succeeded.
         Lets a TP group agree (e.g. by an all-reduce) to swap together or not at all."""
-        if not self.pull_done():
-            raise ValueError("pull_error: no finished pull (call start_pull and wait for pull_done)")
-        return self._pull_result[1]
+        return self._sub("pull_error").pull_error()
 
     def discard(self) -> None:
-        """Shadow mode: drop a finished background pull without installing it (the serving weights
-        and ``version`` stay as they are), e.g. because another TP rank's pull failed."""
-        if self._pull_thread is None:
-            return
-        self._pull_thread.join(self.timeout)
-        if self._pull_thread.is_alive():
-            raise TimeoutError(f"rank {self.rank}: discard timed out waiting for the pull of version "
-                               f"{self._pull_target}")
-        self._pull_thread = None
-        self._pull_result = None
+        """Shadow mode: abandon the pull in flight or drop a finished one without installing it
+        (the serving weights and ``version`` stay); fails that pull only."""
+        if self.subscriber is not None:
+            self.subscriber.discard(self.timeout)
 
     def swap(self, timeout: float | None = None) -> int:
         """Shadow mode: wait for the background pull and install it as the serving weights (one
         reference assignment). Re-raises the pull's error, leaving the serving weights untouched."""
-        self._check_open("swap")
-        if self._pull_thread is None:
-            raise ValueError("swap: no pull in flight (call start_pull first)")
-        self._pull_thread.join(self.timeout * 2 if timeout is None else timeout)
-        if self._pull_thread.is_alive():
-            raise TimeoutError(f"rank {self.rank}: swap timed out waiting for the pull of version {self._pull_target}")
-        self._pull_thread = None
-        target, exc = self._pull_result
-        if exc is not None:
-            self._abort()
-            raise exc
-        self._serving = 1 - self._serving
-        self.version = target
-        return target
+        sub = self._sub("swap")
+        return sub.swap(self.timeout * 2 if timeout is None else timeout)
 
     # ------------------------------------------------------------------ stats and lifetime
     @property
     def bytes_per_refit(self) -> int:
         """Destination bytes this rank writes per refit."""
-        return self._tables[0].bytes_written if self._tables else 0
+        return self.subscriber.bytes_per_refit if self.subscriber is not None else 0
 
     @property
     def num_descriptors(self) -> int:
-        return len(self._tables[0]) if self._tables else 0
+        return self.subscriber.num_descriptors if self.subscriber is not None else 0
 
     @property
     def num_copies(self) -> int:
         """Work items per pull: kernel launches (triton backend) or coalesced ``copy_`` calls (torch)."""
-        if not self._tables:
-            return 0
-        t = self._tables[0]
-        return t.num_launches if self.backend == "triton" else t.num_torch_copies
+        return self.subscriber.num_copies if self.subscriber is not None else 0
 
     @property
     def handles_opened(self) -> int:
         """Peer arenas mapped (one per source peer, never one per tensor)."""
-        return len(self._peer_arenas)
+        return self.subscriber.handles_opened if self.subscriber is not None else 0
 
     def _check_open(self, what):
-        if self._closed:
+        if self._released:
             raise RuntimeError(f"{what}: this endpoint (rank {self.rank}) is closed")
-
-    def _check_dst(self, what):
-        if not self._dst_layouts:
-            raise ValueError(f"{what}: rank {self.rank} has no destination side (dst_layouts was not given "
-                             f"or places nothing on this rank)")
-
-    def _abort(self):
-        """Tell every control block we touch that this rank gave up, so peers stop waiting at once."""
-        for c in [self._control, *self._peer_controls.values()]:
-            if c is not None and c._slots is not None:
-                c.abort(self.rank)
 
     def close(self, abort: bool = False) -> None:
         """Release everything (arenas, mappings, control blocks, threads). Idempotent; safe after an
-        exception or a peer's death. ``abort=True`` also tells peers to stop waiting for this rank."""
+        exception or a peer's death. ``abort=True`` also sets the abort word in every control block
+        this rank shares, so peers stop waiting for it at once (their epoch is over)."""
         if getattr(self, "_released", True):
             return
         self._released = True
-        self._closed = True
-        self._stop.set()
         if abort:
-            self._abort()
-        if self._hb_thread is not None:
-            self._hb_thread.join(1.0)
-        if self._pull_thread is not None:
-            self._pull_thread.join(self.timeout)
-        self._tables.clear()
-        self._buffers = []
-        self._src_views = {}
-        for c in self._peer_controls.values():
-            c.close()
-        self._peer_controls.clear()
-        for a in self._peer_arenas.values():
-            a.close()
-        self._peer_arenas.clear()
-        if self._control is not None:
-            self._control.close()
-            self._control = None
-        if self._arena is not None:
-            self._arena.close()
-            self._arena = None
+            for part in (self.subscriber, self.publisher):
+                if part is not None:
+                    part.abort()
+        self.group.close()  # stops heartbeats and wakes nobody: waits in this process end below
+        if self.subscriber is not None:
+            self.subscriber.close()
+        if self.publisher is not None:
+            self.publisher.close()
 
     def __enter__(self):
         return self
@@ -782,13 +503,28 @@ class RefitEndpoint:
             self.close()
 
     def __repr__(self):
-        roles = [r for r, on in (("trainer", bool(self._src_views)), ("inference", bool(self._dst_layouts))) if on]
-        return (f"<{type(self).__name__} rank {self.rank}/{self.world_size} {'+'.join(roles) or '-'} "
-                f"published={self.published} version={self.version} mode={self.mode} backend={self.backend}>")
+        roles = [r for r, on in (("trainer", self.publisher is not None),
+                                 ("inference", self.subscriber is not None)) if on]
+        return (f"<{type(self).__name__} rank {self.rank}/{self.world_size} epoch {self.group.epoch} "
+                f"{'+'.join(roles) or '-'} published={self.published} version={self.version} "
+                f"mode={self.mode} backend={self.backend}>")
 
 
-def _desc(layout) -> str:
-    return "missing" if layout is None else str(layout) + f" {tuple(layout.shape)} {layout.dtype}"
+def _default_rank(rank, world_size):
+    """``rank`` / ``world_size`` given, else torch.distributed's (if initialised), else the
+    launcher's ``$RANK`` / ``$WORLD_SIZE`` (torchrun sets them)."""
+    dist = torch.distributed
+    if rank is None:
+        if dist.is_available() and dist.is_initialized():
+            rank = dist.get_rank()
+        elif os.environ.get("RANK", "").isdigit():
+            rank = int(os.environ["RANK"])
+    if world_size is None:
+        if dist.is_available() and dist.is_initialized():
+            world_size = dist.get_world_size()
+        elif os.environ.get("WORLD_SIZE", "").isdigit():
+            world_size = int(os.environ["WORLD_SIZE"])
+    return rank, world_size
 
 
 class RefitTrainer(RefitEndpoint):
@@ -798,7 +534,8 @@ class RefitTrainer(RefitEndpoint):
     trainer group's global layouts (same on every trainer rank).
     """
 
-    def __init__(self, tensors, layouts, *, rank: int, world_size: int, store=None, **kwargs):
+    def __init__(self, tensors, layouts, *, rank: int | None = None, world_size: int | None = None,
+                 store=None, **kwargs):
         super().__init__(rank=rank, world_size=world_size, store=store, src_tensors=tensors,
                          src_layouts=layouts, **kwargs)
 
@@ -810,7 +547,7 @@ class RefitInference(RefitEndpoint):
     optional tensors to write (e.g. the engine's parameters).
     """
 
-    def __init__(self, layouts, *, rank: int, world_size: int, store=None, mode: str = "shadow",
-                 tensors=None, **kwargs):
+    def __init__(self, layouts, *, rank: int | None = None, world_size: int | None = None, store=None,
+                 mode: str = "shadow", tensors=None, **kwargs):
         super().__init__(rank=rank, world_size=world_size, store=store, dst_layouts=layouts,
                          dst_tensors=tensors, mode=mode, **kwargs)

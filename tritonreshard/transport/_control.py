@@ -1,4 +1,5 @@
-"""Control block: a few int64 slots in host shared memory for versions, acks, heartbeats, abort.
+"""Control block: a few int64 slots in host shared memory for versions, acks, heartbeats, abort,
+and a doorbell word that every state change rings (see ``tritonreshard._wait``).
 
 One writer per slot: the owner (a trainer rank) writes ``published_version`` and the state word;
 reader ``i`` writes ``acked_version[i]``; rank ``r`` writes ``heartbeat[r]``. Everyone may read
@@ -20,7 +21,8 @@ import time
 
 import torch
 
-from ._base import ArenaHandle, wait_until
+from .. import _wait
+from ._base import ArenaHandle
 from ._shm import ShmArena
 
 __all__ = ["ControlBlock", "create_control_block", "open_control_block",
@@ -28,7 +30,7 @@ __all__ = ["ControlBlock", "create_control_block", "open_control_block",
 
 MAGIC = 0x7472735F63746C31  # "trs_ctl1"
 LINE = 8  # int64 slots per 64-byte line
-_MAGIC, _NREADERS, _NRANKS, _STATE, _PUBLISHED, _PUBLISHED_NS, _ABORT_RANK = range(7)
+_MAGIC, _NREADERS, _NRANKS, _STATE, _PUBLISHED, _PUBLISHED_NS, _ABORT_RANK, _DOORBELL = range(8)
 _HEADER_LINES = 8
 STATE_OK, STATE_CLOSED, STATE_ABORT = 0, 1, 2
 _fence_lock = threading.Lock()
@@ -48,6 +50,7 @@ class ControlBlock:
         self._arena = arena
         t = arena.tensor(0, arena.nbytes // 8, torch.int64)
         self._slots = t.numpy()  # shares memory with the arena; int64, 8-byte aligned
+        self._bell_addr = self._slots.ctypes.data + _DOORBELL * LINE * 8
         if arena.is_owner:
             return
         if int(self._slots[_MAGIC * LINE]) != MAGIC:
@@ -82,6 +85,13 @@ class ControlBlock:
         _fence()
         self._slots[_PUBLISHED_NS * LINE] = time.monotonic_ns()
         self._slots[_PUBLISHED * LINE] = version
+        self.ring()
+
+    @property
+    def published_ns(self) -> int:
+        """``time.monotonic_ns()`` when the last version was published (CLOCK_MONOTONIC: comparable
+        across the processes of a host)."""
+        return int(self._slots[_PUBLISHED_NS * LINE])
 
     def acked_version(self, reader: int) -> int:
         return int(self._slots[self._ack_slot(reader)])
@@ -90,6 +100,7 @@ class ControlBlock:
         """Reader ``reader``: it finished reading ``version`` (the publisher may overwrite)."""
         _fence()
         self._slots[self._ack_slot(reader)] = version
+        self.ring()
 
     def acked_versions(self) -> list[int]:
         return [self.acked_version(i) for i in range(self.n_readers)]
@@ -116,6 +127,7 @@ class ControlBlock:
         """Any process: mark the group aborted (waiters raise ``RuntimeError``)."""
         self._slots[_ABORT_RANK * LINE] = rank
         self._slots[_STATE * LINE] = STATE_ABORT
+        self.ring()
 
     def abort_reason(self) -> str | None:
         if self.state == STATE_ABORT:
@@ -123,11 +135,26 @@ class ControlBlock:
         return None
 
     # --- waiting ------------------------------------------------------------------------------
+    def ring(self) -> None:
+        """Wake everyone sleeping on this block's doorbell (after a state change they wait for)."""
+        _wait.ring(self._slots, _DOORBELL * LINE, self._bell_addr)
+
+    def doorbell(self) -> tuple[int, int]:
+        """``(address, value)`` of the doorbell word, for ``_wait.futex_wait``."""
+        return self._bell_addr, int(self._slots[_DOORBELL * LINE]) & 0xFFFFFFFF
+
+    def _wait(self, done, timeout: float, what: str) -> None:
+        def check():
+            reason = self.abort_reason()
+            if reason:
+                raise RuntimeError(f"aborted while waiting for {what}: {reason}")
+        if not _wait.wait_until(done, self.doorbell, time.monotonic() + timeout, check):
+            raise TimeoutError(f"timed out after {timeout:.3g} s waiting for {what}")
+
     def wait_published(self, min_version: int, timeout: float) -> int:
         """Reader: wait until ``published_version >= min_version``; returns it."""
-        wait_until(lambda: self.published_version >= min_version, timeout,
-                   what=f"published_version >= {min_version} (now {self.published_version})",
-                   abort=self.abort_reason)
+        self._wait(lambda: self.published_version >= min_version, timeout,
+                   f"published_version >= {min_version} (now {self.published_version})")
         return self.published_version
 
     def wait_acked(self, version: int, timeout: float) -> None:
@@ -135,8 +162,7 @@ class ControlBlock:
         def done():
             return all(v >= version for v in self.acked_versions())
         try:
-            wait_until(done, timeout, what=f"all {self.n_readers} readers to ack version {version}",
-                       abort=self.abort_reason)
+            self._wait(done, timeout, f"all {self.n_readers} readers to ack version {version}")
         except TimeoutError as e:
             behind = [i for i, v in enumerate(self.acked_versions()) if v < version]
             raise TimeoutError(f"{e}; readers still behind: {behind}") from None

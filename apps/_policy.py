@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .layout import Layout, Replicate, Shard
+from tritonreshard.layout import Layout, Replicate, Shard
 
 
 @dataclass(frozen=True)

@@ -29,15 +29,19 @@ local shards):
 Timing of one refit: trainers write the next version's weights (untimed), every rank meets in a gloo
 barrier, reads ``time.monotonic()`` (CLOCK_MONOTONIC: one clock for every process of the machine),
 runs the method and reads the clock again; the refit's time is max(end) - min(start) over all ranks.
-``seconds`` is the median over ``--repeats`` refits after ``--warmup``.
+``seconds`` is the median over ``--repeats`` refits after ``--warmup``. For ``tritonreshard``,
+``coordination_ms`` is the median of (refit time - the slowest inference rank's copy), the copy as
+the engine measures it (``last_pull.copy_ms``: its descriptor-table copy, device sync included), and
+``staging_bytes`` the extra memory the pulls allocated as the engine measured it (``staging_bytes``
+of each rank: the most one pull took), summed over the ranks.
 
 Provenance: every element's bf16 bits are a hash of (tensor name, global index) XOR a key of the
 version, with the top exponent bit clear (finite values). Every refit changes every weight, so after
 the timed refits each inference rank checks its shards bit for bit: a stale, misplaced or unwritten
 element fails ``verified``.
 
-Processes: the driver hosts a TCPStore and spawns one process per rank (``torch.set_num_threads(1)``);
-ranks run commands from the store (:class:`BenchSession`, also used by ``bench/test_bench_refit.py``)
+Processes: the shared driver (:mod:`._driver`) hosts a TCPStore and spawns one process per rank
+(``torch.set_num_threads(1)``); ranks run commands from the store (:class:`BenchSession`, also used by ``bench/test_bench_refit.py``)
 so one set-up serves many measurements. Entry points for ``tritonreshard bench``: :func:`add_arguments`
 and :func:`run`.
 """
@@ -50,16 +54,16 @@ import math
 import os
 import platform
 import re
-import signal
 import statistics
 import sys
 import time
-import traceback
 import zlib
 from dataclasses import dataclass
 from itertools import product
 
-from .plan import _fmt_bytes
+from tritonreshard.plan import _fmt_bytes
+
+from ._driver import Driver, RankFailed, wait_key
 
 __all__ = ["add_arguments", "run"]
 
@@ -75,6 +79,8 @@ def parse_size(text) -> int:
     """``"256MiB"``, ``"1GiB"``, ``"64MB"``, ``"1e6"`` or a plain int -> bytes."""
     if isinstance(text, int):
         return text
+    if str(text).strip().startswith("-"):
+        raise ValueError(f"--size={text!r} must be a positive number of bytes, e.g. 256MiB")
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"--size={text!r}: use bytes as an int or a number with a unit "
@@ -418,7 +424,7 @@ class _Rank:
         import torch
         import torch.distributed as dist
 
-        from .refit import RefitEndpoint
+        from tritonreshard.refit import RefitEndpoint
         self.rank, self.cfg = rank, cfg
         timeout = datetime.timedelta(seconds=cfg.timeout)
         if cfg.device == "cuda":
@@ -470,6 +476,7 @@ class _Rank:
                                    self.bufs["gather_broadcast"], groups, self.comm_device)
         self.version = 0
         self.last = {}
+        self.last_pull_max = self.last_coordination = 0.0
 
     def _barrier(self):
         import torch.distributed as dist
@@ -507,12 +514,20 @@ class _Rank:
             raise ValueError(f"unknown method {method!r}")
         self._sync()
         t1 = time.monotonic()
-        pull = self.ep.last_pull_seconds if (method == "tritonreshard" and self.is_dst) else 0.0
-        times = [torch.zeros(3, dtype=torch.float64) for _ in range(self.cfg.world_size)]
-        dist.all_gather(times, torch.tensor([t0, t1, pull], dtype=torch.float64), group=self.cpu_group)
+        ours = method == "tritonreshard" and self.is_dst
+        # The engine's own split of this rank's pull: the descriptor-table copy (device sync
+        # included) and the pull as a whole (start to ack).
+        copy = self.ep.last_pull.copy_ms / 1e3 if ours else 0.0
+        pull = self.ep.last_pull.total_ms / 1e3 if ours else 0.0
+        times = [torch.zeros(4, dtype=torch.float64) for _ in range(self.cfg.world_size)]
+        dist.all_gather(times, torch.tensor([t0, t1, pull, copy], dtype=torch.float64), group=self.cpu_group)
         self.last[method] = self.version
         self.last_pull_max = max(float(t[2]) for t in times)
-        return max(float(t[1]) for t in times) - min(float(t[0]) for t in times)
+        seconds = max(float(t[1]) for t in times) - min(float(t[0]) for t in times)
+        # Coordination: what the refit took beyond its slowest copy (publishing, waking the
+        # readers, the post-copy checks, the acks). Only the engine's refit has it.
+        self.last_coordination = seconds - max(float(t[3]) for t in times) if method == "tritonreshard" else 0.0
+        return seconds
 
     def verify(self, method: str) -> bool:
         """Every element of this rank's destination shards equals the last refit's version, bit for bit."""
@@ -526,8 +541,12 @@ class _Rank:
         return all(torch.equal(tensors[n].view(torch.int16), torch.bitwise_xor(base, key))
                    for n, base in self.dst_base.items())
 
+    def stats(self) -> dict:
+        """Measured after refits: the most extra memory one of this rank's pulls allocated."""
+        return {"rank": self.rank, "staging_bytes": int(self.ep.staging_bytes) if self.is_dst else 0}
+
     def info(self) -> dict:
-        return {"rank": self.rank, "staging_bytes": int(self.ep.staging_bytes),
+        return {"rank": self.rank,
                 "descriptors": int(self.ep.num_descriptors) if self.is_dst else 0,
                 "handles_opened": int(self.ep.handles_opened),
                 "plan_ops_dst": len(self.plan.ops_for_dst(self.rank)), "bytes_per_refit": int(self.ep.bytes_per_refit)
@@ -537,22 +556,13 @@ class _Rank:
         self.ep.close()
 
 
-def _worker(rank: int, cfg: BenchConfig, port: int) -> None:
-    """Entry point of every spawned rank: set up, then serve commands from the store."""
-    import torch
+def _worker(rank: int, store, bstore, cfg: BenchConfig) -> None:
+    """Every spawned rank (run by the shared driver, which records a failure under ``error/<rank>``):
+    set up, then serve commands from the store."""
     import torch.distributed as dist
 
-    def _sigterm(signum, frame):
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, _sigterm)
-    torch.set_num_threads(1)
-    timeout = datetime.timedelta(seconds=cfg.timeout)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
-    bstore = dist.PrefixStore("bench", store)
-    r = None
+    r = _Rank(rank, cfg, store)
     try:
-        r = _Rank(rank, cfg, store)
         infos = [None] * cfg.world_size
         dist.all_gather_object(infos, r.info(), group=r.cpu_group)
         if rank == 0:
@@ -561,48 +571,46 @@ def _worker(rank: int, cfg: BenchConfig, port: int) -> None:
         n = 0
         while True:
             key = f"cmd/{n}"
-            bstore.wait([key], timeout)
+            wait_key(bstore, key, cfg.timeout)
             cmd = json.loads(bstore.get(key))
             if cmd["op"] == "stop":
                 break
-            secs, pulls = [], []
+            secs, pulls, coords = [], [], []
             for _ in range(cmd["count"]):
                 secs.append(r.refit(cmd["method"]))
                 pulls.append(r.last_pull_max)
+                coords.append(r.last_coordination)
                 if rank == 0:
                     bstore.add("progress", 1)
-            result = {"seconds": secs, "pull_seconds_max": pulls}
+            result = {"seconds": secs, "pull_seconds_max": pulls, "coordination_seconds": coords}
             if cmd.get("verify"):
                 oks = [None] * cfg.world_size
                 dist.all_gather_object(oks, r.verify(cmd["method"]), group=r.cpu_group)
                 result["verified"] = all(oks)
                 result["verified_ranks"] = [i for i, ok in enumerate(oks) if not ok]
+            if cmd.get("stats"):
+                stats = [None] * cfg.world_size
+                dist.all_gather_object(stats, r.stats(), group=r.cpu_group)
+                result["stats"] = stats
             if rank == 0:
                 bstore.set(f"res/{n}", json.dumps(result))
             n += 1
         r.close()
         dist.barrier(group=r.cpu_group)
         dist.destroy_process_group()
-    except BaseException as e:
-        if not (isinstance(e, SystemExit) and e.code in (0, None)):
-            bstore.set(f"error/{rank}", f"{traceback.format_exc()}\n{type(e).__name__}: {e}")
-        if r is not None:
-            r.ep.close(abort=True)
+    except BaseException:
+        r.ep.close(abort=True)
         raise
+
+
+def _bench_role(cfg: BenchConfig, rank: int) -> str:
+    sides = [s for s, ranks in (("trainer", cfg.trainer_ranks), ("inference", cfg.inference_ranks)) if rank in ranks]
+    return " + ".join(sides)
 
 
 # ============================================================================================
 # Driver side
 # ============================================================================================
-class BenchError(RuntimeError):
-    pass
-
-
-def _shm_entries() -> set[str]:
-    try:
-        return set(os.listdir("/dev/shm"))
-    except FileNotFoundError:
-        return set()
 
 
 def memcpy_seconds(nbytes: int, repeats: int, warmup: int = 1, device: str = "cpu",
@@ -646,8 +654,6 @@ class BenchSession:
     """
 
     def __init__(self, cfg: BenchConfig, on_progress=None):
-        import torch.distributed as dist
-        import torch.multiprocessing as mp
         problems = cfg.problems()
         if problems:
             raise ValueError("invalid bench configuration:\n  - " + "\n  - ".join(problems))
@@ -658,44 +664,20 @@ class BenchSession:
         self.dst_bytes = sum(lay.local_numel(r) * lay.itemsize for lay in dst.values() for r in lay.ranks)
         self.model_bytes = sum(math.prod(t.shape) * 2 for t in self.model)
         self._on_progress = on_progress
-        self._shm_before = _shm_entries()
-        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                    timeout=datetime.timedelta(seconds=cfg.timeout))
-        self._bstore = dist.PrefixStore("bench", self._store)
         self._n = 0
         self._progress_seen = 0
         self._memcpy_bufs = None
         self.closed = False
-        from ._rendezvous import secret_for_children
-
-        secret_for_children()  # children inherit it; it never crosses the store
-        ctx = mp.get_context("spawn")
-        self._procs = [ctx.Process(target=_worker, args=(r, cfg, self._store.port), name=f"trs-bench-rank{r}",
-                                   daemon=True) for r in range(cfg.world_size)]
+        self._driver = Driver("bench", cfg.world_size, _worker, (cfg,), timeout=cfg.timeout, prefix="bench",
+                              role=lambda r: _bench_role(cfg, r))
+        self._bstore = self._driver.pstore
         try:
-            for p in self._procs:
-                p.start()
+            self._driver.start()
             self._wait(lambda: self._bstore.add("ready", 0) >= cfg.world_size, "set-up")
             self.rank_info = json.loads(self._bstore.get("info"))
         except BaseException:
             self.close(failed=True)
             raise
-
-    # -- waiting with liveness checks --------------------------------------------------------
-    def _check_alive(self, what: str):
-        bad = [(i, p.exitcode) for i, p in enumerate(self._procs) if p.exitcode not in (None, 0)]
-        if bad:
-            lines = []
-            for rank, code in bad:
-                key = f"error/{rank}"
-                detail = self._bstore.get(key).decode().strip() if self._bstore.check([key]) else ""
-                lines.append(f"rank {rank} exited with code {code} during {what}" +
-                             (f":\n{detail}" if detail else ""))
-            raise BenchError("\n".join(lines))
-        errs = [r for r in range(self.cfg.world_size) if self._bstore.check([f"error/{r}"])]
-        if errs:
-            detail = self._bstore.get(f"error/{errs[0]}").decode().strip()
-            raise BenchError(f"rank {errs[0]} failed during {what}:\n{detail}")
 
     def _poll_progress(self):
         if self._on_progress is None:
@@ -706,19 +688,7 @@ class BenchSession:
             self._progress_seen = done
 
     def _wait(self, ready, what: str):
-        deadline = time.monotonic() + self.cfg.timeout
-        sleep = 1e-3
-        while True:
-            self._poll_progress()
-            if ready():
-                return
-            self._check_alive(what)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"tritonreshard bench: timed out after {self.cfg.timeout:g} s during {what}")
-            # Poll the store gently: a short TCP round trip every few ms steals no core from the ranks
-            # (a blocking store.wait with a short timeout would log a warning per timeout).
-            time.sleep(sleep)
-            sleep = min(sleep * 2, 0.02)
+        self._driver.wait(ready, f"the bench's {what}", tick=self._poll_progress)
 
     def _command(self, cmd: dict) -> dict | None:
         if self.closed:
@@ -752,9 +722,11 @@ class BenchSession:
             self._on_progress(warmup + repeats)
         return out
 
-    @property
     def staging_bytes(self) -> int:
-        return sum(i["staging_bytes"] for i in self.rank_info)
+        """Measured (the engine tracks what each pull allocates): the sum over ranks of the most
+        extra memory one pull allocated, over every refit so far."""
+        stats = self._command({"op": "refit", "method": "tritonreshard", "count": 0, "stats": True})["stats"]
+        return sum(s["staging_bytes"] for s in stats)
 
     @property
     def plan_ops(self) -> int:
@@ -766,37 +738,15 @@ class BenchSession:
 
     # -- lifetime ----------------------------------------------------------------------------
     def close(self, failed: bool = False) -> list[str]:
-        """Stops the ranks; returns /dev/shm entries left behind (after removing any of ours)."""
+        """Stops the ranks; returns the engine's /dev/shm entries that appeared meanwhile (a leak)."""
         if self.closed:
             return []
         self.closed = True
         self._memcpy_bufs = None
         if not failed:
-            try:
-                self._n, n = self._n + 1, self._n
-                self._bstore.set(f"cmd/{n}", json.dumps({"op": "stop"}))
-            except Exception:
-                failed = True
-        deadline = time.monotonic() + (30 if not failed else 0)
-        for p in self._procs:
-            if p.pid is not None:
-                p.join(timeout=max(0.0, deadline - time.monotonic()))
-        for p in self._procs:
-            if p.is_alive():
-                p.terminate()  # SIGTERM -> SystemExit in the rank: endpoints close and unlink
-        for p in self._procs:
-            if p.pid is not None:
-                p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-        leaked = sorted(n for n in _shm_entries() - self._shm_before if n.startswith("trs-"))
-        for name in leaked:  # ranks killed mid-way never ran close(): their segments are ours to remove
-            try:
-                os.unlink(os.path.join("/dev/shm", name))
-            except FileNotFoundError:
-                pass
-        return leaked
+            self._n, n = self._n + 1, self._n
+            self._bstore.set(f"cmd/{n}", json.dumps({"op": "stop"}))
+        return self._driver.close(join=30.0 if not failed else 0.0)
 
     def __enter__(self):
         return self
@@ -862,7 +812,7 @@ def measure(session: BenchSession, methods, repeats: int, warmup: int) -> dict:
     # Rounds interleave the methods (memcpy included), so load from anything else on the machine
     # hits every method alike instead of skewing the ratios.
     secs = {m: [] for m in methods}
-    pulls = []
+    pulls, coords = [], []
     for _ in range(repeats):
         if "memcpy" in methods:
             secs["memcpy"] += session.memcpy(1, warmup=0 if secs["memcpy"] else max(1, warmup))
@@ -871,6 +821,7 @@ def measure(session: BenchSession, methods, repeats: int, warmup: int) -> dict:
             secs[m] += r["seconds"]
             if m == "tritonreshard":
                 pulls += r["pull_seconds_max"]
+                coords += r["coordination_seconds"]
     results = {}
     for m in methods:
         results[m] = _result(secs[m], nbytes)
@@ -883,8 +834,11 @@ def measure(session: BenchSession, methods, repeats: int, warmup: int) -> dict:
             results["memcpy"]["gbps_1thread"] = one["gbps"]
     if pulls:
         results["tritonreshard"]["pull_seconds_max"] = statistics.median(pulls)
+        # Per refit: refit time minus the slowest rank's copy; the median and the spread.
+        results["tritonreshard"]["coordination_ms"] = 1e3 * statistics.median(coords)
+        results["tritonreshard"]["coordination_ms_all"] = [1e3 * c for c in coords]
     if "tritonreshard" in results:
-        results["tritonreshard"]["staging_bytes"] = session.staging_bytes
+        results["tritonreshard"]["staging_bytes"] = session.staging_bytes()
     out = {"bytes": nbytes, "results": results}
     ours = results.get("tritonreshard")
     if ours:
@@ -934,7 +888,10 @@ def _table(out: dict) -> str:
     for row in rows:
         lines.append("  " + "  ".join(c.ljust(w[0]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(row)))
     if ours:
-        lines.append(f"tritonreshard: staging bytes {ours['staging_bytes']}, {ours['descriptors']} descriptors "
+        coord = f"coordination {ours['coordination_ms']:.3f} ms per refit (beyond the slowest copy), " \
+            if "coordination_ms" in ours else ""
+        lines.append(f"tritonreshard: {coord}staging bytes {ours['staging_bytes']} (measured), "
+                     f"{ours['descriptors']} descriptors "
                      f"over the inference ranks" + (f", overhead beyond memcpy {ours['overhead_per_tensor_us']:.1f} "
                                                     f"us per tensor" if "overhead_per_tensor_us" in ours else ""))
     lines.append(f"baselines over {out['baseline_transport']}; {out['processes']} processes on "
@@ -979,14 +936,14 @@ def run(args: argparse.Namespace) -> int:
             out = measure(session, methods, args.repeats, args.warmup)
         finally:
             leaked = session.close(failed=sys.exc_info()[0] is not None)
-    except (BenchError, TimeoutError) as exc:
+    except (RankFailed, TimeoutError) as exc:
         bar.close()
         print(f"tritonreshard bench failed: {exc}", file=sys.stderr)
         return 1
     finally:
         bar.close()
     if leaked:
-        print(f"tritonreshard bench: removed /dev/shm entries left behind: {leaked}", file=sys.stderr)
+        print(f"tritonreshard bench: /dev/shm entries appeared during the run: {leaked}", file=sys.stderr)
     out["shm_leaked"] = leaked
     print(_table(out))
     if args.json:

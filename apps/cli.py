@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import sys
 import time
 
 import torch
 
-from .layout import MAX_RANKS, Layout, Replicate, Shard
-from .plan import plan_reshard
+from tritonreshard.layout import MAX_RANKS, Layout, Replicate, Shard
+from tritonreshard.plan import plan_reshard
 
 __all__ = ["main", "parse_layout_spec"]
 
@@ -76,23 +77,39 @@ def _cmd_plan(args) -> int:
     dst_dtype = DTYPES[args.dst_dtype or args.dtype]
     src = parse_layout_spec(args.src, shape, src_dtype, 0, "--src")
     dst = parse_layout_spec(args.dst, shape, dst_dtype, 0 if args.colocated else max(src.ranks) + 1, "--dst")
+    if args.png:  # a bad path fails now, in one line, not after the work
+        from .viz import check_figure_path
+
+        check_figure_path(args.png, "--png")
     t0 = time.perf_counter()
     plan = plan_reshard({args.name: src}, {args.name: dst})
     elapsed = time.perf_counter() - t0
     print(f"source      {args.name}: {src}  {src_dtype}")
     print(f"destination {args.name}: {dst}  {dst_dtype}")
     print(plan.table(max_ops=None if args.all_ops else 64))
+    if src_dtype != dst_dtype:
+        print(f"bytes: the totals, the ops' bytes, the matrix and recv count destination bytes "
+              f"({dst_dtype}); send counts source bytes ({src_dtype})")
     print(f"planned in {elapsed * 1e3:.2f} ms")
     if args.png:
         from .viz import draw_plan
 
         draw_plan(plan, args.png)
-        print(f"wrote {args.png}")
+        print(f"wrote {os.path.abspath(args.png)}")
     return 0
 
 
+def plain(doc: str | None) -> str | None:
+    """A docstring's first paragraph as help text: reST markup (````x````, ``:func:`x```) removed."""
+    if not doc:
+        return None
+    text = doc.strip().split("\n\n")[0]
+    text = re.sub(r":\w+:`~?([^`]+)`", r"\1", text)
+    return text.replace("``", "")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tritonreshard", description=__doc__)
+    parser = argparse.ArgumentParser(prog="tritonreshard", description=plain(__doc__))
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plan", help="print (and draw) the plan between two layouts",
@@ -113,25 +130,51 @@ def build_parser() -> argparse.ArgumentParser:
     from . import bench, demo
 
     d = sub.add_parser("demo", help="an asynchronous RL loop that refits through tritonreshard",
-                       description=demo.__doc__.split("\n\n")[0] if demo.__doc__ else None)
+                       description=plain(demo.__doc__))
     demo.add_arguments(d)
     d.set_defaults(func=demo.run)
 
     b = sub.add_parser("bench", help="refit throughput against memcpy, p2p and gather+broadcast",
-                       description=bench.__doc__.split("\n\n")[0] if bench.__doc__ else None)
+                       description=plain(bench.__doc__))
     bench.add_arguments(b)
     b.set_defaults(func=bench.run)
     return parser
 
 
+_NEGATIVE_VALUE = re.compile(r"^-[0-9.]")
+
+
+def _join_negative_values(argv: list[str]) -> list[str]:
+    """``--size -5MiB`` -> ``--size=-5MiB``: argparse takes any ``-x`` token that is not a plain
+    number for an option and reports "expected one argument"; joined, the option's own check names
+    the bad value. (No command takes positional arguments, so such a token is always a value.)"""
+    out, i = [], 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok.startswith("--") and "=" not in tok and i + 1 < len(argv) and _NEGATIVE_VALUE.match(argv[i + 1]):
+            out.append(f"{tok}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(tok)
+        i += 1
+    return out
+
+
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(_join_negative_values(argv))
     try:
         return args.func(args)
     except ValueError as exc:  # bad user input: a clear message, no traceback
         print(f"tritonreshard {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (``tritonreshard plan | head``): stop quietly, like other commands.
+        # Point stdout at /dev/null so the interpreter's final flush does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + 13  # killed by SIGPIPE, as a shell reports it
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 ``draw_plan(plan, "plan.png")`` draws, for one tensor (viewed on its first two dims):
 
-* the global tensor colored by source owner (replicas share a label such as ``0,4``);
+* the global tensor colored by source owner (replicas share a label such as ``0,4``); for a
+  destination built from parts (q/k/v -> qkv), the destination's boxes labeled with the source each
+  comes from (or ``zeros``) instead;
 * the global tensor colored by destination owner;
 * each destination rank's local shard, with the region every op writes, colored by the source
   rank it comes from;
@@ -10,10 +12,10 @@
 """
 from __future__ import annotations
 
-from .layout import Layout
-from .plan import Plan, _fmt_bytes
+from tritonreshard.layout import Layout
+from tritonreshard.plan import Plan, _fmt_bytes
 
-__all__ = ["draw_plan"]
+__all__ = ["draw_plan", "check_figure_path"]
 
 _MAX_DST_PANELS = 8
 
@@ -25,6 +27,11 @@ def _rect_2d(intervals_per_dim):
     if len(intervals_per_dim) == 1:
         return [((0, 1), iv) for iv in intervals_per_dim[0]]
     return [(r, c) for r in intervals_per_dim[0] for c in intervals_per_dim[1]]
+
+
+def _short(name: str) -> str:
+    """``model.layers.0.self_attn.k_proj.weight`` -> ``k_proj.weight`` (labels must fit a box)."""
+    return ".".join(name.split(".")[-2:])
 
 
 def _view_extent(shape):
@@ -60,7 +67,9 @@ def draw_plan(plan: Plan, path: str, name: str | None = None, title: str | None 
     name = name if name is not None else plan.names[0]
     if name not in plan.dst_layouts:
         raise ValueError(f"name={name!r} is not in the plan; it moves {list(plan.names)}")
-    src, dst = plan.src_layouts[name], plan.dst_layouts[name]
+    dst = plan.dst_layouts[name]
+    parts = plan.parts.get(name)
+    src = dst if parts is not None else plan.src_layouts[name]
     all_ranks = sorted(set(plan.src_ranks) | set(plan.dst_ranks))
     cmap = plt.get_cmap("tab20" if len(all_ranks) > 10 else "tab10")
     color = {r: cmap(i % cmap.N) for i, r in enumerate(all_ranks)}
@@ -96,8 +105,22 @@ def draw_plan(plan: Plan, path: str, name: str | None = None, title: str | None 
                 ax.text((c0 + c1) / 2, (r0 + r1) / 2, label, ha="center", va="center", fontsize=8,
                         wrap=True)
 
-    setup(ax_src, rows, cols, f"{name} {tuple(src.shape)}: source owners\n{src}")
-    paint(ax_src, _owner_groups(src), "src ")
+    if parts is None:
+        setup(ax_src, rows, cols, f"{name} {tuple(src.shape)}: source owners\n{src}")
+        paint(ax_src, _owner_groups(src), "src ")
+    else:
+        setup(ax_src, rows, cols, f"{_short(name)} {tuple(dst.shape)}\nbuilt from {len(parts)} part(s)")
+        pcolor = plt.get_cmap("Pastel1")
+        sources = sorted({p.src for p in parts if p.src is not None})
+        for p in parts:
+            label = "zeros" if p.src is None else _short(p.src)
+            if p.src is not None and p.src_start and any(p.src_start):  # a replica's source rows
+                label += f" @{list(p.src_start)}"
+            face = "white" if p.src is None else pcolor(sources.index(p.src) % pcolor.N)
+            for (r0, r1), (c0, c1) in _rect_2d([(iv,) for iv in p.dst]):
+                ax_src.add_patch(Rectangle((c0, r0), c1 - c0, r1 - r0, facecolor=face, edgecolor="black",
+                                           linewidth=1.0, hatch="//" if p.src is None else None))
+                ax_src.text((c0 + c1) / 2, (r0 + r1) / 2, label, ha="center", va="center", fontsize=7)
     setup(ax_dst, rows, cols, f"destination owners\n{dst}")
     paint(ax_dst, _owner_groups(dst), "dst ")
 
@@ -108,11 +131,18 @@ def draw_plan(plan: Plan, path: str, name: str | None = None, title: str | None 
         for op in plan.ops_for_dst(d):
             if op.name != name:
                 continue
+            label = f"from {op.src_rank}" if parts is None else f"{_short(op.src_name)}\nfrom {op.src_rank}"
             for (r0, r1), (c0, c1) in _rect_2d([((s.start, s.stop),) for s in op.dst_slices]):
                 ax.add_patch(Rectangle((c0, r0), c1 - c0, r1 - r0, facecolor=color[op.src_rank],
                                        edgecolor="black", linewidth=1.0, alpha=0.85))
-                ax.text((c0 + c1) / 2, (r0 + r1) / 2, f"from {op.src_rank}", ha="center",
-                        va="center", fontsize=7)
+                ax.text((c0 + c1) / 2, (r0 + r1) / 2, label, ha="center", va="center", fontsize=7)
+        for f in plan.fills_for_dst(d):
+            if f.name != name:
+                continue
+            for (r0, r1), (c0, c1) in _rect_2d([((s.start, s.stop),) for s in f.dst_slices]):
+                ax.add_patch(Rectangle((c0, r0), c1 - c0, r1 - r0, facecolor="white", edgecolor="black",
+                                       linewidth=1.0, hatch="//"))
+                ax.text((c0 + c1) / 2, (r0 + r1) / 2, "zeros", ha="center", va="center", fontsize=7)
 
     st = plan.stats
     srcs, dsts = list(plan.src_ranks), list(plan.dst_ranks)
@@ -136,3 +166,28 @@ def draw_plan(plan: Plan, path: str, name: str | None = None, title: str | None 
     plt.close(fig)
     return path
 
+
+
+def check_figure_path(path: str, what: str = "--png") -> None:
+    """Raises ``ValueError`` naming ``what`` when a figure cannot be saved to ``path`` (a format
+    matplotlib does not write, a missing or read-only folder): checked before any work, so a run
+    never fails at its very end."""
+    import os
+
+    from matplotlib.figure import Figure
+
+    problems = []
+    ext = os.path.splitext(path)[1].lower().lstrip(".")
+    formats = Figure().canvas.get_supported_filetypes()
+    if ext not in formats:
+        problems.append(f"{what}={path!r}: the file name must end in one of "
+                        f"{', '.join('.' + f for f in sorted(formats))}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        problems.append(f"{what}={path!r}: folder {folder!r} does not exist")
+    elif not os.access(folder, os.W_OK):
+        problems.append(f"{what}={path!r}: folder {folder!r} is not writable")
+    elif os.path.isdir(path):
+        problems.append(f"{what}={path!r} is a folder; give a file name")
+    if problems:
+        raise ValueError("; ".join(problems))

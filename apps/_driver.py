@@ -1,0 +1,313 @@
+"""The process driver the demo and the bench share: spawn one process per rank around a TCPStore the
+driver hosts, watch them, report one clear error per failed rank, stop them, check shared memory.
+
+Which process calls what:
+
+* the driver: ``Driver(name, world_size, target, args, timeout)``, ``start()``, then ``wait(ready,
+  what)`` as often as it likes (returns when ``ready()`` is true; raises :class:`RankFailed` as soon
+  as a rank exited non-zero or recorded an error, :class:`TimeoutError` after ``timeout``), and
+  ``close()`` in a ``finally`` (SIGTERM to survivors, SIGKILL after a grace period, then a check
+  that no engine segment appeared in ``/dev/shm``);
+* every rank: ``target(rank, store, pstore, *args)`` runs inside :func:`_rank_entry`, which turns
+  SIGTERM into ``SystemExit`` (so ``with``/``finally`` blocks close endpoints), connects to the
+  driver's store, and when ``target`` raises records one line (``error/<rank>``: the exception type
+  and message, plus the full traceback for ``--debug``-style reporting) and exits with code 1 without
+  printing a traceback. Ranks wait on store keys with :func:`wait_key`.
+
+:func:`poll_until` is the one polling loop of the applications (driver and ranks alike).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Callable
+
+__all__ = ["Driver", "RankFailed", "RankError", "poll_until", "wait_key", "our_shm_entries",
+           "one_line"]
+
+SHM_PREFIX = "trs-"  # the engine's named segments; other programs' entries (psm_*, sem.mp-*) are not ours
+
+
+def our_shm_entries() -> set[str]:
+    """The engine's named segments in /dev/shm (its fd-passed segments have no name at all)."""
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIX)}
+    except FileNotFoundError:
+        return set()
+
+
+def poll_until(ready: Callable[[], bool], *, timeout: float, what: str, tick: Callable[[], None] | None = None,
+               interval: float = 0.02) -> None:
+    """Returns once ``ready()`` is true; calls ``tick()`` between tries (progress, or a liveness check
+    that raises); raises ``TimeoutError`` naming ``what`` after ``timeout`` seconds.
+
+    The apps poll a TCPStore or a process table, never a hot path: the sleep starts at 1 ms and
+    doubles up to ``interval``, so a quick answer is seen quickly and a long wait costs a round trip
+    every ``interval`` at most (a blocking ``store.wait`` with a short timeout would log a warning
+    per expiry)."""
+    deadline = time.monotonic() + timeout
+    sleep = 1e-3
+    while True:
+        if tick is not None:
+            tick()
+        if ready():
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(sleep)
+        sleep = min(2 * sleep, interval)
+
+
+def wait_key(pstore, key: str, timeout: float, check: Callable[[], None] | None = None) -> None:
+    """A rank waits for ``key`` in the driver's store; stops at once when the driver set ``abort``
+    (another rank failed), and calls ``check()`` (e.g. a liveness probe of refit peers) meanwhile."""
+    def tick():
+        if pstore.check(["abort"]):
+            raise RuntimeError(f"stopped waiting for {key!r}: {pstore.get('abort').decode()}")
+        if check is not None:
+            check()
+    poll_until(lambda: pstore.check([key]), timeout=timeout, what=repr(key), tick=tick)
+
+
+# Messages of a collective whose peer process died, as gloo phrases them: name the cause, not the text.
+_PEER_LOST = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|"
+                        r"connection was closed|Socket Timeout|ECONNRESET", re.IGNORECASE)
+
+
+def one_line(exc: BaseException) -> str:
+    """``Type: message`` on one line (the first line of the message; gloo's long "connection closed
+    by peer ... GLHF" becomes a plain statement of what it means)."""
+    msg = str(exc).strip()
+    if _PEER_LOST.search(msg):
+        msg = "a collective lost its connection to a peer process (it died or stopped)"
+    first = msg.splitlines()[0] if msg else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+@dataclass(frozen=True)
+class RankError:
+    """One failed rank. ``detail``: one line (the rank's own error, or how it died); ``time``: when it
+    noticed the failure or died (wall clock); ``traceback``: the rank's full traceback, if it wrote one."""
+
+    rank: int
+    exitcode: int | None
+    detail: str
+    time: float
+    traceback: str = ""
+
+
+class RankFailed(RuntimeError):
+    """Raised by :meth:`Driver.wait` when ranks failed; ``errors``: one :class:`RankError` each,
+    earliest first (later ones are usually echoes of the first)."""
+
+    def __init__(self, errors: list[RankError], describe: Callable[[RankError], str]):
+        self.errors = errors
+        super().__init__("; ".join(describe(e) for e in errors))
+
+
+def _rank_entry(target, rank: int, port: int, prefix: str, timeout: float, args: tuple) -> None:
+    import torch
+    import torch.distributed as dist
+
+    def _sigterm(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _sigterm)
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
+    pstore = dist.PrefixStore(prefix, store)
+    try:
+        target(rank, store, pstore, *args)
+    except SystemExit as e:
+        _quiet_exit()
+        if e.code in (0, None):
+            raise
+        pstore.set(f"error/{rank}", json.dumps({"time": time.time(), "detail": f"stopped (exit code {e.code})",
+                                                 "traceback": ""}))
+        raise
+    except BaseException as e:  # noqa: BLE001 -- recorded for the driver, then the rank exits 1
+        _quiet_exit()
+        # "time": when this rank noticed the failure (an exception may carry an earlier moment).
+        noticed = getattr(e, "noticed_at", None) or time.time()
+        pstore.set(f"error/{rank}", json.dumps({"time": noticed, "detail": one_line(e),
+                                                 "traceback": traceback.format_exc()}))
+        # The driver prints one line per rank; a traceback here would be printed by multiprocessing
+        # for every rank, echoes included. TRITONRESHARD_DEBUG=1 keeps the tracebacks on stderr.
+        if os.environ.get("TRITONRESHARD_DEBUG"):
+            traceback.print_exc()
+        sys.exit(1)
+    _quiet_exit()
+
+
+def _quiet_exit() -> None:
+    """The rank's endpoints are closed: a SIGTERM from now on just ends the process (a SystemExit
+    raised inside the interpreter's exit hooks would only print an ignored-exception report)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _sigterm_exits() -> None:
+    """SIGTERM of the driver raises SystemExit(143), so its ``finally`` / ``with`` blocks stop the
+    ranks and sweep what they left (the default action would kill the driver and orphan them).
+    Only from the main thread, and only where nobody installed a handler of their own."""
+    import threading
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        def _exit(signum, frame):
+            raise SystemExit(128 + signum)
+        signal.signal(signal.SIGTERM, _exit)
+
+
+class Driver:
+    """Hosts a TCPStore on 127.0.0.1 and spawns ``world_size`` ranks running
+    ``target(rank, store, pstore, *args)`` (``pstore``: the store under ``prefix``). ``role(rank)``
+    names a rank in messages. Use as a context manager, or call :meth:`close` in a ``finally``."""
+
+    def __init__(self, name: str, world_size: int, target, args: tuple = (), *, timeout: float,
+                 prefix: str | None = None, role: Callable[[int], str] | None = None):
+        import torch.distributed as dist
+        self.name, self.world_size, self.timeout = name, world_size, timeout
+        self.prefix = prefix or name
+        self.role = role or (lambda r: f"rank {r}")
+        self._target, self._args = target, args
+        self._shm_before = our_shm_entries()
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=timeout))
+        self.pstore = dist.PrefixStore(self.prefix, self.store)
+        self.procs: dict[int, object] = {}      # rank -> its current process
+        self.exited_at: dict[int, float] = {}  # pid -> wall time the driver saw it exit
+        self.closed = False
+        _sigterm_exits()
+
+    # -- processes ------------------------------------------------------------------------------
+    def start(self, ranks=None) -> None:
+        """Spawns ``ranks`` (default: all). A rank started again (a restart) gets a new process."""
+        import torch.multiprocessing as mp
+        from tritonreshard._rendezvous import secret_for_children
+
+        secret_for_children()  # children inherit it through the environment; it never crosses the store
+        ctx = mp.get_context("spawn")
+        for r in (range(self.world_size) if ranks is None else ranks):
+            self.pstore.delete_key(f"error/{r}")  # a restarted rank's predecessor's error is history
+            p = ctx.Process(target=_rank_entry, name=f"trs-{self.name}-rank{r}",
+                            args=(self._target, r, self.store.port, self.prefix, self.timeout, self._args))
+            p.start()
+            self.procs[r] = p
+
+    def exitcodes(self) -> dict[int, int | None]:
+        """rank -> exit code (None: running). Reading ``exitcode`` reaps: a dead rank is no zombie."""
+        codes = {r: p.exitcode for r, p in self.procs.items()}
+        now = time.time()
+        for r, c in codes.items():
+            if c is not None:
+                self.exited_at.setdefault(self.procs[r].pid, now)
+        return codes
+
+    def alive(self) -> list[int]:
+        return [r for r, c in self.exitcodes().items() if c is None]
+
+    def pids(self) -> dict[int, int]:
+        return {r: p.pid for r, p in self.procs.items()}
+
+    # -- errors ---------------------------------------------------------------------------------
+    def _get(self, key: str):
+        return json.loads(self.pstore.get(key)) if self.pstore.check([key]) else None
+
+    def error(self, rank: int, code: int | None = None) -> RankError | None:
+        """What went wrong with ``rank``: its recorded error, else how it died; None if nothing did."""
+        rec = self._get(f"error/{rank}")
+        if code is None:
+            code = self.procs[rank].exitcode
+        if rec is not None:
+            return RankError(rank, code, rec["detail"], rec["time"], rec.get("traceback", ""))
+        if code in (None, 0):
+            return None
+        when = self.exited_at.get(self.procs[rank].pid, time.time())
+        if code < 0:
+            detail = f"killed by {signal.Signals(-code).name}"
+            kill = self._get("fault/kill")
+            if kill is not None and kill["pid"] == self.procs[rank].pid:
+                when, detail = kill["time"], detail + f" (--fault {kill['fault']})"
+        else:
+            detail = f"exited with code {code}"
+        return RankError(rank, code, detail, when)
+
+    def describe(self, e: RankError) -> str:
+        """One line: ``rank 1 (trainer 1) exited with code 1: RuntimeError: ...``."""
+        how = " (still running)" if e.exitcode is None else f" exited with code {e.exitcode}"
+        detail = "" if e.detail == f"exited with code {e.exitcode}" else f": {e.detail}"
+        return f"rank {e.rank} ({self.role(e.rank)}){how}{detail}"
+
+    def failures(self, ranks=None) -> list[RankError]:
+        """Every failed rank among ``ranks`` (default all), earliest first."""
+        codes = self.exitcodes()
+        errs = [self.error(r, codes[r]) for r in (codes if ranks is None else ranks)]
+        return sorted((e for e in errs if e is not None), key=lambda e: (e.time, e.rank))
+
+    def abort(self, reason: str) -> None:
+        """Ranks waiting in :func:`wait_key` stop at once."""
+        self.pstore.set("abort", reason)
+
+    # -- waiting --------------------------------------------------------------------------------
+    def wait(self, ready: Callable[[], bool], what: str, *, timeout: float | None = None,
+             tick: Callable[[], None] | None = None, watch=None) -> None:
+        """Returns once ``ready()``; raises :class:`RankFailed` when a rank of ``watch`` (default all)
+        failed, ``TimeoutError`` after ``timeout`` (default: the driver's)."""
+        def check():
+            if tick is not None:
+                tick()
+            errs = self.failures(watch)
+            if errs:
+                # A rank records its error, then exits: give it a moment, so the report has its
+                # exit code and the other ranks' errors that arrive meanwhile.
+                for e in errs:
+                    if e.exitcode is None:
+                        self.procs[e.rank].join(timeout=5)
+                raise RankFailed(self.failures(watch), self.describe)
+        poll_until(ready, timeout=self.timeout if timeout is None else timeout, what=what, tick=check)
+
+    # -- lifetime -------------------------------------------------------------------------------
+    def stop(self, ranks=None, grace: float = 5.0) -> list[int]:
+        """SIGTERM to the running ``ranks`` (SystemExit in the rank: its endpoints close), SIGKILL to
+        any still running after ``grace`` s. Returns the ranks that had to be stopped."""
+        procs = {r: p for r, p in self.procs.items() if ranks is None or r in ranks}
+        stopped = [r for r, p in procs.items() if p.is_alive()]
+        for r in stopped:
+            procs[r].terminate()
+        deadline = time.monotonic() + grace
+        for p in procs.values():
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in procs.values():
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self.exitcodes()
+        return stopped
+
+    def close(self, join: float = 10.0) -> list[str]:
+        """Joins the ranks (``join`` s), stops any left, and returns the engine segments (``trs-*``)
+        that appeared in ``/dev/shm`` meanwhile. The ranks get the group secret from :meth:`start`,
+        so the engine hands its segments over as memfds and names none, even for a rank that is
+        SIGKILLed: any name here is a leak to report. None is removed, because a name cannot tell
+        whose it is (another run on the machine may own it)."""
+        if self.closed:
+            return []
+        self.closed = True
+        deadline = time.monotonic() + join
+        for p in self.procs.values():
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.stop()
+        return sorted(our_shm_entries() - self._shm_before)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.close(join=0.0 if exc_type is not None else 10.0)
+        return False

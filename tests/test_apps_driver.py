@@ -1,0 +1,97 @@
+"""The applications' shared process driver (apps/_driver.py): one line per failed rank, abort
+reaches waiting ranks, a killed rank is named, and SIGTERM of the driver leaves no rank behind.
+Spawned processes with hard timeouts."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from tritonreshard.apps._driver import Driver, RankFailed, one_line, wait_key
+
+pytestmark = pytest.mark.slow
+
+
+def _target(rank, store, pstore, mode):
+    pstore.set(f"pid/{rank}", str(os.getpid()))
+    if mode == "raise" and rank == 0:
+        raise ValueError("bad input on rank 0\nsecond line that must not show")
+    if mode == "kill" and rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    wait_key(pstore, "never", timeout=120)
+
+
+def _role(rank):
+    return f"worker {rank}"
+
+
+def test_one_line_names_a_lost_peer():
+    gloo = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1. "
+                        "This is typically caused by a remote worker crashing. GLHF!")
+    assert one_line(gloo) == "RuntimeError: a collective lost its connection to a peer process (it died or stopped)"
+    assert one_line(ValueError("a\nb")) == "ValueError: a"
+    assert one_line(KeyError()) == "KeyError"
+
+
+def test_failed_rank_is_one_line_and_abort_stops_the_others(capfd):
+    with Driver("t", 2, _target, ("raise",), timeout=120, role=_role) as drv:
+        drv.start()
+        with pytest.raises(RankFailed) as exc:
+            drv.wait(lambda: False, "nothing")
+        assert str(exc.value) == "rank 0 (worker 0) exited with code 1: ValueError: bad input on rank 0"
+        assert [e.rank for e in exc.value.errors] == [0]
+        assert "Traceback" in exc.value.errors[0].traceback  # kept for debugging, never printed
+        drv.abort("rank 0 failed")
+        drv.wait(lambda: not drv.alive(), "rank 1 to stop", watch=[])
+        err = drv.error(1)
+        assert err.exitcode == 1 and err.detail == "RuntimeError: stopped waiting for 'never': rank 0 failed"
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_killed_rank_is_named():
+    with Driver("t", 2, _target, ("kill",), timeout=120, role=_role) as drv:
+        drv.start()
+        with pytest.raises(RankFailed) as exc:
+            drv.wait(lambda: False, "nothing")
+        assert str(exc.value).startswith("rank 0 (worker 0) exited with code -9: killed by SIGKILL")
+        stopped = drv.stop()
+        assert stopped == [1] and drv.alive() == []
+
+
+DRIVER_SCRIPT = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {tests!r})
+    from test_apps_driver import _target, _role
+    from tritonreshard.apps._driver import Driver
+    if __name__ == "__main__":
+        drv = Driver("t", 2, _target, ("wait",), timeout=120, role=_role)
+        try:
+            drv.start()
+            drv.wait(lambda: drv.pstore.check(["pid/0", "pid/1"]), "the ranks")
+            print(drv.pstore.get("pid/0").decode(), drv.pstore.get("pid/1").decode(), flush=True)
+            time.sleep(120)
+        finally:
+            drv.close(join=0.0)
+""")
+
+
+def test_sigterm_of_the_driver_stops_every_rank(tmp_path):
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER_SCRIPT.format(tests=os.path.dirname(__file__)))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2, proc.stderr.read()[-3000:]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{p}") for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if os.path.exists(f"/proc/{p}")], "ranks outlived their driver"

@@ -1,0 +1,84 @@
+"""The engine inside an existing torch.distributed job and under torchrun: it reuses the job's store
+(no second TCPStore, no clash with the launcher's MASTER_PORT) and takes rank / world size from the
+job when they are not given."""
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tritonreshard as trs
+from tritonreshard import Layout, Replicate, Shard
+
+from _mp import free_port, run_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.timeout(240)
+
+SRC = {"w": Layout((6, 4), [0], [Replicate()])}
+DST = {"w": Layout((6, 4), [1, 2], [Shard(0)])}
+
+
+def value(v):
+    return torch.arange(24, dtype=torch.float32).reshape(6, 4) + 1000 * v
+
+
+def _job_worker(rank, port):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
+    try:
+        exact = []
+        if rank == 0:
+            with trs.RefitTrainer({"w": value(1)}, SRC, timeout=60) as tr:  # rank, world, store: the job's
+                for v in (1, 2):
+                    tr.fence()
+                    tr.source_tensors["w"].copy_(value(v))
+                    tr.publish()
+                tr.fence()
+        else:
+            with trs.RefitInference(DST, timeout=60) as inf:
+                for v in (1, 2):
+                    assert inf.pull() == v
+                    exact.append(torch.equal(inf.tensors["w"], DST["w"].shard(value(v), rank)))
+        t = torch.tensor([rank])
+        dist.all_reduce(t)  # the job's own group still works
+        return {"exact": exact, "sum": int(t)}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_inside_an_initialised_process_group_reuses_its_store_and_ranks():
+    out = run_ranks(_job_worker, 3, args=(free_port(),), timeout=180)
+    assert out[1]["exact"] == [True, True] and out[2]["exact"] == [True, True], out
+    assert all(r["sum"] == 3 for r in out.values())
+
+
+SCRIPT = textwrap.dedent('''
+    import os, torch, tritonreshard as trs
+    from tritonreshard import Layout, Replicate, Shard
+    src = {"w": Layout((6, 4), [0], [Replicate()])}
+    dst = {"w": Layout((6, 4), [1, 2], [Shard(0)])}
+    rank = int(os.environ["RANK"])
+    full = lambda v: torch.arange(24.0).reshape(6, 4) + 1000 * v
+    if rank == 0:
+        with trs.RefitTrainer({"w": full(1)}, src, timeout=60) as tr:   # store: torchrun's own
+            tr.publish()
+            tr.fence()
+    else:
+        with trs.RefitInference(dst, timeout=60) as inf:
+            assert inf.pull() == 1
+            assert torch.equal(inf.tensors["w"], dst["w"].shard(full(1), rank))
+            print(f"rank {rank} exact", flush=True)
+''')
+
+
+def test_under_torchrun_no_port_clash_with_the_launchers_store(tmp_path):
+    script = tmp_path / "refit_under_torchrun.py"
+    script.write_text(SCRIPT)
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+                          str(script)], capture_output=True, text=True, timeout=200, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "rank 1 exact" in out.stdout and "rank 2 exact" in out.stdout, out.stdout

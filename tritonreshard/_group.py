@@ -1,0 +1,336 @@
+"""Group / membership layer of the refit engine: rendezvous, validation, liveness, the one wait.
+
+Who calls what: every process of a refit group (trainers, inference ranks, colocated ranks) builds
+one :class:`Group` per *epoch* and calls, in this order, ``join`` (roles and layouts -> the plan,
+validated identically on every rank), ``exchange("exports", ...)`` (arena handles), and
+``finish_setup`` (everyone mapped what it needs; heartbeats start). The publisher and subscriber
+register the control blocks they share with peers (``beat_into`` / ``watch``) and wait only through
+:meth:`Group.wait`.
+
+Epochs: every key lives under ``trs/<name>/e<epoch>/`` in the store, so a new group (restarted
+trainers at ``epoch + 1``) forms on the same store while the old epoch's keys are ignored. A dead
+peer ends the epoch: every later wait of this group raises :class:`PeerDiedError` at once, and the
+survivors form the next epoch (``RefitInference.rejoin``).
+
+Host identity: a rank's host is ``$TRITONRESHARD_HOST`` if set, else the machine's hostname. Ranks
+with different identities never share memory (a plan that would needs a cross-host transport).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from . import _rendezvous as rdv
+from . import _wait
+from .layout import Layout
+from .plan import Plan, plan_reshard
+from .transport import STATE_ABORT
+
+__all__ = ["Group", "Member", "RefitError", "PeerDiedError", "host_identity", "connect",
+           "HOST_ENV"]
+
+HOST_ENV = "TRITONRESHARD_HOST"
+_HEARTBEAT_S = 0.2
+
+
+class RefitError(RuntimeError):
+    """A refit could not complete (a peer aborted, a source changed weights during a pull, ...)."""
+
+
+class PeerDiedError(RefitError):
+    """A peer process of the refit group is gone; this group's epoch is over. ``rank`` names it."""
+
+    def __init__(self, rank: int, message: str):
+        super().__init__(message)
+        self.rank = rank
+
+
+def host_identity() -> str:
+    """This process's host identity: ``$TRITONRESHARD_HOST`` (simulated hosts), else the hostname."""
+    return os.environ.get(HOST_ENV) or socket.gethostname()
+
+
+@dataclass(frozen=True)
+class Member:
+    """What a rank tells the group when it joins an epoch (no handles yet)."""
+
+    rank: int
+    pid: int
+    host: str
+    device: str
+    src_layouts: dict | None = None
+    dst_layouts: dict | None = None
+    problems: tuple[str, ...] = ()
+
+    def __repr__(self):
+        roles = [r for r, on in (("trainer", self.src_layouts is not None),
+                                 ("inference", self.dst_layouts is not None)) if on]
+        return f"Member(rank={self.rank}, pid={self.pid}, host={self.host!r}, {'+'.join(roles)}, {self.device})"
+
+
+def _proc_state(pid: int) -> str | None:
+    """One-letter state of a local process, or None when it no longer exists."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return data[data.rfind(b")") + 2:][:1].decode()
+
+
+def connect(store, *, rank: int, world_size: int, timeout: float, host_store: bool | None):
+    """The base store of a refit group, and whether this process hosts it.
+
+    * a ``torch.distributed.Store``: used as is (never hosted by us);
+    * ``None``: torch.distributed's default store when a process group is initialised (reuse the
+      job's store), else ``MASTER_ADDR``/``MASTER_PORT``, as a client when torchrun's agent hosts
+      it (``TORCHELASTIC_USE_AGENT_STORE``), so there is no port clash with the launcher;
+    * ``"host:port"``: rank 0 hosts it unless ``host_store=False`` (a driver hosts it, e.g. so the
+      store outlives restarted trainers).
+    """
+    if isinstance(store, dist.Store):
+        return store, False
+    if store is None:
+        if dist.is_available() and dist.is_initialized():
+            return dist.distributed_c10d._get_default_store(), False
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() in ("1", "true")
+        hosts = (rank == 0 and not agent) if host_store is None else bool(host_store)
+        return rdv.connect_store(None, world_size=world_size, is_master=hosts, timeout=timeout), hosts
+    hosts = rank == 0 if host_store is None else bool(host_store)
+    return rdv.connect_store(store, world_size=world_size, is_master=hosts, timeout=timeout), hosts
+
+
+def _desc(layout) -> str:
+    return "missing" if layout is None else str(layout) + f" {tuple(layout.shape)} {layout.dtype}"
+
+
+def validate_members(members: list[Member], world_size: int) -> Plan:
+    """The group's plan from every rank's :class:`Member`; raises one ``ValueError`` listing every
+    problem (each rank computes the same, so every rank raises the same)."""
+    problems = [f"rank {m.rank}: {p}" for m in members for p in m.problems]
+    layouts = {}
+    for side in ("src", "dst"):
+        holders = [m for m in members if getattr(m, f"{side}_layouts") is not None]
+        role = "trainer" if side == "src" else "inference"
+        if not holders:
+            problems.append(f"no rank joined with {side}_layouts (no {role} side)")
+            continue
+        ref = holders[0]
+        ref_layouts = getattr(ref, f"{side}_layouts")
+        for m in holders[1:]:
+            other = getattr(m, f"{side}_layouts")
+            for name in sorted(set(ref_layouts) | set(other)):
+                a, b = ref_layouts.get(name), other.get(name)
+                if a != b:
+                    problems.append(
+                        f"rank {m.rank} joined with {side}_layouts[{name!r}]={_desc(b)} but rank "
+                        f"{ref.rank} has {_desc(a)}: every {role} rank must pass the same layouts")
+        ranks = {m.rank for m in holders}
+        for name, lay in ref_layouts.items():
+            if isinstance(lay, Layout):
+                missing = sorted(set(lay.ranks) - ranks)
+                if missing:
+                    problems.append(f"{side}_layouts[{name!r}]={lay} places shards on rank(s) "
+                                    f"{missing}, which did not join as {role} ranks")
+        layouts[side] = ref_layouts
+    plan = None
+    if not problems:
+        try:
+            plan = plan_reshard(layouts["src"], layouts["dst"])
+        except (ValueError, TypeError) as exc:
+            problems.append(str(exc))
+    if problems:
+        raise ValueError(f"refit group {world_size} ranks: {len(problems)} problem(s), "
+                         f"nothing was moved:\n  - " + "\n  - ".join(problems))
+    host = {m.rank: m.host for m in members}
+    cross = sorted({(op.src_rank, op.dst_rank) for op in plan.ops if host[op.src_rank] != host[op.dst_rank]})
+    if cross:  # every rank sees the same pairs, so every rank raises
+        raise NotImplementedError(f"refit across hosts is not supported yet (pairs {cross[:8]}): every "
+                                  f"source and destination rank must share one host identity")
+    return plan
+
+
+class Group:
+    """One epoch of a refit group, seen from one rank.
+
+    Args:
+        base_store: the store shared by the group (see :func:`connect`); keys go under
+            ``trs/<name>/e<epoch>/``.
+        hosts_store: True if this process hosts ``base_store`` (it then outlives the others' reads).
+        rank, world_size: this rank and the number of processes of the group.
+        epoch: the group epoch (>= 0).
+        timeout: seconds for each set-up step; peer_timeout: seconds without a heartbeat after
+            which a peer counts as dead (a local process that is gone is noticed at once).
+    """
+
+    def __init__(self, base_store, *, rank: int, world_size: int, epoch: int = 0, name: str = "default",
+                 timeout: float = 60.0, peer_timeout: float = 10.0, hosts_store: bool = False):
+        self.rank, self.world_size, self.epoch, self.name = rank, world_size, epoch, name
+        self.timeout, self.peer_timeout = float(timeout), float(peer_timeout)
+        self.base_store, self.hosts_store = base_store, hosts_store
+        #: This epoch's namespace in the store: a public seam for applications' own keys.
+        self.store = dist.PrefixStore(f"trs/{name}/e{epoch}/", base_store)
+        self.secret = rdv.group_secret(self.store, is_master=rank == 0, timeout=self.timeout)
+        self.host = host_identity()
+        self.members: dict[int, Member] = {}
+        self.ended: PeerDiedError | None = None
+        self._beat: list = []               # control blocks this rank heartbeats into
+        self._watch: dict[int, object] = {}  # peer -> a control block that peer heartbeats into
+        self._stop = threading.Event()
+        self._hb_thread = None
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ set-up
+    def join(self, member: Member) -> Plan:
+        """Phase 1: gather every rank's :class:`Member`, validate, return the plan (same everywhere)."""
+        members = rdv.all_gather_obj(self.store, "hello", self.rank, self.world_size, member,
+                                     timeout=self.timeout)
+        self.members = {m.rank: m for m in members}
+        rdv.publish(self.store, f"hello-read/{self.rank}", True)
+        try:
+            return validate_members(members, self.world_size)
+        except (ValueError, NotImplementedError):
+            self._outlive_store_readers("hello-read")  # so every rank reads the hellos and raises too
+            raise
+
+    def exchange(self, key: str, obj) -> dict:
+        """Every rank contributes ``obj``; returns ``{rank: obj}``."""
+        return {r: o for r, o in enumerate(rdv.all_gather_obj(self.store, key, self.rank, self.world_size,
+                                                                obj, timeout=self.timeout))}
+
+    def finish_setup(self) -> None:
+        """Last set-up step: everyone mapped what it needs; heartbeats start."""
+        self.exchange("mapped", True)
+        rdv.publish(self.store, f"setup-done/{self.rank}", True)
+        self._outlive_store_readers("setup-done")
+        self._heartbeat()
+        self._hb_thread = threading.Thread(target=self._heartbeat_loop, daemon=True,
+                                           name=f"trs-heartbeat-{self.rank}-e{self.epoch}")
+        self._hb_thread.start()
+
+    def _outlive_store_readers(self, key: str) -> None:
+        """The store's host must not return (and perhaps exit) before every rank published ``key``,
+        i.e. read everything it needs from the store. Other ranks return at once."""
+        if not self.hosts_store:
+            return
+        for r in range(self.world_size):
+            rdv.fetch(self.store, f"{key}/{r}", timeout=self.timeout, what=f"rank {r} to finish reading the store")
+
+    # ------------------------------------------------------------------ liveness
+    def beat_into(self, control) -> None:
+        """Heartbeat into ``control`` (a block whose owner watches this rank)."""
+        self._beat.append(control)
+
+    def watch(self, peer: int, control) -> None:
+        """``peer`` heartbeats into ``control``; use it to tell whether ``peer`` is alive."""
+        self._watch[peer] = control
+
+    def _heartbeat(self):
+        for c in self._beat:
+            c.heartbeat(self.rank)
+
+    def _heartbeat_loop(self):
+        while not self._stop.wait(_HEARTBEAT_S):
+            self._heartbeat()
+
+    def dead_reason(self, peer: int) -> str | None:
+        """Why ``peer`` counts as dead (its local process is gone, or its heartbeat is older than
+        ``peer_timeout``), or None."""
+        m = self.members[peer]
+        if m.host == self.host:
+            state = _proc_state(m.pid)
+            if state is None or state in "ZX":
+                return f"rank {peer} (pid {m.pid}) died" + (" (zombie)" if state == "Z" else "")
+        control = self._watch.get(peer)
+        if control is not None:
+            beat = control.last_heartbeat_ns(peer)
+            age = (time.monotonic_ns() - beat) / 1e9
+            if beat > 0 and age > self.peer_timeout:
+                return (f"rank {peer} (pid {m.pid}) sent no heartbeat for {age:.1f} s "
+                        f"(peer_timeout={self.peer_timeout:g} s)")
+        return None
+
+    def dead_peers(self) -> list[int]:
+        """Ranks of this epoch known dead now (no waiting): local processes that are gone, and peers
+        this rank shares a control block with whose heartbeat is older than ``peer_timeout``."""
+        return [r for r in sorted(self.members) if r != self.rank and self.dead_reason(r)]
+
+    def check_peers(self, peers, what: str) -> None:
+        """Raise PeerDiedError if one of ``peers`` is dead (ending the epoch), RefitError if one of
+        their control blocks carries the abort word."""
+        if self.ended is not None:
+            raise PeerDiedError(self.ended.rank, f"rank {self.rank}: epoch {self.epoch} already ended "
+                                f"({self.ended}) while waiting for {what}")
+        for peer in peers:
+            reason = self.dead_reason(peer)
+            if reason:
+                err = PeerDiedError(peer, f"rank {self.rank}: {reason} while waiting for {what}")
+                self.end(err)
+                raise err
+
+    def check_abort(self, controls, what: str) -> None:
+        for c in controls:
+            if c.state == STATE_ABORT:
+                raise RefitError(f"rank {self.rank}: the group was aborted ({c.abort_reason()}) "
+                                 f"while waiting for {what}")
+
+    def end(self, err: PeerDiedError) -> None:
+        """Mark this epoch over (first cause wins): later waits raise at once."""
+        with self._lock:
+            if self.ended is None:  # a copy without traceback: it must not pin the pull's frames
+                self.ended = PeerDiedError(err.rank, str(err))
+
+    # ------------------------------------------------------------------ the one wait
+    def wait(self, done, what: str, timeout: float, *, peers=(), controls=(), doorbell=None,
+             status=None, cancel: threading.Event | None = None) -> None:
+        """Wait until ``done()``: spin briefly, then sleep on ``doorbell()`` (a control block word
+        every relevant state change rings; see ``tritonreshard._wait``).
+
+        Raises PeerDiedError if one of ``peers`` died, RefitError if one of ``controls`` carries the
+        abort word, the group was closed or ``cancel`` was set, and TimeoutError naming ``what``
+        (and ``status()``) after ``timeout`` seconds. ``timeout=0`` checks once: a poll, which fails
+        only itself.
+        """
+        def check():
+            if self._stop.is_set():
+                raise RefitError(f"rank {self.rank}: endpoint closed while waiting for {what}")
+            if cancel is not None and cancel.is_set():
+                raise RefitError(f"rank {self.rank}: abandoned while waiting for {what}")
+            self.check_peers(peers, what)
+            self.check_abort(controls, what)
+
+        if self.ended is not None:  # the epoch is over: nothing of it can be waited for any more
+            self.check_peers((), what)
+        if not _wait.wait_until(done, doorbell or (lambda: None), time.monotonic() + timeout, check):
+            extra = f" ({status()})" if status else ""
+            raise TimeoutError(f"rank {self.rank}: timed out after {timeout:g} s waiting for {what}{extra}")
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Stop heart-beating (idempotent). Control blocks belong to the publisher / subscriber."""
+        self._stop.set()
+        if self._hb_thread is not None:
+            self._hb_thread.join(1.0)
+            self._hb_thread = None
+        self._beat.clear()
+        self._watch.clear()
+
+    def __repr__(self):
+        state = "ended" if self.ended else ("closed" if self._stop.is_set() else "open")
+        return f"<Group {self.name!r} epoch {self.epoch} rank {self.rank}/{self.world_size} {state}>"
+
+
+def check_timeout(what: str, timeout, default: float) -> float:
+    """``timeout`` of a call (None: the endpoint's), checked before anything waits."""
+    if timeout is None:
+        return default
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+        raise ValueError(f"{what}: timeout must be a number of seconds >= 0 (0: check once), got "
+                         f"timeout={timeout!r}")
+    return float(timeout)
+

@@ -1,0 +1,259 @@
+"""Recipes: Hugging Face (transformers 5) training parameters -> vLLM tensor-parallel parameters.
+
+Pure Python planning (no transformers or vLLM import): a recipe reads a ``transformers`` config's
+fields and returns the source layouts (FSDP rows of the HF parameters over the trainer ranks), the
+destination layouts (vLLM's ``named_parameters()`` on each TP rank) and the :class:`~tritonreshard.Part`
+mapping between them. Facts follow vLLM 0.32's loaders:
+
+* ``qkv_proj`` (``QKVParallelLinear``): rank r holds ``[q heads of r | k | v]``; when tp >= the KV-head
+  count the KV heads are replicated, ``replicas = tp // num_kv_heads`` and rank r holds KV head
+  ``r // replicas``. Here the destination's global index then counts one KV head per rank (``tp``
+  heads per K/V block), and every replica's box maps to the same source rows.
+* ``gate_up_proj`` (``MergedColumnParallelLinear``): ``[gate chunk r | up chunk r]`` on dim 0.
+* ``o_proj``, ``down_proj`` (``RowParallelLinear``): split on dim 1; their biases are replicated.
+* ``embed_tokens``, ``lm_head`` (``VocabParallelEmbedding`` / ``ParallelLMHead``): the vocab is padded
+  to a multiple of 64 (``pad_vocab_size``) and split by rows; padding rows are zero. Tied embeddings
+  expose only ``model.embed_tokens.weight``.
+* MoE ``mlp.experts.routed_experts.w13_weight`` ``[E, 2I, H]`` from ``mlp.experts.gate_up_proj`` (gate
+  first): ``[gate chunk r | up chunk r]`` on dim 1; ``w2_weight`` ``[E, H, I]`` from
+  ``mlp.experts.down_proj``, split on dim 2. With ``expert_parallel=True`` experts are split over the
+  ranks (dim 0) and each rank holds whole experts. The router ``mlp.gate.weight`` is replicated.
+
+A family is one row of :data:`FAMILIES`; a new architecture is a few lines there.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .layout import Layout, Part, Replicate, Shard
+from .plan import Plan, plan_reshard
+
+__all__ = ["hf_to_vllm", "RecipeSpec", "Family", "FAMILIES", "pad_vocab_size"]
+
+#: vLLM's ``DEFAULT_VOCAB_PADDING_SIZE``.
+VOCAB_PADDING = 64
+
+
+def pad_vocab_size(vocab_size: int, pad_to: int = VOCAB_PADDING) -> int:
+    """The vocab rounded up to a multiple of ``pad_to`` (vLLM's ``pad_vocab_size``)."""
+    return -(-vocab_size // pad_to) * pad_to
+
+
+@dataclass(frozen=True)
+class Family:
+    """What differs between architecture families. Each flag is a bool, or the name of a config
+    attribute that holds it (``"attention_bias"``)."""
+
+    qkv_bias: bool | str = False
+    o_bias: bool | str = False
+    mlp_bias: bool | str = False
+    qk_norm: bool = False
+    moe: bool = False
+
+
+#: ``config.model_type`` -> family. Checked against vLLM 0.32's models/{llama,qwen2,qwen3,qwen3_moe}.py.
+FAMILIES: dict[str, Family] = {
+    "llama": Family(qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias="mlp_bias"),
+    "mistral": Family(),
+    "qwen2": Family(qkv_bias=True),
+    "qwen3": Family(qkv_bias="attention_bias", qk_norm=True),             # vLLM's o_proj has no bias
+    "qwen3_moe": Family(qkv_bias="attention_bias", qk_norm=True, moe=True),
+}
+
+
+@dataclass(frozen=True)
+class RecipeSpec:
+    """A refit between HF training parameters and vLLM tensor-parallel parameters.
+
+    ``src``: ``{HF parameter name: Layout}``, global HF shapes, ``Shard(0)`` over the trainer ranks
+    (FSDP rows), the trainer dtype. ``dst``: ``{vLLM parameter name: Layout}`` over the inference
+    ranks, ``layout.local_shape(r)`` is exactly vLLM's parameter shape on TP rank r. ``parts``: the
+    ``{dst name: [Part, ...]}`` mapping. ``plan()``: the validated, cached Plan.
+    """
+
+    model_type: str
+    tp: int
+    expert_parallel: bool
+    src: dict[str, Layout] = field(repr=False)
+    dst: dict[str, Layout] = field(repr=False)
+    parts: dict[str, tuple[Part, ...]] = field(repr=False)
+
+    def plan(self) -> Plan:
+        return plan_reshard(self.src, self.dst, self.parts)
+
+
+def _flag(value: bool | str, config: Any) -> bool:
+    return bool(getattr(config, value, False)) if isinstance(value, str) else value
+
+
+def _ranks(value, what: str, problems: list[str]) -> tuple[int, ...]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return tuple(range(value))
+    if isinstance(value, Sequence) and value and all(isinstance(r, int) and not isinstance(r, bool) for r in value):
+        return tuple(value)
+    problems.append(f"{what}={value!r} must be a non-empty list of ranks (or a count)")
+    return ()
+
+
+def hf_to_vllm(config: Any, tp: int, trainer_ranks, inference_ranks, dtype: torch.dtype = torch.bfloat16,
+               src_dtype: torch.dtype = torch.float32, expert_parallel: bool = False) -> RecipeSpec:
+    """The layouts and parts that refit an HF model trained under FSDP into vLLM's TP ranks.
+
+    Args:
+        config: a ``transformers`` config (``LlamaConfig``, ``MistralConfig``, ``Qwen2Config``,
+            ``Qwen3Config``, ``Qwen3MoeConfig``) or any object with the same fields.
+        tp: vLLM's tensor-parallel size; ``len(inference_ranks)`` must equal it.
+        trainer_ranks: global ranks of the trainers (FSDP rows, ``Shard(0)``), or their count.
+        inference_ranks: global ranks of TP ranks 0..tp-1, in TP order, or their count.
+        dtype: vLLM's parameter dtype. ``src_dtype``: the trainer's parameter dtype.
+        expert_parallel: MoE experts split over the ranks (vLLM's ``enable_expert_parallel``).
+
+    Raises ``ValueError`` naming every problem at once: unknown ``model_type``, sizes vLLM cannot
+    split over ``tp`` (heads, KV heads, intermediate size, padded vocab, experts).
+    """
+    problems: list[str] = []
+    model_type = getattr(config, "model_type", None)
+    fam = FAMILIES.get(model_type)
+    if fam is None:
+        problems.append(f"config.model_type={model_type!r} has no recipe; known: {sorted(FAMILIES)}")
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        problems.append(f"tp={tp!r} must be a positive int")
+        tp = 0
+    src_ranks = _ranks(trainer_ranks, "trainer_ranks", problems)
+    dst_ranks = _ranks(inference_ranks, "inference_ranks", problems)
+    if tp and dst_ranks and len(dst_ranks) != tp:
+        problems.append(f"inference_ranks has {len(dst_ranks)} ranks but tp={tp}")
+    if fam is None or problems:
+        raise ValueError("hf_to_vllm: " + "; ".join(problems))
+
+    H = config.hidden_size
+    nq = config.num_attention_heads
+    nkv = getattr(config, "num_key_value_heads", None) or nq
+    hd = getattr(config, "head_dim", None) or H // nq
+    inter = getattr(config, "intermediate_size", 0)
+    V = config.vocab_size
+    Vp = pad_vocab_size(V)
+    L = config.num_hidden_layers
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    Q = nq * hd
+    where = f"{model_type} (hidden_size={H}, heads={nq}, kv_heads={nkv}, head_dim={hd})"
+
+    if nq % tp:
+        problems.append(f"num_attention_heads={nq} is not divisible by tp={tp}")
+    if tp >= nkv and tp % nkv:
+        problems.append(f"tp={tp} >= num_key_value_heads={nkv} but is not a multiple of it (vLLM replicates "
+                        f"each KV head over tp // num_key_value_heads ranks)")
+    if tp < nkv and nkv % tp:
+        problems.append(f"num_key_value_heads={nkv} is not divisible by tp={tp}")
+    if Vp % tp:
+        problems.append(f"padded vocab {Vp} (vocab_size={V} rounded up to {VOCAB_PADDING}) is not divisible by tp={tp}")
+
+    moe_layers: set[int] = set()
+    if fam.moe:
+        E = config.num_experts
+        moe_i = config.moe_intermediate_size
+        only = set(getattr(config, "mlp_only_layers", None) or ())
+        step = getattr(config, "decoder_sparse_step", 1) or 1
+        moe_layers = {i for i in range(L) if i not in only and E > 0 and (i + 1) % step == 0}
+        if moe_layers:
+            if tp > E:
+                problems.append(f"tp={tp} is greater than num_experts={E}")
+            if expert_parallel and E % tp:
+                problems.append(f"expert_parallel: num_experts={E} is not divisible by tp={tp} (vLLM would give "
+                                f"the first ranks one more expert; tritonreshard's Shard splits like torch.chunk)")
+            if not expert_parallel and moe_i % tp:
+                problems.append(f"moe_intermediate_size={moe_i} is not divisible by tp={tp}")
+    elif expert_parallel:
+        problems.append(f"expert_parallel=True but {model_type} has no experts")
+    if len(moe_layers) < L and inter % tp:
+        problems.append(f"intermediate_size={inter} is not divisible by tp={tp}")
+    if problems:
+        raise ValueError(f"hf_to_vllm: {where}, tp={tp}: " + "; ".join(problems))
+
+    src: dict[str, Layout] = {}
+    dst: dict[str, Layout] = {}
+    parts: dict[str, tuple[Part, ...]] = {}
+
+    def source(name, shape):
+        src[name] = Layout(shape, src_ranks, [Shard(0)], src_dtype)
+
+    def target(name, shape, placement, plist=None):
+        dst[name] = Layout(shape, dst_ranks, [placement], dtype)
+        if plist is not None:
+            parts[name] = tuple(plist)
+
+    def same(name, shape, placement):
+        source(name, shape)
+        target(name, shape, placement)
+
+    def vocab(hf_name, vllm_name):
+        target(vllm_name, (Vp, H), Shard(0),
+               [Part(hf_name, [(0, V), None])] + ([Part(None, [(V, Vp), None])] if Vp > V else []))
+
+    def qkv(pre, suffix, tail):
+        """q/k/v -> qkv_proj (weight: tail=(H,), bias: tail=())."""
+        q, k, v = (f"{pre}.{x}_proj.{suffix}" for x in "qkv")
+        source(q, (Q, *tail))
+        source(k, (nkv * hd, *tail))
+        source(v, (nkv * hd, *tail))
+        rest = [None] * len(tail)
+        if tp <= nkv:
+            kv = nkv * hd
+            plist = [Part(q, [(0, Q), *rest]), Part(k, [(Q, Q + kv), *rest]), Part(v, [(Q + kv, Q + 2 * kv), *rest])]
+        else:  # one KV head per rank: rank r's box comes from head r // replicas
+            kv, rep = tp * hd, tp // nkv
+            plist = [Part(q, [(0, Q), *rest])]
+            for base, name in ((Q, k), (Q + kv, v)):
+                plist += [Part(name, [(base + j * hd, base + (j + 1) * hd), *rest],
+                               ((j // rep) * hd, *([0] * len(tail)))) for j in range(tp)]
+        target(f"{pre}.qkv_proj.{suffix}", (Q + 2 * kv, *tail), Shard(0, (Q, kv, kv)), plist)
+
+    def merged(pre, suffix, tail, size):
+        g, u = f"{pre}.gate_proj.{suffix}", f"{pre}.up_proj.{suffix}"
+        source(g, (size, *tail))
+        source(u, (size, *tail))
+        rest = [None] * len(tail)
+        target(f"{pre}.gate_up_proj.{suffix}", (2 * size, *tail), Shard(0, (size, size)),
+               [Part(g, [(0, size), *rest]), Part(u, [(size, 2 * size), *rest])])
+
+    source("model.embed_tokens.weight", (V, H))
+    vocab("model.embed_tokens.weight", "model.embed_tokens.weight")
+    for i in range(L):
+        pre = f"model.layers.{i}"
+        att = f"{pre}.self_attn"
+        qkv(att, "weight", (H,))
+        if _flag(fam.qkv_bias, config):
+            qkv(att, "bias", ())
+        same(f"{att}.o_proj.weight", (H, Q), Shard(1))
+        if _flag(fam.o_bias, config):
+            same(f"{att}.o_proj.bias", (H,), Replicate())
+        if fam.qk_norm:
+            same(f"{att}.q_norm.weight", (hd,), Replicate())
+            same(f"{att}.k_norm.weight", (hd,), Replicate())
+        if i in moe_layers:
+            E, moe_i = config.num_experts, config.moe_intermediate_size
+            same(f"{pre}.mlp.gate.weight", (E, H), Replicate())
+            gu, dn = f"{pre}.mlp.experts.gate_up_proj", f"{pre}.mlp.experts.down_proj"
+            source(gu, (E, 2 * moe_i, H))
+            source(dn, (E, H, moe_i))
+            w13 = Shard(0) if expert_parallel else Shard(1, (moe_i, moe_i))
+            w2 = Shard(0) if expert_parallel else Shard(2)
+            target(f"{pre}.mlp.experts.routed_experts.w13_weight", (E, 2 * moe_i, H), w13, [Part(gu, [None] * 3)])
+            target(f"{pre}.mlp.experts.routed_experts.w2_weight", (E, H, moe_i), w2, [Part(dn, [None] * 3)])
+        else:
+            merged(f"{pre}.mlp", "weight", (H,), inter)
+            same(f"{pre}.mlp.down_proj.weight", (H, inter), Shard(1))
+            if _flag(fam.mlp_bias, config):
+                merged(f"{pre}.mlp", "bias", (), inter)
+                same(f"{pre}.mlp.down_proj.bias", (H,), Replicate())
+        same(f"{pre}.input_layernorm.weight", (H,), Replicate())
+        same(f"{pre}.post_attention_layernorm.weight", (H,), Replicate())
+    same("model.norm.weight", (H,), Replicate())
+    if not tied:
+        source("lm_head.weight", (V, H))
+        vocab("lm_head.weight", "lm_head.weight")
+    return RecipeSpec(model_type, tp, expert_parallel, src, dst, parts)
