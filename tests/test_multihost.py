@@ -226,3 +226,135 @@ def test_killed_rank_on_the_other_host_is_a_named_peer_died_error(victim):
         _, who, msg, v, _ = value
         # PeerDiedError, not TimeoutError: the closed connection was noticed, not the 20 s timeout.
         assert who == victim and f"rank {victim}" in msg and v == 2, msg
+
+
+# ================================================================ the engine across hosts
+def _global(name_id, layout, version):
+    n = math.prod(layout.shape)
+    return (torch.arange(n, dtype=torch.float64) + 1000 * version + 100000 * name_id).reshape(layout.shape)
+
+
+def _engine_worker(rank, world, port, sc):
+    os.environ["TRITONRESHARD_HOST"] = sc["hosts"][rank]
+    torch.set_num_threads(1)
+    src, dst = sc["src"], sc["dst"]
+    ids = {n: i for i, n in enumerate(sorted(dst))}
+    trainer, infer = rank in sc["trainers"], rank in sc["inference"]
+    kw = dict(rank=rank, world_size=world, store=f"127.0.0.1:{port}", timeout=60, peer_timeout=sc.get("peer_timeout", 10))
+    if trainer:
+        kw.update(src_tensors={n: l.shard(_global(ids[n], l, 1).to(l.dtype), rank)
+                               for n, l in src.items() if rank in l.ranks}, src_layouts=src)
+    if infer:
+        kw.update(dst_layouts=dst, mode=sc.get("mode", "shadow"))
+    report = {"died": None, "cross": []}
+    with trs.RefitEndpoint(**kw) as ep:
+        try:
+            for v in range(1, sc.get("versions", 3) + 1):
+                if trainer:
+                    ep.fence()
+                    if v > 1:
+                        for n, t in ep.source_tensors.items():
+                            t.copy_(src[n].shard(_global(ids[n], src[n], v).to(src[n].dtype), rank))
+                    if sc.get("kill") == (rank, v):
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    assert ep.publish() == v
+                if infer:
+                    assert ep.pull() == v
+                    for n, t in ep.tensors.items():
+                        want = dst[n].shard(_global(ids[n], src[n], v).to(src[n].dtype), rank).to(dst[n].dtype)
+                        assert torch.equal(t.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8)), \
+                            f"rank {rank} {n} v{v}"
+                    report["cross"].append(ep.cross_host_bytes)
+            if trainer:
+                ep.fence()
+        except trs.PeerDiedError as exc:
+            report["died"] = (exc.rank, str(exc))
+            if infer:  # the serving weights stay the last complete version
+                report["version"] = ep.version
+                for n, t in ep.tensors.items():
+                    want = dst[n].shard(_global(ids[n], src[n], ep.version).to(src[n].dtype), rank).to(dst[n].dtype)
+                    assert torch.equal(t, want)
+        report["staging"] = ep.staging_bytes
+        report["handles"] = ep.handles_opened
+        hp = ep.host_plan
+        report["hp_cross"] = hp.cross_host_bytes if hp is not None else None
+        # Ranks on another host never map this rank's memory: every arena it opened is on its host.
+        report["sources"] = hp.local_sources_of(rank) if hp is not None and infer else ()
+    return report
+
+
+def _engine(sc, world, **kw):
+    return run_ranks(_engine_worker, world, args=(world, free_port(), sc), timeout=180, **kw)
+
+
+def test_engine_seed_example_across_two_hosts():
+    sc = dict(src={"w": Layout((8, 8), 2, [Shard(0)])}, dst={"w": Layout((8, 8), [2, 3, 4, 5], [Shard(1)])},
+              trainers=[0, 1], inference=[2, 3, 4, 5], hosts=_hosts({"a": [0, 1], "b": [2, 3, 4, 5]}))
+    res = _engine(sc, 6)
+    hp = plan_hosts(trs.plan_reshard(sc["src"], sc["dst"]), sc["hosts"])
+    for v in range(3):  # the engine's own accounting: what the receivers got, every refit
+        assert sum(res[r]["cross"][v] for r in (2, 3, 4, 5)) == hp.cross_host_bytes == 256
+    # Receive buffers are the staging, counted where they live.
+    assert {r: res[r]["staging"] for r in (2, 3, 4, 5)} == {r: hp.buffer_bytes.get(r, 0) for r in (2, 3, 4, 5)}
+    assert all(res[r]["sources"] == () for r in (2, 3, 4, 5))  # nothing read from host a's memory
+
+
+def test_engine_columns_to_replicas_four_inference_ranks_on_one_host():
+    src, dst = {}, {}
+    for i in range(4):
+        shape = (32, 48 + 16 * i)
+        src[f"t{i}"] = Layout(shape, 2, [Shard(1)], torch.float32)
+        dst[f"t{i}"] = Layout(shape, [2, 3, 4, 5], [Replicate()], torch.bfloat16)
+    sc = dict(src=src, dst=dst, trainers=[0, 1], inference=[2, 3, 4, 5], mode="inplace",
+              hosts=_hosts({"a": [0, 1], "b": [2, 3, 4, 5]}))
+    res = _engine(sc, 6)
+    model = sum(l.numel * 4 for l in src.values())
+    for v in range(3):
+        assert sum(res[r]["cross"][v] for r in (2, 3, 4, 5)) == model  # each byte once, not 4 times
+    assert all(res[r]["cross"][0] > 0 for r in (2, 3, 4, 5))
+
+
+def test_engine_overlapping_meshes_across_hosts():
+    src = {"w": Layout((12, 10), [0, 1, 2, 3], [Shard(0)]), "b": Layout((30,), [0, 1, 2, 3], [Shard(0)])}
+    dst = {"w": Layout((12, 10), [2, 3, 4, 5], [Shard(1)]), "b": Layout((30,), [2, 3, 4, 5], [Replicate()])}
+    sc = dict(src=src, dst=dst, trainers=[0, 1, 2, 3], inference=[2, 3, 4, 5],
+              hosts=_hosts({"a": [0, 1, 2], "b": [3, 4, 5]}))
+    res = _engine(sc, 6)
+    hp = plan_hosts(trs.plan_reshard(src, dst), sc["hosts"])
+    for v in range(3):
+        assert sum(res[r]["cross"][v] for r in (2, 3, 4, 5)) == hp.cross_host_bytes > 0
+    assert 3 in res[4]["sources"]  # rank 4 reads colocated rank 3's arena on its own host
+
+
+def test_engine_killed_trainer_on_the_other_host_is_a_named_peer_died_error():
+    sc = dict(src={"w": Layout((64, 64), 2, [Shard(0)])}, dst={"w": Layout((64, 64), [2, 3], [Replicate()])},
+              trainers=[0, 1], inference=[2, 3], hosts=_hosts({"a": [0, 1], "b": [2, 3]}), kill=(1, 3), peer_timeout=3)
+    res = _engine(sc, 4, victims=[1])
+    for r in (2, 3):
+        who, msg = res[r]["died"]
+        assert who == 1 and "rank 1" in msg, msg
+        assert res[r]["version"] == 2  # still serving the last complete version
+
+
+# ================================================================ bench --hosts
+def test_bench_hosts_placement_and_bad_values():
+    from tritonreshard.apps.bench import BenchConfig
+    cfg = BenchConfig(layout="cols-replicas", trainers=2, inference=5, hosts=3)
+    assert [cfg.host_of(r) for r in range(7)] == ["host0", "host0", "host1", "host1", "host1", "host2", "host2"]
+    assert BenchConfig(hosts=1).host_of(0) is None
+    assert any("--hosts=0" in p for p in BenchConfig(hosts=0).problems())
+    assert any("colocated" in p for p in BenchConfig(layout="colocated", hosts=2).problems())
+    assert any("--inference=1" in p for p in BenchConfig(inference=1, hosts=3).problems())
+
+
+def test_bench_two_hosts_columns_to_replicas_crosses_the_model_once():
+    from tritonreshard.apps.bench import BenchConfig, BenchSession
+    cfg = BenchConfig(size=1 << 20, layout="cols-replicas", trainers=2, inference=4, hosts=2, timeout=120)
+    with BenchSession(cfg) as s:
+        r = s.refits("tritonreshard", 2, verify=True)
+        assert r["verified"]
+        model = s.model_bytes
+        assert s.cross_host_bytes() == model           # the engine's own accounting
+        base = s.baseline_cross_host_bytes()
+        assert base["p2p"] == 4 * model and base["gather_broadcast"] == 4 * model
+        assert s.refits("p2p", 1, verify=True)["verified"]

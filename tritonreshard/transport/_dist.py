@@ -42,8 +42,8 @@ class LinkError(RuntimeError):
 
 
 def _peer_died(peer: int, message: str):
-    # The engine's PeerDiedError lives in the endpoint layer; imported late to keep layers one-way.
-    from tritonreshard.refit import PeerDiedError
+    # The group layer imports the transports, so its error class is imported when first needed.
+    from tritonreshard._group import PeerDiedError
     return PeerDiedError(peer, message)
 
 
