@@ -8,6 +8,7 @@ destination element bit for bit. Faults: a SIGKILLed sender or receiver on the o
 its peers raise PeerDiedError naming it, within the hard timeout.
 """
 import datetime
+import gc
 import math
 import os
 import signal
@@ -23,6 +24,7 @@ from tritonreshard._hostplan import plan_hosts, plan_messages
 from tritonreshard.transport import pack_offsets
 from tritonreshard.transport._dist import CrossHostCopy, DistLink, LinkError
 
+from _faults import our_fds, our_maps
 from _mp import free_port, run_ranks
 
 
@@ -280,6 +282,11 @@ def _engine_worker(rank, world, port, sc):
         report["hp_cross"] = hp.cross_host_bytes if hp is not None else None
         # Ranks on another host never map this rank's memory: every arena it opened is on its host.
         report["sources"] = hp.local_sources_of(rank) if hp is not None and infer else ()
+    del ep, hp
+    t = None  # the loops' last arena view: a view keeps its mapping alive
+    gc.collect()
+    # Closed, even after a peer died: no receive buffer, arena or control block of ours stays open.
+    report["leftover"] = our_fds() + our_maps()
     return report
 
 
@@ -297,6 +304,7 @@ def test_engine_seed_example_across_two_hosts():
     # Receive buffers are the staging, counted where they live.
     assert {r: res[r]["staging"] for r in (2, 3, 4, 5)} == {r: hp.buffer_bytes.get(r, 0) for r in (2, 3, 4, 5)}
     assert all(res[r]["sources"] == () for r in (2, 3, 4, 5))  # nothing read from host a's memory
+    assert all(res[r]["leftover"] == [] for r in res), {r: res[r]["leftover"] for r in res}
 
 
 def test_engine_columns_to_replicas_four_inference_ranks_on_one_host():
@@ -334,6 +342,7 @@ def test_engine_killed_trainer_on_the_other_host_is_a_named_peer_died_error():
         who, msg = res[r]["died"]
         assert who == 1 and "rank 1" in msg, msg
         assert res[r]["version"] == 2  # still serving the last complete version
+    assert all(res[r]["leftover"] == [] for r in res), {r: res[r]["leftover"] for r in res}
 
 
 # ================================================================ bench --hosts
