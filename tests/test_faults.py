@@ -56,13 +56,14 @@ def test_kill_trainer_keeps_last_complete_version():
     assert "tritonreshard demo failed: rank 0 (trainer 0) exited with code -9: killed by SIGKILL" in out.stderr, \
         out.stderr[-3000:]
     assert s["error"].startswith("rank 0 (trainer 0)")
-    # The inference group rejected version K everywhere and serves K-1, whose gathered weights have
-    # the digest the trainers published for K-1.
-    assert s["inference_version"] == k - 1, s
+    # The kill lands once the inference group started pulling K. A pull of K that completed (copied,
+    # checked and acked) before the trainer died is a complete version; one still in flight is
+    # rejected by the post-copy liveness check. So the group serves K-1 or K, the same version on
+    # every rank, consistent, its gathered weights checked against the trainers' digest.
+    served = s["inference_version"]
+    assert served in (k - 1, k), s
     assert s["inference_consistent"] is True, s
-    # Each inference rank either saw its pull of K fail (the engine: "rank 0 (pid ...) died ... during
-    # the pull of version K") or, if the driver's abort came first, stopped before pulling K.
-    assert s["error"].count(f"the inference group serves version {k - 1}") == 4, s["error"]
+    assert s["error"].count(f"the inference group serves version {served}") == 4, s["error"]
     # Every survivor noticed within the bound (peer_timeout), with a generous margin for a busy CI box.
     assert s["detect_ms"] is not None and 0 <= s["detect_ms"] < 1e3 * (PEER_TIMEOUT + 10), s
 

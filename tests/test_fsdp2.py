@@ -40,6 +40,12 @@ def _rank(rank, store, fsdp_port):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{fsdp_port}", rank=rank,
                                 world_size=len(TRAINERS))
         try:
+            from tritonreshard import _fsdp
+
+            partial = _model()
+            fully_shard(partial[0])  # 2.weight / 2.bias stay plain tensors: named, before anything moves
+            with pytest.raises(ValueError, match=r"'2.weight' is not managed by fully_shard.*'2.bias'"):
+                _fsdp.FSDP2Source(partial)
             model, twin = _model(), _model()
             for m in (model, twin):  # twin: the same model and steps without tritonreshard
                 fully_shard(m[0])

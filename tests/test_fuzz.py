@@ -366,3 +366,37 @@ def test_endpoint_bad_call_arguments_name_the_parameter():
         assert ep.consistent and ep.version == 0
         assert ep.pull() == 1 and ep.consistent
         assert torch.equal(ep.tensors["w"], torch.arange(24.0).reshape(4, 6).bfloat16())
+
+
+# -- parts=: garbage mappings and boxes --------------------------------------------------------------
+interval = st.one_of(st.none(), st.tuples(ints, ints), st.builds(slice, ints, ints), garbage)
+valid_interval = st.one_of(st.none(), st.tuples(ints, ints), st.builds(slice, ints, ints))
+part = st.one_of(
+    st.builds(trs.Part, st.sampled_from(["a", "b", "c", None]), st.lists(valid_interval, max_size=3),
+              st.one_of(st.none(), st.lists(ints, max_size=3))),
+    garbage,
+)
+
+
+@FUZZ
+@given(st.one_of(st.none(), garbage), st.one_of(garbage, st.lists(interval, max_size=3)), garbage)
+def test_part_construction_garbage(src, dst, start):
+    try:
+        trs.Part(src, dst, start)
+    except (ValueError, TypeError) as exc:
+        assert "Part(" in str(exc), str(exc)
+
+
+@FUZZ
+@given(layout_dicts, layout_dicts,
+       st.one_of(st.dictionaries(st.one_of(st.sampled_from(["a", "b", "c"]), ints, st.text(max_size=2), st.none()),
+                                 st.one_of(st.lists(part, max_size=3), garbage), max_size=3), garbage))
+def test_plan_reshard_garbage_parts(src, dst, parts):
+    try:
+        plan = trs.plan_reshard(src, dst, parts)
+    except (ValueError, TypeError) as exc:
+        assert any(p in str(exc) for p in ("src_layouts", "dst_layouts", "parts", "Part(")), str(exc)
+        return
+    assert set(plan.names) == set(dst)
+    covered = sum(op.numel for op in plan.ops) + sum(f.numel for f in plan.fills)
+    assert covered == sum(lay.local_numel(r) for lay in dst.values() for r in lay.ranks)

@@ -20,6 +20,7 @@ def _configs():
         "llama": transformers.LlamaConfig(num_attention_heads=4, num_key_value_heads=2, **common),
         "llama_bias": transformers.LlamaConfig(num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
                                                mlp_bias=True, **common),
+        "llama_mha": transformers.LlamaConfig(num_attention_heads=4, num_key_value_heads=4, **common),
         "mistral": transformers.MistralConfig(num_attention_heads=8, num_key_value_heads=2, **common),
         "qwen2_tied": transformers.Qwen2Config(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
                                                **{k: v for k, v in common.items() if k != "head_dim"}),
@@ -30,7 +31,9 @@ def _configs():
     }
 
 
-CASES = [("llama", 1), ("llama", 2), ("llama", 4), ("llama_bias", 4), ("mistral", 8), ("mistral", 2),
+# KV heads (2, or 4 for llama_mha) vs tp: below (llama 1, llama_mha 2), at (llama 2), above (llama 4,
+# mistral 8: 4 replicas per KV head).
+CASES = [("llama", 1), ("llama", 2), ("llama", 4), ("llama_mha", 2), ("llama_bias", 4), ("mistral", 8), ("mistral", 2),
          ("qwen2_tied", 2), ("qwen2_tied", 4), ("qwen3", 2), ("qwen3", 4), ("qwen3_moe", 2), ("qwen3_moe", 4)]
 
 
@@ -232,3 +235,39 @@ def test_llama_refit_example_checks_every_rank_with_a_tp_forward():
     assert "2 zero fills" in out and "6 built from parts" in out
     for step in (0, 1):
         assert f"step {step}: loss" in out and "matches the HF model" in out
+
+
+VLLM_PYTHON = __import__("os").environ.get("TRITONRESHARD_VLLM_PYTHON")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not VLLM_PYTHON, reason="set TRITONRESHARD_VLLM_PYTHON to a Python with vLLM (CPU build)")
+@pytest.mark.parametrize("arch,tp,ep", [("llama", 4, False), ("qwen2_tied", 4, False), ("qwen3_moe", 2, False),
+                                        ("qwen3_moe", 2, True)])
+def test_hf_to_vllm_equals_real_vllm_load_weights(tmp_path, arch, tp, ep):
+    """vLLM itself (TP over gloo, its own load_weights) must hold exactly what the refit writes."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from _mp import free_port
+
+    config = _configs()[arch]
+    config.architectures = [{"llama": "LlamaForCausalLM", "qwen2_tied": "Qwen2ForCausalLM",
+                             "qwen3_moe": "Qwen3MoeForCausalLM"}[arch]]
+    full = _hf_params(config)
+    config.save_pretrained(tmp_path)
+    torch.save(full, tmp_path / "full.pt")
+    probe = Path(__file__).with_name("_vllm_probe.py")
+    proc = subprocess.run([VLLM_PYTHON, str(probe), str(tmp_path), str(tp), str(free_port()), str(tmp_path / "vllm")]
+                          + (["ep"] if ep else []), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    inference = list(range(2, 2 + tp))
+    spec = trs.recipes.hf_to_vllm(config, tp=tp, trainer_ranks=TRAINERS, inference_ranks=inference,
+                                  dtype=torch.float32, expert_parallel=ep)
+    _, got = _refit(spec, full)
+    for tp_rank, r in enumerate(inference):
+        vllm = torch.load(tmp_path / f"vllm.{tp_rank}.pt")
+        assert sorted(vllm) == sorted(got[r])
+        for name, w in vllm.items():
+            assert w.shape == got[r][name].shape and torch.equal(w, got[r][name]), (tp_rank, name)

@@ -13,13 +13,14 @@ most ``SLICE_S``, which is also how often dead peers are looked for (a dead proc
 Doorbell values are ``time.monotonic_ns()`` truncated to 32 bits, so two rings essentially never
 store the same value.
 
-Wake-up latency (measured by ``tests/test_wait.py`` and reported, not asserted): a few tens of
-microseconds, the cost of one futex wake plus a thread switch.
+Wake-up latency (printed by ``tests/test_wait.py``, not asserted): one futex wake plus the
+scheduler getting the sleeper onto a CPU; ~150 us p50 across processes on a 2-core machine at load
+average 10-20, far less on an idle one. A pull that finds its version already published never
+sleeps at all.
 """
 from __future__ import annotations
 
 import ctypes
-import os
 import platform
 import time
 

@@ -117,14 +117,16 @@ def _check_writable(out, src_shards, dst_req, src_req, problems) -> None:
 def execute_local(plan, src_shards, out=None, backend: str = "auto") -> dict[int, dict[str, torch.Tensor]]:
     """Run ``plan`` with every rank's tensors in this process; returns ``{dst_rank: {name: tensor}}``.
 
-    ``src_shards[rank][name]``: the local shard of a source rank (``name`` is the op's ``src_name``) (shape ``layout.local_shape(rank)``,
-    the source layout's dtype, any strides), for every (rank, name) an op reads. ``out``: the same
+    ``src_shards[rank][name]``: the local shard of a source rank (shape ``layout.local_shape(rank)``,
+    the source layout's dtype, any strides), for every (rank, name) an op reads (``name`` is the
+    op's ``src_name``: with ``parts=`` it differs from the destination's name). ``out``: the same
     nesting for every destination rank and name of the destination layouts, written in place and
     returned; if None, outputs are allocated (destination dtypes and local shapes, on the sources'
     device). ``backend``: ``"triton"`` (compiled on CUDA, Triton's interpreter on CPU tensors),
     ``"torch"`` (``copy_`` per op), ``"auto"`` (triton on CUDA, torch on CPU).
 
-    Every input is validated before any data moves; all problems are reported in one ``ValueError``.
+    Zero fills of the plan (``plan.fills``: padding such as vocab rows past the real vocab) are
+    written after the copies. Every input is validated before any data moves; all problems are reported in one ``ValueError``.
     The descriptor table is cached per (plan, tensor addresses/shapes/strides/dtypes), so repeated
     calls with the same ``out`` tensors (the refit pattern) skip building it. The cache (16 tables)
     holds references to the tensors it was built from; with ``out=None`` nothing is cached.

@@ -354,15 +354,23 @@ class Part:
     src_start: tuple[int, ...] | None = None
 
     def __init__(self, src, dst, src_start=None):
+        def ints(seq, what):
+            if isinstance(seq, (str, bytes)) or not isinstance(seq, Sequence) or any(
+                    isinstance(x, bool) or not isinstance(x, int) for x in seq):
+                raise TypeError(f"Part({what}): expected a sequence of ints, got {seq!r}")
+            return tuple(int(x) for x in seq)
+
         def norm(iv):
             if iv is None:
                 return None
             if isinstance(iv, slice):
                 if iv.step not in (None, 1) or iv.start is None or iv.stop is None:
                     raise ValueError(f"Part(dst=...): slice {iv!r} needs a start, a stop and step 1")
-                return (int(iv.start), int(iv.stop))
-            a, b = iv
-            return (int(a), int(b))
+                return ints((iv.start, iv.stop), f"dst={dst!r}")
+            pair = ints(iv, f"dst={dst!r}: each dim is (start, stop), a slice or None")
+            if len(pair) != 2:
+                raise TypeError(f"Part(dst={dst!r}): each dim is (start, stop), a slice or None, got {iv!r}")
+            return pair
 
         if src is not None and not isinstance(src, str):
             raise TypeError(f"Part(src={src!r}) must be a source tensor name (str) or None for padding")
@@ -370,7 +378,7 @@ class Part:
             raise TypeError(f"Part(dst={dst!r}) must be a sequence of (start, stop) per dim")
         object.__setattr__(self, "src", src)
         object.__setattr__(self, "dst", tuple(norm(iv) for iv in dst))
-        object.__setattr__(self, "src_start", None if src_start is None else tuple(int(x) for x in src_start))
+        object.__setattr__(self, "src_start", None if src_start is None else ints(src_start, f"src_start={src_start!r}"))
 
     def __str__(self) -> str:
         box = ", ".join(":" if iv is None else f"{iv[0]}:{iv[1]}" for iv in self.dst)

@@ -103,7 +103,9 @@ class RefitEndpoint:
         # A fully_shard model brings its layouts, and FSDP2 keeps training on the arena (see _fsdp).
         fsdp2 = None
         if isinstance(src_tensors, torch.nn.Module) and _fsdp.is_fsdp2(src_tensors):
-            fsdp2 = src_tensors = _fsdp.FSDP2Source(src_tensors)
+            src_tensors = _fsdp.FSDP2Source(src_tensors)
+        if isinstance(src_tensors, _fsdp.FSDP2Source):  # (also one built with a rank_map)
+            fsdp2 = src_tensors
             src_layouts = fsdp2.layouts if src_layouts is None else src_layouts
         bad = []
         if not isinstance(world_size, int) or world_size < 1:

@@ -346,11 +346,15 @@ class Subscriber:
         shadow mode keeps serving the previous version; in-place mode sets ``consistent = False``
         if the copy had started."""
         timeout = check_timeout("pull", timeout, self._attached("pull").group.timeout)
-        if self.mode == "shadow":
-            self.start_pull(version, timeout)
+        if self._thread is not None:  # a background pull is in flight: this pull is that one
             return self.swap(timeout=None)
         target = self.next_version(version)
-        self._pull_into(0, target, timeout, ready=self._ready_event())
+        # The caller waits anyway, so the copy runs on this thread (no thread start or join on
+        # the refit's critical path); shadow mode still writes the spare set and then swaps.
+        slot = 1 - self._serving if self.mode == "shadow" else 0
+        self._pull_into(slot, target, timeout, ready=self._ready_event())
+        if self.mode == "shadow":
+            self._serving = slot
         self.consistent = True
         self.version = target
         return target
