@@ -64,16 +64,16 @@ def simulate(hp, globals_):
             count.setdefault(r, {})[name] = torch.zeros(shape, dtype=torch.int64)
     for op in hp.local_ops:
         assert hp.host_of(op.src_rank) == hp.host_of(op.dst_rank), op
-        out[op.dst_rank][op.name][op.dst_slices] = src[op.src_rank][op.name][op.src_slices].to(
+        out[op.dst_rank][op.name][op.dst_slices] = src[op.src_rank][op.src_name][op.src_slices].to(
             plan.dst_layouts[op.name].dtype)
-        out_idx[op.dst_rank][op.name][op.dst_slices] = idx[op.src_rank][op.name][op.src_slices]
+        out_idx[op.dst_rank][op.name][op.dst_slices] = idx[op.src_rank][op.src_name][op.src_slices]
         count[op.dst_rank][op.name][op.dst_slices] += 1
     for f in hp.fanout:
         t = hp.transfers[f.transfer]
         assert f.receiver == t.receiver and hp.host_of(f.dst_rank) == t.dst_host, f
-        assert f.op.name == t.name
+        assert f.op.src_name == t.name
         view = bufs[t.receiver][t.offset:t.offset + t.nbytes].view(t.dtype).view(t.shape)
-        out[f.dst_rank][f.op.name][f.op.dst_slices] = view[f.op.src_slices].to(plan.dst_layouts[t.name].dtype)
+        out[f.dst_rank][f.op.name][f.op.dst_slices] = view[f.op.src_slices].to(plan.dst_layouts[f.op.name].dtype)
         out_idx[f.dst_rank][f.op.name][f.op.dst_slices] = idx_boxes[t.index][f.op.src_slices]
         count[f.dst_rank][f.op.name][f.op.dst_slices] += 1
     return out, out_idx, count, crossed

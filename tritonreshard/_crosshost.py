@@ -404,7 +404,7 @@ class HostSources(LocalSources):
     def order_key(self, op):
         t = self._fan.get(op)
         if t is None:
-            return (0, op.src_rank, self.exports[op.src_rank].offsets[op.name])
+            return (0, op.src_rank, self.exports[op.src_rank].offsets[op.src_name])
         return (1, t.receiver, t.offset)
 
     def view(self, op, plan):

@@ -126,7 +126,8 @@ def _split_box(box: Box, n: int) -> list[Box]:
 class CrossTransfer:
     """One box of a source rank's local shard that crosses from ``src_host`` into ``dst_host``.
 
-    ``src_rank`` sends ``name``'s local shard ``[box]`` (source dtype ``dtype``, ``nbytes`` bytes);
+    ``src_rank`` sends source tensor ``name``'s local shard ``[box]`` (source dtype ``dtype``,
+    ``nbytes`` bytes);
     ``receiver`` (on ``dst_host``) receives it at byte ``offset`` of its receive buffer, laid out as a
     contiguous tensor of ``shape``. ``contiguous``: the box is one range of the sender's shard, so it
     is sent straight from the sender's memory; otherwise the sender packs it first.
@@ -235,8 +236,8 @@ class HostPlan:
     def p2p_cross_host_bytes(self) -> int:
         """What point-to-point transfers of the plain plan would send across hosts (source dtype):
         every destination rank's own slices, a replicated byte once per rank that needs it."""
-        isz = {n: self.plan.src_layouts[n].itemsize for n in self.plan.names}
-        return sum(op.numel * isz[op.name] for op in self.plan.ops
+        src = self.plan.src_layouts
+        return sum(op.numel * src[op.src_name].itemsize for op in self.plan.ops
                    if self._hosts[op.src_rank] != self._hosts[op.dst_rank])
 
     @cached_property
@@ -399,7 +400,7 @@ def plan_hosts(plan: Plan, hosts: Mapping[int, str], *,
 
     # Source replicas: ranks holding identical regions of a tensor hold identical local shards.
     replicas: dict[tuple[str, int], tuple[int, ...]] = {}
-    for name in plan.names:
+    for name in sorted({op.src_name for op in plan.ops}):  # source tensors (parts= may rename)
         lay = src_lay[name]
         groups: dict[tuple, list[int]] = defaultdict(list)
         for r in lay.ranks:
@@ -420,14 +421,15 @@ def plan_hosts(plan: Plan, hosts: Mapping[int, str], *,
     # Re-source to a replica on the destination's host where there is one: nothing needs to cross.
     needs: dict[tuple[str, str, tuple[int, ...]], list[TransferOp]] = defaultdict(list)
     for op in remote:
-        group = replicas[(op.name, op.src_rank)]
+        group = replicas[(op.src_name, op.src_rank)]
         here = [r for r in group if host_of[r] == host_of[op.dst_rank]]
         if here:
             r = min(here, key=lambda c: (read_load[c], c))
-            local.append(TransferOp(op.name, r, op.dst_rank, op.src_slices, op.dst_slices, op.global_index))
+            local.append(TransferOp(op.name, r, op.dst_rank, op.src_slices, op.dst_slices, op.global_index,
+                                    op.src_name))
             read_load[r] += op.numel
         else:
-            needs[(host_of[op.dst_rank], op.name, group)].append(op)
+            needs[(host_of[op.dst_rank], op.src_name, group)].append(op)
 
     # Union of what each host needs of each replica group's shard, as disjoint merged boxes.
     items: dict[str, list[tuple[str, tuple[int, ...], Box]]] = defaultdict(list)
@@ -526,7 +528,8 @@ def plan_hosts(plan: Plan, hosts: Mapping[int, str], *,
                 dst = tuple(slice(ds.start + a - sa, ds.start + b - sa)
                             for (a, b), (sa, _), ds in zip(cut, src_box, op.dst_slices))
                 g = tuple(_cut_global(gi, a - sa, b - sa) for (a, b), (sa, _), gi in zip(cut, src_box, op.global_index))
-                fanout.append(FanoutOp(t.index, TransferOp(op.name, t.receiver, op.dst_rank, rel, dst, g)))
+                fanout.append(FanoutOp(t.index, TransferOp(op.name, t.receiver, op.dst_rank, rel, dst, g,
+                                                           op.src_name)))
     local.sort(key=lambda op: (op.name, op.dst_rank, tuple(s.start for s in op.dst_slices), op.src_rank))
     fanout.sort(key=lambda f: (f.op.name, f.dst_rank, tuple(s.start for s in f.op.dst_slices), f.transfer))
     return HostPlan(plan, host_of, tuple(local), tuple(transfers), tuple(fanout), buffer_bytes)

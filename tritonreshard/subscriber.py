@@ -154,11 +154,11 @@ class LocalSources:
 
     def order_key(self, op) -> tuple:
         """Table order: by source, then where the shard lives in the source's memory."""
-        return (op.src_rank, self.exports[op.src_rank].offsets[op.name])
+        return (op.src_rank, self.exports[op.src_rank].offsets[op.src_name])
 
     def view(self, op, plan) -> torch.Tensor:
         """The whole source tensor ``op`` indexes with its ``src_slices``."""
-        return self.tensor(op.src_rank, op.name, plan.src_layouts[op.name])
+        return self.tensor(op.src_rank, op.src_name, plan.src_layouts[op.src_name])
 
     def prepare(self, version: int) -> None:
         """Before the copy of ``version``: make the bytes of ``tensor()`` current. Local arenas are
