@@ -104,6 +104,7 @@ class BenchConfig:
     device: str = "cpu"
     mode: str = "shadow"
     timeout: float = 600.0
+    hosts: int = 1
 
     @property
     def num_trainers(self) -> int:
@@ -117,6 +118,17 @@ class BenchConfig:
     def inference_ranks(self) -> tuple[int, ...]:
         first = 0 if self.layout == "colocated" else self.num_trainers
         return tuple(range(first, first + self.inference))
+
+    def host_of(self, rank: int) -> str | None:
+        """Simulated host identity of ``rank`` (``$TRITONRESHARD_HOST``) when ``hosts > 1``: the
+        trainers on host 0, the inference ranks spread over hosts 1..N-1 in contiguous blocks.
+        None with one host: every rank keeps the machine's own identity."""
+        if self.hosts <= 1:
+            return None
+        if rank in self.trainer_ranks:
+            return "host0"
+        i = self.inference_ranks.index(rank)
+        return f"host{1 + i * (self.hosts - 1) // self.inference}"
 
     @property
     def world_size(self) -> int:
@@ -141,6 +153,14 @@ class BenchConfig:
             p.append(f"--backend={self.backend!r} must be torch or triton")
         if self.device not in ("cpu", "cuda"):
             p.append(f"--device={self.device!r} must be cpu or cuda")
+        if not isinstance(self.hosts, int) or self.hosts < 1:
+            p.append(f"--hosts={self.hosts!r} must be an int >= 1")
+        elif self.hosts > 1 and self.layout == "colocated":
+            p.append(f"--hosts={self.hosts} puts the trainers on host 0 and the inference ranks elsewhere, "
+                     f"but --layout=colocated runs both on the same processes")
+        elif self.hosts > 1 and self.inference < self.hosts - 1:
+            p.append(f"--hosts={self.hosts} spreads the inference ranks over {self.hosts - 1} host(s), "
+                     f"but --inference={self.inference}")
         return p
 
 
@@ -426,6 +446,9 @@ class _Rank:
 
         from tritonreshard.refit import RefitEndpoint
         self.rank, self.cfg = rank, cfg
+        host = cfg.host_of(rank)
+        if host is not None:  # the engine reads it when the endpoint joins its group
+            os.environ["TRITONRESHARD_HOST"] = host
         timeout = datetime.timedelta(seconds=cfg.timeout)
         if cfg.device == "cuda":
             self.device = torch.device("cuda", rank % torch.cuda.device_count())
@@ -543,7 +566,8 @@ class _Rank:
 
     def stats(self) -> dict:
         """Measured after refits: the most extra memory one of this rank's pulls allocated."""
-        return {"rank": self.rank, "staging_bytes": int(self.ep.staging_bytes) if self.is_dst else 0}
+        return {"rank": self.rank, "staging_bytes": int(self.ep.staging_bytes),
+                "cross_host_bytes": int(self.ep.cross_host_bytes)}
 
     def info(self) -> dict:
         return {"rank": self.rank,
@@ -728,6 +752,28 @@ class BenchSession:
         stats = self._command({"op": "refit", "method": "tritonreshard", "count": 0, "stats": True})["stats"]
         return sum(s["staging_bytes"] for s in stats)
 
+    def cross_host_bytes(self) -> int:
+        """The engine's own accounting: bytes its ranks received from other hosts in the last refit."""
+        stats = self._command({"op": "refit", "method": "tritonreshard", "count": 0, "stats": True})["stats"]
+        return sum(s["cross_host_bytes"] for s in stats)
+
+    def baseline_cross_host_bytes(self) -> dict:
+        """Bytes per refit the baselines move between hosts with the same placement: ``p2p`` sends
+        every destination rank's own slices; ``gather_broadcast`` broadcasts each full tensor to
+        every inference rank (counted as the bytes each rank on another host than the root
+        receives)."""
+        import tritonreshard as trs
+        src, dst = _layouts(self.cfg, self.model)
+        host = {r: self.cfg.host_of(r) for r in range(self.cfg.world_size)}
+        p2p = sum(op.numel * src[op.name].itemsize for op in trs.plan_reshard(src, dst).ops
+                  if host[op.src_rank] != host[op.dst_rank])
+        gb = 0
+        for t in self.model:
+            root = _gather_set(src[t.name])[0]
+            full = math.prod(t.shape) * src[t.name].itemsize
+            gb += full * sum(1 for r in _bcast_set(src[t.name], dst[t.name]) if host[r] != host[root])
+        return {"p2p": p2p, "gather_broadcast": gb}
+
     @property
     def plan_ops(self) -> int:
         return sum(i["plan_ops_dst"] for i in self.rank_info)
@@ -786,6 +832,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help=f"comma-separated subset of {','.join(METHODS)} (default: all)")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds for set-up and for each command's refits; also bounds every wait")
+    parser.add_argument("--hosts", type=int, default=1,
+                        help="simulate N hosts on this machine (a TRITONRESHARD_HOST per rank): trainers on "
+                             "host 0, inference ranks spread over hosts 1..N-1; the JSON adds cross_host_bytes "
+                             "per method (default 1: every rank on this host)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
     return parser
 
@@ -793,7 +843,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def _config(args) -> BenchConfig:
     return BenchConfig(size=parse_size(args.size), layout=args.layout, trainers=args.trainers,
                        inference=args.inference, tensors=args.tensors, backend=args.backend or "auto",
-                       device=args.device, mode=args.mode, timeout=args.timeout)
+                       device=args.device, mode=args.mode, timeout=args.timeout, hosts=args.hosts)
 
 
 def _result(seconds: list[float], nbytes: int) -> dict:
@@ -839,6 +889,10 @@ def measure(session: BenchSession, methods, repeats: int, warmup: int) -> dict:
         results["tritonreshard"]["coordination_ms_all"] = [1e3 * c for c in coords]
     if "tritonreshard" in results:
         results["tritonreshard"]["staging_bytes"] = session.staging_bytes()
+        results["tritonreshard"]["cross_host_bytes"] = session.cross_host_bytes()
+    for m, b in session.baseline_cross_host_bytes().items():
+        if m in results:
+            results[m]["cross_host_bytes"] = b
     out = {"bytes": nbytes, "results": results}
     ours = results.get("tritonreshard")
     if ours:
@@ -859,7 +913,7 @@ def measure(session: BenchSession, methods, repeats: int, warmup: int) -> dict:
         "layout": cfg.layout, "trainers": cfg.num_trainers, "inference": cfg.inference, "device": cfg.device,
         "mode": cfg.mode, "backend": session.rank_info[-1]["backend"], "baseline_transport": transport,
         "model_bytes": session.model_bytes, "tensors": len(session.model), "plan_ops": session.plan_ops,
-        "repeats": repeats, "warmup": warmup, "processes": cfg.world_size,
+        "repeats": repeats, "warmup": warmup, "processes": cfg.world_size, "hosts": cfg.hosts,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                     "python": platform.python_version(),
                     "gpu": torch.cuda.get_device_name(0) if cfg.device == "cuda" else None},
@@ -894,6 +948,11 @@ def _table(out: dict) -> str:
                      f"{ours['descriptors']} descriptors "
                      f"over the inference ranks" + (f", overhead beyond memcpy {ours['overhead_per_tensor_us']:.1f} "
                                                     f"us per tensor" if "overhead_per_tensor_us" in ours else ""))
+    if out.get("hosts", 1) > 1:
+        cross = ", ".join(f"{m} {_fmt_bytes(res[m]['cross_host_bytes'])}" for m in METHODS
+                          if "cross_host_bytes" in res.get(m, {}))
+        lines.append(f"{out['hosts']} simulated hosts (trainers on host0): bytes across hosts per refit: "
+                     f"{cross} (model {_fmt_bytes(out['model_bytes'])})")
     lines.append(f"baselines over {out['baseline_transport']}; {out['processes']} processes on "
                  f"{out['machine']['cpus']} CPUs")
     return "\n".join(lines)

@@ -170,10 +170,13 @@ def validate_members(members: list[Member], world_size: int) -> Plan:
         raise ValueError(f"refit group {world_size} ranks: {len(problems)} problem(s), "
                          f"nothing was moved:\n  - " + "\n  - ".join(problems))
     host = {m.rank: m.host for m in members}
-    cross = sorted({(op.src_rank, op.dst_rank) for op in plan.ops if host[op.src_rank] != host[op.dst_rank]})
-    if cross:  # every rank sees the same pairs, so every rank raises
-        raise NotImplementedError(f"refit across hosts is not supported yet (pairs {cross[:8]}): every "
-                                  f"source and destination rank must share one host identity")
+    if any(host[op.src_rank] != host[op.dst_rank] for op in plan.ops):
+        # One point-to-point process group carries the cross-host bytes: gloo or NCCL, not both.
+        kinds = {m.rank: m.device.split(":")[0] for m in members}
+        if len(set(kinds.values())) > 1:  # every rank sees the same, so every rank raises
+            raise ValueError(f"refit group {world_size} ranks: ranks on several hosts must all use cuda or all "
+                             f"use cpu (the cross-host transfers run over one NCCL or gloo group), got "
+                             f"devices {kinds}; nothing was moved")
     return plan
 
 
@@ -298,6 +301,14 @@ class Group:
     def check_abort(self, controls, what: str) -> None:
         for c in controls:
             if c.state == STATE_ABORT:
+                who = c.abort_rank
+                m = self.members.get(who)
+                if m is not None and m.host != self.host:
+                    # Only a relay on this host sets another host's rank: that rank died on the wire.
+                    err = PeerDiedError(who, f"rank {self.rank}: rank {who} on host {m.host!r} died (seen by "
+                                             f"a relay on this host) while waiting for {what}")
+                    self.end(err)
+                    raise err
                 raise RefitError(f"rank {self.rank}: the group was aborted ({c.abort_reason()}) "
                                  f"while waiting for {what}")
 

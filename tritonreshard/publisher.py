@@ -77,10 +77,17 @@ class Publisher:
                 params[name].data = view
         self._control.publish(self.published)
         self.exports = Exports(self.rank, self._arena.export(), self._control.export(), dict(zip(names, offsets)))
+        #: Cross-host sends of a group spanning hosts (set by the endpoint; see ``_crosshost``).
+        self.cross = None
         group.beat_into(self._control)
         for r in self.readers:
             if r != self.rank:
                 group.watch(r, self._control)
+
+    @property
+    def arena_bytes(self) -> torch.Tensor:
+        """The whole arena as a flat uint8 tensor (offsets as in ``exports.offsets``)."""
+        return self._arena.tensor(0, (self._arena.nbytes,), torch.uint8)
 
     @property
     def control(self):
@@ -103,6 +110,8 @@ class Publisher:
         self.published += 1
         self._fenced_version = self.published
         self._control.publish(self.published)
+        if self.cross is not None:
+            self.cross.published(self.published)
         return self.published
 
     def fence(self, timeout: float | None = None) -> None:
@@ -123,10 +132,13 @@ class Publisher:
                         peers=[r for r in readers if r != self.rank], controls=[control],
                         doorbell=control.doorbell,
                         status=lambda: f"still behind, rank: acked version = {behind()}")
+        if self.cross is not None:  # readers on other hosts: the sends to their relays completed
+            self.cross.fence(timeout)
 
     def fenced(self) -> bool:
         """True when every reader acked the last published version (no waiting)."""
-        return all(self._control.acked_version(r) >= self._fenced_version for r in self.readers)
+        return (all(self._control.acked_version(r) >= self._fenced_version for r in self.readers)
+                and (self.cross is None or self.cross.fenced()))
 
     def abort(self) -> None:
         if self._control is not None:

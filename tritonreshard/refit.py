@@ -36,12 +36,14 @@ keeps serving its last complete version and joins the trainers' next epoch with 
 """
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 
 import torch
 
 from . import _fsdp
+from ._crosshost import CrossHost, HostSources, spans_hosts
 from ._group import (Group, Member, PeerDiedError, RefitError, check_timeout, connect,
                      host_identity)
 from .execute import writable_problem
@@ -159,6 +161,7 @@ class RefitEndpoint:
                                                       timeout=self.timeout, host_store=host_store)
         self.publisher: Publisher | None = None
         self.subscriber: Subscriber | None = None
+        self._cross: CrossHost | None = None
         self.group = self._new_group(epoch)
         self.plan = self.group.join(self._member)  # every rank raises the same ValueError here
 
@@ -190,11 +193,25 @@ class RefitEndpoint:
     def _attach(self, group: Group, plan) -> None:
         exports = group.exchange("exports", self.publisher.exports if self.publisher is not None
                                  else Exports(self.rank))
+        sources = None
+        if self._cross is not None:  # the previous epoch's relays and process group
+            self._cross.close()
+            self._cross = None
+        if spans_hosts(plan, {r: m.host for r, m in group.members.items()}):
+            # Every rank takes part: the point-to-point process group is collective.
+            self._cross = CrossHost(group, plan, exports, publisher=self.publisher, device=self.device)
+            self._cross.open_relays(group.exchange("relays", self._cross.exports))
+            sources = functools.partial(HostSources, cross=self._cross)
+            if self.publisher is not None:
+                self.publisher.cross = self._cross
         if self.subscriber is not None:
-            self.subscriber.attach(group, plan, exports, local=self.publisher)
+            self.subscriber.attach(group, plan, exports, local=self.publisher, sources=sources)
         group.finish_setup()  # everyone mapped what it needs ...
         if self.publisher is not None:
             self.publisher.unlink()  # ... so owners stop handing their arenas out
+        if self._cross is not None:
+            self._cross.unlink()
+            self._cross.start()
 
     # ------------------------------------------------------------------ local validation
     def _local_sources(self, tensors, layouts):
@@ -421,7 +438,19 @@ class RefitEndpoint:
     def staging_bytes(self) -> int:
         """Destination side: the most extra memory one pull allocated, as measured (see
         ``tritonreshard.subscriber``); 0 for a trainer-only rank."""
-        return self.subscriber.staging_bytes if self.subscriber is not None else 0
+        pulls = self.subscriber.staging_bytes if self.subscriber is not None else 0
+        return pulls + (self._cross.staging_bytes if self._cross is not None else 0)
+
+    @property
+    def cross_host_bytes(self) -> int:
+        """Bytes this rank received from other hosts in its last refit (0 when the group is on one
+        host); summed over the ranks: the bytes per refit that crossed between hosts."""
+        return self._cross.bytes_received if self._cross is not None else 0
+
+    @property
+    def host_plan(self):
+        """The group's :class:`~tritonreshard._hostplan.HostPlan` (None when it is on one host)."""
+        return self._cross.hp if self._cross is not None else None
 
     def available_version(self) -> int:
         """Destination side: the newest version every source of this rank has published."""
@@ -501,12 +530,14 @@ class RefitEndpoint:
             return
         self._released = True
         if abort:
-            for part in (self.subscriber, self.publisher):
+            for part in (self.subscriber, self.publisher, self._cross):
                 if part is not None:
                     part.abort()
         self.group.close()  # stops heartbeats and wakes nobody: waits in this process end below
         if self.subscriber is not None:
             self.subscriber.close()
+        if self._cross is not None:
+            self._cross.close()
         if self.publisher is not None:
             self.publisher.close()
 

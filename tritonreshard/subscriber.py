@@ -149,6 +149,18 @@ class LocalSources:
             return self.local.tensors[name]
         return self._arenas[rank].tensor(self.exports[rank].offsets[name], layout.local_shape(rank), layout.dtype)
 
+    def ops(self, plan, rank: int) -> tuple:
+        """The ops ``rank`` runs from these sources."""
+        return plan.ops_for_dst(rank)
+
+    def order_key(self, op) -> tuple:
+        """Table order: by source, then where the shard lives in the source's memory."""
+        return (op.src_rank, self.exports[op.src_rank].offsets[op.src_name])
+
+    def view(self, op, plan) -> torch.Tensor:
+        """The whole source tensor ``op`` indexes with its ``src_slices``."""
+        return self.tensor(op.src_rank, op.src_name, plan.src_layouts[op.src_name])
+
     def prepare(self, version: int) -> None:
         """Before the copy of ``version``: make the bytes of ``tensor()`` current. Local arenas are
         read in place, so nothing to do; a cross-host receiver receives here."""
@@ -218,9 +230,10 @@ class Subscriber:
         self._serving = 0
 
     # ------------------------------------------------------------------ epochs
-    def attach(self, group: Group, plan: Plan, exports: dict, *, local=None) -> None:
+    def attach(self, group: Group, plan: Plan, exports: dict, *, local=None, sources=None) -> None:
         """Read from ``group``'s sources: map their arenas, build one descriptor table per buffer
-        set. The buffers (and the serving version) are kept."""
+        set. The buffers (and the serving version) are kept. ``sources``: a factory for this epoch
+        instead of the subscriber's (e.g. the cross-host one)."""
         fills = plan.fills_for_dst(self.rank)
         if set(fills) != set(self.fills):  # the same layouts and parts join every epoch
             raise RefitError(f"rank {self.rank}: epoch {group.epoch}'s plan zero-fills {len(fills)} "
@@ -228,23 +241,23 @@ class Subscriber:
                              f"{len(self.fills)}: a subscriber keeps its destination layouts and parts")
         self.detach()
         self.group = group
-        self.sources = self._sources_factory(group, exports, plan.sources_of(self.rank), local=local,
-                                             device=self.device)
+        self.sources = (sources or self._sources_factory)(group, exports, plan.sources_of(self.rank),
+                                                          local=local, device=self.device)
         for s, c in self.sources.remote.items():
             group.beat_into(c)
             group.watch(s, c)
         pos = {n: i for i, n in enumerate(self._order)}
-        offsets = {s: exports[s].offsets for s in plan.sources_of(self.rank)}
         # Sources are keyed by the source tensor's name (op.src_name), destination buffers by the
         # destination's (op.name): they differ for parts= plans (q/k/v -> qkv_proj, ...).
-        ops = sorted(plan.ops_for_dst(self.rank), key=lambda op: (
-            op.src_rank, offsets[op.src_rank][op.src_name], pos[op.name], tuple(s.start for s in op.dst_slices)))
+        src = self.sources
+        ops = sorted(src.ops(plan, self.rank), key=lambda op: (
+            *src.order_key(op), pos[op.name], tuple(s.start for s in op.dst_slices)))
         full = {}
 
         def src_view(op):
-            key = (op.src_rank, op.src_name)
+            key = src.order_key(op)
             if key not in full:
-                full[key] = self.sources.tensor(op.src_rank, op.src_name, plan.src_layouts[op.src_name])
+                full[key] = src.view(op, plan)
             return full[key]
 
         self._tables = [DescriptorTable.build(ops, src=src_view, dst=lambda op, b=bufs: b[op.name])

@@ -129,6 +129,11 @@ class ControlBlock:
         self._slots[_STATE * LINE] = STATE_ABORT
         self.ring()
 
+    @property
+    def abort_rank(self) -> int | None:
+        """The rank named by the abort word (None unless aborted)."""
+        return int(self._slots[_ABORT_RANK * LINE]) if self.state == STATE_ABORT else None
+
     def abort_reason(self) -> str | None:
         if self.state == STATE_ABORT:
             return f"rank {int(self._slots[_ABORT_RANK * LINE])} set the abort word"

@@ -1,0 +1,369 @@
+"""Cross-host refits over torch.distributed point-to-point, with hosts simulated on one machine.
+
+Every rank runs in its own process with its own host identity. Senders send their host plan's
+messages straight from an arena-like flat buffer (provenance data: every element's value encodes
+its global index and the version); receivers receive into their receive buffers, which come back
+to the test; the test then runs the local and fan-out ops on those bytes and compares every
+destination element bit for bit. Faults: a SIGKILLed sender or receiver on the other host makes
+its peers raise PeerDiedError naming it, within the hard timeout.
+"""
+import datetime
+import gc
+import math
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tritonreshard as trs
+from tritonreshard import Layout, Replicate, Shard
+from tritonreshard._hostplan import plan_hosts, plan_messages
+from tritonreshard.transport import pack_offsets
+from tritonreshard.transport._dist import CrossHostCopy, DistLink, LinkError
+
+from _faults import our_fds, our_maps
+from _mp import free_port, run_ranks
+
+
+def _value(version: int, global_index: torch.Tensor, dtype) -> torch.Tensor:
+    # Exact in float32 (< 2**24) and bfloat16-safe only for small tensors: the tests below use
+    # float32 for provenance checks.
+    return (global_index + version * 100_000).to(dtype)
+
+
+def _arena_layout(plan, rank):
+    """Deterministic arena packing of a source rank's shards (every rank computes the same)."""
+    names = [n for n in plan.names if rank in plan.src_layouts[n].ranks]
+    sizes = [plan.src_layouts[n].local_numel(rank) * plan.src_layouts[n].itemsize for n in names]
+    offsets, total = pack_offsets(sizes)
+    return dict(zip(names, offsets)), total
+
+
+def _setup(rank, world, port, src, dst, hosts, device="cpu"):
+    plan = trs.plan_reshard(src, dst)
+    src_offsets = {}
+    for r in plan.src_ranks:
+        offs, _ = _arena_layout(plan, r)
+        src_offsets.update({(r, n): o for n, o in offs.items()})
+    hp = plan_hosts(plan, hosts, src_offsets=src_offsets)
+    msgs = plan_messages(hp, src_offsets)
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=30))
+    if device == "cuda":
+        device = f"cuda:{rank}"
+        torch.cuda.set_device(device)
+    link = DistLink(store, rank=rank, world_size=world, timeout=20.0, prefix="test-dist/", device=device)
+    arena = shard = None
+    if rank in plan.src_ranks:
+        offs, total = _arena_layout(plan, rank)
+        arena = torch.zeros(total, dtype=torch.uint8, device=device)
+        shard = {n: arena[o:o + plan.src_layouts[n].local_numel(rank) * plan.src_layouts[n].itemsize]
+                 .view(plan.src_layouts[n].dtype).view(plan.src_layouts[n].local_shape(rank))
+                 for n, o in offs.items()}
+    recv = torch.full((hp.buffer_bytes.get(rank, 0),), 0xA5, dtype=torch.uint8, device=device)
+    copy = CrossHostCopy(link, msgs, hp.transfers, arena=arena, shard=shard,
+                         recv_buffer=recv if rank in hp.buffer_bytes else None)
+    return plan, hp, store, link, shard, recv, copy
+
+
+def _fill(plan, shard, rank, version):
+    for n, t in shard.items():
+        lay = plan.src_layouts[n]
+        g = torch.arange(lay.numel, dtype=torch.int64).reshape(lay.shape)
+        t.copy_(_value(version, lay.shard(g, rank), t.dtype).to(t.device))
+
+
+def _rank_refits(rank, world, port, src, dst, hosts, versions, device="cpu"):
+    """One rank: ``versions`` refits over the wire. Returns the receive buffer after each."""
+    os.environ["TRITONRESHARD_HOST"] = hosts[rank]
+    plan, hp, store, link, shard, recv, copy = _setup(rank, world, port, src, dst, hosts, device)
+    got = []
+    for v in range(1, versions + 1):
+        if shard:
+            _fill(plan, shard, rank, v)
+        pending_recv = copy.start_recvs()
+        pending_send = copy.start_sends(v)
+        if pending_send is not None:
+            pending_send.wait()
+        if pending_recv is not None:
+            pending_recv.wait()
+            copy.check_headers(v)
+        got.append(recv.cpu().numpy().tobytes())  # plain bytes: tensors would travel as fds of a dead process
+    stats = (copy.bytes_sent_per_refit, copy.bytes_received_per_refit, copy.num_messages,
+             copy.send_staging_bytes)
+    store.set(f"done/{rank}", "1")
+    if rank == 0:  # the store's host outlives everyone's use of it
+        store.wait([f"done/{r}" for r in range(world)], datetime.timedelta(seconds=30))
+    link.close()
+    return got, stats
+
+
+def _check_outputs(plan, hp, buffers, version):
+    """Local + fan-out ops on the received bytes; every destination element bit for bit."""
+    src = {}
+    for n, lay in plan.src_layouts.items():
+        g = torch.arange(lay.numel, dtype=torch.int64).reshape(lay.shape)
+        for r in lay.ranks:
+            src.setdefault(r, {})[n] = _value(version, lay.shard(g, r), lay.dtype)
+    for n, lay in plan.dst_layouts.items():
+        g = torch.arange(lay.numel, dtype=torch.int64).reshape(lay.shape)
+        for r in lay.ranks:
+            out = torch.full(lay.local_shape(r), float("nan"), dtype=lay.dtype)
+            for op in hp.local_ops_for_dst(r):
+                if op.name == n:
+                    out[op.dst_slices] = src[op.src_rank][n][op.src_slices].to(lay.dtype)
+            for f in hp.fanout_for_dst(r):
+                if f.op.name == n:
+                    t = hp.transfers[f.transfer]
+                    box = buffers[t.receiver][t.offset:t.offset + t.nbytes].view(t.dtype).view(t.shape)
+                    out[f.op.dst_slices] = box[f.op.src_slices].to(lay.dtype)
+            want = _value(version, lay.shard(g, r), plan.src_layouts[n].dtype).to(lay.dtype)
+            assert torch.equal(out.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8)), \
+                f"{n} on rank {r}, version {version}"
+
+
+def _run(src, dst, hosts, versions=2, device="cpu"):
+    world = len(hosts)
+    res = run_ranks(_rank_refits, world, args=(world, free_port(), src, dst, hosts, versions, device),
+                    timeout=120)
+    plan = trs.plan_reshard(src, dst)
+    hp = plan_hosts(plan, hosts, src_offsets={
+        (r, n): o for r in plan.src_ranks for n, o in _arena_layout(plan, r)[0].items()})
+    for v in range(1, versions + 1):
+        _check_outputs(plan, hp, {r: torch.frombuffer(bytearray(res[r][0][v - 1]), dtype=torch.uint8)
+                                  for r in res if res[r][0][v - 1]}, v)
+    stats = {r: res[r][1] for r in res}
+    # What crossed, counted by both ends, is the host plan's cross-host bytes.
+    assert sum(s[0] for s in stats.values()) == sum(s[1] for s in stats.values()) == hp.cross_host_bytes
+    return hp, stats
+
+
+def _hosts(spec):
+    return {r: h for h, ranks in spec.items() for r in ranks}
+
+
+def test_seed_example_across_two_hosts_over_gloo():
+    src = {"w": Layout((8, 8), 2, [Shard(0)])}
+    dst = {"w": Layout((8, 8), [2, 3, 4, 5], [Shard(1)])}
+    hp, stats = _run(src, dst, _hosts({"a": [0, 1], "b": [2, 3, 4, 5]}))
+    assert hp.cross_host_bytes == 256
+    # Each trainer sends its whole shard once: one header + one message.
+    assert stats[0][2] == stats[1][2] == 1 and stats[0][3] == 0
+
+
+@pytest.mark.cuda
+def test_nccl_between_two_gpus_on_two_simulated_hosts():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("NCCL needs one GPU per rank: 2 GPUs")
+    src = {"w": Layout((64, 96), 1, [Replicate()], torch.bfloat16), "c": Layout((40, 24), 1, [Replicate()])}
+    dst = {"w": Layout((64, 96), [1], [Replicate()], torch.bfloat16), "c": Layout((40, 24), [1], [Shard(1)])}
+    hp, stats = _run(src, dst, _hosts({"a": [0], "b": [1]}), versions=3, device="cuda")
+    assert hp.cross_host_bytes == 64 * 96 * 2 + 40 * 24 * 4
+
+
+def test_columns_to_replicas_four_ranks_on_one_host_each_byte_once():
+    src, dst = {}, {}
+    for i in range(6):
+        shape = (48, 64 + 16 * i)
+        src[f"t{i}"] = Layout(shape, 2, [Shard(1)])
+        dst[f"t{i}"] = Layout(shape, [2, 3, 4, 5], [Replicate()])
+    hp, stats = _run(src, dst, _hosts({"a": [0, 1], "b": [2, 3, 4, 5]}), versions=3)
+    model = sum(l.numel * 4 for l in dst.values())
+    assert hp.cross_host_bytes == model and hp.p2p_cross_host_bytes == 4 * model
+    assert all(stats[r][1] > 0 for r in (2, 3, 4, 5))  # every inference rank receives a share
+
+
+def test_overlapping_meshes_and_packed_boxes_three_hosts():
+    src = {"w": Layout((12, 10), [0, 1, 2, 3], [Shard(0)]),
+           "b": Layout((30,), [0, 1, 2, 3], [Shard(0)], torch.bfloat16)}
+    dst = {"w": Layout((12, 10), [2, 3, 4, 5], [Shard(1)]),
+           "b": Layout((30,), [2, 3, 4, 5], [Replicate()], torch.float32)}
+    hp, stats = _run(src, dst, _hosts({"a": [0, 1], "b": [2, 3], "c": [4, 5]}))
+    assert any(not t.contiguous for t in hp.transfers)  # column halves of row shards: packed
+    assert sum(s[3] for s in stats.values()) == hp.send_staging_bytes > 0
+
+
+# ---------------------------------------------------------------- faults
+def _rank_fault(rank, world, port, src, dst, hosts, victim, when):
+    os.environ["TRITONRESHARD_HOST"] = hosts[rank]
+    plan, hp, store, link, shard, recv, copy = _setup(rank, world, port, src, dst, hosts)
+    # Everyone connected (first refit completes) before the fault.
+    for v in (1, 2):
+        if rank == victim and v == 2 and when == "before-send":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if shard:
+            _fill(plan, shard, rank, v)
+        pr, ps = copy.start_recvs(), copy.start_sends(v)
+        try:
+            if ps is not None:
+                ps.wait(timeout=30)
+            if pr is not None:
+                pr.wait(timeout=30)
+                copy.check_headers(v)
+        except trs.PeerDiedError as exc:
+            t0 = time.monotonic()
+            with pytest.raises(LinkError, match="broken"):
+                copy.start_recvs() if pr is not None else copy.start_sends(v + 1)
+            return ("died", exc.rank, str(exc), v, time.monotonic() - t0)
+    return ("ok",)
+
+
+@pytest.mark.parametrize("victim", [0, 3], ids=["sender", "receiver"])
+def test_killed_rank_on_the_other_host_is_a_named_peer_died_error(victim):
+    src = {"w": Layout((64, 64), 2, [Shard(0)])}
+    dst = {"w": Layout((64, 64), [2, 3], [Replicate()])}
+    hosts = _hosts({"a": [0, 1], "b": [2, 3]})
+    world = 4
+    res = run_ranks(_rank_fault, world, args=(world, free_port(), src, dst, hosts, victim, "before-send"),
+                    timeout=90, victims=[victim], allow_errors=True)
+    hp = plan_hosts(trs.plan_reshard(src, dst), hosts)
+    # The victim's peers over the wire are exactly the ones that must see it die.
+    peers = {t.receiver for t in hp.sends_of(victim)} | {t.src_rank for t in hp.recvs_of(victim)}
+    assert peers
+    for r in peers:
+        status, value = res[r]
+        assert status == "ok" and value[0] == "died", (r, res[r])
+        _, who, msg, v, _ = value
+        # PeerDiedError, not TimeoutError: the closed connection was noticed, not the 20 s timeout.
+        assert who == victim and f"rank {victim}" in msg and v == 2, msg
+
+
+# ================================================================ the engine across hosts
+def _global(name_id, layout, version):
+    n = math.prod(layout.shape)
+    return (torch.arange(n, dtype=torch.float64) + 1000 * version + 100000 * name_id).reshape(layout.shape)
+
+
+def _engine_worker(rank, world, port, sc):
+    os.environ["TRITONRESHARD_HOST"] = sc["hosts"][rank]
+    torch.set_num_threads(1)
+    src, dst = sc["src"], sc["dst"]
+    ids = {n: i for i, n in enumerate(sorted(dst))}
+    trainer, infer = rank in sc["trainers"], rank in sc["inference"]
+    kw = dict(rank=rank, world_size=world, store=f"127.0.0.1:{port}", timeout=60, peer_timeout=sc.get("peer_timeout", 10))
+    if trainer:
+        kw.update(src_tensors={n: l.shard(_global(ids[n], l, 1).to(l.dtype), rank)
+                               for n, l in src.items() if rank in l.ranks}, src_layouts=src)
+    if infer:
+        kw.update(dst_layouts=dst, mode=sc.get("mode", "shadow"))
+    report = {"died": None, "cross": []}
+    with trs.RefitEndpoint(**kw) as ep:
+        try:
+            for v in range(1, sc.get("versions", 3) + 1):
+                if trainer:
+                    ep.fence()
+                    if v > 1:
+                        for n, t in ep.source_tensors.items():
+                            t.copy_(src[n].shard(_global(ids[n], src[n], v).to(src[n].dtype), rank))
+                    if sc.get("kill") == (rank, v):
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    assert ep.publish() == v
+                if infer:
+                    assert ep.pull() == v
+                    for n, t in ep.tensors.items():
+                        want = dst[n].shard(_global(ids[n], src[n], v).to(src[n].dtype), rank).to(dst[n].dtype)
+                        assert torch.equal(t.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8)), \
+                            f"rank {rank} {n} v{v}"
+                    report["cross"].append(ep.cross_host_bytes)
+            if trainer:
+                ep.fence()
+        except trs.PeerDiedError as exc:
+            report["died"] = (exc.rank, str(exc))
+            if infer:  # the serving weights stay the last complete version
+                report["version"] = ep.version
+                for n, t in ep.tensors.items():
+                    want = dst[n].shard(_global(ids[n], src[n], ep.version).to(src[n].dtype), rank).to(dst[n].dtype)
+                    assert torch.equal(t, want)
+        report["staging"] = ep.staging_bytes
+        report["handles"] = ep.handles_opened
+        hp = ep.host_plan
+        report["hp_cross"] = hp.cross_host_bytes if hp is not None else None
+        # Ranks on another host never map this rank's memory: every arena it opened is on its host.
+        report["sources"] = hp.local_sources_of(rank) if hp is not None and infer else ()
+    del ep, hp
+    t = None  # the loops' last arena view: a view keeps its mapping alive
+    gc.collect()
+    # Closed, even after a peer died: no receive buffer, arena or control block of ours stays open.
+    report["leftover"] = our_fds() + our_maps()
+    return report
+
+
+def _engine(sc, world, **kw):
+    return run_ranks(_engine_worker, world, args=(world, free_port(), sc), timeout=180, **kw)
+
+
+def test_engine_seed_example_across_two_hosts():
+    sc = dict(src={"w": Layout((8, 8), 2, [Shard(0)])}, dst={"w": Layout((8, 8), [2, 3, 4, 5], [Shard(1)])},
+              trainers=[0, 1], inference=[2, 3, 4, 5], hosts=_hosts({"a": [0, 1], "b": [2, 3, 4, 5]}))
+    res = _engine(sc, 6)
+    hp = plan_hosts(trs.plan_reshard(sc["src"], sc["dst"]), sc["hosts"])
+    for v in range(3):  # the engine's own accounting: what the receivers got, every refit
+        assert sum(res[r]["cross"][v] for r in (2, 3, 4, 5)) == hp.cross_host_bytes == 256
+    # Receive buffers are the staging, counted where they live.
+    assert {r: res[r]["staging"] for r in (2, 3, 4, 5)} == {r: hp.buffer_bytes.get(r, 0) for r in (2, 3, 4, 5)}
+    assert all(res[r]["sources"] == () for r in (2, 3, 4, 5))  # nothing read from host a's memory
+    assert all(res[r]["leftover"] == [] for r in res), {r: res[r]["leftover"] for r in res}
+
+
+def test_engine_columns_to_replicas_four_inference_ranks_on_one_host():
+    src, dst = {}, {}
+    for i in range(4):
+        shape = (32, 48 + 16 * i)
+        src[f"t{i}"] = Layout(shape, 2, [Shard(1)], torch.float32)
+        dst[f"t{i}"] = Layout(shape, [2, 3, 4, 5], [Replicate()], torch.bfloat16)
+    sc = dict(src=src, dst=dst, trainers=[0, 1], inference=[2, 3, 4, 5], mode="inplace",
+              hosts=_hosts({"a": [0, 1], "b": [2, 3, 4, 5]}))
+    res = _engine(sc, 6)
+    model = sum(l.numel * 4 for l in src.values())
+    for v in range(3):
+        assert sum(res[r]["cross"][v] for r in (2, 3, 4, 5)) == model  # each byte once, not 4 times
+    assert all(res[r]["cross"][0] > 0 for r in (2, 3, 4, 5))
+
+
+def test_engine_overlapping_meshes_across_hosts():
+    src = {"w": Layout((12, 10), [0, 1, 2, 3], [Shard(0)]), "b": Layout((30,), [0, 1, 2, 3], [Shard(0)])}
+    dst = {"w": Layout((12, 10), [2, 3, 4, 5], [Shard(1)]), "b": Layout((30,), [2, 3, 4, 5], [Replicate()])}
+    sc = dict(src=src, dst=dst, trainers=[0, 1, 2, 3], inference=[2, 3, 4, 5],
+              hosts=_hosts({"a": [0, 1, 2], "b": [3, 4, 5]}))
+    res = _engine(sc, 6)
+    hp = plan_hosts(trs.plan_reshard(src, dst), sc["hosts"])
+    for v in range(3):
+        assert sum(res[r]["cross"][v] for r in (2, 3, 4, 5)) == hp.cross_host_bytes > 0
+    assert 3 in res[4]["sources"]  # rank 4 reads colocated rank 3's arena on its own host
+
+
+def test_engine_killed_trainer_on_the_other_host_is_a_named_peer_died_error():
+    sc = dict(src={"w": Layout((64, 64), 2, [Shard(0)])}, dst={"w": Layout((64, 64), [2, 3], [Replicate()])},
+              trainers=[0, 1], inference=[2, 3], hosts=_hosts({"a": [0, 1], "b": [2, 3]}), kill=(1, 3), peer_timeout=3)
+    res = _engine(sc, 4, victims=[1])
+    for r in (2, 3):
+        who, msg = res[r]["died"]
+        assert who == 1 and "rank 1" in msg, msg
+        assert res[r]["version"] == 2  # still serving the last complete version
+    assert all(res[r]["leftover"] == [] for r in res), {r: res[r]["leftover"] for r in res}
+
+
+# ================================================================ bench --hosts
+def test_bench_hosts_placement_and_bad_values():
+    from tritonreshard.apps.bench import BenchConfig
+    cfg = BenchConfig(layout="cols-replicas", trainers=2, inference=5, hosts=3)
+    assert [cfg.host_of(r) for r in range(7)] == ["host0", "host0", "host1", "host1", "host1", "host2", "host2"]
+    assert BenchConfig(hosts=1).host_of(0) is None
+    assert any("--hosts=0" in p for p in BenchConfig(hosts=0).problems())
+    assert any("colocated" in p for p in BenchConfig(layout="colocated", hosts=2).problems())
+    assert any("--inference=1" in p for p in BenchConfig(inference=1, hosts=3).problems())
+
+
+def test_bench_two_hosts_columns_to_replicas_crosses_the_model_once():
+    from tritonreshard.apps.bench import BenchConfig, BenchSession
+    cfg = BenchConfig(size=1 << 20, layout="cols-replicas", trainers=2, inference=4, hosts=2, timeout=120)
+    with BenchSession(cfg) as s:
+        r = s.refits("tritonreshard", 2, verify=True)
+        assert r["verified"]
+        model = s.model_bytes
+        assert s.cross_host_bytes() == model           # the engine's own accounting
+        base = s.baseline_cross_host_bytes()
+        assert base["p2p"] == 4 * model and base["gather_broadcast"] == 4 * model
+        assert s.refits("p2p", 1, verify=True)["verified"]

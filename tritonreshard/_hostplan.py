@@ -1,0 +1,589 @@
+"""Host-aware planning: which bytes cross between hosts, who receives them, and the fan-out after.
+
+Pure Python and deterministic, like :mod:`tritonreshard.plan` (no device, no Triton): every rank
+derives the same :class:`HostPlan` from the same :class:`~tritonreshard.plan.Plan` and rank -> host
+map.
+
+A plain plan reads every slice straight from the source rank that holds it. That is right inside one
+host (shared memory / CUDA IPC), but across hosts a byte that several ranks of one host need would
+cross the network once per rank (the NCCL M2N pattern). :func:`plan_hosts` rewrites the plan so that
+each byte needed on a host crosses into it exactly once:
+
+* **local ops**: ops whose source and destination share a host stay as they are. A cross-host op
+  whose source data also lives on the destination's host (a replica of the source shard there) is
+  re-sourced to that replica: it becomes a local op and nothing crosses.
+* **transfers** (:class:`CrossTransfer`): for each destination host, the union of the source boxes
+  its ranks still need from other hosts, per tensor and per set of source replicas, cut into
+  disjoint boxes of the source's local shard (merged as far as possible, so a whole shard needed on
+  the host is one box, sent straight from the source's memory as one contiguous message). Each box
+  has exactly one sender (a source replica, balanced by bytes sent) and exactly one receiving rank on
+  the destination host (balanced by bytes received over the host's ranks that need data from other
+  hosts: each receiver takes one contiguous run of the host's boxes in the senders' arena order,
+  a box split along its outermost dim where a run ends, so neighbours travel as one message).
+* **receive buffers**: each receiver holds its boxes back to back (``align``-byte aligned, source
+  dtype). They are the only staging of the cross-host path; :attr:`HostPlan.buffer_bytes` counts
+  them per rank.
+* **fan-out ops** (:class:`FanoutOp`): every destination rank on the host reads its part of each box
+  from the receiver's buffer, through the same shared-memory / IPC path and descriptor tables as a
+  local op (casting there if the destination dtype differs).
+
+Everything within one host is unchanged: only ranks on the same host ever share memory, and only
+transfers cross between hosts.
+
+Who calls what: every rank of a refit group calls ``plan_hosts(plan, hosts)`` after the group agreed
+on the plan and the hosts; a source rank then sends ``sends_of(rank)``, a receiver receives
+``recvs_of(rank)`` into its buffer (``buffer_bytes[rank]`` bytes) and exports it to
+``buffer_readers(rank)``, and a destination rank runs ``local_ops_for_dst(rank)`` from the source
+arenas and ``fanout_for_dst(rank)`` from the receivers' buffers.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from .plan import Plan, TransferOp, _cut_global, _fmt_bytes, _fmt_global, _fmt_slices
+
+__all__ = ["CrossTransfer", "FanoutOp", "HostPlan", "Message", "plan_hosts", "plan_messages",
+           "box_is_contiguous"]
+
+#: Receive buffers start every box on this boundary (the transports' arena alignment), so boxes that
+#: are back to back in the source arena stay back to back in the buffer and travel as one message.
+RECV_ALIGN = 256
+# A box is split between two receivers only into parts at least this big.
+_MIN_SPLIT_BYTES = 64 * 1024
+# A whole box stays in a receiver's run while that keeps the run within this factor of its share.
+_BALANCE_SLACK = 1.05
+
+Box = tuple[tuple[int, int], ...]   # per dim [start, stop) in a source rank's local shard
+
+
+def _slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in box)
+
+
+def _box(slices: tuple[slice, ...]) -> Box:
+    return tuple((s.start, s.stop) for s in slices)
+
+
+def box_is_contiguous(box: Box, shape: tuple[int, ...]) -> bool:
+    """True when ``box`` is one contiguous range of a row-major tensor of ``shape``: every dim before
+    the first one of extent != 1 has extent 1, and every dim after it is whole."""
+    for d, (a, b) in enumerate(box):
+        if b - a != 1:
+            return all(box[j] == (0, shape[j]) for j in range(d + 1, len(box)))
+    return True
+
+
+def _union(boxes: list[Box]) -> list[Box]:
+    """Disjoint boxes covering the union of ``boxes``, merged along every dim where the pieces on
+    both sides of a cut are equal (a set of boxes tiling a whole shard comes back as one box)."""
+    if not boxes:
+        return []
+    if not boxes[0]:
+        return [()]
+    cuts = sorted({b[0][0] for b in boxes} | {b[0][1] for b in boxes})
+    out: list[Box] = []
+    run: tuple[int, int, tuple[Box, ...]] | None = None
+    for a, b in zip(cuts, cuts[1:]):
+        inside = [bx[1:] for bx in boxes if bx[0][0] <= a and b <= bx[0][1]]
+        sub = tuple(_union(inside)) if inside else None
+        if run is not None and sub == run[2]:
+            run = (run[0], b, sub)
+            continue
+        if run is not None and run[2] is not None:
+            out.extend(((run[0], run[1]),) + s for s in run[2])
+        run = (a, b, sub)
+    if run is not None and run[2] is not None:
+        out.extend(((run[0], run[1]),) + s for s in run[2])
+    return out
+
+
+def _intersect(a: Box, b: Box) -> Box | None:
+    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+    return out if all(lo < hi for lo, hi in out) else None
+
+
+def _split_box(box: Box, n: int) -> list[Box]:
+    """``box`` cut into ``n`` near-equal parts along its outermost dim of extent > 1 (contiguous
+    boxes stay contiguous)."""
+    axis = next(d for d, (a, b) in enumerate(box) if b - a > 1)
+    a, b = box[axis]
+    step, extra = divmod(b - a, n)
+    parts, pos = [], a
+    for i in range(n):
+        e = pos + step + (1 if i < extra else 0)
+        parts.append(box[:axis] + ((pos, e),) + box[axis + 1:])
+        pos = e
+    return parts
+
+
+@dataclass(frozen=True)
+class CrossTransfer:
+    """One box of a source rank's local shard that crosses from ``src_host`` into ``dst_host``.
+
+    ``src_rank`` sends source tensor ``name``'s local shard ``[box]`` (source dtype ``dtype``,
+    ``nbytes`` bytes);
+    ``receiver`` (on ``dst_host``) receives it at byte ``offset`` of its receive buffer, laid out as a
+    contiguous tensor of ``shape``. ``contiguous``: the box is one range of the sender's shard, so it
+    is sent straight from the sender's memory; otherwise the sender packs it first.
+    """
+
+    index: int
+    name: str
+    src_rank: int
+    receiver: int
+    src_host: str
+    dst_host: str
+    box: tuple[slice, ...]
+    dtype: torch.dtype
+    offset: int
+    nbytes: int
+    contiguous: bool
+
+    def __hash__(self) -> int:  # slices are unhashable before Python 3.12
+        return hash((self.index, self.name, self.src_rank, self.receiver, _box(self.box)))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(s.stop - s.start for s in self.box)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def __str__(self) -> str:
+        return (f"#{self.index} {self.name}: {self.src_rank}@{self.src_host} -> {self.receiver}@{self.dst_host} "
+                f"src{_fmt_slices(self.box)} ({'x'.join(map(str, self.shape)) or 'scalar'}, "
+                f"{_fmt_bytes(self.nbytes)}) buf+{self.offset}")
+
+
+@dataclass(frozen=True)
+class FanoutOp:
+    """A destination rank's read from a receiver's buffer (same host).
+
+    ``op`` is an ordinary :class:`~tritonreshard.plan.TransferOp` whose ``src_rank`` is the receiver
+    and whose ``src_slices`` index the transfer's box as a tensor of ``transfers[transfer].shape``
+    (i.e. relative to the box); ``dst_slices`` and ``global_index`` are as in the plan. Descriptor
+    tables take it like any op, with the box view as its source tensor.
+    """
+
+    transfer: int
+    op: TransferOp
+
+    @property
+    def receiver(self) -> int:
+        return self.op.src_rank
+
+    @property
+    def dst_rank(self) -> int:
+        return self.op.dst_rank
+
+    def __str__(self) -> str:
+        return f"fan-out of #{self.transfer}: {self.op}"
+
+
+class HostPlan:
+    """A :class:`~tritonreshard.plan.Plan` split by host: local ops, cross-host transfers, receive
+    buffers and fan-out ops (see the module docstring). ``str(host_plan)`` is a readable table."""
+
+    def __init__(self, plan: Plan, hosts: Mapping[int, str], local_ops: tuple[TransferOp, ...],
+                 transfers: tuple[CrossTransfer, ...], fanout: tuple[FanoutOp, ...],
+                 buffer_bytes: Mapping[int, int]):
+        self.plan = plan
+        self._hosts = dict(hosts)
+        self.local_ops = local_ops
+        self.transfers = transfers
+        self.fanout = fanout
+        self._buffer_bytes = dict(buffer_bytes)
+
+    # ---------------------------------------------------------------- queries
+    @property
+    def hosts(self) -> dict[int, str]:
+        """rank -> host, for every rank of the plan."""
+        return dict(self._hosts)
+
+    def host_of(self, rank: int) -> str:
+        return self._hosts[rank]
+
+    @cached_property
+    def host_names(self) -> tuple[str, ...]:
+        """Distinct hosts, in order of their lowest rank."""
+        seen: dict[str, None] = {}
+        for r in sorted(self._hosts):
+            seen.setdefault(self._hosts[r], None)
+        return tuple(seen)
+
+    @property
+    def buffer_bytes(self) -> dict[int, int]:
+        """receiver rank -> bytes of its receive buffer (the cross-host path's only staging)."""
+        return dict(self._buffer_bytes)
+
+    @property
+    def staging_bytes(self) -> int:
+        return sum(self._buffer_bytes.values())
+
+    @cached_property
+    def cross_host_bytes(self) -> int:
+        """Bytes per refit that cross between hosts (source dtype)."""
+        return sum(t.nbytes for t in self.transfers)
+
+    @cached_property
+    def p2p_cross_host_bytes(self) -> int:
+        """What point-to-point transfers of the plain plan would send across hosts (source dtype):
+        every destination rank's own slices, a replicated byte once per rank that needs it."""
+        src = self.plan.src_layouts
+        return sum(op.numel * src[op.src_name].itemsize for op in self.plan.ops
+                   if self._hosts[op.src_rank] != self._hosts[op.dst_rank])
+
+    @cached_property
+    def host_pair_bytes(self) -> dict[tuple[str, str], int]:
+        """(source host, destination host) -> bytes crossing per refit."""
+        out: dict[tuple[str, str], int] = defaultdict(int)
+        for t in self.transfers:
+            out[(t.src_host, t.dst_host)] += t.nbytes
+        return dict(out)
+
+    @cached_property
+    def send_staging_bytes(self) -> int:
+        """Bytes a sender packs because its box is not one contiguous range of its shard."""
+        return sum(t.nbytes for t in self.transfers if not t.contiguous)
+
+    @cached_property
+    def _index(self):
+        sends, recvs, local, fan = (defaultdict(list) for _ in range(4))
+        readers: dict[int, set[int]] = defaultdict(set)
+        for t in self.transfers:
+            sends[t.src_rank].append(t)
+            recvs[t.receiver].append(t)
+        for op in self.local_ops:
+            local[op.dst_rank].append(op)
+        for f in self.fanout:
+            fan[f.dst_rank].append(f)
+            readers[f.receiver].add(f.dst_rank)
+        return ({k: tuple(v) for k, v in sends.items()}, {k: tuple(v) for k, v in recvs.items()},
+                {k: tuple(v) for k, v in local.items()}, {k: tuple(v) for k, v in fan.items()},
+                {k: tuple(sorted(v)) for k, v in readers.items()})
+
+    def sends_of(self, rank: int) -> tuple[CrossTransfer, ...]:
+        """Transfers ``rank`` sends (a source rank), in receive-buffer order per receiver."""
+        return self._index[0].get(rank, ())
+
+    def recvs_of(self, rank: int) -> tuple[CrossTransfer, ...]:
+        """Transfers ``rank`` receives into its buffer, in buffer order."""
+        return self._index[1].get(rank, ())
+
+    def local_ops_for_dst(self, rank: int) -> tuple[TransferOp, ...]:
+        """Ops ``rank`` runs from a source arena on its own host (unchanged or re-sourced)."""
+        return self._index[2].get(rank, ())
+
+    def fanout_for_dst(self, rank: int) -> tuple[FanoutOp, ...]:
+        """Ops ``rank`` runs from receivers' buffers on its own host."""
+        return self._index[3].get(rank, ())
+
+    def buffer_readers(self, receiver: int) -> tuple[int, ...]:
+        """Destination ranks that read ``receiver``'s buffer (the receiver itself included if it
+        reads its own)."""
+        return self._index[4].get(receiver, ())
+
+    def local_sources_of(self, dst_rank: int) -> tuple[int, ...]:
+        """Source ranks whose arenas ``dst_rank`` maps (all on its host)."""
+        return tuple(sorted({op.src_rank for op in self.local_ops_for_dst(dst_rank)}))
+
+    def local_readers_of(self, src_rank: int) -> tuple[int, ...]:
+        """Destination ranks that read ``src_rank``'s arena directly (all on its host)."""
+        return tuple(sorted({op.dst_rank for op in self.local_ops if op.src_rank == src_rank}))
+
+    def receivers_fed_by(self, src_rank: int) -> tuple[int, ...]:
+        return tuple(sorted({t.receiver for t in self.sends_of(src_rank)}))
+
+    def senders_to(self, receiver: int) -> tuple[int, ...]:
+        return tuple(sorted({t.src_rank for t in self.recvs_of(receiver)}))
+
+    # ---------------------------------------------------------------- text
+    def summary(self) -> str:
+        return (f"HostPlan: {len(self.host_names)} host(s), {len(self.transfers)} cross-host transfer(s), "
+                f"{_fmt_bytes(self.cross_host_bytes)} across hosts (point-to-point of the plain plan: "
+                f"{_fmt_bytes(self.p2p_cross_host_bytes)}), receive buffers {_fmt_bytes(self.staging_bytes)}, "
+                f"{len(self.local_ops)} local op(s), {len(self.fanout)} fan-out op(s)")
+
+    def table(self, max_rows: int | None = 64) -> str:
+        """The host plan as text: hosts, transfers, host-pair bytes, receive buffers. ``max_rows``
+        caps the transfer rows (``None``: all)."""
+        lines = [self.summary()]
+        by_host: dict[str, list[int]] = defaultdict(list)
+        for r in sorted(self._hosts):
+            by_host[self._hosts[r]].append(r)
+        lines.append("hosts: " + "; ".join(f"{h}: ranks {_fmt_ranks(by_host[h])}" for h in self.host_names))
+        if self.transfers:
+            rows = [("#", "tensor", "src->recv", "hosts", "src local", "shape", "bytes", "buf offset", "send")]
+            shown = self.transfers if max_rows is None else self.transfers[:max_rows]
+            for t in shown:
+                rows.append((str(t.index), t.name, f"{t.src_rank}->{t.receiver}", f"{t.src_host}->{t.dst_host}",
+                             _fmt_slices(t.box), "x".join(map(str, t.shape)) or "scalar", _fmt_bytes(t.nbytes),
+                             str(t.offset), "direct" if t.contiguous else "packed"))
+            widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+            for r in rows:
+                lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+            if len(shown) < len(self.transfers):
+                lines.append(f"  ... {len(self.transfers) - len(shown)} more transfers")
+            lines.append("bytes across hosts (rows: source host, columns: destination host)")
+            hs = self.host_names
+            cells = [["src\\dst"] + list(hs)]
+            for s in hs:
+                cells.append([s] + [_fmt_bytes(self.host_pair_bytes[(s, d)]) if (s, d) in self.host_pair_bytes
+                                    else "." for d in hs])
+            w = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
+            for row in cells:
+                lines.append("  " + "  ".join(c.rjust(x) for c, x in zip(row, w)))
+            lines.append("receive buffers: " + ", ".join(
+                f"{r}: {_fmt_bytes(b)} read by {_fmt_ranks(self.buffer_readers(r))}"
+                for r, b in sorted(self._buffer_bytes.items())))
+        else:
+            lines.append("nothing crosses between hosts")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def __repr__(self) -> str:
+        return f"<{self.summary()}>"
+
+
+def _fmt_ranks(ranks) -> str:
+    return "{" + ",".join(map(str, ranks)) + "}"
+
+
+def _check_hosts(plan: Plan, hosts) -> dict[int, str]:
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a trs.Plan, got {type(plan).__name__}")
+    if not isinstance(hosts, Mapping):
+        raise TypeError(f"hosts must be a mapping rank -> host name, got {type(hosts).__name__}")
+    problems = []
+    ranks = sorted(set(plan.src_ranks) | set(plan.dst_ranks))
+    missing = [r for r in ranks if r not in hosts]
+    if missing:
+        problems.append(f"hosts has no entry for plan rank(s) {missing} (hosts has ranks {sorted(hosts)})")
+    bad = [f"hosts[{r!r}]={h!r}" for r, h in hosts.items() if not isinstance(h, str) or not h]
+    if bad:
+        problems.append("host names must be non-empty strings: " + ", ".join(bad))
+    if problems:
+        raise ValueError(f"plan_hosts: {len(problems)} problem(s):\n  - " + "\n  - ".join(problems))
+    return {r: hosts[r] for r in ranks}
+
+
+def plan_hosts(plan: Plan, hosts: Mapping[int, str], *,
+               src_offsets: Mapping[tuple[int, str], int] | None = None,
+               align: int = RECV_ALIGN) -> HostPlan:
+    """Split ``plan`` by host so that each byte needed on a host crosses into it once.
+
+    Args:
+        plan: the group's plan (``plan_reshard``).
+        hosts: rank -> host identity for every rank of the plan (ranks with the same identity share
+            memory; different identities never do).
+        src_offsets: optional ``(source rank, name) -> byte offset`` of each shard in its arena. A
+            receiver's boxes from one sender are then laid out in arena order, so boxes back to back
+            in the arena are back to back in the buffer and can travel as one message.
+        align: alignment of each box in a receive buffer, in bytes.
+
+    Returns a :class:`HostPlan`. Deterministic: every rank derives the same one. Raises
+    ``ValueError`` listing every problem with ``hosts`` (missing ranks, bad names).
+    """
+    host_of = _check_hosts(plan, hosts)
+    if not isinstance(align, int) or align < 1:
+        raise ValueError(f"plan_hosts: align must be a positive int, got align={align!r}")
+    src_lay, dst_lay = plan.src_layouts, plan.dst_layouts
+
+    # Source replicas: ranks holding identical regions of a tensor hold identical local shards.
+    replicas: dict[tuple[str, int], tuple[int, ...]] = {}
+    for name in sorted({op.src_name for op in plan.ops}):  # source tensors (parts= may rename)
+        lay = src_lay[name]
+        groups: dict[tuple, list[int]] = defaultdict(list)
+        for r in lay.ranks:
+            groups[lay.segments(r)].append(r)
+        for g in groups.values():
+            for r in g:
+                replicas[(name, r)] = tuple(g)
+
+    local: list[TransferOp] = []
+    read_load: dict[int, int] = defaultdict(int)   # bytes read from each source by local ops
+    remote: list[TransferOp] = []
+    for op in plan.ops:
+        if host_of[op.src_rank] == host_of[op.dst_rank]:
+            local.append(op)
+            read_load[op.src_rank] += op.numel
+        else:
+            remote.append(op)
+    # Re-source to a replica on the destination's host where there is one: nothing needs to cross.
+    needs: dict[tuple[str, str, tuple[int, ...]], list[TransferOp]] = defaultdict(list)
+    for op in remote:
+        group = replicas[(op.src_name, op.src_rank)]
+        here = [r for r in group if host_of[r] == host_of[op.dst_rank]]
+        if here:
+            r = min(here, key=lambda c: (read_load[c], c))
+            local.append(TransferOp(op.name, r, op.dst_rank, op.src_slices, op.dst_slices, op.global_index,
+                                    op.src_name))
+            read_load[r] += op.numel
+        else:
+            needs[(host_of[op.dst_rank], op.src_name, group)].append(op)
+
+    # Union of what each host needs of each replica group's shard, as disjoint merged boxes.
+    items: dict[str, list[tuple[str, tuple[int, ...], Box]]] = defaultdict(list)
+    receivers_of_host: dict[str, set[int]] = defaultdict(set)
+    for (h, name, group), ops in sorted(needs.items()):
+        for box in _union([_box(op.src_slices) for op in ops]):
+            items[h].append((name, group, box))
+        receivers_of_host[h].update(op.dst_rank for op in ops)
+
+    # Balance. Each box's sender is the least-loaded replica (biggest boxes first). Then the host's
+    # boxes, in (sender, arena) order, are cut into one contiguous run per receiver of about the fair
+    # share, a box at a run's end split along its outermost dim: boxes back to back in a sender's
+    # arena stay together, so they travel as few messages and receivers stay balanced by bytes.
+    assigned: list[tuple[str, str, tuple[int, ...], Box, int, int]] = []  # host, name, group, box, sender, recv
+    send_load: dict[int, int] = defaultdict(int)
+
+    def nbytes(name: str, box: Box) -> int:
+        return math.prod(b - a for a, b in box) * src_lay[name].itemsize
+
+    def arena_pos(sender: int, name: str) -> int:
+        return src_offsets.get((sender, name), 0) if src_offsets is not None else 0
+
+    for h in sorted(items):
+        recvs = sorted(receivers_of_host[h])
+        seq = []
+        for name, group, box in sorted(items[h], key=lambda it: (-nbytes(it[0], it[2]), it[0], it[2])):
+            sender = min(group, key=lambda s: (send_load[s], s))
+            send_load[sender] += nbytes(name, box)
+            seq.append((sender, arena_pos(sender, name), name, box, group))
+        seq.sort(key=lambda x: x[:4])
+        left = sum(nbytes(name, box) for _, _, name, box, _ in seq)   # bytes not in a closed run
+        i, filled, share = 0, 0, left / len(recvs)   # current run, its bytes, its share of what is left
+
+        def next_run():
+            nonlocal i, filled, share, left
+            left -= filled
+            i, filled = i + 1, 0
+            share = left / (len(recvs) - i)
+
+        for sender, _, name, box, group in seq:
+            rest = box
+            while rest is not None:
+                size, room = nbytes(name, rest), share - filled
+                last = i == len(recvs) - 1
+                if last or size <= room * _BALANCE_SLACK:
+                    part, rest = rest, None
+                else:
+                    axis = next((d for d, (a, b) in enumerate(rest) if b - a > 1), None)
+                    extent = 0 if axis is None else rest[axis][1] - rest[axis][0]
+                    rows = 0 if axis is None else int(room / (size / extent))
+                    if 0 < rows < extent and room >= _MIN_SPLIT_BYTES and size - room >= _MIN_SPLIT_BYTES:
+                        a0 = rest[axis][0]
+                        part = rest[:axis] + ((a0, a0 + rows),) + rest[axis + 1:]
+                        rest = rest[:axis] + ((a0 + rows, rest[axis][1]),) + rest[axis + 1:]
+                    elif filled == 0 or room >= size / 2:   # an empty run, or most of it fits: take it
+                        part, rest = rest, None
+                    else:                                    # most of it does not: the next run starts
+                        next_run()
+                        continue
+                assigned.append((h, name, group, part, sender, recvs[i]))
+                filled += nbytes(name, part)
+                if not last and filled >= share * (1 - 1e-9):
+                    next_run()
+
+    # Receive buffers: per receiver, grouped by sender, in the sender's arena order.
+    def order_key(a):
+        h, name, group, box, sender, r = a
+        off = src_offsets.get((sender, name), 0) if src_offsets is not None else 0
+        return (r, sender, off, name, box)
+
+    transfers: list[CrossTransfer] = []
+    buffer_bytes: dict[int, int] = defaultdict(int)
+    for h, name, group, box, sender, r in sorted(assigned, key=order_key):
+        lay = src_lay[name]
+        pos = -(-buffer_bytes[r] // align) * align
+        size = math.prod(b - a for a, b in box) * lay.itemsize
+        transfers.append(CrossTransfer(len(transfers), name, sender, r, host_of[sender], h, _slices(box),
+                                       lay.dtype, pos, size,
+                                       box_is_contiguous(box, lay.local_shape(sender))))
+        buffer_bytes[r] = pos + size
+    buffer_bytes = {r: -(-b // align) * align for r, b in buffer_bytes.items()}
+
+    # Fan-out: each remote op reads the parts of its source box from the transfers that hold them.
+    by_need: dict[tuple[str, str, tuple[int, ...]], list[CrossTransfer]] = defaultdict(list)
+    for t in transfers:
+        by_need[(t.dst_host, t.name, replicas[(t.name, t.src_rank)])].append(t)
+    fanout: list[FanoutOp] = []
+    for key, ops in needs.items():
+        for op in ops:
+            src_box = _box(op.src_slices)
+            for t in by_need[key]:
+                cut = _intersect(src_box, _box(t.box))
+                if cut is None:
+                    continue
+                rel = tuple(slice(a - tb.start, b - tb.start) for (a, b), tb in zip(cut, t.box))
+                dst = tuple(slice(ds.start + a - sa, ds.start + b - sa)
+                            for (a, b), (sa, _), ds in zip(cut, src_box, op.dst_slices))
+                g = tuple(_cut_global(gi, a - sa, b - sa) for (a, b), (sa, _), gi in zip(cut, src_box, op.global_index))
+                fanout.append(FanoutOp(t.index, TransferOp(op.name, t.receiver, op.dst_rank, rel, dst, g,
+                                                           op.src_name)))
+    local.sort(key=lambda op: (op.name, op.dst_rank, tuple(s.start for s in op.dst_slices), op.src_rank))
+    fanout.sort(key=lambda f: (f.op.name, f.dst_rank, tuple(s.start for s in f.op.dst_slices), f.transfer))
+    return HostPlan(plan, host_of, tuple(local), tuple(transfers), tuple(fanout), buffer_bytes)
+
+
+@dataclass(frozen=True)
+class Message:
+    """One point-to-point message of a refit: ``sender`` -> ``receiver``, ``nbytes`` bytes landing at
+    byte ``recv_offset`` of the receiver's buffer, carrying ``transfers`` (indices, back to back).
+
+    ``src_offset``: byte offset of the bytes in the sender's arena when they are one range there
+    (sent straight from the arena); ``None`` when the sender packs its single, non-contiguous box
+    first.
+    """
+
+    sender: int
+    receiver: int
+    transfers: tuple[int, ...]
+    recv_offset: int
+    nbytes: int
+    src_offset: int | None
+
+
+def _box_byte_offset(box: tuple[slice, ...], shape: tuple[int, ...], itemsize: int) -> int:
+    off, stride = 0, itemsize
+    for s, n in zip(reversed(box), reversed(shape)):
+        off += s.start * stride
+        stride *= n
+    return off
+
+
+def plan_messages(hp: HostPlan, src_offsets: Mapping[tuple[int, str], int]) -> tuple[Message, ...]:
+    """The messages of ``hp`` given where each source shard lives in its sender's arena.
+
+    Transfers from one sender to one receiver that are back to back both in the sender's arena and
+    in the receive buffer travel as one message (a whole arena needed on a host is one message per
+    sender and receiver). Sender and receiver derive the same list from the same inputs.
+    """
+    missing = sorted({(t.src_rank, t.name) for t in hp.transfers} - set(src_offsets))
+    if missing:
+        raise ValueError(f"plan_messages: src_offsets has no arena offset for (rank, name) {missing[:8]}")
+    out: list[Message] = []
+    for t in sorted(hp.transfers, key=lambda t: (t.src_rank, t.receiver, t.offset)):
+        lay = hp.plan.src_layouts[t.name]
+        src = None
+        if t.contiguous:
+            src = src_offsets[(t.src_rank, t.name)] + _box_byte_offset(t.box, lay.local_shape(t.src_rank),
+                                                                       lay.itemsize)
+        last = out[-1] if out else None
+        if (last is not None and src is not None and last.src_offset is not None
+                and (last.sender, last.receiver) == (t.src_rank, t.receiver)
+                and last.src_offset + last.nbytes == src and last.recv_offset + last.nbytes == t.offset):
+            out[-1] = Message(last.sender, last.receiver, last.transfers + (t.index,), last.recv_offset,
+                              last.nbytes + t.nbytes, last.src_offset)
+        else:
+            out.append(Message(t.src_rank, t.receiver, (t.index,), t.offset, t.nbytes, src))
+    return tuple(out)

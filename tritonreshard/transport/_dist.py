@@ -1,0 +1,314 @@
+"""The cross-host data path: a host plan's messages over torch.distributed point-to-point.
+
+Only bytes that must leave a host travel here (see :mod:`tritonreshard._hostplan`); everything within
+a host stays on the shared-memory / CUDA IPC arenas. A :class:`DistLink` is one rank's process group
+over the refit group's ranks (gloo for CPU tensors, NCCL for CUDA tensors), created on the group's
+store under its own prefix, so it neither needs nor disturbs a default process group.
+:class:`CrossHostCopy` binds one rank's messages to memory:
+
+* sender (a source rank): after ``publish`` it calls ``start_sends(version)``, which packs any
+  non-contiguous box into the (counted) send staging buffer and posts one header and the data
+  messages per receiver straight from its arena; ``fence`` then waits for them with
+  ``wait(pending)``: once they completed, the arena may change again.
+* receiver (a destination-host rank): ``start_recvs(version)`` posts the receives into its receive
+  buffer; the rank pulls its local ops meanwhile (the network and the local copies overlap), then
+  ``wait(pending)`` checks every header names ``version``. Ranks on the receiver's host then read
+  the buffer through the ordinary arena path.
+
+Failures: a peer that dies closes its connections, so a pending send or receive fails at once and
+becomes :class:`PeerDiedError` naming that peer; a silent peer is bounded by ``timeout`` (the process
+group's timeout too). A link whose exchange failed is broken: later exchanges raise at once, since
+messages in flight can no longer be matched (the group's epoch is over).
+"""
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DistLink", "CrossHostCopy", "PendingExchange", "LinkError"]
+
+_HEADER_WORDS = 2   # (version, message bytes) per (sender, receiver) pair and refit
+_POLL_S = 0.01
+
+
+class LinkError(RuntimeError):
+    """The cross-host link cannot be used (broken by an earlier failure, or closed)."""
+
+
+def _peer_died(peer: int, message: str):
+    # The group layer imports the transports, so its error class is imported when first needed.
+    from tritonreshard._group import PeerDiedError
+    return PeerDiedError(peer, message)
+
+
+class DistLink:
+    """One rank's cross-host process group.
+
+    Args:
+        store: the refit group's ``torch.distributed.Store`` (a ``PrefixStore`` of it is used).
+        rank, world_size: this rank and the group size (the layouts' global ranks).
+        device: ``cpu`` -> gloo, ``cuda[:N]`` -> NCCL (tensors on that device).
+        timeout: seconds any one send / receive may take before the peer counts as hung.
+        prefix: the store namespace (include the group's name and epoch, so a new group on the same
+            store never meets an old one's keys).
+
+    Every rank of the group must create its link (the process group connects lazily, per pair).
+    """
+
+    def __init__(self, store, *, rank: int, world_size: int, device="cpu", timeout: float = 60.0,
+                 prefix: str = "trs-dist/"):
+        device = torch.device(device)
+        bad = []
+        if device.type not in ("cpu", "cuda"):
+            bad.append(f"device must be cpu or cuda, got device={str(device)!r}")
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            bad.append(f"timeout must be > 0 seconds, got timeout={timeout!r}")
+        if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int)
+                and 0 <= rank < world_size):
+            bad.append(f"rank must be in [0, world_size), got rank={rank!r}, world_size={world_size!r}")
+        if bad:
+            raise ValueError("DistLink: " + "; ".join(bad))
+        self.rank, self.world_size, self.device, self.timeout = rank, world_size, device, float(timeout)
+        self.broken: str | None = None
+        self._closed = False
+        pstore = dist.PrefixStore(prefix, store)
+        td = datetime.timedelta(seconds=self.timeout)
+        if device.type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = td
+            self.pg = dist.ProcessGroupNCCL(pstore, rank, world_size, opts)
+        else:
+            self.pg = dist.ProcessGroupGloo(pstore, rank, world_size, td)
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device.type == "cuda" else "gloo"
+
+    def _check(self, what: str) -> None:
+        if self._closed:
+            raise LinkError(f"rank {self.rank}: {what}: the cross-host link is closed")
+        if self.broken:
+            raise LinkError(f"rank {self.rank}: {what}: the cross-host link is broken ({self.broken}); "
+                            f"a new group epoch is needed")
+
+    def post(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
+             tag: int = 0) -> "PendingExchange":
+        """Post ``sends`` (peer, contiguous tensor) and ``recvs`` (peer, contiguous tensor) without
+        waiting. Messages between one pair match in the order they were posted."""
+        self._check("post")
+        works = []
+        for peer, t in recvs:
+            works.append((peer, "receive from", self.pg.recv([t], peer, tag)))
+        for peer, t in sends:
+            works.append((peer, "send to", self.pg.send([t], peer, tag)))
+        return PendingExchange(self, works)
+
+    def close(self) -> None:
+        """Release the process group. Idempotent. Pending operations of a broken link are abandoned
+        (their peers see the connection close)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.device.type == "cuda" and self.broken:
+            self.pg.abort()  # a hung NCCL kernel must not outlive the link
+        self.pg = None
+
+
+class PendingExchange:
+    """Posted sends / receives of one refit; ``wait`` them (once)."""
+
+    def __init__(self, link: DistLink, works):
+        self._link, self._works = link, works
+        self._done = threading.Event()
+        self._error: tuple[int, str, BaseException] | None = None
+        self._waited = False
+        if link.device.type == "cpu":
+            # A gloo work whose peer died never reports completion through polling; wait() raises
+            # at once. One waiter thread turns that into something the caller can poll.
+            self._thread = threading.Thread(target=self._wait_gloo, name=f"trs-dist-wait-{link.rank}",
+                                            daemon=True)
+            self._thread.start()
+
+    def _wait_gloo(self):
+        for peer, what, w in self._works:
+            try:
+                w.wait()
+            except RuntimeError as exc:  # gloo: connection closed / timed out; names no rank itself
+                self._error = (peer, what, exc)
+                break
+        self._done.set()
+
+    def done(self) -> bool:
+        if self._link.device.type == "cpu":
+            return self._done.is_set()
+        return all(w.is_completed() for _, _, w in self._works)
+
+    def wait(self, timeout: float | None = None, check: Callable[[], None] | None = None) -> None:
+        """Block until every posted operation completed. ``check`` (e.g. the group's liveness check,
+        which raises ``PeerDiedError``) runs while waiting. Raises ``PeerDiedError`` naming the peer
+        whose connection failed, ``TimeoutError`` naming the peers still pending."""
+        if self._waited:
+            return
+        link = self._link
+        timeout = link.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        try:
+            while not self.done():
+                if check is not None:
+                    check()
+                if time.monotonic() >= deadline:
+                    pending = sorted({p for p, _, w in self._works if not w.is_completed()})
+                    raise TimeoutError(f"rank {link.rank}: cross-host {link.backend} transfers with ranks "
+                                       f"{pending} did not complete within {timeout:g} s")
+                if link.device.type == "cpu":
+                    self._done.wait(_POLL_S)
+                else:
+                    time.sleep(_POLL_S / 10)
+            if self._error is not None:
+                peer, what, exc = self._error
+                first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                raise _peer_died(peer, f"rank {link.rank}: cross-host {what} rank {peer} failed: {first}")
+            if link.device.type == "cuda":
+                for _, _, w in self._works:
+                    w.wait()  # orders the current stream after the NCCL stream
+        except BaseException as exc:
+            link.broken = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            raise
+        finally:
+            self._waited = True
+
+
+@dataclass(frozen=True)
+class _Route:
+    peer: int
+    messages: tuple  # of Message
+
+
+class CrossHostCopy:
+    """One rank's side of a host plan's messages, bound to memory once at set-up.
+
+    Args:
+        link: this rank's :class:`DistLink`.
+        messages: ``plan_messages(host_plan, src_offsets)`` (the same on every rank).
+        transfers: ``host_plan.transfers``.
+        arena: sender side: this rank's arena as a flat ``uint8`` tensor (offsets of ``messages``).
+        shard: sender side: ``name -> this rank's local shard`` (views into ``arena``), for packing
+            the boxes that are not one range of it.
+        recv_buffer: receiver side: this rank's receive buffer, a flat ``uint8`` tensor of
+            ``host_plan.buffer_bytes[rank]`` bytes.
+
+    ``send_staging_bytes`` is the packing buffer this rank allocated (0 when every box it sends is
+    one range of its arena).
+    """
+
+    def __init__(self, link: DistLink, messages, transfers, *, arena: torch.Tensor | None = None,
+                 shard: Mapping[str, torch.Tensor] | None = None, recv_buffer: torch.Tensor | None = None):
+        rank = link.rank
+        self.link = link
+        self._sends = [m for m in messages if m.sender == rank]
+        self._recvs = [m for m in messages if m.receiver == rank]
+        problems = []
+        if self._sends and arena is None:
+            problems.append(f"rank {rank} sends {len(self._sends)} message(s) but arena is None")
+        if self._recvs and recv_buffer is None:
+            problems.append(f"rank {rank} receives {len(self._recvs)} message(s) but recv_buffer is None")
+        for name, t in (("arena", arena), ("recv_buffer", recv_buffer)):
+            if t is not None and (t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous()):
+                problems.append(f"{name} must be a flat contiguous uint8 tensor, got {t.dtype} {tuple(t.shape)}")
+            if t is not None and t.device.type != link.device.type:
+                problems.append(f"{name} is on {t.device}, the link's device is {link.device}")
+        if recv_buffer is not None and self._recvs:
+            need = max(m.recv_offset + m.nbytes for m in self._recvs)
+            if recv_buffer.numel() < need:
+                problems.append(f"recv_buffer has {recv_buffer.numel()} bytes, the messages need {need}")
+        if arena is not None:
+            over = [m for m in self._sends if m.src_offset is not None and m.src_offset + m.nbytes > arena.numel()]
+            if over:
+                problems.append(f"arena has {arena.numel()} bytes; message(s) read up to "
+                                f"{max(m.src_offset + m.nbytes for m in over)}")
+        if problems:
+            raise ValueError("CrossHostCopy: " + "; ".join(problems))
+
+        # Sender: one view per message, straight into the arena or into the packing buffer.
+        packed = [m for m in self._sends if m.src_offset is None]
+        self.send_staging_bytes = sum(m.nbytes for m in packed)
+        self._pack = torch.empty(self.send_staging_bytes, dtype=torch.uint8, device=link.device)
+        self._pack_jobs = []   # (box view of the shard, packing-buffer view of the box's shape)
+        self._send_views: list[tuple[int, torch.Tensor]] = []
+        pos = 0
+        for m in self._sends:
+            if m.src_offset is not None:
+                self._send_views.append((m.receiver, arena[m.src_offset:m.src_offset + m.nbytes]))
+                continue
+            (i,) = m.transfers
+            t = transfers[i]
+            src = shard[t.name][t.box]
+            view = self._pack[pos:pos + m.nbytes]
+            self._pack_jobs.append((src, view.view(t.dtype).view(t.shape)))
+            self._send_views.append((m.receiver, view))
+            pos += m.nbytes
+        self._recv_views = [(m.sender, recv_buffer[m.recv_offset:m.recv_offset + m.nbytes]) for m in self._recvs]
+        self.receivers = tuple(sorted({m.receiver for m in self._sends}))
+        self.senders = tuple(sorted({m.sender for m in self._recvs}))
+        self._send_bytes = {p: sum(m.nbytes for m in self._sends if m.receiver == p) for p in self.receivers}
+        self._recv_bytes = {p: sum(m.nbytes for m in self._recvs if m.sender == p) for p in self.senders}
+        self._headers_in = {p: torch.zeros(_HEADER_WORDS, dtype=torch.int64, device=link.device)
+                            for p in self.senders}
+        self._headers_out = {p: torch.zeros(_HEADER_WORDS, dtype=torch.int64, device=link.device)
+                             for p in self.receivers}
+
+    @property
+    def bytes_sent_per_refit(self) -> int:
+        return sum(self._send_bytes.values())
+
+    @property
+    def bytes_received_per_refit(self) -> int:
+        return sum(self._recv_bytes.values())
+
+    @property
+    def num_messages(self) -> int:
+        return len(self._sends) + len(self._recvs)
+
+    def start_sends(self, version: int) -> PendingExchange | None:
+        """Sender, right after publishing ``version``: pack, then post the header and data messages
+        to every receiver. None when this rank sends nothing."""
+        if not self._sends:
+            return None
+        for src, dst in self._pack_jobs:
+            dst.copy_(src)
+        if self.link.device.type == "cuda":
+            torch.cuda.current_stream(self.link.device).synchronize()  # data before NCCL reads it
+        sends = []
+        for p in self.receivers:
+            h = self._headers_out[p]
+            h[0], h[1] = version, self._send_bytes[p]
+            sends.append((p, h))
+        sends += self._send_views
+        return self.link.post(sends, [])
+
+    def start_recvs(self) -> PendingExchange | None:
+        """Receiver: post the header and data receives from every sender. None when none."""
+        if not self._recvs:
+            return None
+        recvs = [(p, self._headers_in[p]) for p in self.senders] + self._recv_views
+        return self.link.post([], recvs)
+
+    def check_headers(self, version: int) -> None:
+        """Receiver, after the receives completed: every sender sent ``version`` and the bytes
+        this rank expected. Raises ``RuntimeError`` (a protocol mismatch, never silently accepted)."""
+        bad = {}
+        for p in self.senders:
+            v, n = (int(x) for x in self._headers_in[p].tolist())
+            if (v, n) != (version, self._recv_bytes[p]):
+                bad[p] = (v, n)
+        if bad:
+            want = {p: (version, self._recv_bytes[p]) for p in bad}
+            self.link.broken = f"header mismatch {bad}"
+            raise RuntimeError(f"rank {self.link.rank}: cross-host headers (version, bytes) {bad} != expected "
+                               f"{want}: sender and receiver disagree on the refit")
