@@ -561,7 +561,9 @@ def _check_readers(tr) -> None:
     from tritonreshard import PeerDiedError
     dead = tr.dead_peers()
     if dead:
-        raise PeerDiedError(dead[0], f"refit peer rank(s) {dead} died")
+        # The group's own reasons name each rank with its pid, as the engine's waits do.
+        reasons = [tr.group.dead_reason(r) or f"rank {r} died" for r in dead]
+        raise PeerDiedError(dead[0], "; ".join(reasons))
 
 
 def _refit_store(store):
