@@ -200,26 +200,3 @@ def test_module_parameters_move_into_the_arena_once_and_train_there():
             assert {n: p.data_ptr() for n, p in model.named_parameters()} == arena_ptrs  # no copy per step
             for n, p in model.named_parameters():
                 assert torch.equal(ep.tensors[n], p.detach().to(torch.bfloat16)), (n, step)
-
-
-def _hosts_worker(rank, port):
-    os.environ["TRITONRESHARD_HOST"] = f"simulated-host-{rank}"  # one rank per simulated host
-    lay_src = {"w": Layout((4, 4), [0], [Replicate()])}
-    lay_dst = {"w": Layout((4, 4), [1], [Replicate()])}
-    kw = dict(rank=rank, world_size=2, store=f"127.0.0.1:{port}", timeout=60)
-    try:
-        if rank == 0:
-            trs.RefitTrainer({"w": torch.zeros(4, 4)}, lay_src, **kw)
-        else:
-            trs.RefitInference(lay_dst, **kw)
-    except NotImplementedError as exc:
-        return str(exc)
-    return "joined"
-
-
-def test_ranks_with_different_host_identities_never_share_memory():
-    """``$TRITONRESHARD_HOST`` gives a rank its host identity: two simulated hosts on one machine
-    must not map each other's arenas, so every rank refuses the cross-host plan the same way."""
-    out = run_ranks(_hosts_worker, 2, args=(free_port(),), timeout=120)
-    for r in (0, 1):
-        assert "across hosts" in out[r] and "(0, 1)" in out[r], out
