@@ -46,19 +46,26 @@ SIGMA = 0.02          # perturbation per step, about the init std of the weights
 TRAINERS = [0, 1]     # global ranks of the trainer processes in the refit group
 
 
-MODELS = {  # "tiny" is the checked model; "small" (45M parameters, 180 MB fp32) is for timing refits
-    "tiny": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1000,
-                 num_hidden_layers=2, intermediate_size=256),
-    "small": dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=32000,
-                  num_hidden_layers=4, intermediate_size=1536),
+_TINY = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1000,
+             num_hidden_layers=2, intermediate_size=256)
+MODELS = {  # name: (transformers config class, fields)
+    # the checked model
+    "tiny": ("LlamaConfig", dict(_TINY, tie_word_embeddings=False)),
+    # the same sizes as Qwen2: q/k/v biases and tied embeddings (vLLM exposes only embed_tokens)
+    "tiny-qwen2": ("Qwen2Config", dict(_TINY, tie_word_embeddings=True)),
+    # 45M parameters (180 MB fp32), for timing refits
+    "small": ("LlamaConfig", dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                                  vocab_size=32000, num_hidden_layers=4, intermediate_size=1536,
+                                  tie_word_embeddings=False)),
 }
 
 
-def llama_config(model: str = "tiny"):
-    from transformers import LlamaConfig
+def model_config(model: str = "tiny"):
+    import transformers
 
-    return LlamaConfig(**MODELS[model], max_position_embeddings=256, tie_word_embeddings=False,
-                       architectures=["LlamaForCausalLM"])
+    cls, fields = MODELS[model]
+    return getattr(transformers, cls)(**fields, max_position_embeddings=256,
+                                      architectures=[cls.replace("Config", "ForCausalLM")])
 
 
 # ---------------------------------------------------------------------------------------- trainers
@@ -68,13 +75,15 @@ def trainer(rank: int, model_dir: str, model: str, tp: int, store: str, group: s
     torch.set_num_threads(1)
     from safetensors.torch import load_file
 
+    import tritonreshard as trs
     import tritonreshard.vllm as trs_vllm
 
-    cfg = llama_config(model)
+    cfg = model_config(model)
     full = load_file(os.path.join(model_dir, "model.safetensors"))
     inference = list(range(len(TRAINERS), len(TRAINERS) + tp))
-    lay = trs_vllm.llama_layouts(cfg, tp=tp, trainer_ranks=TRAINERS, inference_ranks=inference)
-    shards = {n: lay.src[n].shard(full[n], rank).contiguous() for n in lay.src}
+    # The recipe's source side: which HF parameters, and this rank's FSDP rows of each.
+    src = trs.recipes.hf_to_vllm(cfg, tp=tp, trainer_ranks=TRAINERS, inference_ranks=inference).src
+    shards = {n: src[n].shard(full[n], rank).contiguous() for n in src}
     with trs_vllm.Trainer(cfg, shards, rank=rank, tp=tp, trainer_ranks=TRAINERS, inference_ranks=inference,
                           store=store, group=group, timeout=300.0) as tr:
         results.put(("ready", rank, None))
@@ -161,7 +170,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--tp", type=int, default=2, help="vLLM tensor parallelism (default 2)")
     ap.add_argument("--refits", type=int, default=2, help="refits to run and check (default 2)")
     ap.add_argument("--model", choices=sorted(MODELS), default="tiny",
-                    help="tiny: the checked 2-layer Llama (default); small: 45M parameters, for timing")
+                    help="tiny: the checked 2-layer Llama (default); tiny-qwen2: the same as Qwen2 (biases, "
+                         "tied embeddings); small: a 45M-parameter Llama, for timing")
     ap.add_argument("--prompts", type=int, default=3, help="prompts compared after each refit (default 3)")
     ap.add_argument("--max-tokens", type=int, default=8, help="greedy tokens generated per prompt (default 8)")
     ap.add_argument("--fault", action="store_true",
@@ -178,14 +188,14 @@ def main(argv=None) -> dict:
         ap.error("; ".join(bad))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1))
                                                                 for i in range(args.tp)))
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     import tritonreshard as trs
     import tritonreshard.vllm as trs_vllm
 
     torch.manual_seed(SEED)
-    cfg = llama_config(args.model)
-    hf = LlamaForCausalLM(cfg).float().eval()
+    cfg = model_config(args.model)
+    hf = AutoModelForCausalLM.from_config(cfg).float().eval()
     model_dir = tempfile.mkdtemp(prefix="trs-vllm-")
     hf.save_pretrained(model_dir)
     g = torch.Generator().manual_seed(SEED + 1)
@@ -228,10 +238,14 @@ def main(argv=None) -> dict:
         llm.collective_rpc("finish_weight_update")
         summary["refit_ms"].append(round((time.perf_counter() - t0) * 1e3, 2))
         llm.reset_prefix_cache()  # cached KV was computed with the previous weights
-        summary["worker"].append(llm.collective_rpc(_worker_stats)[0])
+        stats = llm.collective_rpc(_worker_stats)
+        summary["worker"].append(stats[0])
+        summary["worker_bytes"] = [w["bytes"] for w in stats]  # what each TP rank pulls per refit
         summary["refits"] += 1
         weights = {n: torch.cat([shards[r][n] for r in TRAINERS]) for n in shards[TRAINERS[0]]}
-        hf.load_state_dict(weights)
+        missing, unexpected = hf.load_state_dict(weights, strict=False)
+        tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+        assert not unexpected and set(missing) <= tied, (missing, unexpected)  # tied: lm_head is embed_tokens
         w = summary["worker"][-1]
         print(f"{what}: {summary['refit_ms'][-1]} ms (in each worker: pull {w['pull_ms']:.2f} ms, "
               f"apply {w['apply_ms']:.2f} ms)", flush=True)
