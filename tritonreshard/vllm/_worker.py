@@ -170,9 +170,12 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
             for pname, meta in meta_params.items():
                 restore[f"{mname}.{pname}" if mname else pname] = meta
         self._restore_shapes = {n: tuple(m.shape) for n, m in restore.items()}
+        # vLLM's reload keeps ``bias`` live (never on meta, so not in the restore metadata): its
+        # live shape is its load format.
+        live = {n: tuple(p.shape) for n, p in self.model.named_parameters(remove_duplicate=False)}
         problems = []
         for name, layout in self.spec.dst.items():
-            have, want = self._restore_shapes.get(name), tuple(layout.local_shape(self.rank))
+            have, want = self._restore_shapes.get(name, live.get(name)), tuple(layout.local_shape(self.rank))
             if have is None:
                 problems.append(f"vLLM model has no parameter {name!r}")
             elif have != want:
@@ -184,12 +187,18 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         if problems:
             raise ValueError(f"tritonreshard (TP rank {self.tp_rank}): the model does not match "
                              f"trs.recipes.hf_to_vllm({self.spec.model_type!r}): " + "; ".join(problems))
+        # Tied parameters (lm_head.weight is embed_tokens.weight): the aliasing layer gets the same
+        # buffer, so that vLLM's post-processing of that layer runs too (on CPU the LM head keeps its
+        # own oneDNN handle of the tied weight, which would otherwise serve the old embeddings).
+        everything = dict(self.model.named_parameters(remove_duplicate=False))
+        owner = {id(everything[n]): n for n in self.spec.dst if n in everything}
+        tied = {n: owner[id(p)] for n, p in everything.items() if n not in self.spec.dst and id(p) in owner}
         # Which layers vLLM post-processes after loading (their live tensors are not the load format).
         modules = dict(self.model.named_modules())
-        self._layers: dict[str, tuple[torch.nn.Module, list[tuple[str, str]]]] = {}
-        for name in self.spec.dst:
+        self._layers: dict[str, tuple[torch.nn.Module, list[tuple[str, str, bool]]]] = {}
+        for name, buf in [(n, n) for n in self.spec.dst] + sorted(tied.items()):
             mname, pname = name.rsplit(".", 1)
-            self._layers.setdefault(mname, (modules[mname], []))[1].append((pname, name))
+            self._layers.setdefault(mname, (modules[mname], []))[1].append((pname, buf, name in tied))
         self._processed = {m for m, (mod, _) in self._layers.items() if self._needs_processing(m, mod)}
 
     def _needs_processing(self, mname: str, mod: torch.nn.Module) -> bool:
@@ -198,8 +207,8 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
             return False
         if not isinstance(qm, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)) or current_platform.is_cpu():
             return True  # quantized, or the CPU backend's repack into oneDNN / sgl handles
-        return any(tuple(p.shape) != self._restore_shapes.get(f"{mname}.{n}") for n, p in
-                   mod.named_parameters(recurse=False))
+        return any(tuple(p.shape) != self._restore_shapes[f"{mname}.{n}"] for n, p in
+                   mod.named_parameters(recurse=False) if f"{mname}.{n}" in self._restore_shapes)
 
     # ------------------------------------------------------------------ phases 2-4
     def start_weight_update(self) -> None:
@@ -249,7 +258,7 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
                 # Copy, never alias the shadow buffers: some post-processing keeps views of the
                 # load-format weight (zentorch), and a later pull into an aliased buffer would then
                 # change the served weights unprocessed.
-                for pname, name in params:
+                for pname, name, _ in params:
                     getattr(mod, pname).data.copy_(bufs[name])
                 # vLLM's own post-load processing; for a plain layer it only copies into the kernel tensors.
                 _layerwise._layerwise_process(mod, info)
@@ -269,8 +278,9 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
             return
         self._apply_split = {}
         for mod, params in self._layers.values():
-            for pname, name in params:
-                getattr(mod, pname).data.copy_(bufs[name])
+            for pname, name, tied in params:
+                if not tied:  # a tied parameter is the same tensor as the one written here
+                    getattr(mod, pname).data.copy_(bufs[name])
 
     def finish_weight_update(self) -> None:
         self._session = False
