@@ -53,6 +53,8 @@ MODELS = {  # name: (transformers config class, fields)
     "tiny": ("LlamaConfig", dict(_TINY, tie_word_embeddings=False)),
     # the same sizes as Qwen2: q/k/v biases and tied embeddings (vLLM exposes only embed_tokens)
     "tiny-qwen2": ("Qwen2Config", dict(_TINY, tie_word_embeddings=True)),
+    # Qwen3: q_norm / k_norm
+    "tiny-qwen3": ("Qwen3Config", dict(_TINY, tie_word_embeddings=False)),
     # 45M parameters (180 MB fp32), for timing refits
     "small": ("LlamaConfig", dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
                                   vocab_size=32000, num_hidden_layers=4, intermediate_size=1536,
@@ -69,7 +71,7 @@ def model_config(model: str = "tiny"):
 
 
 # ---------------------------------------------------------------------------------------- trainers
-def trainer(rank: int, model_dir: str, model: str, tp: int, store: str, group: str, commands, results) -> None:
+def trainer(rank: int, train_path: str, model: str, tp: int, store: str, group: str, commands, results) -> None:
     """One FSDP trainer: row shard ``rank`` of every HF parameter, perturbed in the shared arena."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     torch.set_num_threads(1)
@@ -79,7 +81,7 @@ def trainer(rank: int, model_dir: str, model: str, tp: int, store: str, group: s
     import tritonreshard.vllm as trs_vllm
 
     cfg = model_config(model)
-    full = load_file(os.path.join(model_dir, "model.safetensors"))
+    full = load_file(train_path)  # the training parameters (HF names)
     inference = list(range(len(TRAINERS), len(TRAINERS) + tp))
     # The recipe's source side: which HF parameters, and this rank's FSDP rows of each.
     src = trs.recipes.hf_to_vllm(cfg, tp=tp, trainer_ranks=TRAINERS, inference_ranks=inference).src
@@ -170,8 +172,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--tp", type=int, default=2, help="vLLM tensor parallelism (default 2)")
     ap.add_argument("--refits", type=int, default=2, help="refits to run and check (default 2)")
     ap.add_argument("--model", choices=sorted(MODELS), default="tiny",
-                    help="tiny: the checked 2-layer Llama (default); tiny-qwen2: the same as Qwen2 (biases, "
-                         "tied embeddings); small: a 45M-parameter Llama, for timing")
+                    help="tiny: the checked 2-layer Llama (default); tiny-qwen2 / tiny-qwen3: the same sizes "
+                         "as Qwen2 (biases, tied embeddings) / Qwen3 (q/k norms); small: a 45M-parameter Llama, "
+                         "for timing")
     ap.add_argument("--prompts", type=int, default=3, help="prompts compared after each refit (default 3)")
     ap.add_argument("--max-tokens", type=int, default=8, help="greedy tokens generated per prompt (default 8)")
     ap.add_argument("--fault", action="store_true",
@@ -197,7 +200,12 @@ def main(argv=None) -> dict:
     cfg = model_config(args.model)
     hf = AutoModelForCausalLM.from_config(cfg).float().eval()
     model_dir = tempfile.mkdtemp(prefix="trs-vllm-")
-    hf.save_pretrained(model_dir)
+    hf.save_pretrained(model_dir)  # the checkpoint vLLM starts from (transformers may convert names, e.g. MoE experts)
+    from safetensors.torch import save_file
+
+    # The trainers' starting weights, in training names, outside the directory vLLM loads.
+    train_path = model_dir.rstrip("/") + "-train.safetensors"
+    save_file({n: p.detach().contiguous() for n, p in hf.named_parameters()}, train_path)
     g = torch.Generator().manual_seed(SEED + 1)
     prompts = [torch.randint(0, cfg.vocab_size, (12 + i,), generator=g).tolist() for i in range(args.prompts)]
     summary = {"model": args.model, "parameters": sum(p.numel() for p in hf.parameters()), "refits": 0, "tp": args.tp, "prompts": len(prompts), "tokens_compared": 0, "mismatches": 0,
@@ -206,7 +214,7 @@ def main(argv=None) -> dict:
     trs.secret_for_children()  # trainers and vLLM's workers inherit the group secret; it never crosses the store
     ctx = mp.get_context("spawn")
     inference = list(range(len(TRAINERS), len(TRAINERS) + args.tp))
-    group = TrainerGroup(ctx, model_dir, args, tag="vllm")
+    group = TrainerGroup(ctx, train_path, args, tag="vllm")
 
     from vllm import LLM
 
@@ -309,7 +317,7 @@ def main(argv=None) -> dict:
             if args.recover:  # same engine, new trainer processes: a new refit group under a new name
                 group.stop()
                 llm.collective_rpc("shutdown_weight_transfer_engine")
-                group = TrainerGroup(ctx, model_dir, args, tag="vllm-restart-1")
+                group = TrainerGroup(ctx, train_path, args, tag="vllm-restart-1")
                 groups.append(group)
                 join(group)
                 refit(group, args.refits + 2, 1, "refit after the trainers restarted")
@@ -335,14 +343,14 @@ class TrainerGroup:
     Each group has its own results queue: a dead group's unread messages hold tensors shared by
     processes that are gone."""
 
-    def __init__(self, ctx, model_dir, args, tag):
+    def __init__(self, ctx, train_path, args, tag):
         results = ctx.Queue()
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.store = f"127.0.0.1:{s.getsockname()[1]}"
         self.tag, self.results = tag, results
         self.commands = {r: ctx.Queue() for r in TRAINERS}
-        self.procs = {r: ctx.Process(target=trainer, args=(r, model_dir, args.model, args.tp, self.store, tag,
+        self.procs = {r: ctx.Process(target=trainer, args=(r, train_path, args.model, args.tp, self.store, tag,
                                                            self.commands[r], results), daemon=True)
                       for r in TRAINERS}
         for p in self.procs.values():

@@ -115,3 +115,34 @@ def test_vllm_engine_refit_end_to_end():
     assert left == [], left
     assert "version 2: vLLM greedy == transformers greedy" in proc.stdout
     assert "refit after the trainers restarted, version 1: vLLM greedy == transformers greedy" in proc.stdout
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_vllm_engine_refit_qwen2_tied_embeddings_and_biases():
+    """The same flow for a Qwen2-shaped model: q/k/v biases (vLLM's qkv_proj.bias, which its reload
+    keeps live), tied embeddings (vLLM exposes only embed_tokens; its CPU LM head keeps its own
+    handle of the tied weight, which must be refreshed too). Each refit changes vLLM's greedy output
+    and equals transformers'."""
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1")
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "vllm_refit.py"), "--model", "tiny-qwen2",
+                           "--tp", "2", "--refits", "2", "--json"], capture_output=True, text=True, timeout=540,
+                          env=env, cwd=ROOT)
+    lines = proc.stdout.strip().splitlines()
+    assert lines and lines[-1].startswith("{"), (proc.returncode, proc.stdout[-3000:], proc.stderr[-4000:])
+    summary = json.loads(lines[-1])
+    assert proc.returncode == 0 and summary["ok"], (summary, proc.stderr[-4000:])
+    assert summary["model"] == "tiny-qwen2" and summary["refits"] == 2
+    assert summary["tokens_compared"] == 3 * 3 * 8 and summary["mismatches"] == 0
+    g = summary["greedy"]
+    assert g[0] != g[1] != g[2]
+    from transformers import Qwen2Config
+
+    spec = trs.recipes.hf_to_vllm(Qwen2Config(**dict(TINY, tie_word_embeddings=True)), tp=2, trainer_ranks=[0, 1],
+                                  inference_ranks=[2, 3], dtype=torch.float32)
+    assert "lm_head.weight" not in spec.dst and "model.layers.0.self_attn.qkv_proj.bias" in spec.dst
+    per_rank = sum(torch.Size(spec.dst[n].local_shape(2)).numel() for n in spec.dst) * 4
+    assert summary["worker_bytes"] == [per_rank, per_rank - 24 * 128 * 4], summary["worker_bytes"]
+    left = [f for f in os.listdir("/dev/shm") if f.startswith(tuple(summary["vllm_dist_idents"])) or f.startswith("trs-")]
+    assert left == [], left

@@ -153,6 +153,10 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
                                inference_ranks=init_info.inference_ranks, dtype=self.model_config.dtype,
                                src_dtype=_DTYPES[init_info.src_dtype])
         self.rank = init_info.inference_ranks[self.tp_rank]  # hf_to_vllm checked there is one per TP rank
+        moe = sorted(n for n in self.spec.dst if ".experts." in n)
+        if moe:  # refits land, but vLLM 0.32 (CPU) then generates differently from transformers: refuse
+            raise ValueError(f"tritonreshard: {self.spec.model_type!r} MoE experts ({moe[0]}, ...) cannot be "
+                             f"refitted through this backend yet")
         self._check_model()
         self._timeout = float(init_info.timeout)
         world = len(init_info.trainer_ranks) + tp
@@ -190,11 +194,13 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         # Tied parameters (lm_head.weight is embed_tokens.weight): the aliasing layer gets the same
         # buffer, so that vLLM's post-processing of that layer runs too (on CPU the LM head keeps its
         # own oneDNN handle of the tied weight, which would otherwise serve the old embeddings).
+        # A module reachable under two names (the MoE router is also ``experts.gate``) is one layer.
+        modules = dict(self.model.named_modules(remove_duplicate=False))
         everything = dict(self.model.named_parameters(remove_duplicate=False))
         owner = {id(everything[n]): n for n in self.spec.dst if n in everything}
-        tied = {n: owner[id(p)] for n, p in everything.items() if n not in self.spec.dst and id(p) in owner}
+        tied = {n: owner[id(p)] for n, p in everything.items() if n not in self.spec.dst and id(p) in owner
+                and modules[n.rsplit(".", 1)[0]] is not modules[owner[id(p)].rsplit(".", 1)[0]]}
         # Which layers vLLM post-processes after loading (their live tensors are not the load format).
-        modules = dict(self.model.named_modules())
         self._layers: dict[str, tuple[torch.nn.Module, list[tuple[str, str, bool]]]] = {}
         for name, buf in [(n, n) for n in self.spec.dst] + sorted(tied.items()):
             mname, pname = name.rsplit(".", 1)
