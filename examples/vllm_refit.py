@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import queue
+import shutil
 import signal
 import socket
 import sys
@@ -328,6 +329,8 @@ def main(argv=None) -> dict:
         llm.collective_rpc("shutdown_weight_transfer_engine")
         llm.llm_engine.engine_core.shutdown()  # now, not at interpreter exit: the check below needs it
         summary["vllm_shm_removed"] = _remove_vllm_shm(idents) if os.path.isdir("/dev/shm") else []
+        shutil.rmtree(model_dir)
+        os.unlink(train_path)
     summary["refit_ms_median"] = sorted(summary["refit_ms"])[len(summary["refit_ms"]) // 2]
     ok = summary["mismatches"] == 0 and summary["refits"] == args.refits + bool(args.fault and args.recover) and (
         not args.fault or (summary["fault"]["error"] and summary["fault"]["names_rank"] and summary["bad_init_error"]
