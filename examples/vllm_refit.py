@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import queue
+import shutil
 import signal
 import socket
 import sys
@@ -46,35 +47,46 @@ SIGMA = 0.02          # perturbation per step, about the init std of the weights
 TRAINERS = [0, 1]     # global ranks of the trainer processes in the refit group
 
 
-MODELS = {  # "tiny" is the checked model; "small" (45M parameters, 180 MB fp32) is for timing refits
-    "tiny": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1000,
-                 num_hidden_layers=2, intermediate_size=256),
-    "small": dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=32000,
-                  num_hidden_layers=4, intermediate_size=1536),
+_TINY = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1000,
+             num_hidden_layers=2, intermediate_size=256)
+MODELS = {  # name: (transformers config class, fields)
+    # the checked model
+    "tiny": ("LlamaConfig", dict(_TINY, tie_word_embeddings=False)),
+    # the same sizes as Qwen2: q/k/v biases and tied embeddings (vLLM exposes only embed_tokens)
+    "tiny-qwen2": ("Qwen2Config", dict(_TINY, tie_word_embeddings=True)),
+    # Qwen3: q_norm / k_norm
+    "tiny-qwen3": ("Qwen3Config", dict(_TINY, tie_word_embeddings=False)),
+    # 45M parameters (180 MB fp32), for timing refits
+    "small": ("LlamaConfig", dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                                  vocab_size=32000, num_hidden_layers=4, intermediate_size=1536,
+                                  tie_word_embeddings=False)),
 }
 
 
-def llama_config(model: str = "tiny"):
-    from transformers import LlamaConfig
+def model_config(model: str = "tiny"):
+    import transformers
 
-    return LlamaConfig(**MODELS[model], max_position_embeddings=256, tie_word_embeddings=False,
-                       architectures=["LlamaForCausalLM"])
+    cls, fields = MODELS[model]
+    return getattr(transformers, cls)(**fields, max_position_embeddings=256,
+                                      architectures=[cls.replace("Config", "ForCausalLM")])
 
 
 # ---------------------------------------------------------------------------------------- trainers
-def trainer(rank: int, model_dir: str, model: str, tp: int, store: str, group: str, commands, results) -> None:
+def trainer(rank: int, train_path: str, model: str, tp: int, store: str, group: str, commands, results) -> None:
     """One FSDP trainer: row shard ``rank`` of every HF parameter, perturbed in the shared arena."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     torch.set_num_threads(1)
     from safetensors.torch import load_file
 
+    import tritonreshard as trs
     import tritonreshard.vllm as trs_vllm
 
-    cfg = llama_config(model)
-    full = load_file(os.path.join(model_dir, "model.safetensors"))
+    cfg = model_config(model)
+    full = load_file(train_path)  # the training parameters (HF names)
     inference = list(range(len(TRAINERS), len(TRAINERS) + tp))
-    lay = trs_vllm.llama_layouts(cfg, tp=tp, trainer_ranks=TRAINERS, inference_ranks=inference)
-    shards = {n: lay.src[n].shard(full[n], rank).contiguous() for n in lay.src}
+    # The recipe's source side: which HF parameters, and this rank's FSDP rows of each.
+    src = trs.recipes.hf_to_vllm(cfg, tp=tp, trainer_ranks=TRAINERS, inference_ranks=inference).src
+    shards = {n: src[n].shard(full[n], rank).contiguous() for n in src}
     with trs_vllm.Trainer(cfg, shards, rank=rank, tp=tp, trainer_ranks=TRAINERS, inference_ranks=inference,
                           store=store, group=group, timeout=300.0) as tr:
         results.put(("ready", rank, None))
@@ -161,7 +173,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--tp", type=int, default=2, help="vLLM tensor parallelism (default 2)")
     ap.add_argument("--refits", type=int, default=2, help="refits to run and check (default 2)")
     ap.add_argument("--model", choices=sorted(MODELS), default="tiny",
-                    help="tiny: the checked 2-layer Llama (default); small: 45M parameters, for timing")
+                    help="tiny: the checked 2-layer Llama (default); tiny-qwen2 / tiny-qwen3: the same sizes "
+                         "as Qwen2 (biases, tied embeddings) / Qwen3 (q/k norms); small: a 45M-parameter Llama, "
+                         "for timing")
     ap.add_argument("--prompts", type=int, default=3, help="prompts compared after each refit (default 3)")
     ap.add_argument("--max-tokens", type=int, default=8, help="greedy tokens generated per prompt (default 8)")
     ap.add_argument("--fault", action="store_true",
@@ -178,16 +192,21 @@ def main(argv=None) -> dict:
         ap.error("; ".join(bad))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1))
                                                                 for i in range(args.tp)))
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     import tritonreshard as trs
     import tritonreshard.vllm as trs_vllm
 
     torch.manual_seed(SEED)
-    cfg = llama_config(args.model)
-    hf = LlamaForCausalLM(cfg).float().eval()
+    cfg = model_config(args.model)
+    hf = AutoModelForCausalLM.from_config(cfg).float().eval()
     model_dir = tempfile.mkdtemp(prefix="trs-vllm-")
-    hf.save_pretrained(model_dir)
+    hf.save_pretrained(model_dir)  # the checkpoint vLLM starts from (transformers may convert names, e.g. MoE experts)
+    from safetensors.torch import save_file
+
+    # The trainers' starting weights, in training names, outside the directory vLLM loads.
+    train_path = model_dir.rstrip("/") + "-train.safetensors"
+    save_file({n: p.detach().contiguous() for n, p in hf.named_parameters()}, train_path)
     g = torch.Generator().manual_seed(SEED + 1)
     prompts = [torch.randint(0, cfg.vocab_size, (12 + i,), generator=g).tolist() for i in range(args.prompts)]
     summary = {"model": args.model, "parameters": sum(p.numel() for p in hf.parameters()), "refits": 0, "tp": args.tp, "prompts": len(prompts), "tokens_compared": 0, "mismatches": 0,
@@ -196,7 +215,7 @@ def main(argv=None) -> dict:
     trs.secret_for_children()  # trainers and vLLM's workers inherit the group secret; it never crosses the store
     ctx = mp.get_context("spawn")
     inference = list(range(len(TRAINERS), len(TRAINERS) + args.tp))
-    group = TrainerGroup(ctx, model_dir, args, tag="vllm")
+    group = TrainerGroup(ctx, train_path, args, tag="vllm")
 
     from vllm import LLM
 
@@ -228,10 +247,14 @@ def main(argv=None) -> dict:
         llm.collective_rpc("finish_weight_update")
         summary["refit_ms"].append(round((time.perf_counter() - t0) * 1e3, 2))
         llm.reset_prefix_cache()  # cached KV was computed with the previous weights
-        summary["worker"].append(llm.collective_rpc(_worker_stats)[0])
+        stats = llm.collective_rpc(_worker_stats)
+        summary["worker"].append(stats[0])
+        summary["worker_bytes"] = [w["bytes"] for w in stats]  # what each TP rank pulls per refit
         summary["refits"] += 1
         weights = {n: torch.cat([shards[r][n] for r in TRAINERS]) for n in shards[TRAINERS[0]]}
-        hf.load_state_dict(weights)
+        missing, unexpected = hf.load_state_dict(weights, strict=False)
+        tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+        assert not unexpected and set(missing) <= tied, (missing, unexpected)  # tied: lm_head is embed_tokens
         w = summary["worker"][-1]
         print(f"{what}: {summary['refit_ms'][-1]} ms (in each worker: pull {w['pull_ms']:.2f} ms, "
               f"apply {w['apply_ms']:.2f} ms)", flush=True)
@@ -295,7 +318,7 @@ def main(argv=None) -> dict:
             if args.recover:  # same engine, new trainer processes: a new refit group under a new name
                 group.stop()
                 llm.collective_rpc("shutdown_weight_transfer_engine")
-                group = TrainerGroup(ctx, model_dir, args, tag="vllm-restart-1")
+                group = TrainerGroup(ctx, train_path, args, tag="vllm-restart-1")
                 groups.append(group)
                 join(group)
                 refit(group, args.refits + 2, 1, "refit after the trainers restarted")
@@ -306,6 +329,8 @@ def main(argv=None) -> dict:
         llm.collective_rpc("shutdown_weight_transfer_engine")
         llm.llm_engine.engine_core.shutdown()  # now, not at interpreter exit: the check below needs it
         summary["vllm_shm_removed"] = _remove_vllm_shm(idents) if os.path.isdir("/dev/shm") else []
+        shutil.rmtree(model_dir)
+        os.unlink(train_path)
     summary["refit_ms_median"] = sorted(summary["refit_ms"])[len(summary["refit_ms"]) // 2]
     ok = summary["mismatches"] == 0 and summary["refits"] == args.refits + bool(args.fault and args.recover) and (
         not args.fault or (summary["fault"]["error"] and summary["fault"]["names_rank"] and summary["bad_init_error"]
@@ -321,14 +346,14 @@ class TrainerGroup:
     Each group has its own results queue: a dead group's unread messages hold tensors shared by
     processes that are gone."""
 
-    def __init__(self, ctx, model_dir, args, tag):
+    def __init__(self, ctx, train_path, args, tag):
         results = ctx.Queue()
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.store = f"127.0.0.1:{s.getsockname()[1]}"
         self.tag, self.results = tag, results
         self.commands = {r: ctx.Queue() for r in TRAINERS}
-        self.procs = {r: ctx.Process(target=trainer, args=(r, model_dir, args.model, args.tp, self.store, tag,
+        self.procs = {r: ctx.Process(target=trainer, args=(r, train_path, args.model, args.tp, self.store, tag,
                                                            self.commands[r], results), daemon=True)
                       for r in TRAINERS}
         for p in self.procs.values():

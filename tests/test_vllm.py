@@ -16,14 +16,14 @@ import pytest
 import torch
 
 import tritonreshard as trs
-from tritonreshard.vllm import init_info, llama_layouts
+from tritonreshard.vllm import Trainer, init_info
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM not installed (pip install -e '.[vllm]')")
 
 TINY = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1000,
-            num_hidden_layers=2, intermediate_size=256, architectures=["LlamaForCausalLM"])
+            num_hidden_layers=2, intermediate_size=256, tie_word_embeddings=False)
 
 
 def test_import_tritonreshard_does_not_import_vllm():
@@ -32,67 +32,25 @@ def test_import_tritonreshard_does_not_import_vllm():
     assert out.stdout.strip() == "False"
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
-def test_layouts_fill_vllm_load_format_exactly(tp):
-    """Provenance: every HF element is its own global index; each TP rank's vLLM load-format
-    parameter, assembled from the pulled shards by the binds, must equal vLLM's documented layout
-    (built here independently): [q heads of rank r | k | v], [gate r | up r], dim-1 splits, vocab
-    padded to 64 with zero rows."""
-    lay = llama_layouts(TINY, tp=tp, trainer_ranks=[0, 1], inference_ranks=list(range(2, 2 + tp)))
-    full = {}
-    base = 0
-    for n, L in sorted(lay.src.items()):
-        full[n] = (torch.arange(L.numel, dtype=torch.float64) + base).to(torch.float32).view(L.shape)
-        base += L.numel
-    out = trs.execute_local(trs.plan_reshard(lay.src, lay.dst), {r: {n: lay.src[n].shard(full[n], r) for n in lay.src}
-                                                                for r in (0, 1)}, backend="torch")
+def test_bad_input_fails_before_joining():
+    """init_info reports every problem at once; the Trainer rejects its input before it touches the
+    store (nothing listens on port 9, so reaching it would fail differently)."""
+    with pytest.raises(ValueError) as e:
+        init_info(store="nohost", trainer_ranks=[0, 1], inference_ranks=[1, 2], src_dtype="int8")
+    for part in ("store must be 'host:port'", "src_dtype must be", "overlap"):
+        assert part in str(e.value), part
     from transformers import LlamaConfig
 
-    spec = trs.recipes.hf_to_vllm(LlamaConfig(**TINY), tp=tp, trainer_ranks=[0, 1], inference_ranks=list(range(2, 2 + tp)),
-                                  dtype=torch.float32, src_dtype=torch.float32)
-    assert {n: spec.dst[n].local_shape(2) for n in spec.dst} == lay.param_shapes
-    recipe_out = trs.execute_local(spec.plan(), {r: {n: spec.src[n].shard(full[n], r) for n in spec.src}
-                                                 for r in (0, 1)}, backend="torch")
-    kv_rank = lambda r: r * 2 // tp if tp <= 2 else r // (tp // 2)  # noqa: E731  (2 KV heads)
-    for t in range(tp):
-        params = {p: torch.full(s, float("nan")) for p, s in lay.param_shapes.items()}
-        for b in lay.binds(t):
-            params[b.param][b.dst_rows[0]:b.dst_rows[1]] = out[2 + t][b.name][b.src_rows[0]:b.src_rows[1]]
-            if b.zero_rows:
-                params[b.param][b.zero_rows[0]:b.zero_rows[1]] = 0
-        for i in range(2):
-            a = f"model.layers.{i}.self_attn."
-            q, k, v = (full[a + x + "_proj.weight"] for x in "qkv")
-            kv_heads = 2 // tp if tp <= 2 else 1
-            kr = kv_rank(t) if tp > 2 else t
-            want = torch.cat([q.chunk(tp)[t], k.view(2, 32, 128)[kr * kv_heads:(kr + 1) * kv_heads].reshape(-1, 128),
-                              v.view(2, 32, 128)[kr * kv_heads:(kr + 1) * kv_heads].reshape(-1, 128)])
-            assert torch.equal(params[a + "qkv_proj.weight"], want)
-            assert torch.equal(params[a + "o_proj.weight"], full[a + "o_proj.weight"].chunk(tp, 1)[t])
-            m = f"model.layers.{i}.mlp."
-            assert torch.equal(params[m + "gate_up_proj.weight"], torch.cat(
-                [full[m + "gate_proj.weight"].chunk(tp)[t], full[m + "up_proj.weight"].chunk(tp)[t]]))
-            assert torch.equal(params[m + "down_proj.weight"], full[m + "down_proj.weight"].chunk(tp, 1)[t])
-        for n in ("model.embed_tokens.weight", "lm_head.weight"):
-            padded = torch.cat([full[n], torch.zeros(24, 128)])          # 1000 -> 1024
-            assert torch.equal(params[n], padded.chunk(tp)[t])
-        assert not any(p.isnan().any() for p in params.values())
-        # ... and equals what trs.recipes.hf_to_vllm's plan builds (its parts go straight into vLLM's
-        # names; the endpoints cannot carry parts yet, which is why the backend binds rows itself).
-        for name, want in recipe_out[2 + t].items():
-            assert torch.equal(params[name], want), (tp, t, name)
-
-
-def test_layouts_reject_bad_input_all_at_once():
-    bad = dict(TINY, num_attention_heads=3, tie_word_embeddings=True, architectures=["GPT2LMHeadModel"])
-    with pytest.raises(ValueError) as e:
-        llama_layouts(bad, tp=2, trainer_ranks=[0, 1], inference_ranks=[1, 2, 3])
-    msg = str(e.value)
-    for part in ("GPT2LMHeadModel", "tie_word_embeddings", "inference_ranks=[1, 2, 3]", "overlap",
-                 "num_attention_heads=3"):
-        assert part in msg, part
-    with pytest.raises(ValueError, match="store must be 'host:port'.*src_dtype must be"):
-        init_info(store="nohost", trainer_ranks=[0], inference_ranks=[1], src_dtype="int8")
+    cfg = LlamaConfig(**TINY)
+    with pytest.raises(ValueError, match=r"dtype must be one of .* got torch.int32"):
+        Trainer(cfg, {"x": torch.zeros(2, dtype=torch.int32)}, rank=0, tp=2, trainer_ranks=[0, 1],
+                inference_ranks=[2, 3], store="127.0.0.1:9")
+    with pytest.raises(ValueError, match=r"trainer_ranks=\[0, 1\] and inference_ranks=\[1, 2\] overlap"):
+        Trainer(cfg, {"x": torch.zeros(2)}, rank=0, tp=2, trainer_ranks=[0, 1], inference_ranks=[1, 2],
+                store="127.0.0.1:9")
+    with pytest.raises(ValueError, match="hf_to_vllm: .*num_attention_heads=4 is not divisible by tp=3"):
+        Trainer(cfg, {"x": torch.zeros(2)}, rank=0, tp=3, trainer_ranks=[0, 1], inference_ranks=[2, 3, 4],
+                store="127.0.0.1:9")
 
 
 def test_entry_point_names_the_register_function():
@@ -136,7 +94,16 @@ def test_vllm_engine_refit_end_to_end():
     assert summary["recovered"] is True
     assert len(summary["reload_weights_ms"]) == 3
     assert summary["bad_init_error"].startswith("tritonreshard init_weight_transfer_engine failed"), summary
-    assert "inference_ranks=[2] must name one rank per TP rank (tp=2)" in summary["bad_init_error"]
+    assert "hf_to_vllm: inference_ranks has 1 ranks but tp=2" in summary["bad_init_error"]
+    # Each worker pulls exactly its own TP shards of vLLM's parameters (recipe names and shapes),
+    # never vLLM's zero vocab padding: 1000 rows padded to 1024, TP rank 1 holds the 24 padding rows
+    # of embed_tokens and lm_head. (The interim hand layouts pulled the whole 1000-row matrices.)
+    from transformers import LlamaConfig
+
+    spec = trs.recipes.hf_to_vllm(LlamaConfig(**TINY), tp=2, trainer_ranks=[0, 1], inference_ranks=[2, 3],
+                                  dtype=torch.float32)
+    per_rank = sum(torch.Size(spec.dst[n].local_shape(2)).numel() for n in spec.dst) * 4
+    assert summary["worker_bytes"] == [per_rank, per_rank - 2 * 24 * 128 * 4], summary["worker_bytes"]
     fault = summary["fault"]
     assert fault["error"].startswith("tritonreshard refit failed"), fault
     assert "rank 1" in fault["error"] and "died" in fault["error"], fault
@@ -148,3 +115,34 @@ def test_vllm_engine_refit_end_to_end():
     assert left == [], left
     assert "version 2: vLLM greedy == transformers greedy" in proc.stdout
     assert "refit after the trainers restarted, version 1: vLLM greedy == transformers greedy" in proc.stdout
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_vllm_engine_refit_qwen2_tied_embeddings_and_biases():
+    """The same flow for a Qwen2-shaped model: q/k/v biases (vLLM's qkv_proj.bias, which its reload
+    keeps live), tied embeddings (vLLM exposes only embed_tokens; its CPU LM head keeps its own
+    handle of the tied weight, which must be refreshed too). Each refit changes vLLM's greedy output
+    and equals transformers'."""
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1")
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "vllm_refit.py"), "--model", "tiny-qwen2",
+                           "--tp", "2", "--refits", "2", "--json"], capture_output=True, text=True, timeout=540,
+                          env=env, cwd=ROOT)
+    lines = proc.stdout.strip().splitlines()
+    assert lines and lines[-1].startswith("{"), (proc.returncode, proc.stdout[-3000:], proc.stderr[-4000:])
+    summary = json.loads(lines[-1])
+    assert proc.returncode == 0 and summary["ok"], (summary, proc.stderr[-4000:])
+    assert summary["model"] == "tiny-qwen2" and summary["refits"] == 2
+    assert summary["tokens_compared"] == 3 * 3 * 8 and summary["mismatches"] == 0
+    g = summary["greedy"]
+    assert g[0] != g[1] != g[2]
+    from transformers import Qwen2Config
+
+    spec = trs.recipes.hf_to_vllm(Qwen2Config(**dict(TINY, tie_word_embeddings=True)), tp=2, trainer_ranks=[0, 1],
+                                  inference_ranks=[2, 3], dtype=torch.float32)
+    assert "lm_head.weight" not in spec.dst and "model.layers.0.self_attn.qkv_proj.bias" in spec.dst
+    per_rank = sum(torch.Size(spec.dst[n].local_shape(2)).numel() for n in spec.dst) * 4
+    assert summary["worker_bytes"] == [per_rank, per_rank - 24 * 128 * 4], summary["worker_bytes"]
+    left = [f for f in os.listdir("/dev/shm") if f.startswith(tuple(summary["vllm_dist_idents"])) or f.startswith("trs-")]
+    assert left == [], left

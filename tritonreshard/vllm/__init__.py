@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import torch
 
+from ..recipes import hf_to_vllm
 from ..refit import RefitTrainer
-from ._layouts import Bind, VLLMLayouts, llama_layouts
 
-__all__ = ["Trainer", "init_info", "llama_layouts", "VLLMLayouts", "Bind", "register", "BACKEND"]
+__all__ = ["Trainer", "init_info", "register", "BACKEND"]
 
 BACKEND = "tritonreshard"
 
@@ -45,28 +45,36 @@ def init_info(*, store: str, trainer_ranks, inference_ranks, src_dtype: str = "f
               timeout: float = 60.0, peer_timeout: float = 10.0) -> dict:
     """The plain dict to pass to ``init_weight_transfer_engine``. ``store``: ``"host:port"`` of the
     refit group's TCPStore (trainer rank 0 hosts it); ``inference_ranks[t]`` is vLLM TP rank ``t``'s
-    global rank in the refit group; ``src_dtype``: the trainers' parameter dtype."""
+    global rank in the refit group; ``src_dtype``: the trainers' parameter dtype. Each worker derives
+    its layouts from the served model's config with ``trs.recipes.hf_to_vllm``."""
     problems = []
+    trainer_ranks, inference_ranks = [int(r) for r in trainer_ranks], [int(r) for r in inference_ranks]
+    if set(trainer_ranks) & set(inference_ranks):
+        problems.append(f"trainer_ranks={trainer_ranks} and inference_ranks={inference_ranks} overlap")
     if not isinstance(store, str) or ":" not in store:
         problems.append(f"store must be 'host:port', got store={store!r}")
     if src_dtype not in ("float32", "bfloat16", "float16"):
         problems.append(f"src_dtype must be 'float32', 'bfloat16' or 'float16', got src_dtype={src_dtype!r}")
     if problems:
         raise ValueError("init_info: " + "; ".join(problems))
-    return {"store": store, "trainer_ranks": [int(r) for r in trainer_ranks],
-            "inference_ranks": [int(r) for r in inference_ranks], "src_dtype": src_dtype, "group": group,
+    return {"store": store, "trainer_ranks": trainer_ranks, "inference_ranks": inference_ranks,
+            "src_dtype": src_dtype, "group": group,
             "timeout": float(timeout), "peer_timeout": float(peer_timeout)}
 
 
 class Trainer(RefitTrainer):
-    """Trainer side of a vLLM refit group: a :class:`~tritonreshard.RefitTrainer` whose layouts come
-    from the model's Hugging Face ``config`` and vLLM's tensor parallelism ``tp``.
+    """Trainer side of a vLLM refit group: a :class:`~tritonreshard.RefitTrainer` whose source
+    layouts are ``trs.recipes.hf_to_vllm(config, tp=tp, ...).src`` (the vLLM workers build the
+    destination side of the same recipe from the served model's config).
 
-    ``shards``: this rank's FSDP row shards ``{HF parameter name: tensor}`` (``Shard(0)`` over
-    ``trainer_ranks``), copied once into the shared arena; train on ``tensors`` afterwards (or pass
-    an ``nn.Module`` whose parameters are those shards: they are re-pointed at the arena). Call
-    ``fence()`` before changing the weights and ``publish()`` after; the vLLM workers pull from
-    the arena. ``rank`` is this process's rank in the refit group (one of ``trainer_ranks``).
+    ``config``: the model's ``transformers`` config (any ``model_type`` the recipes know: llama,
+    mistral, qwen2, qwen3, qwen3_moe). ``shards``: this rank's FSDP row shards ``{HF parameter name:
+    tensor of spec.src[name].local_shape(rank)}`` (``Shard(0)`` over ``trainer_ranks``), copied once
+    into the shared arena; train on ``tensors`` afterwards (or pass an ``nn.Module`` whose parameters
+    are those shards: they are re-pointed at the arena). Call ``fence()`` before changing the
+    weights and ``publish()`` after; the vLLM workers pull from the arena. ``rank`` is this
+    process's rank in the refit group (one of ``trainer_ranks``). ``spec`` is the recipe;
+    ``src_dtype`` the name to pass to :func:`init_info`.
     """
 
     def __init__(self, config, shards, *, rank: int, tp: int, trainer_ranks, inference_ranks, store,
@@ -76,8 +84,13 @@ class Trainer(RefitTrainer):
         names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
         if dtype not in names:
             raise ValueError(f"Trainer: the shards' dtype must be one of {sorted(names.values())}, got {dtype}")
-        self.layouts = llama_layouts(config, tp=tp, trainer_ranks=trainer_ranks, inference_ranks=inference_ranks,
-                                     src_dtype=dtype)
+        overlap = set(trainer_ranks) & set(inference_ranks)
+        if overlap:
+            raise ValueError(f"Trainer: trainer_ranks={list(trainer_ranks)} and inference_ranks="
+                             f"{list(inference_ranks)} overlap")
+        # Only the source side matters here; the destination dtype is vLLM's, chosen by the workers.
+        self.spec = hf_to_vllm(config, tp=tp, trainer_ranks=trainer_ranks, inference_ranks=inference_ranks,
+                               src_dtype=dtype)
         self.src_dtype = names[dtype]  # what init_info(src_dtype=...) needs on the vLLM side
-        super().__init__(shards, self.layouts.src, rank=rank, world_size=len(trainer_ranks) + len(inference_ranks),
+        super().__init__(shards, self.spec.src, rank=rank, world_size=len(trainer_ranks) + len(inference_ranks),
                          store=store, group=group, **kwargs)

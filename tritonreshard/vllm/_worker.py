@@ -2,7 +2,9 @@
 
 Imported only inside vLLM (the ``vllm.general_plugins`` entry point registers it lazily). Each
 worker (TP rank ``t``) joins the refit group as global rank ``inference_ranks[t]`` and pulls exactly
-its own shards out of the trainers' shared arenas into its own buffer set (shadow mode: the serving
+its own TP shards of vLLM's parameters (names, layouts and parts from ``trs.recipes.hf_to_vllm`` for
+the served model's config; vocab padding rows are zero-filled by the engine, never pulled) out of
+the trainers' shared arenas into its own buffer set (shadow mode: the serving
 weights are untouched while the copy runs). Then the TP group agrees; only when every TP rank pulled
 the same version does any rank apply it:
 
@@ -35,8 +37,8 @@ from vllm.model_executor.model_loader.reload import layerwise as _layerwise
 from vllm.model_executor.model_loader.reload.meta import materialize_layer
 from vllm.platforms import current_platform
 
+from ..recipes import hf_to_vllm
 from ..refit import RefitError, RefitInference
-from ._layouts import llama_layouts
 
 __all__ = ["TritonreshardInitInfo", "TritonreshardUpdateInfo", "TritonreshardWeightTransferEngine"]
 
@@ -147,53 +149,62 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         if problems:
             raise ValueError("tritonreshard init_weight_transfer_engine: " + "; ".join(problems))
         self.tp_rank, tp = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-        self.layouts = llama_layouts(self.model_config.hf_config, tp=tp, trainer_ranks=init_info.trainer_ranks,
-                                     inference_ranks=init_info.inference_ranks,
-                                     src_dtype=_DTYPES[init_info.src_dtype], dst_dtype=self.model_config.dtype)
-        self.rank = self.layouts.inference_ranks[self.tp_rank]
-        self._binds = self.layouts.binds(self.tp_rank)
+        self.spec = hf_to_vllm(self.model_config.hf_config, tp=tp, trainer_ranks=init_info.trainer_ranks,
+                               inference_ranks=init_info.inference_ranks, dtype=self.model_config.dtype,
+                               src_dtype=_DTYPES[init_info.src_dtype])
+        self.rank = init_info.inference_ranks[self.tp_rank]  # hf_to_vllm checked there is one per TP rank
+        moe = sorted(n for n in self.spec.dst if ".experts." in n)
+        if moe:  # refits land, but vLLM 0.32 (CPU) then generates differently from transformers: refuse
+            raise ValueError(f"tritonreshard: {self.spec.model_type!r} MoE experts ({moe[0]}, ...) cannot be "
+                             f"refitted through this backend yet")
         self._check_model()
         self._timeout = float(init_info.timeout)
         world = len(init_info.trainer_ranks) + tp
-        self._sub = RefitInference(self.layouts.dst, rank=self.rank, world_size=world, store=init_info.store,
-                                   mode="shadow", device=self.device, timeout=init_info.timeout,
-                                   peer_timeout=init_info.peer_timeout, group=init_info.group)
+        self._sub = RefitInference.from_recipe(self.spec, rank=self.rank, world_size=world, store=init_info.store,
+                                               mode="shadow", device=self.device, timeout=init_info.timeout,
+                                               peer_timeout=init_info.peer_timeout, group=init_info.group)
 
     def _check_model(self) -> None:
-        """Every bound vLLM parameter exists with the load-format shape the layouts expect, and the
-        binds cover it exactly once (padding rows excepted), checked before anything moves."""
+        """Every recipe destination is a vLLM parameter with the load-format shape the recipe gives
+        this TP rank, and every vLLM parameter is filled by one (tied weights count once), checked
+        before anything moves."""
         restore = {}
         for mname, mod in self.model.named_modules():
             meta_params, _ = _layerwise.get_layerwise_info(mod).restore_metadata
             for pname, meta in meta_params.items():
                 restore[f"{mname}.{pname}" if mname else pname] = meta
         self._restore_shapes = {n: tuple(m.shape) for n, m in restore.items()}
+        # vLLM's reload keeps ``bias`` live (never on meta, so not in the restore metadata): its
+        # live shape is its load format.
+        live = {n: tuple(p.shape) for n, p in self.model.named_parameters(remove_duplicate=False)}
         problems = []
-        for param, shape in self.layouts.param_shapes.items():
-            have = self._restore_shapes.get(param)
+        for name, layout in self.spec.dst.items():
+            have, want = self._restore_shapes.get(name, live.get(name)), tuple(layout.local_shape(self.rank))
             if have is None:
-                problems.append(f"vLLM model has no parameter {param!r}")
-            elif have != tuple(shape):
-                problems.append(f"vLLM parameter {param!r} has load-format shape {have}, layouts expect {tuple(shape)}")
-        cover: dict[str, int] = {}
-        for b in self._binds:
-            cover[b.param] = cover.get(b.param, 0) + (b.dst_rows[1] - b.dst_rows[0]) + (
-                b.zero_rows[1] - b.zero_rows[0] if b.zero_rows else 0)
-        for param, rows in cover.items():
-            if param in self._restore_shapes and rows != self._restore_shapes[param][0]:
-                problems.append(f"binds fill {rows} rows of {param!r}, which has {self._restore_shapes[param][0]}")
-        unbound = sorted(n for n in self._restore_shapes if n not in cover)
-        if unbound:
-            problems.append(f"vLLM parameters no layout fills: {unbound}")
+                problems.append(f"vLLM model has no parameter {name!r}")
+            elif have != want:
+                problems.append(f"vLLM parameter {name!r} has load-format shape {have}, the recipe gives {want}")
+        # named_parameters() lists a tied parameter once (lm_head.weight is embed_tokens.weight).
+        unfilled = sorted(n for n, _ in self.model.named_parameters() if n not in self.spec.dst)
+        if unfilled:
+            problems.append(f"vLLM parameters the recipe does not fill: {unfilled}")
         if problems:
-            raise ValueError(f"tritonreshard (TP rank {self.tp_rank}): the model does not match the layouts: "
-                             + "; ".join(problems))
+            raise ValueError(f"tritonreshard (TP rank {self.tp_rank}): the model does not match "
+                             f"trs.recipes.hf_to_vllm({self.spec.model_type!r}): " + "; ".join(problems))
+        # Tied parameters (lm_head.weight is embed_tokens.weight): the aliasing layer gets the same
+        # buffer, so that vLLM's post-processing of that layer runs too (on CPU the LM head keeps its
+        # own oneDNN handle of the tied weight, which would otherwise serve the old embeddings).
+        # A module reachable under two names (the MoE router is also ``experts.gate``) is one layer.
+        modules = dict(self.model.named_modules(remove_duplicate=False))
+        everything = dict(self.model.named_parameters(remove_duplicate=False))
+        owner = {id(everything[n]): n for n in self.spec.dst if n in everything}
+        tied = {n: owner[id(p)] for n, p in everything.items() if n not in self.spec.dst and id(p) in owner
+                and modules[n.rsplit(".", 1)[0]] is not modules[owner[id(p)].rsplit(".", 1)[0]]}
         # Which layers vLLM post-processes after loading (their live tensors are not the load format).
-        modules = dict(self.model.named_modules())
-        self._layers: dict[str, tuple[torch.nn.Module, list]] = {}
-        for b in self._binds:
-            mname, pname = b.param.rsplit(".", 1)
-            self._layers.setdefault(mname, (modules[mname], []))[1].append((pname, b))
+        self._layers: dict[str, tuple[torch.nn.Module, list[tuple[str, str, bool]]]] = {}
+        for name, buf in [(n, n) for n in self.spec.dst] + sorted(tied.items()):
+            mname, pname = name.rsplit(".", 1)
+            self._layers.setdefault(mname, (modules[mname], []))[1].append((pname, buf, name in tied))
         self._processed = {m for m, (mod, _) in self._layers.items() if self._needs_processing(m, mod)}
 
     def _needs_processing(self, mname: str, mod: torch.nn.Module) -> bool:
@@ -202,8 +213,8 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
             return False
         if not isinstance(qm, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)) or current_platform.is_cpu():
             return True  # quantized, or the CPU backend's repack into oneDNN / sgl handles
-        return any(tuple(p.shape) != self._restore_shapes.get(f"{mname}.{n}") for n, p in
-                   mod.named_parameters(recurse=False))
+        return any(tuple(p.shape) != self._restore_shapes[f"{mname}.{n}"] for n, p in
+                   mod.named_parameters(recurse=False) if f"{mname}.{n}" in self._restore_shapes)
 
     # ------------------------------------------------------------------ phases 2-4
     def start_weight_update(self) -> None:
@@ -240,25 +251,21 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
 
     @torch.no_grad()
     def _apply(self, bufs: dict[str, torch.Tensor]) -> None:
-        def fill(target: torch.Tensor, binds) -> None:
-            for _, b in binds:
-                target[b.dst_rows[0]:b.dst_rows[1]].copy_(bufs[b.name][b.src_rows[0]:b.src_rows[1]])
-                if b.zero_rows:
-                    target[b.zero_rows[0]:b.zero_rows[1]].zero_()
-
+        """Copy the pulled buffers (``{vLLM name: this rank's load-format shard}``, padding rows
+        already zero) into vLLM's parameters."""
         if self._processed:
             t0 = time.perf_counter()
             initialize_layerwise_reload(self.model)
             t1 = time.perf_counter()
             for mname in sorted(self._layers):
-                mod, binds = self._layers[mname]
+                mod, params = self._layers[mname]
                 info = _layerwise.get_layerwise_info(mod)
                 materialize_layer(mod, info)
                 # Copy, never alias the shadow buffers: some post-processing keeps views of the
                 # load-format weight (zentorch), and a later pull into an aliased buffer would then
                 # change the served weights unprocessed.
-                for pname in {p for p, _ in binds}:
-                    fill(getattr(mod, pname).data, [(p, b) for p, b in binds if p == pname])
+                for pname, name, _ in params:
+                    getattr(mod, pname).data.copy_(bufs[name])
                 # vLLM's own post-load processing; for a plain layer it only copies into the kernel tensors.
                 _layerwise._layerwise_process(mod, info)
             # Layers nothing of ours lands in (rotary caches): put vLLM's own tensors back as
@@ -276,9 +283,10 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
                                  "finalize_ms": (time.perf_counter() - t2) * 1e3}
             return
         self._apply_split = {}
-        for mname, (mod, binds) in self._layers.items():
-            for pname in {p for p, _ in binds}:
-                fill(getattr(mod, pname).data, [(p, b) for p, b in binds if p == pname])
+        for mod, params in self._layers.values():
+            for pname, name, tied in params:
+                if not tied:  # a tied parameter is the same tensor as the one written here
+                    getattr(mod, pname).data.copy_(bufs[name])
 
     def finish_weight_update(self) -> None:
         self._session = False
