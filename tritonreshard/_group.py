@@ -115,6 +115,20 @@ def _parts_desc(parts) -> str:
     return "missing" if parts is None else "[" + ", ".join(map(str, parts)) + "]"
 
 
+def _disagreements(holders: list[Member], get, label: str, describe, rule: str) -> list[str]:
+    """One problem per (rank, name) where ``get(rank's member)`` differs from the first holder's."""
+    ref, ref_map = holders[0], get(holders[0]) or {}
+    out = []
+    for m in holders[1:]:
+        other = get(m) or {}
+        for name in sorted(set(ref_map) | set(other)):
+            a, b = ref_map.get(name), other.get(name)
+            if a != b:
+                out.append(f"rank {m.rank} joined with {label}[{name!r}]={describe(b)} but rank "
+                           f"{ref.rank} has {describe(a)}: {rule}")
+    return out
+
+
 def validate_members(members: list[Member], world_size: int) -> Plan:
     """The group's plan from every rank's :class:`Member`; raises one ``ValueError`` listing every
     problem (each rank computes the same, so every rank raises the same).
@@ -131,27 +145,13 @@ def validate_members(members: list[Member], world_size: int) -> Plan:
         if not holders:
             problems.append(f"no rank joined with {side}_layouts (no {role} side)")
             continue
-        ref = holders[0]
-        ref_layouts = getattr(ref, f"{side}_layouts")
-        for m in holders[1:]:
-            other = getattr(m, f"{side}_layouts")
-            for name in sorted(set(ref_layouts) | set(other)):
-                a, b = ref_layouts.get(name), other.get(name)
-                if a != b:
-                    problems.append(
-                        f"rank {m.rank} joined with {side}_layouts[{name!r}]={_desc(b)} but rank "
-                        f"{ref.rank} has {_desc(a)}: every {role} rank must pass the same layouts")
+        ref_layouts = getattr(holders[0], f"{side}_layouts")
+        problems += _disagreements(holders, lambda m: getattr(m, f"{side}_layouts"), f"{side}_layouts",
+                                   _desc, f"every {role} rank must pass the same layouts")
         if side == "dst":
-            ref_parts = ref.dst_parts or {}
-            for m in holders[1:]:
-                other = m.dst_parts or {}
-                for name in sorted(set(ref_parts) | set(other)):
-                    a, b = ref_parts.get(name), other.get(name)
-                    if a != b:
-                        problems.append(
-                            f"rank {m.rank} joined with parts[{name!r}]={_parts_desc(b)} but rank "
-                            f"{ref.rank} has {_parts_desc(a)}: every inference rank must pass the same parts")
-            parts = ref_parts
+            problems += _disagreements(holders, lambda m: m.dst_parts, "parts", _parts_desc,
+                                       "every inference rank must pass the same parts")
+            parts = holders[0].dst_parts or {}
         ranks = {m.rank for m in holders}
         for name, lay in ref_layouts.items():
             if isinstance(lay, Layout):

@@ -60,8 +60,22 @@ def _fmt_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+class _DstBox:
+    """``shape`` / ``numel`` of an op's destination box (``dst_slices``), shared by both op kinds."""
+
+    __slots__ = ()
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(s.stop - s.start for s in self.dst_slices)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
 @dataclass(frozen=True, eq=True)
-class TransferOp:
+class TransferOp(_DstBox):
     """Copy ``src_rank``'s local ``src_name[src_slices]`` into ``dst_rank``'s local ``name[dst_slices]``.
 
     Slices are unit-step, one per tensor dim, of equal extent. ``global_index`` gives, per dim, the
@@ -88,14 +102,6 @@ class TransferOp:
                      tuple((s.start, s.stop) for s in self.dst_slices)))
 
     @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(s.stop - s.start for s in self.dst_slices)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
     def is_local(self) -> bool:
         """True when the destination rank reads its own source shard (colocated meshes)."""
         return self.src_rank == self.dst_rank
@@ -108,7 +114,7 @@ class TransferOp:
 
 
 @dataclass(frozen=True, eq=True)
-class FillOp:
+class FillOp(_DstBox):
     """Zero ``dst_rank``'s local ``name[dst_slices]`` (padding, e.g. vocab rows past the real vocab).
 
     ``global_index``: per dim, the destination's global intervals the fill covers. No op writes these
@@ -122,14 +128,6 @@ class FillOp:
 
     def __hash__(self) -> int:
         return hash((self.name, self.dst_rank, tuple((s.start, s.stop) for s in self.dst_slices)))
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(s.stop - s.start for s in self.dst_slices)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
 
     def __str__(self) -> str:
         return (f"{self.name}: zeros->{self.dst_rank} global{_fmt_global(self.global_index)} "
