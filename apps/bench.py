@@ -326,8 +326,18 @@ def _bytes(t):
 class _P2P:
     """``batch_isend_irecv`` of the plan's ops; local ops (colocated ranks) are copies."""
 
-    def __init__(self, plan, rank: int, src: dict, dst: dict, comm_device):
+    @staticmethod
+    def _wire(view, comm_device, staged: list, sending: bool):
+        """The tensor the wire reads or writes for ``view``: itself when contiguous on the comm
+        device, else a staging buffer recorded in ``staged`` as (copy destination, copy source)."""
         import torch
+        if view.is_contiguous() and view.device == comm_device:
+            return view
+        buf = torch.empty(view.shape, dtype=view.dtype, device=comm_device)
+        staged.append((buf, view) if sending else (view, buf))
+        return buf
+
+    def __init__(self, plan, rank: int, src: dict, dst: dict, comm_device):
         import torch.distributed as dist
         self.packs, self.unpacks, self.local, self.p2p_ops = [], [], [], []
         for op in plan.ops:
@@ -336,18 +346,10 @@ class _P2P:
             if op.src_rank == op.dst_rank:
                 self.local.append((dst[op.name][op.dst_slices], src[op.name][op.src_slices]))
             elif op.src_rank == rank:
-                view = src[op.name][op.src_slices]
-                buf = view
-                if not view.is_contiguous() or view.device != comm_device:
-                    buf = torch.empty(view.shape, dtype=view.dtype, device=comm_device)
-                    self.packs.append((buf, view))
+                buf = self._wire(src[op.name][op.src_slices], comm_device, self.packs, sending=True)
                 self.p2p_ops.append(dist.P2POp(dist.isend, _bytes(buf), op.dst_rank))
             else:
-                view = dst[op.name][op.dst_slices]
-                buf = view
-                if not view.is_contiguous() or view.device != comm_device:
-                    buf = torch.empty(view.shape, dtype=view.dtype, device=comm_device)
-                    self.unpacks.append((view, buf))
+                buf = self._wire(dst[op.name][op.dst_slices], comm_device, self.unpacks, sending=False)
                 self.p2p_ops.append(dist.P2POp(dist.irecv, _bytes(buf), op.src_rank))
 
     def step(self) -> None:

@@ -291,10 +291,15 @@ class Group:
         if self.ended is not None:
             raise PeerDiedError(self.ended.rank, f"rank {self.rank}: epoch {self.epoch} already ended "
                                 f"({self.ended}) while waiting for {what}")
+        self.raise_if_dead(peers, f"while waiting for {what}")
+
+    def raise_if_dead(self, peers, when: str) -> None:
+        """Raise PeerDiedError naming the first of ``peers`` that is dead, ``when`` saying what this
+        rank was doing; a death ends the epoch."""
         for peer in peers:
             reason = self.dead_reason(peer)
             if reason:
-                err = PeerDiedError(peer, f"rank {self.rank}: {reason} while waiting for {what}")
+                err = PeerDiedError(peer, f"rank {self.rank}: {reason} {when}")
                 self.end(err)
                 raise err
 

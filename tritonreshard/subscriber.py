@@ -29,7 +29,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._descriptors import DescriptorTable
-from ._group import Group, PeerDiedError, RefitError, check_timeout
+from ._group import Group, RefitError, check_timeout
 from .plan import Plan
 from .transport import open_arena, open_control_block, pack_offsets
 
@@ -329,12 +329,7 @@ class Subscriber:
         t2 = time.perf_counter()
         # The copy is only valid if no source changed or died while it ran (a dead trainer's
         # memory stays mapped, but the version it was publishing can no longer be vouched for).
-        for s in remote:
-            reason = group.dead_reason(s)
-            if reason:
-                err = PeerDiedError(s, f"rank {self.rank}: {reason} during the pull of version {version}")
-                group.end(err)
-                raise err
+        group.raise_if_dead(remote, f"during the pull of version {version}")
         moved = {s: v for s, v in published().items() if v != version}
         if moved:
             raise RefitError(f"rank {self.rank}: sources published {moved} during the pull of version "
