@@ -82,3 +82,44 @@ def test_under_torchrun_no_port_clash_with_the_launchers_store(tmp_path):
                           str(script)], capture_output=True, text=True, timeout=200, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "rank 1 exact" in out.stdout and "rank 2 exact" in out.stdout, out.stdout
+
+
+_PIN_CHECK = textwrap.dedent("""
+    import os, sys
+    import torch, torch.distributed as dist
+    def gloo_threads():
+        comms = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+        return sum(c.startswith(("pt_gloo", "gloo")) for c in comms)
+    if sys.argv[1] == "before":
+        import tritonreshard
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if sys.argv[1] == "after":
+        import tritonreshard
+    if sys.argv[1] == "before":
+        # A training step: torch.optim imports torch._dynamo (and torch.distributed.nn) lazily here.
+        p = torch.nn.Parameter(torch.ones(3))
+        opt = torch.optim.SGD([p], lr=0.1)
+        p.sum().backward()
+        opt.step()
+    t = torch.ones(4)
+    dist.broadcast(t, 0)
+    alive = gloo_threads()
+    dist.destroy_process_group()
+    print(alive, gloo_threads())
+""")
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread names from /proc")
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_destroy_process_group_still_ends_the_jobs_gloo_threads(when):
+    """A job that imports tritonreshard, trains a step and destroys its process group has no gloo
+    thread left: a thread left behind releases tensors during interpreter shutdown and aborts the
+    process. Imported before init_process_group, tritonreshard disarms torch's trap (the optimizer's
+    lazy imports would pin the group); imported after (no training step here: that alone pins the
+    group, whatever is imported), it must not pin the group itself."""
+    out = subprocess.run([sys.executable, "-c", _PIN_CHECK, when], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    during, after = map(int, out.stdout.split())
+    assert during > 0, "the check saw no gloo thread at all: it would prove nothing"
+    assert after == 0, f"{after} gloo threads outlived destroy_process_group"

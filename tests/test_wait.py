@@ -5,6 +5,9 @@ Wake-up latencies are printed (the figure for the closing note), never asserted 
 here only tell a working wake-up (microseconds) from none at all (the sleep's whole timeout).
 """
 import statistics
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -138,6 +141,26 @@ def test_staging_bytes_is_measured_per_pull(staged):
         else:  # the plain path reads the arenas in place: nothing allocated
             assert ep.last_pull.staging_bytes == 0 and ep.staging_bytes == 0
 
+
+
+def test_the_staging_meter_imports_no_torch_dynamo():
+    """The CPU staging meter is a TorchDispatchMode; torch wraps such modes in a lazy
+    ``torch._dynamo`` import by default. A pull must not import it: it stalls the first pull, and
+    imported after init_process_group it keeps the job's process group alive past
+    destroy_process_group (see tritonreshard._group)."""
+    code = textwrap.dedent(f"""
+        import sys, torch, tritonreshard as trs
+        lay = {{"w": trs.Layout((8, 4), [0], [trs.Replicate()])}}
+        with trs.RefitEndpoint(rank=0, world_size=1, store="127.0.0.1:{free_port()}", timeout=30,
+                               src_tensors={{"w": torch.ones(8, 4)}}, src_layouts=lay, dst_layouts=lay) as ep:
+            ep.publish()
+            ep.pull()
+            assert torch.equal(ep.tensors["w"], torch.ones(8, 4))
+        print("torch._dynamo" in sys.modules)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["False"]
 
 def _poll_worker(rank, port):
     """pull(timeout=0) as a poll, in a loop, while the trainer is slow: the group survives it."""

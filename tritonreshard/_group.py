@@ -25,6 +25,15 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+if dist.is_available() and not dist.is_initialized():
+    # torch.distributed.nn's functions take ``group.WORLD`` as a default argument, evaluated when
+    # the module is first imported. Imported after init_process_group (torch.optim's first step
+    # and torch._dynamo import it), they keep the job's process group, and its gloo threads, alive
+    # past destroy_process_group; those threads then release tensors during interpreter shutdown
+    # and abort the process ("terminate called without an active exception"). Imported now, the
+    # defaults are None. Not imported when a group already exists: that would pin it.
+    import torch.distributed.nn  # noqa: F401
+
 from . import _rendezvous as rdv
 from . import _wait
 from .layout import Layout

@@ -61,6 +61,15 @@ class _CountAllocations(TorchDispatchMode):
         super().__init__()
         self.nbytes = 0
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # By default torch wraps ``__torch_dispatch__`` in ``torch._disable_dynamo``, which imports
+        # torch._dynamo on the first pull. That import, done while a process group exists, keeps
+        # the group's gloo threads alive past ``destroy_process_group``: they then release tensors
+        # during interpreter shutdown and abort the process ("terminate called without an active
+        # exception"). This mode only runs in pulls, never under torch.compile: no wrapper needed.
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func.is_view or func._schema.is_mutable:
