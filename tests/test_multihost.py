@@ -258,6 +258,7 @@ def _engine_worker(rank, world, port, sc):
                         for n, t in ep.source_tensors.items():
                             t.copy_(src[n].shard(_global(ids[n], src[n], v).to(src[n].dtype), rank))
                     if sc.get("kill") == (rank, v):
+                        time.sleep(sc.get("kill_delay", 0))
                         os.kill(os.getpid(), signal.SIGKILL)
                     assert ep.publish() == v
                 if infer:
@@ -334,9 +335,15 @@ def test_engine_overlapping_meshes_across_hosts():
     assert 3 in res[4]["sources"]  # rank 4 reads colocated rank 3's arena on its own host
 
 
-def test_engine_killed_trainer_on_the_other_host_is_a_named_peer_died_error():
+@pytest.mark.parametrize("kill_delay", [0, 4.5])
+def test_engine_killed_trainer_on_the_other_host_is_a_named_peer_died_error(kill_delay):
+    """Rank 1 dies before publishing version 3; rank 0 publishes it, fences and closes. Relay 2
+    (rank 0's receiver) then waits for its host's readers, which wait for relay 3 (rank 1's). The
+    error names rank 1 even when rank 0 closed more than ``peer_timeout`` before rank 1 died
+    (``kill_delay``): a peer that finished and closed is not a death of the waits that do not need it."""
     sc = dict(src={"w": Layout((64, 64), 2, [Shard(0)])}, dst={"w": Layout((64, 64), [2, 3], [Replicate()])},
-              trainers=[0, 1], inference=[2, 3], hosts=_hosts({"a": [0, 1], "b": [2, 3]}), kill=(1, 3), peer_timeout=3)
+              trainers=[0, 1], inference=[2, 3], hosts=_hosts({"a": [0, 1], "b": [2, 3]}), kill=(1, 3),
+              kill_delay=kill_delay, peer_timeout=3)
     res = _engine(sc, 4, victims=[1])
     for r in (2, 3):
         who, msg = res[r]["died"]

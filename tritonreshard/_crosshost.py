@@ -23,12 +23,15 @@ Readiness goes through the group's store (one small key per rank and refit), so 
 is only posted when both ends are ready: the process group's timeout bounds the transfer itself,
 never the time a trainer trains or an inference rank waits to pull.
 
-Failures: a peer on another host that dies closes its connections, so a pending send / receive
-fails at once and becomes :class:`PeerDiedError` naming it; between transfers (a trainer training,
-an inference rank not pulling yet) cross-host peers are watched through heartbeat counters in the
-store, so one that stops counting for ``peer_timeout`` seconds is declared dead. The epoch ends. A relay that sees it sets its
-control block's abort word to the dead rank, so the ranks reading its buffer raise the same
-``PeerDiedError`` (a cross-host rank cannot set an abort word itself: see ``Group.check_abort``).
+Failures: a peer on another host that dies closes its connections, so a pending send / receive fails
+at once and becomes :class:`PeerDiedError` naming it; between transfers (a trainer training, an
+inference rank not pulling yet) cross-host peers are watched through heartbeat counters in the
+store, so one that stops counting for ``peer_timeout`` seconds is declared dead, and one that closed
+its endpoint is gone at once. Each wait watches only the peers it needs: a relay waiting for its
+host's readers to ack is not ended by a sender that finished and closed meanwhile. The epoch ends. A
+relay that sees it sets its control block's abort word to the dead rank, so the ranks reading its
+buffer raise the same ``PeerDiedError`` (a cross-host rank cannot set an abort word itself: see
+``Group.check_abort``).
 """
 from __future__ import annotations
 
@@ -174,7 +177,12 @@ class CrossHost:
                 return
 
     # ------------------------------------------------------------------ helpers
-    def _check(self, what: str) -> None:
+    def _check(self, what: str, peers, *, closed_is_gone: bool = True) -> None:
+        """Raise if this rank closed, the epoch ended, or one of ``peers`` (the cross-host ranks
+        the wait needs: a peer that left does not matter to a wait that never hears from it) is
+        gone. ``closed_is_gone=False`` during a transfer: a sender closes right after its sends
+        completed, possibly before our receive did; a transfer that cannot finish fails in the
+        transport itself."""
         if self._stop.is_set():
             raise RefitError(f"rank {self.rank}: endpoint closed while waiting for {what}")
         self.group.check_peers((), what)  # raises once the epoch ended
@@ -182,30 +190,32 @@ class CrossHost:
         if now < self._next_look:
             return
         self._next_look = now + _LOOK_S
-        for p in self._peers_xh:
-            reason = self._silent(p, now)
+        for p in peers:
+            reason = self._silent(p, now, closed_is_gone)
             if reason:
                 raise PeerDiedError(p, f"rank {self.rank}: {reason} while waiting for {what}")
 
-    def _silent(self, p: int, now: float) -> str | None:
-        """Why cross-host peer ``p`` counts as dead (its store counter stood still for
-        ``peer_timeout``), or None. Call at most every ``_LOOK_S``."""
+    def _silent(self, p: int, now: float, closed_is_gone: bool = True) -> str | None:
+        """Why cross-host peer ``p`` is gone (it closed its endpoint, or its store counter stood
+        still for ``peer_timeout``), or None. Call at most every ``_LOOK_S``."""
+        m = self.group.members[p]
+        if closed_is_gone and self._store.check([f"closed/{p}"]):
+            return f"rank {p} (pid {m.pid} on host {m.host!r}) closed its endpoint"
         count = self._store.add(f"hb/{p}", 0)
         seen, since = self._beats.get(p, (None, now))
         if count != seen:
             self._beats[p] = (count, now)
         elif now - since > self.group.peer_timeout:
-            m = self.group.members[p]
             return (f"rank {p} (pid {m.pid} on host {m.host!r}) sent no heartbeat for {now - since:.1f} s "
                     f"(peer_timeout={self.group.peer_timeout:g} s)")
         return None
 
-    def _store_wait(self, keys: list[str], what: str) -> None:
+    def _store_wait(self, keys: list[str], what: str, peers) -> None:
         # Polled (a round trip each), not store.wait in slices: a timed-out wait logs a warning
         # each time, and these waits last as long as a training step or an idle inference rank.
         sleep = 20e-6
         while not self._store.check(keys):
-            self._check(what)
+            self._check(what, peers)
             time.sleep(sleep)
             sleep = min(sleep * 2, _POLL_MAX_S)
 
@@ -243,11 +253,13 @@ class CrossHost:
                     if self._stop.is_set():
                         return
                     k, v = self._queued.pop(0)
-                self._store_wait([f"ready/{r}/{k}" for r in self.copy.receivers],
-                                 f"receivers {list(self.copy.receivers)} to be ready for version {v}")
+                receivers = list(self.copy.receivers)
+                self._store_wait([f"ready/{r}/{k}" for r in receivers],
+                                 f"receivers {receivers} to be ready for version {v}", receivers)
                 self._store.set(f"sent/{self.rank}/{k}", str(v))
                 pending = self.copy.start_sends(v)
-                pending.wait(check=lambda: self._check(f"the sends of version {v}"))
+                pending.wait(check=lambda: self._check(f"the sends of version {v}", receivers,
+                                                       closed_is_gone=False))
                 with self._cv:
                     self._sent_seq = k
                     self.bytes_sent = self.copy.bytes_sent_per_refit
@@ -293,17 +305,19 @@ class CrossHost:
                                         _SLICE_S, peers=[r for r in readers if r != self.rank],
                                         doorbell=control.doorbell)
                     except TimeoutError:  # readers pull when they choose; look at stop / the epoch again
-                        self._check(what)
+                        self._check(what, ())  # the readers are on this host: group.wait watches them
                 self._store.set(f"ready/{self.rank}/{k}", "1")
                 senders = list(self.copy.senders)
-                self._store_wait([f"sent/{s}/{k}" for s in senders], f"senders {senders} to send refit {k}")
+                self._store_wait([f"sent/{s}/{k}" for s in senders], f"senders {senders} to send refit {k}",
+                                 senders)
                 versions = {s: int(self._store.get(f"sent/{s}/{k}")) for s in senders}
                 v = versions[senders[0]]
                 if set(versions.values()) != {v} or v <= last:
                     raise RefitError(f"rank {self.rank}: senders announced versions {versions} after "
                                      f"version {last}: they must send one newer version together")
                 pending = self.copy.start_recvs()
-                pending.wait(check=lambda: self._check(f"the cross-host receives of version {v}"))
+                pending.wait(check=lambda: self._check(f"the cross-host receives of version {v}", senders,
+                                                       closed_is_gone=False))
                 self.copy.check_headers(v)
                 if self._arena.device.type == "cuda":
                     torch.cuda.current_stream(self._arena.device).synchronize()
