@@ -51,6 +51,8 @@ def parse_layout_spec(spec: str, shape, dtype, first_default: int = 0, what: str
         raise ValueError(f"{what}={spec!r} must be MESH[@FIRST]:PLACEMENTS, e.g. '2:S(0)'")
     mesh_txt, _, first_txt = mesh_part.partition("@")
     mesh_shape = _parse_dims(mesh_txt, f"{what} mesh")
+    if first_txt.strip() and not re.fullmatch(r"\s*-?\d+\s*", first_txt):
+        raise ValueError(f"{what}={spec!r}: @FIRST={first_txt!r} must be a rank number, e.g. '4@2:S(0)'")
     first = int(first_txt) if first_txt.strip() else first_default
     placements, pos = [], 0
     while pos < len(place_part):

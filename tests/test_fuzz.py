@@ -11,7 +11,7 @@ import io
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 import tritonreshard as trs
@@ -104,6 +104,8 @@ spec_text = st.one_of(
 
 @FUZZ
 @given(spec_text, st.lists(st.integers(0, 9), min_size=1, max_size=3))
+@example("0@@:", [0])  # once an int() error that named nothing
+@example("2@1x:S(0)", [4])
 def test_cli_spec_parser(spec, shp):
     try:
         lay = parse_layout_spec(spec, tuple(shp), torch.float32)
@@ -176,7 +178,7 @@ def _corrupt(outs, kind, rank, name):
     elif kind == "expanded":  # one memory location for many elements
         outs[rank][name] = torch.full((1,) * t.dim(), SENTINEL, dtype=t.dtype).expand(t.shape)
     elif kind == "alias":  # two destinations share memory
-        other = next((r for r in outs if r != rank and name in outs[r]), None)
+        other = next((r for r in outs if r != rank and isinstance(outs[r], dict) and name in outs[r]), None)
         if other is not None:
             outs[rank][name] = outs[other][name]
         else:
