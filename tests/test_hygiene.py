@@ -188,8 +188,7 @@ DRIVER = textwrap.dedent('''
             for p in procs:
                 p.start()
             print("PIDS", " ".join(str(p.pid) for p in procs), flush=True)
-            ready.wait(120)
-            print("READY", flush=True)
+            print("READY" if ready.wait(120) else "NOT READY", flush=True)
             while True:
                 time.sleep(0.1)
         finally:
@@ -219,12 +218,17 @@ def test_driver_signal_leaves_nothing_behind(tmp_path, sig):
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
     before = shm_entries()
+    # The driver gets Ctrl-C's default action even when this test runs in a background job (a shell
+    # starts those with SIGINT ignored, children inherit it, and Python then never installs its
+    # KeyboardInterrupt handler).
     proc = subprocess.Popen([sys.executable, str(script), str(free_port())], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         pids = [int(x) for x in proc.stdout.readline().split()[1:]]
         assert len(pids) == 2, proc.stderr.read()
-        assert proc.stdout.readline().strip() == "READY"
+        line = proc.stdout.readline().strip()
+        assert line == "READY", f"the members never reached version 3: {line!r}"
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=60)
     finally:
