@@ -14,8 +14,7 @@ import time
 import torch
 
 import tritonreshard as trs
-from tritonreshard._descriptors import DescriptorTable
-from tritonreshard.execute import execute_local
+from tritonreshard.execute import DescriptorTable, execute_local
 
 # CUDA tensors run the compiled kernels; the CPU tensors of this notebook run the same kernels in
 # Triton's interpreter (exact, slow: fine for 8x8).

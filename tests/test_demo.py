@@ -160,9 +160,11 @@ def test_example_rl_refit_under_torchrun():
     assert _shm() - before == set()
 
 
-def test_example_rl_refit_imports_nothing_private():
+@pytest.mark.parametrize("example", sorted(p.name for p in (ROOT / "examples").glob("*.py")))
+def test_examples_import_nothing_private(example):
+    """Examples are what users copy: they use the public API only."""
     import ast
-    tree = ast.parse((ROOT / "examples" / "rl_refit.py").read_text())
+    tree = ast.parse((ROOT / "examples" / example).read_text())
     private = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tritonreshard"):

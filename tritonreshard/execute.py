@@ -13,7 +13,7 @@ import torch
 
 from ._descriptors import DescriptorTable
 
-__all__ = ["execute_local"]
+__all__ = ["execute_local", "DescriptorTable"]  # the table: public for kernel-level debugging
 
 _BACKENDS = ("auto", "triton", "torch")
 _CACHE_SIZE = 16
