@@ -8,12 +8,14 @@ element ``i`` of source ``name`` at version ``v`` holds ``i + 1000 * v + 100000 
 (exact in float32 for these sizes).
 """
 import math
+import os
 
 import pytest
 import torch
 
 import tritonreshard as trs
 from tritonreshard import Layout, Part, Replicate, Shard
+from tritonreshard._hostplan import plan_hosts
 
 from _mp import free_port, run_ranks
 
@@ -48,7 +50,9 @@ def _check(rank, plan, tensors, want, fills, v):
         assert torch.equal(_bits(tensors[f.name][f.dst_slices]), torch.zeros_like(_bits(tensors[f.name][f.dst_slices]))), f
 
 
-def _worker(rank, world, port, src, dst, parts, mode, versions, use_from_recipe, spec):
+def _worker(rank, world, port, src, dst, parts, mode, versions, use_from_recipe, spec, hosts=None):
+    if hosts is not None:  # simulated hosts: ranks on different ones never map each other's memory
+        os.environ["TRITONRESHARD_HOST"] = hosts[rank]
     torch.set_num_threads(1)
     plan = trs.plan_reshard(src, dst, parts)
     kwargs = dict(rank=rank, world_size=world, store=f"127.0.0.1:{port}", timeout=90)
@@ -93,6 +97,7 @@ def _worker(rank, world, port, src, dst, parts, mode, versions, use_from_recipe,
             report["checked"] += 1
         if trainer:
             ep.fence()
+        report["cross_host_bytes"] = ep.cross_host_bytes
     return report
 
 
@@ -180,3 +185,25 @@ def test_parts_and_recipe_arguments_are_checked_before_joining():
         trs.RefitInference.from_recipe(dst, rank=0, world_size=1)
     with pytest.raises(ValueError, match=r"RefitTrainer.from_recipe: spec must be"):
         trs.RefitTrainer.from_recipe(src, {}, rank=0, world_size=1)
+
+
+@pytest.mark.parametrize("recipe", [False, True], ids=["hand-made", "llama-tp2"])
+def test_parts_plans_across_two_hosts(recipe):
+    """Trainers on host a, inference ranks on host b: the renamed, cast and padded parts arrive
+    through the cross-host relays bit for bit, padding stays zero (it never crosses), and each
+    source byte an inference host needs crosses once per refit."""
+    if recipe:
+        spec = _tiny_llama_spec(2)
+        src, dst, parts = spec.src, spec.dst, spec.parts
+    else:
+        src, dst, parts = _hand_layouts(2)
+    plan = trs.plan_reshard(src, dst, parts)
+    hosts = {0: "a", 1: "a", 2: "b", 3: "b"}
+    out = run_ranks(_worker, 4, args=(4, free_port(), src, dst, parts, "shadow", 2, False, None, hosts),
+                    timeout=280)
+    assert out[2]["checked"] == out[3]["checked"] == 2
+    assert out[2]["fills"] + out[3]["fills"] == sum(f.numel for f in plan.fills) > 0
+    # The engine's own accounting equals the host plan's: at most every source byte, once.
+    hp = plan_hosts(plan, hosts)
+    source_bytes = sum(lay.numel * lay.dtype.itemsize for lay in src.values())
+    assert 0 < out[2]["cross_host_bytes"] + out[3]["cross_host_bytes"] == hp.cross_host_bytes <= source_bytes
