@@ -81,12 +81,19 @@ _PEER_LOST = re.compile(r"Connection closed by peer|Connection reset by peer|Bro
                         r"connection was closed|Socket Timeout|ECONNRESET", re.IGNORECASE)
 
 
+_LOST = "a collective lost its connection to a peer process (it died or stopped)"
+#: Errors that only report another rank's failure (``RankError.detail`` prefixes): a report lists
+#: them after the failures that caused them, whatever the order they were recorded in (a rank that
+#: fails records its error after its own clean-up, which its peers may notice first).
+ECHOES = ("PeerDiedError:", "InferenceGroupStopped:", f"RuntimeError: {_LOST}")
+
+
 def one_line(exc: BaseException) -> str:
     """``Type: message`` on one line (the first line of the message; gloo's long "connection closed
     by peer ... GLHF" becomes a plain statement of what it means)."""
     msg = str(exc).strip()
     if _PEER_LOST.search(msg):
-        msg = "a collective lost its connection to a peer process (it died or stopped)"
+        msg = _LOST
     first = msg.splitlines()[0] if msg else ""
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
@@ -102,10 +109,15 @@ class RankError:
     time: float
     traceback: str = ""
 
+    @property
+    def echo(self) -> bool:
+        """True if this only reports another rank's failure (see :data:`ECHOES`)."""
+        return self.detail.startswith(ECHOES)
+
 
 class RankFailed(RuntimeError):
     """Raised by :meth:`Driver.wait` when ranks failed; ``errors``: one :class:`RankError` each,
-    earliest first (later ones are usually echoes of the first)."""
+    causes first, then echoes (each group earliest first)."""
 
     def __init__(self, errors: list[RankError], describe: Callable[[RankError], str]):
         self.errors = errors
@@ -245,10 +257,11 @@ class Driver:
         return f"rank {e.rank} ({self.role(e.rank)}){how}{detail}"
 
     def failures(self, ranks=None) -> list[RankError]:
-        """Every failed rank among ``ranks`` (default all), earliest first."""
+        """Every failed rank among ``ranks`` (default all): causes first, then echoes, each group
+        earliest first."""
         codes = self.exitcodes()
         errs = [self.error(r, codes[r]) for r in (codes if ranks is None else ranks)]
-        return sorted((e for e in errs if e is not None), key=lambda e: (e.time, e.rank))
+        return sorted((e for e in errs if e is not None), key=lambda e: (e.echo, e.time, e.rank))
 
     def abort(self, reason: str) -> None:
         """Ranks waiting in :func:`wait_key` stop at once."""

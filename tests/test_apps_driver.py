@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from tritonreshard import PeerDiedError
 from tritonreshard.apps._driver import Driver, RankFailed, one_line, wait_key
 
 pytestmark = pytest.mark.slow
@@ -21,6 +22,17 @@ def _target(rank, store, pstore, mode):
         raise ValueError("bad input on rank 0\nsecond line that must not show")
     if mode == "kill" and rank == 0:
         os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "echo-first" and rank == 0:  # the cause, recorded after its peer's echo of it
+        pstore.set("failing", "1")
+        wait_key(pstore, "echoed", timeout=60)
+        time.sleep(0.2)
+        raise ValueError("the cause")
+    if mode == "echo-first" and rank == 1:
+        wait_key(pstore, "failing", timeout=60)
+        try:
+            raise PeerDiedError(0, "rank 1: rank 0 died while waiting for version 3")
+        finally:
+            pstore.set("echoed", "1")
     wait_key(pstore, "never", timeout=120)
 
 
@@ -49,6 +61,18 @@ def test_failed_rank_is_one_line_and_abort_stops_the_others(capfd):
         err = drv.error(1)
         assert err.exitcode == 1 and err.detail == "RuntimeError: stopped waiting for 'never': rank 0 failed"
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_report_lists_causes_before_their_echoes():
+    """Rank 1's PeerDiedError is recorded before rank 0's own error (a failing rank records after
+    its clean-up, which peers may notice first): the report still starts with rank 0's."""
+    with Driver("t", 2, _target, ("echo-first",), timeout=120, role=_role) as drv:
+        drv.start()
+        drv.wait(lambda: not drv.alive(), "both ranks to fail", watch=[])
+        errors = drv.failures()
+        assert [e.rank for e in errors] == [0, 1], errors
+        assert errors[0].detail == "ValueError: the cause" and not errors[0].echo
+        assert errors[1].echo and errors[1].time < errors[0].time  # recorded first, listed second
 
 
 def test_killed_rank_is_named():
