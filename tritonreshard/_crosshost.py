@@ -362,7 +362,6 @@ class CrossHost:
             self._arena.close()
             self._arena = None
 
-
     def _outlive_store_users(self) -> None:
         users = [r for r in sorted(self.group.members) if r != self.rank
                  and (self.hp.sends_of(r) or self.hp.recvs_of(r))]
@@ -370,8 +369,8 @@ class CrossHost:
         self._beats.clear()
         while users and time.monotonic() < deadline:
             now = time.monotonic()
-            users = [r for r in users if not self._store.check([f"closed/{r}"])
-                     and not self.group.dead_reason(r) and not self._silent(r, now)]
+            # _silent: closed, or no heartbeat for peer_timeout
+            users = [r for r in users if not self.group.dead_reason(r) and not self._silent(r, now)]
             time.sleep(_LOOK_S / 5)
 
 
