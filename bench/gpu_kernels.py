@@ -96,7 +96,7 @@ def merge_json(path: str | None, part: str, value) -> None:
 
 def _case(name: str, shape, src_l, dst_l, device):
     import tritonreshard as trs
-    from tritonreshard._descriptors import DescriptorTable
+    from tritonreshard.kernels import DescriptorTable
 
     plan = trs.plan_reshard({"w": src_l}, {"w": dst_l})
     torch.manual_seed(0)

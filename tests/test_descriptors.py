@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from tritonreshard import Layout, Replicate, Shard, plan_reshard
-from tritonreshard._descriptors import DescriptorTable
+from tritonreshard.kernels import DescriptorTable
 
 
 def flat_views(flat, shapes, dtype, gap=0):

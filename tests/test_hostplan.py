@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import tritonreshard as trs
 from tritonreshard import Layout, Replicate, Shard
-from tritonreshard._hostplan import RECV_ALIGN, box_is_contiguous, plan_hosts
+from tritonreshard.planning import RECV_ALIGN, box_is_contiguous, plan_hosts
 
 SIZES = [0, 1, 2, 3, 5, 7, 8, 13]
 
@@ -355,7 +355,7 @@ def test_property_exactly_once_and_each_byte_crosses_once(data):
 
 
 def test_receiver_runs_keep_arena_neighbours_in_few_messages():
-    from tritonreshard._hostplan import plan_messages
+    from tritonreshard.planning import plan_messages
     from tritonreshard.transport import pack_offsets
     src, dst = {}, {}
     for i in range(24):

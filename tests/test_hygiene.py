@@ -24,7 +24,7 @@ import torch
 
 import tritonreshard as trs
 from tritonreshard import Layout, Replicate
-from tritonreshard import _rendezvous as rdv
+from tritonreshard.engine import rendezvous as rdv
 from tritonreshard.transport import create_arena, create_control_block, open_arena, open_control_block
 
 from _faults import fd_targets, our_fds, our_maps, shm_entries, wait_no_new_shm

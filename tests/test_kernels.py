@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tritonreshard import kernels
-from tritonreshard._descriptors import DescriptorTable
+from tritonreshard.kernels import DescriptorTable
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 PAIRS = [(s, d) for s in FLOATS for d in FLOATS]
@@ -358,7 +358,7 @@ def test_import_neither_initialises_cuda_nor_switches_triton_to_the_interpreter(
         for name in ("is_available", "device_count", "init", "_lazy_init", "current_device"):
             setattr(torch.cuda, name, boom)
         torch._C._cuda_getDeviceCount = boom
-        import tritonreshard, tritonreshard.kernels, tritonreshard._descriptors, tritonreshard.execute
+        import tritonreshard, tritonreshard.kernels, tritonreshard.kernels.descriptors, tritonreshard.execute
         import triton, triton.language as tl
         from triton.runtime.jit import JITFunction
         assert "TRITON_INTERPRET" not in os.environ, os.environ["TRITON_INTERPRET"]
@@ -382,7 +382,7 @@ def test_interpreter_env_does_not_change_which_kernels_run(tmp_path):
         import torch
         from triton.runtime.jit import JITFunction
         from tritonreshard import kernels
-        from tritonreshard._descriptors import DescriptorTable
+        from tritonreshard.kernels import DescriptorTable
         assert type(kernels.copy_tiles_kernel) is JITFunction
         src = torch.arange(40, dtype=torch.float32).reshape(4, 10)
         out = torch.full((4, 10), float("nan"), dtype=torch.bfloat16)

@@ -1,5 +1,14 @@
-"""The library never imports its applications: importing every library module in a fresh interpreter
-loads no ``tritonreshard.apps`` module (nor matplotlib, which only the apps' pictures need)."""
+"""The tree is the import tree, and imports only point down.
+
+* every module of the package lives where its name says (no ``package-dir`` remap), and a checkout
+  imports from its root without being installed;
+* layers, bottom up: errors, layout, planning, recipes, kernels, execute, transport, engine, then the
+  vLLM backend and the apps on top; a module imports only its own layer or those below;
+* a private module (``_name``) is imported only inside its own package, and a private name only
+  inside its own module;
+* the library never imports its applications (nor matplotlib, which only the apps' pictures need).
+"""
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -7,42 +16,107 @@ from pathlib import Path
 import tritonreshard
 
 ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "tritonreshard"
+LAYERS = ["errors", "layout", "planning", "recipes", "kernels", "execute", "transport", "engine", "vllm",
+          "apps"]
 
 PROBE = r"""
-import importlib, json, pkgutil, sys
-import tritonreshard, tritonreshard.kernels
+import importlib, json, pathlib, sys
+import tritonreshard
+root = pathlib.Path(tritonreshard.__file__).parent
 names = []
-# kernels/ lives outside the tritonreshard/ folder (mapped by the package config): walk it too.
-for pkg in (tritonreshard, tritonreshard.kernels):
-    names.append(pkg.__name__)
-    for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
-        if info.name == "tritonreshard.apps" or info.name.startswith("tritonreshard.apps."):
-            continue
-        importlib.import_module(info.name)
-        names.append(info.name)
+for path in sorted(root.rglob("*.py")):
+    parts = ("tritonreshard",) + path.relative_to(root).with_suffix("").parts
+    parts = parts[:-1] if parts[-1] == "__init__" else parts
+    name = ".".join(parts)
+    if name.startswith(("tritonreshard.apps", "tritonreshard.vllm._")):  # apps; vLLM's workers only
+        continue
+    importlib.import_module(name)
+    names.append(name)
 loaded = sorted(m for m in sys.modules if m == "tritonreshard.apps" or m.startswith("tritonreshard.apps.")
                 or m.split(".")[0] == "matplotlib")
-print(json.dumps({"imported": names, "loaded": loaded}))
+files = {n: sys.modules[n].__file__ for n in names}
+print(json.dumps({"imported": names, "loaded": loaded, "files": files, "root": tritonreshard.__file__}))
 """
 
+def _modules():
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        yield ".".join(parts), path
 
-def test_library_never_imports_the_apps():
+
+def _imports(name: str, path: Path):
+    """Absolute names of the tritonreshard modules (or names) ``path`` imports."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if mod.split(".")[0] != "tritonreshard":
+                continue
+            for alias in node.names:
+                yield f"{mod}.{alias.name}", node.lineno
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "tritonreshard":
+                    yield alias.name, node.lineno
+
+
+def _layer(name: str) -> int | None:
+    parts = name.split(".")
+    if len(parts) < 2:
+        return None  # the package itself (its __init__ is the public face, above every layer)
+    head = parts[1]
+    return LAYERS.index(head) if head in LAYERS else None
+
+
+def test_library_never_imports_the_apps_and_modules_live_where_they_import_from():
     import json
-    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
-    # The walk really covered the library's layers (else the check below could not fail).
-    for mod in ("tritonreshard.plan", "tritonreshard.layout", "tritonreshard.execute", "tritonreshard.kernels"):
+    # The walk really covered the library's layers (else the checks below could not fail).
+    for mod in ("tritonreshard.planning.reshard", "tritonreshard.layout", "tritonreshard.execute",
+                "tritonreshard.kernels.gather", "tritonreshard.engine.endpoint", "tritonreshard.transport.wait"):
         assert mod in res["imported"], res["imported"]
-    assert any(m.startswith("tritonreshard.transport") for m in res["imported"]), res["imported"]
     assert res["loaded"] == [], f"library modules pulled in application modules: {res['loaded']}"
+    # A checkout imports from its own root, and each module is the file its name says.
+    assert Path(res["root"]).resolve() == PKG / "__init__.py"
+    for name, file in res["files"].items():
+        want = ROOT.joinpath(*name.split("."))
+        assert Path(file).resolve() in (want.with_suffix(".py"), want / "__init__.py"), (name, file)
 
 
-def test_apps_folder_is_the_apps_package():
+def test_no_import_points_upward_and_private_modules_stay_in_their_package():
+    problems = []
+    for name, path in _modules():
+        own = _layer(name)
+        for target, line in _imports(name, path):
+            where = f"{path.relative_to(ROOT)}:{line} imports {target}"
+            layer = _layer(target)
+            if own is not None and layer is not None and layer > own:
+                problems.append(f"{where}: upward ({LAYERS[own]} -> {LAYERS[layer]})")
+            parts = target.split(".")
+            for i, p in enumerate(parts[:-1]):  # a private module on the way: only from inside its package
+                if p.startswith("_") and not name.startswith(".".join(parts[:i])):
+                    problems.append(f"{where}: private module {'.'.join(parts[:i + 1])} from outside its package")
+            if parts[-1].startswith("_") and not parts[-1].startswith("__") and \
+                    ".".join(parts[:-1]) != name and (PKG.joinpath(*parts[1:-1]) / "__init__.py").exists() is False:
+                problems.append(f"{where}: a private name of another module (make it public, or keep it there)")
+    assert not problems, "\n".join(problems)
+
+
+def test_apps_live_in_the_package():
     import tritonreshard.apps as apps
     import tritonreshard.apps.cli as cli
-    assert Path(apps.__file__).resolve().parent == ROOT / "apps"
-    assert Path(cli.__file__).resolve() == ROOT / "apps" / "cli.py"
-    # Nothing of the applications remains inside the library folder.
-    lib = Path(tritonreshard.__file__).resolve().parent
-    assert not {"cli.py", "demo.py", "bench.py", "viz.py", "_policy.py"} & {p.name for p in lib.iterdir()}
+    assert Path(apps.__file__).resolve().parent == PKG / "apps"
+    assert Path(cli.__file__).resolve() == PKG / "apps" / "cli.py"
+    assert tritonreshard.__file__  # the package imported at all (from the checkout or an install)

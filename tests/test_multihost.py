@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import tritonreshard as trs
 from tritonreshard import Layout, Replicate, Shard
-from tritonreshard._hostplan import plan_hosts, plan_messages
+from tritonreshard.planning import plan_hosts, plan_messages
 from tritonreshard.transport import pack_offsets
 from tritonreshard.transport._dist import CrossHostCopy, DistLink, LinkError
 

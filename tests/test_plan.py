@@ -234,7 +234,7 @@ def llama_layouts(layers=32, hidden=4096, inter=11008, vocab=32000, n_src=8, n_d
 def test_llama_7b_fsdp8_to_tp8_plans_fast_and_exactly_once():
     src, dst = llama_layouts()
     assert len(dst) == 195
-    trs.plan._plan_cached.cache_clear()
+    trs.planning.reshard._plan_cached.cache_clear()
     t0 = time.perf_counter()
     plan = trs.plan_reshard(src, dst)
     elapsed = time.perf_counter() - t0

@@ -15,7 +15,7 @@ import torch
 
 import tritonreshard as trs
 from tritonreshard import Layout, Part, Replicate, Shard
-from tritonreshard._hostplan import plan_hosts
+from tritonreshard.planning import plan_hosts
 
 from _mp import free_port, run_ranks
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tritonreshard._rendezvous import (SECRET_ENV, all_gather_obj, connect_store,
+from tritonreshard.engine.rendezvous import (SECRET_ENV, all_gather_obj, connect_store,
                                        fetch, group_secret, publish)
 
 CHILD_TIMEOUT_S = 30

@@ -15,7 +15,7 @@ import torch
 
 import tritonreshard as trs
 from tritonreshard import Layout, Replicate
-from tritonreshard import _rendezvous as rdv
+from tritonreshard.engine import rendezvous as rdv
 from tritonreshard.transport import create_arena, create_control_block, open_arena, open_control_block
 
 from _mp import free_port, run_ranks

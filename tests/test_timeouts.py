@@ -16,9 +16,9 @@ import torch
 
 import tritonreshard as trs
 from tritonreshard import Layout, Replicate
-from tritonreshard import _rendezvous as rdv
-from tritonreshard._group import _HEARTBEAT_S, _proc_state
-from tritonreshard.subscriber import LocalSources
+from tritonreshard.engine import rendezvous as rdv
+from tritonreshard.engine.group import _HEARTBEAT_S, _proc_state
+from tritonreshard.engine.subscriber import LocalSources
 
 from _faults import die, fd_targets, our_fds, our_maps
 from _mp import free_port, run_ranks

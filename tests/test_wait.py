@@ -16,8 +16,8 @@ import torch
 
 import tritonreshard as trs
 from tritonreshard import Layout, Replicate, Shard
-from tritonreshard import _wait
-from tritonreshard.subscriber import LocalSources
+from tritonreshard.transport import wait as _wait
+from tritonreshard.engine.subscriber import LocalSources
 from tritonreshard.transport import create_control_block, open_control_block
 
 from _mp import free_port, run_ranks
@@ -147,7 +147,7 @@ def test_the_staging_meter_imports_no_torch_dynamo():
     """The CPU staging meter is a TorchDispatchMode; torch wraps such modes in a lazy
     ``torch._dynamo`` import by default. A pull must not import it: it stalls the first pull, and
     imported after init_process_group it keeps the job's process group alive past
-    destroy_process_group (see tritonreshard._group)."""
+    destroy_process_group (see tritonreshard.engine.group)."""
     code = textwrap.dedent(f"""
         import sys, torch, tritonreshard as trs
         lay = {{"w": trs.Layout((8, 4), [0], [trs.Replicate()])}}

@@ -1,17 +1,20 @@
 """tritonreshard: zero-copy, parallel weight refit from training ranks to inference ranks.
 
-Three layers: pure-Python planning (:mod:`~tritonreshard.layout`, :mod:`~tritonreshard.plan`,
-:mod:`~tritonreshard.recipes`), Triton kernels (:mod:`tritonreshard.kernels`), and transport /
-endpoints (:mod:`~tritonreshard.refit` composing a group, a :mod:`~tritonreshard.publisher` and a
-:mod:`~tritonreshard.subscriber`).
+Layers, bottom up, each importing only those below it: :mod:`~tritonreshard.errors`,
+:mod:`~tritonreshard.layout`, :mod:`~tritonreshard.planning` (plans; pure Python),
+:mod:`~tritonreshard.recipes` (HF -> vLLM layouts), :mod:`~tritonreshard.kernels` (Triton kernels
+and their descriptor tables), :mod:`~tritonreshard.execute` (all ranks in one process),
+:mod:`~tritonreshard.transport` (arenas, control blocks, the one wait, point-to-point links) and
+:mod:`~tritonreshard.engine` (groups, routes, publishers, subscribers, endpoints). On top:
+:mod:`tritonreshard.vllm` (the vLLM backend) and :mod:`tritonreshard.apps` (CLI, demo, bench), which
+the library never imports.
 """
+from .errors import PeerDiedError, RefitError
 from .layout import Layout, Part, Replicate, Shard
-from .plan import FillOp, Plan, PlanStats, TransferOp, plan_reshard
+from .planning import FillOp, Plan, PlanStats, TransferOp, plan_reshard
 from .execute import execute_local
 from . import recipes
-from ._rendezvous import secret_for_children
-from .refit import (PeerDiedError, PullStats, RefitEndpoint, RefitError, RefitInference,
-                    RefitTrainer)
+from .engine import PullStats, RefitEndpoint, RefitInference, RefitTrainer, secret_for_children
 
 __all__ = [
     "Layout", "Shard", "Replicate", "Part", "Plan", "FillOp", "PlanStats", "TransferOp", "plan_reshard",

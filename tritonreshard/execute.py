@@ -1,6 +1,6 @@
 """Execute a plan with all ranks in one process (tests, notebooks, debugging).
 
-The cross-process engine runs the same :class:`~tritonreshard._descriptors.DescriptorTable` per
+The cross-process engine runs the same :class:`~tritonreshard.kernels.descriptors.DescriptorTable` per
 destination rank over mapped arenas; here every rank's tensors live in this process, so one table
 covers the whole plan and a Triton run is at most two launches (kernel variants) per dtype pair.
 """
@@ -11,7 +11,7 @@ from typing import Mapping
 
 import torch
 
-from ._descriptors import DescriptorTable
+from .kernels import DescriptorTable
 
 __all__ = ["execute_local", "DescriptorTable"]  # the table: public for kernel-level debugging
 

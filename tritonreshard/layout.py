@@ -135,7 +135,7 @@ def _convert_placement(p: Any) -> Placement | None:
 
 
 @lru_cache(maxsize=4096)
-def _segments_by_mesh_index(shape: tuple[int, ...], mesh_shape: tuple[int, ...],
+def segments_by_mesh_index(shape: tuple[int, ...], mesh_shape: tuple[int, ...],
                             placements: tuple[Placement, ...]) -> tuple:
     """Segments of every mesh position (row-major), shared by all layouts of the same geometry:
     a model's layers repeat a few shapes, so big state dicts compute each geometry once."""
@@ -302,7 +302,7 @@ class Layout:
 
     @cached_property
     def _segments_cache(self) -> dict[int, tuple[tuple[Segment, ...], ...]]:
-        per_index = _segments_by_mesh_index(self.shape, self.mesh_shape, self.placements)
+        per_index = segments_by_mesh_index(self.shape, self.mesh_shape, self.placements)
         return dict(zip(self.ranks, per_index))
 
     def local_shape(self, rank: int) -> tuple[int, ...]:

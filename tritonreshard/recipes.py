@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from .layout import Layout, Part, Replicate, Shard
-from .plan import Plan, plan_reshard
+from .planning import Plan, plan_reshard
 
 __all__ = ["hf_to_vllm", "RecipeSpec", "Family", "FAMILIES", "pad_vocab_size"]
 

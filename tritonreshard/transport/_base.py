@@ -110,7 +110,7 @@ class ArenaHandle:
     __str__ = __repr__
 
 
-def _new_handle(kind, arena_id, nbytes, alloc_nbytes, device) -> ArenaHandle:
+def new_handle(kind, arena_id, nbytes, alloc_nbytes, device) -> ArenaHandle:
     return ArenaHandle(kind=kind, arena_id=arena_id, nbytes=int(nbytes),
                        alloc_nbytes=int(alloc_nbytes), device=str(device),
                        owner_pid=os.getpid(), hostname=socket.gethostname())

@@ -1,5 +1,5 @@
 """Control block: a few int64 slots in host shared memory for versions, acks, heartbeats, abort,
-and a doorbell word that every state change rings (see ``tritonreshard._wait``).
+and a doorbell word that every state change rings (see ``tritonreshard.transport.wait``).
 
 One writer per slot: the owner (a trainer rank) writes ``published_version`` and the state word;
 reader ``i`` writes ``acked_version[i]``; rank ``r`` writes ``heartbeat[r]``. Everyone may read
@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from .. import _wait
+from . import wait as _wait
 from ._base import ArenaHandle
 from ._shm import ShmArena
 

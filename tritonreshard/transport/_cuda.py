@@ -26,7 +26,7 @@ import weakref
 
 import torch
 
-from ._base import Arena, ArenaHandle, _new_handle
+from ._base import Arena, ArenaHandle, new_handle
 from ._fdserver import FdServer, as_secret_bytes, request_fds
 
 __all__ = ["CudaArena"]
@@ -197,7 +197,7 @@ class CudaArena(Arena):
             prop, drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
             "cuMemGetAllocationGranularity")
         alloc = max(1, -(-nbytes // gran)) * gran
-        handle = _new_handle("cuda-vmm", secrets.token_hex(16), nbytes, alloc, f"cuda:{ctx.ordinal}")
+        handle = new_handle("cuda-vmm", secrets.token_hex(16), nbytes, alloc, f"cuda:{ctx.ordinal}")
         mem_handle = _check(drv.cuMemCreate(alloc, prop, 0), f"cuMemCreate({alloc} bytes on cuda:{ctx.ordinal})")
         steps = [("cuMemRelease", lambda: _check(drv.cuMemRelease(mem_handle), "cuMemRelease")),
                  ("cuDevicePrimaryCtxRelease", ctx.release)]
@@ -223,7 +223,7 @@ class CudaArena(Arena):
     def _create_ipc(cls, ctx, nbytes):
         drv = _driver()
         alloc = max(nbytes, 1)
-        handle = _new_handle("cuda-ipc", secrets.token_hex(16), nbytes, alloc, f"cuda:{ctx.ordinal}")
+        handle = new_handle("cuda-ipc", secrets.token_hex(16), nbytes, alloc, f"cuda:{ctx.ordinal}")
         ptr = _check(drv.cuMemAlloc(alloc), f"cuMemAlloc({alloc} bytes on cuda:{ctx.ordinal})")
         steps = [_sync_step(ctx),
                  ("cuMemFree", _in_ctx(ctx, lambda: _check(drv.cuMemFree(ptr), "cuMemFree"))),

@@ -1,6 +1,6 @@
 """The cross-host data path: a host plan's messages over torch.distributed point-to-point.
 
-Only bytes that must leave a host travel here (see :mod:`tritonreshard._hostplan`); everything within
+Only bytes that must leave a host travel here (see :mod:`tritonreshard.planning.hosts`); everything within
 a host stays on the shared-memory / CUDA IPC arenas. A :class:`DistLink` is one rank's process group
 over the refit group's ranks (gloo for CPU tensors, NCCL for CUDA tensors), created on the group's
 store under its own prefix, so it neither needs nor disturbs a default process group.
@@ -43,7 +43,7 @@ class LinkError(RuntimeError):
 
 def _peer_died(peer: int, message: str):
     # The group layer imports the transports, so its error class is imported when first needed.
-    from tritonreshard._group import PeerDiedError
+    from ..errors import PeerDiedError
     return PeerDiedError(peer, message)
 
 

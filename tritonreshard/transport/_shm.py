@@ -26,7 +26,7 @@ import stat
 
 import torch
 
-from ._base import Arena, ArenaHandle, _new_handle
+from ._base import Arena, ArenaHandle, new_handle
 from ._fdserver import FdServer, as_secret_bytes, request_fds
 
 __all__ = ["ShmArena", "unlink_segment", "SHM_DIR"]
@@ -89,7 +89,7 @@ class ShmArena(Arena):
 
     @classmethod
     def _create_named(cls, arena_id, nbytes, alloc):
-        handle = _new_handle("shm-name", arena_id, nbytes, alloc, "cpu")
+        handle = new_handle("shm-name", arena_id, nbytes, alloc, "cpu")
         path = os.path.join(SHM_DIR, handle.segment_name)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
@@ -107,7 +107,7 @@ class ShmArena(Arena):
 
     @classmethod
     def _create_fd(cls, arena_id, nbytes, alloc, secret, expected_peers):
-        handle = _new_handle("shm-fd", arena_id, nbytes, alloc, "cpu")
+        handle = new_handle("shm-fd", arena_id, nbytes, alloc, "cpu")
         fd = os.memfd_create(handle.segment_name, os.MFD_CLOEXEC)
         try:
             os.fchmod(fd, 0o600)

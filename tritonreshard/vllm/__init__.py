@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..recipes import hf_to_vllm
-from ..refit import RefitTrainer
+from ..engine import RefitTrainer
 
 __all__ = ["Trainer", "init_info", "register", "BACKEND"]
 

@@ -38,7 +38,8 @@ from vllm.model_executor.model_loader.reload.meta import materialize_layer
 from vllm.platforms import current_platform
 
 from ..recipes import hf_to_vllm
-from ..refit import RefitError, RefitInference
+from ..engine import RefitInference
+from ..errors import RefitError
 
 __all__ = ["TritonreshardInitInfo", "TritonreshardUpdateInfo", "TritonreshardWeightTransferEngine"]
 

@@ -1,7 +1,7 @@
 """Batched strided gather with dtype conversion: one launch per (dtype pair, kernel variant) copies
 any number of regions of any number of tensors.
 
-Regions come from the table builder (:mod:`tritonreshard._descriptors`) as 4-D boxes (raw byte
+Regions come from the table builder (:mod:`tritonreshard.kernels.descriptors`) as 4-D boxes (raw byte
 addresses of the first source / destination element, shape outermost first, strides in elements;
 the innermost dim is the destination's contiguous one). :func:`plan_launches` turns one dtype group's
 regions into at most two launches, one per kernel variant, each with its own table:

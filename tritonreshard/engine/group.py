@@ -34,29 +34,18 @@ if dist.is_available() and not dist.is_initialized():
     # defaults are None. Not imported when a group already exists: that would pin it.
     import torch.distributed.nn  # noqa: F401
 
-from . import _rendezvous as rdv
-from . import _wait
-from .layout import Layout
-from .plan import Plan, plan_reshard
-from .transport import STATE_ABORT
+from ..errors import PeerDiedError, RefitError
+from . import rendezvous as rdv
+from ..transport import wait as _wait
+from ..layout import Layout
+from ..planning import Plan, plan_reshard
+from ..transport import STATE_ABORT
 
-__all__ = ["Group", "Member", "RefitError", "PeerDiedError", "host_identity", "connect",
+__all__ = ["Group", "Member", "host_identity", "connect",
            "HOST_ENV"]
 
 HOST_ENV = "TRITONRESHARD_HOST"
 _HEARTBEAT_S = 0.2
-
-
-class RefitError(RuntimeError):
-    """A refit could not complete (a peer aborted, a source changed weights during a pull, ...)."""
-
-
-class PeerDiedError(RefitError):
-    """A peer process of the refit group is gone; this group's epoch is over. ``rank`` names it."""
-
-    def __init__(self, rank: int, message: str):
-        super().__init__(message)
-        self.rank = rank
 
 
 def host_identity() -> str:
@@ -336,7 +325,7 @@ class Group:
     def wait(self, done, what: str, timeout: float, *, peers=(), controls=(), doorbell=None,
              status=None, cancel: threading.Event | None = None) -> None:
         """Wait until ``done()``: spin briefly, then sleep on ``doorbell()`` (a control block word
-        every relevant state change rings; see ``tritonreshard._wait``).
+        every relevant state change rings; see ``tritonreshard.transport.wait``).
 
         Raises PeerDiedError if one of ``peers`` died, RefitError if one of ``controls`` carries the
         abort word, the group was closed or ``cancel`` was set, and TimeoutError naming ``what``

@@ -12,7 +12,7 @@ import time
 import torch
 
 from tritonreshard.layout import MAX_RANKS, Layout, Replicate, Shard
-from tritonreshard.plan import plan_reshard
+from tritonreshard.planning import plan_reshard
 
 __all__ = ["main", "parse_layout_spec"]
 

@@ -1,17 +1,18 @@
-"""Triton kernels of tritonreshard (imported as ``tritonreshard.kernels``).
+"""Triton kernels of tritonreshard, and the descriptor tables that feed them.
 
 Two kernels copy batches of rectangular regions described by tables (raw addresses, shapes,
 strides) and convert dtypes on the way: :func:`copy_rows_kernel` (aligned contiguous rows, 128-bit,
 no index math) and :func:`copy_tiles_kernel` (narrow, strided or unaligned regions, 2-D tiles).
 :func:`plan_launches` turns one dtype group's regions into their launches; the tables' format and the
 design are in :mod:`tritonreshard.kernels.gather`. Tables are built by
-:mod:`tritonreshard._descriptors`.
+:class:`~tritonreshard.kernels.descriptors.DescriptorTable` (once per rank, reused every refit).
 
 Compiled or interpreted is decided per launch from the tables' device: CUDA tensors run the compiled
 kernels, CPU tensors run the same source in Triton's interpreter (exact, slow: tests and
 debugging). Importing this package sets no environment variable, changes nothing for other
 libraries' Triton kernels and does not initialise CUDA.
 """
+from .descriptors import DescriptorTable, Entry, Region
 from .gather import (
     ALIGN_BYTES,
     FIELD_NAMES,
@@ -32,6 +33,9 @@ from .gather import (
 )
 
 __all__ = [
+    "DescriptorTable",
+    "Entry",
+    "Region",
     "ALIGN_BYTES",
     "FIELD_NAMES",
     "FLAG_ALIGNED",

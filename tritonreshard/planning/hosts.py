@@ -1,7 +1,7 @@
 """Host-aware planning: which bytes cross between hosts, who receives them, and the fan-out after.
 
-Pure Python and deterministic, like :mod:`tritonreshard.plan` (no device, no Triton): every rank
-derives the same :class:`HostPlan` from the same :class:`~tritonreshard.plan.Plan` and rank -> host
+Pure Python and deterministic, like :mod:`tritonreshard.planning` (no device, no Triton): every rank
+derives the same :class:`HostPlan` from the same :class:`~tritonreshard.planning.Plan` and rank -> host
 map.
 
 A plain plan reads every slice straight from the source rank that holds it. That is right inside one
@@ -46,7 +46,8 @@ from functools import cached_property
 
 import torch
 
-from .plan import Plan, TransferOp, _cut_global, _fmt_bytes, _fmt_global, _fmt_slices
+from .reshard import Plan, TransferOp, cut_global
+from .text import fmt_bytes, fmt_global, fmt_slices
 
 __all__ = ["CrossTransfer", "FanoutOp", "HostPlan", "Message", "plan_hosts", "plan_messages",
            "box_is_contiguous"]
@@ -158,15 +159,15 @@ class CrossTransfer:
 
     def __str__(self) -> str:
         return (f"#{self.index} {self.name}: {self.src_rank}@{self.src_host} -> {self.receiver}@{self.dst_host} "
-                f"src{_fmt_slices(self.box)} ({'x'.join(map(str, self.shape)) or 'scalar'}, "
-                f"{_fmt_bytes(self.nbytes)}) buf+{self.offset}")
+                f"src{fmt_slices(self.box)} ({'x'.join(map(str, self.shape)) or 'scalar'}, "
+                f"{fmt_bytes(self.nbytes)}) buf+{self.offset}")
 
 
 @dataclass(frozen=True)
 class FanoutOp:
     """A destination rank's read from a receiver's buffer (same host).
 
-    ``op`` is an ordinary :class:`~tritonreshard.plan.TransferOp` whose ``src_rank`` is the receiver
+    ``op`` is an ordinary :class:`~tritonreshard.planning.TransferOp` whose ``src_rank`` is the receiver
     and whose ``src_slices`` index the transfer's box as a tensor of ``transfers[transfer].shape``
     (i.e. relative to the box); ``dst_slices`` and ``global_index`` are as in the plan. Descriptor
     tables take it like any op, with the box view as its source tensor.
@@ -188,7 +189,7 @@ class FanoutOp:
 
 
 class HostPlan:
-    """A :class:`~tritonreshard.plan.Plan` split by host: local ops, cross-host transfers, receive
+    """A :class:`~tritonreshard.planning.Plan` split by host: local ops, cross-host transfers, receive
     buffers and fan-out ops (see the module docstring). ``str(host_plan)`` is a readable table."""
 
     def __init__(self, plan: Plan, hosts: Mapping[int, str], local_ops: tuple[TransferOp, ...],
@@ -307,8 +308,8 @@ class HostPlan:
     # ---------------------------------------------------------------- text
     def summary(self) -> str:
         return (f"HostPlan: {len(self.host_names)} host(s), {len(self.transfers)} cross-host transfer(s), "
-                f"{_fmt_bytes(self.cross_host_bytes)} across hosts (point-to-point of the plain plan: "
-                f"{_fmt_bytes(self.p2p_cross_host_bytes)}), receive buffers {_fmt_bytes(self.staging_bytes)}, "
+                f"{fmt_bytes(self.cross_host_bytes)} across hosts (point-to-point of the plain plan: "
+                f"{fmt_bytes(self.p2p_cross_host_bytes)}), receive buffers {fmt_bytes(self.staging_bytes)}, "
                 f"{len(self.local_ops)} local op(s), {len(self.fanout)} fan-out op(s)")
 
     def table(self, max_rows: int | None = 64) -> str:
@@ -324,7 +325,7 @@ class HostPlan:
             shown = self.transfers if max_rows is None else self.transfers[:max_rows]
             for t in shown:
                 rows.append((str(t.index), t.name, f"{t.src_rank}->{t.receiver}", f"{t.src_host}->{t.dst_host}",
-                             _fmt_slices(t.box), "x".join(map(str, t.shape)) or "scalar", _fmt_bytes(t.nbytes),
+                             fmt_slices(t.box), "x".join(map(str, t.shape)) or "scalar", fmt_bytes(t.nbytes),
                              str(t.offset), "direct" if t.contiguous else "packed"))
             widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
             for r in rows:
@@ -335,13 +336,13 @@ class HostPlan:
             hs = self.host_names
             cells = [["src\\dst"] + list(hs)]
             for s in hs:
-                cells.append([s] + [_fmt_bytes(self.host_pair_bytes[(s, d)]) if (s, d) in self.host_pair_bytes
+                cells.append([s] + [fmt_bytes(self.host_pair_bytes[(s, d)]) if (s, d) in self.host_pair_bytes
                                     else "." for d in hs])
             w = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
             for row in cells:
                 lines.append("  " + "  ".join(c.rjust(x) for c, x in zip(row, w)))
             lines.append("receive buffers: " + ", ".join(
-                f"{r}: {_fmt_bytes(b)} read by {_fmt_ranks(self.buffer_readers(r))}"
+                f"{r}: {fmt_bytes(b)} read by {_fmt_ranks(self.buffer_readers(r))}"
                 for r, b in sorted(self._buffer_bytes.items())))
         else:
             lines.append("nothing crosses between hosts")
@@ -527,7 +528,7 @@ def plan_hosts(plan: Plan, hosts: Mapping[int, str], *,
                 rel = tuple(slice(a - tb.start, b - tb.start) for (a, b), tb in zip(cut, t.box))
                 dst = tuple(slice(ds.start + a - sa, ds.start + b - sa)
                             for (a, b), (sa, _), ds in zip(cut, src_box, op.dst_slices))
-                g = tuple(_cut_global(gi, a - sa, b - sa) for (a, b), (sa, _), gi in zip(cut, src_box, op.global_index))
+                g = tuple(cut_global(gi, a - sa, b - sa) for (a, b), (sa, _), gi in zip(cut, src_box, op.global_index))
                 fanout.append(FanoutOp(t.index, TransferOp(op.name, t.receiver, op.dst_rank, rel, dst, g,
                                                            op.src_name)))
     local.sort(key=lambda op: (op.name, op.dst_rank, tuple(s.start for s in op.dst_slices), op.src_rank))

@@ -201,7 +201,7 @@ class Driver:
     def start(self, ranks=None) -> None:
         """Spawns ``ranks`` (default: all). A rank started again (a restart) gets a new process."""
         import torch.multiprocessing as mp
-        from tritonreshard._rendezvous import secret_for_children
+        from tritonreshard import secret_for_children
 
         secret_for_children()  # children inherit it through the environment; it never crosses the store
         ctx = mp.get_context("spawn")

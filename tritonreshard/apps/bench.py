@@ -61,7 +61,7 @@ import zlib
 from dataclasses import dataclass
 from itertools import product
 
-from tritonreshard.plan import _fmt_bytes
+from tritonreshard.planning import fmt_bytes as _fmt_bytes
 
 from ._driver import Driver, RankFailed, wait_key
 
@@ -446,7 +446,7 @@ class _Rank:
         import torch
         import torch.distributed as dist
 
-        from tritonreshard.refit import RefitEndpoint
+        from tritonreshard import RefitEndpoint
         self.rank, self.cfg = rank, cfg
         host = cfg.host_of(rank)
         if host is not None:  # the engine reads it when the endpoint joins its group

@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 from tritonreshard.layout import Layout
-from tritonreshard.plan import Plan, _fmt_bytes
+from tritonreshard.planning import Plan, fmt_bytes as _fmt_bytes
 
 __all__ = ["draw_plan", "check_figure_path"]
 

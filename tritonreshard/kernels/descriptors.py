@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from tritonreshard import kernels as _k
+from . import gather as _k
 
 __all__ = ["DescriptorTable", "Entry", "Region"]
 

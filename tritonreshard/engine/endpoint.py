@@ -16,12 +16,12 @@ Who calls what::
 
 An endpoint composes three parts, data flowing one way:
 
-* :class:`~tritonreshard._group.Group` (one per epoch): rendezvous in the store under
+* :class:`~tritonreshard.engine.group.Group` (one per epoch): rendezvous in the store under
   ``trs/<group>/e<epoch>/``, validation of the whole group (a bad rank makes *every* rank raise the
   same ``ValueError`` before any data moves), liveness, and the one wait primitive;
-* :class:`~tritonreshard.publisher.Publisher` (trainer side): the exported arena, ``publish``,
+* :class:`~tritonreshard.engine.publisher.Publisher` (trainer side): the exported arena, ``publish``,
   ``fence``;
-* :class:`~tritonreshard.subscriber.Subscriber` (inference side): buffer sets, pulls, the copy
+* :class:`~tritonreshard.engine.subscriber.Subscriber` (inference side): buffer sets, pulls, the copy
   thread. A colocated rank has both.
 
 Every refit: the trainer bumps its published version. An inference rank waits until all of its
@@ -42,17 +42,17 @@ from collections.abc import Mapping
 
 import torch
 
-from . import _fsdp
-from ._crosshost import CrossHost, HostSources, spans_hosts
-from ._group import (Group, Member, PeerDiedError, RefitError, check_timeout, connect,
+from . import fsdp as _fsdp
+from .relay import CrossHost, HostSources, spans_hosts
+from ..errors import PeerDiedError, RefitError
+from .group import (Group, Member, check_timeout, connect,
                      host_identity)
-from .execute import writable_problem
-from .layout import Layout, Part
+from ..execute import writable_problem
+from ..layout import Layout, Part
 from .publisher import Exports, Publisher
 from .subscriber import LocalSources, PullStats, Subscriber
 
-__all__ = ["RefitEndpoint", "RefitTrainer", "RefitInference", "RefitError", "PeerDiedError",
-           "PullStats"]
+__all__ = ["RefitEndpoint", "RefitTrainer", "RefitInference", "PullStats"]
 
 
 class RefitEndpoint:
@@ -97,7 +97,7 @@ class RefitEndpoint:
             whose process is gone is noticed at once).
         group: namespace of this group's keys in the store.
         sources: destination side: where source bytes come from (default
-            :class:`~tritonreshard.subscriber.LocalSources`, the arenas on this host).
+            :class:`~tritonreshard.engine.subscriber.LocalSources`, the arenas on this host).
     """
 
     def __init__(self, *, rank: int | None = None, world_size: int | None = None, store=None,
@@ -437,7 +437,7 @@ class RefitEndpoint:
     @property
     def staging_bytes(self) -> int:
         """Destination side: the most extra memory one pull allocated, as measured (see
-        ``tritonreshard.subscriber``); 0 for a trainer-only rank."""
+        ``tritonreshard.engine.subscriber``); 0 for a trainer-only rank."""
         pulls = self.subscriber.staging_bytes if self.subscriber is not None else 0
         return pulls + (self._cross.staging_bytes if self._cross is not None else 0)
 
@@ -449,7 +449,7 @@ class RefitEndpoint:
 
     @property
     def host_plan(self):
-        """The group's :class:`~tritonreshard._hostplan.HostPlan` (None when it is on one host)."""
+        """The group's :class:`~tritonreshard.planning.hosts.HostPlan` (None when it is on one host)."""
         return self._cross.hp if self._cross is not None else None
 
     def available_version(self) -> int:
@@ -585,7 +585,7 @@ def _local_parts(parts) -> tuple[dict, list[str]]:
 
 
 def _recipe_spec(spec, what: str):
-    from .recipes import RecipeSpec  # planning layer; imported here to keep refit's imports lean
+    from ..recipes import RecipeSpec  # planning layer; imported here to keep refit's imports lean
     if not isinstance(spec, RecipeSpec):
         raise ValueError(f"{what}: spec must be a trs.recipes.RecipeSpec (from trs.recipes.hf_to_vllm), "
                          f"got spec={_short(spec)}")

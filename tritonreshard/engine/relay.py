@@ -1,8 +1,8 @@
 """Cross-host refits inside the engine: senders, relays and the subscriber's sources.
 
 Built by the endpoint for one group epoch when its plan has ranks on several hosts (host identity:
-``$TRITONRESHARD_HOST``, else the hostname; see ``tritonreshard._group``). Every rank derives the
-same :class:`~tritonreshard._hostplan.HostPlan`; then, per rank:
+``$TRITONRESHARD_HOST``, else the hostname; see ``tritonreshard.engine.group``). Every rank derives the
+same :class:`~tritonreshard.planning.hosts.HostPlan`; then, per rank:
 
 * **sender** (a source rank with transfers): after each ``publish`` a sender thread waits until
   each of its receivers is ready for the next refit, then sends its messages straight from the
@@ -42,11 +42,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ._group import Group, PeerDiedError, RefitError
-from ._hostplan import HostPlan, plan_hosts, plan_messages
+from ..errors import PeerDiedError, RefitError
+from .group import Group
+from ..planning import HostPlan, plan_hosts, plan_messages
 from .subscriber import LocalSources
-from .transport import create_arena, create_control_block, open_arena, open_control_block
-from .transport._dist import CrossHostCopy, DistLink
+from ..transport import create_arena, create_control_block, open_arena, open_control_block
+from ..transport import CrossHostCopy, DistLink
 
 __all__ = ["CrossHost", "HostSources", "RelayExports", "spans_hosts"]
 
@@ -377,7 +378,7 @@ class CrossHost:
 class HostSources(LocalSources):
     """A subscriber's sources in a cross-host group: source arenas on its host (local ops) and the
     relays' receive buffers (fan-out ops), each with its control block. Same seam as
-    :class:`~tritonreshard.subscriber.LocalSources`."""
+    :class:`~tritonreshard.engine.subscriber.LocalSources`."""
 
     def __init__(self, group: Group, exports: dict, ranks, *, local=None, device=None, cross: CrossHost):
         hp, rank = cross.hp, group.rank

@@ -24,7 +24,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from .layout import Layout
+from ..layout import Layout
 
 __all__ = ["is_fsdp2", "FSDP2Source"]
 

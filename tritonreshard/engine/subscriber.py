@@ -28,10 +28,11 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._descriptors import DescriptorTable
-from ._group import Group, RefitError, check_timeout
-from .plan import Plan
-from .transport import open_arena, open_control_block, pack_offsets
+from ..errors import RefitError
+from ..kernels import DescriptorTable
+from .group import Group, check_timeout
+from ..planning import Plan
+from ..transport import open_arena, open_control_block, pack_offsets
 
 __all__ = ["Subscriber", "LocalSources", "PullStats"]
 

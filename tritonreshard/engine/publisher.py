@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._group import Group, check_timeout
-from .plan import Plan
-from .transport import create_arena, create_control_block, pack_offsets
+from .group import Group, check_timeout
+from ..planning import Plan
+from ..transport import create_arena, create_control_block, pack_offsets
 
 __all__ = ["Publisher", "Exports"]
 
@@ -38,13 +38,13 @@ class Publisher:
     """Trainer side of one rank for one group epoch.
 
     Args:
-        group: the rank's :class:`~tritonreshard._group.Group` (joined: ``group.members`` is set).
+        group: the rank's :class:`~tritonreshard.engine.group.Group` (joined: ``group.members`` is set).
         plan: the group's plan.
         tensors: ``{name: local shard}`` (validated by the endpoint), all on one device; copied into
             the arena once. ``params``: ``{name: nn.Parameter}`` re-pointed at the arena views.
         start_version: the version before the first ``publish()`` (a restarted trainer resumes its
             numbering from a checkpoint).
-        fsdp2: a :class:`~tritonreshard._fsdp.FSDP2Source` when ``tensors`` are a ``fully_shard``
+        fsdp2: a :class:`~tritonreshard.engine.fsdp.FSDP2Source` when ``tensors`` are a ``fully_shard``
             model's shards: each moves into the arena with FSDP's padding (``rebind``).
     """
 

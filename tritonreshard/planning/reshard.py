@@ -25,7 +25,8 @@ from itertools import product
 
 import torch
 
-from .layout import Layout, Part, Segment, _segments_by_mesh_index
+from ..layout import Layout, Part, Segment, segments_by_mesh_index
+from .text import fmt_bytes, fmt_global, fmt_slices
 
 __all__ = ["TransferOp", "FillOp", "Plan", "PlanStats", "plan_reshard", "CASTABLE_DTYPES"]
 
@@ -39,25 +40,6 @@ _MIN_SPLIT_BYTES = 4096
 # A whole piece goes to the least-loaded replica while that keeps it within this factor of the
 # replica set's projected fair load; otherwise the piece is water-filled across replicas.
 _BALANCE_SLACK = 1.05
-
-
-def _fmt_slices(slices) -> str:
-    return "[" + ", ".join(f"{s.start}:{s.stop}" for s in slices) + "]"
-
-
-def _fmt_global(index) -> str:
-    dims = []
-    for intervals in index:
-        dims.append("+".join(f"{a}:{b}" for a, b in intervals) if intervals else "-")
-    return "[" + ", ".join(dims) + "]"
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 class _DstBox:
@@ -108,8 +90,8 @@ class TransferOp(_DstBox):
 
     def __str__(self) -> str:
         frm = "" if self.src_name == self.name else f" from {self.src_name}"
-        return (f"{self.name}: {self.src_rank}->{self.dst_rank}{frm} global{_fmt_global(self.global_index)} "
-                f"src{_fmt_slices(self.src_slices)} -> dst{_fmt_slices(self.dst_slices)} "
+        return (f"{self.name}: {self.src_rank}->{self.dst_rank}{frm} global{fmt_global(self.global_index)} "
+                f"src{fmt_slices(self.src_slices)} -> dst{fmt_slices(self.dst_slices)} "
                 f"({'x'.join(map(str, self.shape))})")
 
 
@@ -130,8 +112,8 @@ class FillOp(_DstBox):
         return hash((self.name, self.dst_rank, tuple((s.start, s.stop) for s in self.dst_slices)))
 
     def __str__(self) -> str:
-        return (f"{self.name}: zeros->{self.dst_rank} global{_fmt_global(self.global_index)} "
-                f"dst{_fmt_slices(self.dst_slices)} ({'x'.join(map(str, self.shape))})")
+        return (f"{self.name}: zeros->{self.dst_rank} global{fmt_global(self.global_index)} "
+                f"dst{fmt_slices(self.dst_slices)} ({'x'.join(map(str, self.shape))})")
 
 
 @dataclass(frozen=True)
@@ -176,7 +158,7 @@ def _intersect_dim(src: tuple[Segment, ...], dst: tuple[Segment, ...]) -> list[_
     return out
 
 
-def _cut_global(intervals: tuple[tuple[int, int], ...], start: int, stop: int) -> tuple[tuple[int, int], ...]:
+def cut_global(intervals: tuple[tuple[int, int], ...], start: int, stop: int) -> tuple[tuple[int, int], ...]:
     """The global intervals covering positions [start, stop) of the concatenation of ``intervals``."""
     out, pos = [], 0
     for a, b in intervals:
@@ -206,7 +188,7 @@ def _split(dims: tuple[_DimPiece, ...], units: list[int]) -> list[tuple[_DimPiec
     parts, pos = [], 0
     for u in units:
         if u:
-            cut = (s + pos, d + pos, u, _cut_global(g, pos, pos + u))
+            cut = (s + pos, d + pos, u, cut_global(g, pos, pos + u))
             parts.append(dims[:axis] + (cut,) + dims[axis + 1:])
         pos += u
     assert pos == n
@@ -332,10 +314,10 @@ class Plan:
         if self._parts:
             extra += f", {len(self._parts)} built from parts"
         if self._fills:
-            extra += f", {len(self._fills)} zero fills ({_fmt_bytes(st.fill_bytes)})"
-        return (f"Plan: {len(self.names)} tensor(s), {st.num_ops} ops, {_fmt_bytes(st.total_bytes)} to "
+            extra += f", {len(self._fills)} zero fills ({fmt_bytes(st.fill_bytes)})"
+        return (f"Plan: {len(self.names)} tensor(s), {st.num_ops} ops, {fmt_bytes(st.total_bytes)} to "
                 f"{len(self.dst_ranks)} destination rank(s) from {len(self.src_ranks)} source rank(s) "
-                f"({_fmt_bytes(st.local_bytes)} local, {_fmt_bytes(st.remote_bytes)} remote{extra})")
+                f"({fmt_bytes(st.local_bytes)} local, {fmt_bytes(st.remote_bytes)} remote{extra})")
 
     def table(self, max_ops: int | None = 64) -> str:
         """The plan as text. ``max_ops`` caps the op rows (``None``: all)."""
@@ -347,17 +329,17 @@ class Plan:
                  "shape", "bytes")]
         shown = self._ops if max_ops is None else self._ops[:max_ops]
         for op in shown:
-            g = _fmt_global(op.global_index)
+            g = fmt_global(op.global_index)
             rows.append((op.name, f"{op.src_rank}->{op.dst_rank}", op.src_name + g if renamed else g,
-                         _fmt_slices(op.src_slices), _fmt_slices(op.dst_slices),
+                         fmt_slices(op.src_slices), fmt_slices(op.dst_slices),
                          "x".join(map(str, op.shape)) or "scalar",
-                         _fmt_bytes(op.numel * self._dst[op.name].itemsize)))
+                         fmt_bytes(op.numel * self._dst[op.name].itemsize)))
         budget = None if max_ops is None else max(0, max_ops - len(shown))
         fills = self._fills if budget is None else self._fills[:budget]
         for f in fills:
-            rows.append((f.name, f"zeros->{f.dst_rank}", _fmt_global(f.global_index), "-",
-                         _fmt_slices(f.dst_slices), "x".join(map(str, f.shape)),
-                         _fmt_bytes(f.numel * self._dst[f.name].itemsize)))
+            rows.append((f.name, f"zeros->{f.dst_rank}", fmt_global(f.global_index), "-",
+                         fmt_slices(f.dst_slices), "x".join(map(str, f.shape)),
+                         fmt_bytes(f.numel * self._dst[f.name].itemsize)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         for r in rows:
             lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
@@ -376,13 +358,13 @@ class Plan:
             lines.append("bytes (rows: source rank, columns: destination rank)")
             cells = [["src\\dst"] + [str(d) for d in dsts]]
             for s in srcs:
-                cells.append([str(s)] + [_fmt_bytes(st.pair_bytes[(s, d)]) if (s, d) in st.pair_bytes else "."
+                cells.append([str(s)] + [fmt_bytes(st.pair_bytes[(s, d)]) if (s, d) in st.pair_bytes else "."
                                          for d in dsts])
             w = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
             for row in cells:
                 lines.append("  " + "  ".join(c.rjust(x) for c, x in zip(row, w)))
-        lines.append("send: " + ", ".join(f"{r}: {_fmt_bytes(b)}" for r, b in sorted(st.send_bytes.items())))
-        lines.append("recv: " + ", ".join(f"{r}: {_fmt_bytes(b)}" for r, b in sorted(st.recv_bytes.items())))
+        lines.append("send: " + ", ".join(f"{r}: {fmt_bytes(b)}" for r, b in sorted(st.send_bytes.items())))
+        lines.append("recv: " + ", ".join(f"{r}: {fmt_bytes(b)}" for r, b in sorted(st.recv_bytes.items())))
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -558,7 +540,7 @@ def _geometry(layout: Layout) -> tuple:
 
 def _segments_of(geometry: tuple) -> dict:
     shape, mesh_shape, ranks, placements = geometry
-    return dict(zip(ranks, _segments_by_mesh_index(shape, mesh_shape, placements)))
+    return dict(zip(ranks, segments_by_mesh_index(shape, mesh_shape, placements)))
 
 
 def _clip(segs: tuple[Segment, ...], lo: int, hi: int, delta: int) -> tuple[Segment, ...]:
