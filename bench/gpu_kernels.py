@@ -214,7 +214,7 @@ def _refit_member(rank: int, port: int, total: int, repeats: int, device: str, q
             with trs.RefitInference(dst_l, device=dev, **kw) as ep:
                 for v in range(1, repeats + 1):
                     ep.pull(version=v)
-                    pulls.append(ep.last_pull_seconds)
+                    pulls.append(ep.last_pull.copy_ms / 1e3)
                 ok = all(torch.equal(ep.tensors[k], _pattern(lay, rank, repeats, dev)) for k, lay in dst_l.items())
             queue.put((rank, "ok", {"pull_seconds": pulls, "correct": ok}))
     except BaseException:  # reported to the parent, which prints it next to the figures

@@ -267,7 +267,7 @@ def _engine_worker(rank, world, port, sc):
                         want = dst[n].shard(_global(ids[n], src[n], v).to(src[n].dtype), rank).to(dst[n].dtype)
                         assert torch.equal(t.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8)), \
                             f"rank {rank} {n} v{v}"
-                    report["cross"].append(ep.cross_host_bytes)
+                    report["cross"].append(ep.stats.cross_host_bytes)
             if trainer:
                 ep.fence()
         except trs.PeerDiedError as exc:
@@ -277,8 +277,8 @@ def _engine_worker(rank, world, port, sc):
                 for n, t in ep.tensors.items():
                     want = dst[n].shard(_global(ids[n], src[n], ep.version).to(src[n].dtype), rank).to(dst[n].dtype)
                     assert torch.equal(t, want)
-        report["staging"] = ep.staging_bytes
-        report["handles"] = ep.handles_opened
+        report["staging"] = ep.stats.staging_bytes
+        report["handles"] = ep.stats.handles_opened
         hp = ep.host_plan
         report["hp_cross"] = hp.cross_host_bytes if hp is not None else None
         # Ranks on another host never map this rank's memory: every arena it opened is on its host.

@@ -45,8 +45,8 @@ def _worker(rank, world, port, scenario):
         kwargs.update(dst_layouts=dst, mode=mode)
     report = {}
     with trs.RefitEndpoint(**kwargs) as ep:
-        report["handles"] = ep.handles_opened
-        report["descriptors"] = ep.num_descriptors
+        report["handles"] = ep.stats.handles_opened
+        report["descriptors"] = ep.stats.num_descriptors
         for v in range(1, versions + 1):
             if trainer:
                 ep.fence()
@@ -74,7 +74,7 @@ def _worker(rank, world, port, scenario):
                     assert torch.equal(t, want), f"rank {rank} {n} v{v}:\n{t}\n!=\n{want}"
         if trainer:
             ep.fence()
-        report["staging"] = ep.staging_bytes
+        report["staging"] = ep.stats.staging_bytes
     return report
 
 
@@ -169,7 +169,7 @@ def test_wrong_shard_shape_and_dtype_named_on_every_rank():
     for r in range(2):
         status, (name, message, _) = out[r]
         assert status == "error" and name == "ValueError"
-        assert "rank 0: src_tensors['w'] has shape (4, 3), src_layouts['w'].local_shape(0) is (4, 4)" in message
+        assert "rank 0: src_tensors['w'] has shape (4, 3), src_layouts['w'] says (4, 4)" in message
         assert "rank 0: src_tensors['w'] has dtype torch.float16" in message
 
 

@@ -97,7 +97,7 @@ def _worker(rank, world, port, src, dst, parts, mode, versions, use_from_recipe,
             report["checked"] += 1
         if trainer:
             ep.fence()
-        report["cross_host_bytes"] = ep.cross_host_bytes
+        report["cross_host_bytes"] = ep.stats.cross_host_bytes
     return report
 
 

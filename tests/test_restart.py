@@ -92,7 +92,7 @@ def _inference(rank, port):
     for v in range(LAST_OF_EPOCH0 + 1, LAST + 1):
         pulled.append(ep.pull())
         _check(ep, rank, v)
-    stats, staging = ep.last_pull, ep.staging_bytes
+    stats, staging = ep.last_pull, ep.stats.staging_bytes
     ep.close()
     del ep
     gc.collect()

@@ -137,9 +137,9 @@ def test_staging_bytes_is_measured_per_pull(staged):
             assert stats.coordination_ms >= 0
         source_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         if staged:  # every source byte was staged once per pull, and the figure says so
-            assert ep.last_pull.staging_bytes >= source_bytes and ep.staging_bytes >= source_bytes
+            assert ep.last_pull.staging_bytes >= source_bytes and ep.stats.staging_bytes >= source_bytes
         else:  # the plain path reads the arenas in place: nothing allocated
-            assert ep.last_pull.staging_bytes == 0 and ep.staging_bytes == 0
+            assert ep.last_pull.staging_bytes == 0 and ep.stats.staging_bytes == 0
 
 
 

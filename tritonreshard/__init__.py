@@ -14,12 +14,13 @@ from .layout import Layout, Part, Replicate, Shard
 from .planning import FillOp, Plan, PlanStats, TransferOp, plan_reshard
 from .execute import execute_local
 from . import recipes
-from .engine import PullStats, RefitEndpoint, RefitInference, RefitTrainer, secret_for_children
+from .engine import (PullStats, RefitEndpoint, RefitInference, RefitStats, RefitTrainer,
+                     secret_for_children)
 
 __all__ = [
     "Layout", "Shard", "Replicate", "Part", "Plan", "FillOp", "PlanStats", "TransferOp", "plan_reshard",
     "execute_local", "recipes",
-    "RefitEndpoint", "RefitTrainer", "RefitInference", "RefitError", "PeerDiedError", "PullStats",
+    "RefitEndpoint", "RefitTrainer", "RefitInference", "RefitError", "PeerDiedError", "PullStats", "RefitStats",
     "secret_for_children",
 ]
 __version__ = "0.1.0"

@@ -1,6 +1,6 @@
 """Execute a plan with all ranks in one process (tests, notebooks, debugging).
 
-The cross-process engine runs the same :class:`~tritonreshard.kernels.descriptors.DescriptorTable` per
+The cross-process engine runs the same :class:`~tritonreshard.kernels.DescriptorTable` per
 destination rank over mapped arenas; here every rank's tensors live in this process, so one table
 covers the whole plan and a Triton run is at most two launches (kernel variants) per dtype pair.
 """
@@ -13,7 +13,7 @@ import torch
 
 from .kernels import DescriptorTable
 
-__all__ = ["execute_local", "DescriptorTable"]  # the table: public for kernel-level debugging
+__all__ = ["execute_local", "check_shard", "writable_problem"]
 
 _BACKENDS = ("auto", "triton", "torch")
 _CACHE_SIZE = 16
@@ -22,6 +22,29 @@ _table_cache: "OrderedDict[tuple, DescriptorTable]" = OrderedDict()
 
 def _sig(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
+def check_shard(where: str, t, layout, rank: int, problems: list[str], *, of: str = "layout", device=None,
+                writable: bool = False):
+    """Check one rank's local shard ``t`` against ``layout``: a tensor, of ``layout.local_shape(rank)``
+    and ``layout.dtype``, on ``device`` (when given), writable in place (when ``writable``). Appends a
+    line naming ``where`` per problem; returns the tensor's device (None if it is no tensor). Shared
+    by :func:`execute_local` and the engine's endpoints."""
+    if not isinstance(t, torch.Tensor):
+        problems.append(f"{where} is a {type(t).__name__}, not a torch.Tensor")
+        return None
+    want = tuple(layout.local_shape(rank))
+    if tuple(t.shape) != want:
+        problems.append(f"{where} has shape {tuple(t.shape)}, {of} says {want}")
+    if t.dtype != layout.dtype:
+        problems.append(f"{where} has dtype {t.dtype}, {of} says {layout.dtype}")
+    if device is not None and t.device != device:
+        problems.append(f"{where} is on {t.device}, other tensors are on {device}")
+    if writable:
+        why = writable_problem(t)
+        if why:
+            problems.append(f"{where} {why}")
+    return t.device
 
 
 def _check(param: str, shards, layouts, required, device, problems) -> torch.device | None:
@@ -41,20 +64,8 @@ def _check(param: str, shards, layouts, required, device, problems) -> torch.dev
         if not isinstance(tensors, Mapping) or name not in tensors:
             problems.append(f"{where} is missing")
             continue
-        t = tensors[name]
-        if not isinstance(t, torch.Tensor):
-            problems.append(f"{where} is a {type(t).__name__}, not a torch.Tensor")
-            continue
-        layout = layouts[name]
-        want = tuple(layout.local_shape(rank))
-        if tuple(t.shape) != want:
-            problems.append(f"{where} has shape {tuple(t.shape)}, layout says {want}")
-        if t.dtype != layout.dtype:
-            problems.append(f"{where} has dtype {t.dtype}, layout says {layout.dtype}")
-        if device is None:
-            device = t.device
-        elif t.device != device:
-            problems.append(f"{where} is on {t.device}, other tensors are on {device}")
+        seen = check_shard(where, tensors[name], layouts[name], rank, problems, device=device)
+        device = device if device is not None else seen
     return device
 
 

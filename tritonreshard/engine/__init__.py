@@ -8,7 +8,7 @@
 * :mod:`.fsdp`: FSDP2 models as sources;
 * :mod:`.endpoint`: :class:`RefitEndpoint`, composing the above.
 """
-from .endpoint import PullStats, RefitEndpoint, RefitInference, RefitTrainer
+from .endpoint import PullStats, RefitEndpoint, RefitInference, RefitStats, RefitTrainer
 from .rendezvous import secret_for_children
 
-__all__ = ["PullStats", "RefitEndpoint", "RefitInference", "RefitTrainer", "secret_for_children"]
+__all__ = ["PullStats", "RefitEndpoint", "RefitInference", "RefitStats", "RefitTrainer", "secret_for_children"]

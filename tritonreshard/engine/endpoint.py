@@ -14,15 +14,18 @@ Who calls what::
     inf.pull()                # or start_pull() ... pull_done() ... swap() in shadow mode
     weights = inf.tensors     # re-read after every swap
 
-An endpoint composes three parts, data flowing one way:
+An endpoint is a composition, data flowing one way:
 
 * :class:`~tritonreshard.engine.group.Group` (one per epoch): rendezvous in the store under
   ``trs/<group>/e<epoch>/``, validation of the whole group (a bad rank makes *every* rank raise the
-  same ``ValueError`` before any data moves), liveness, and the one wait primitive;
-* :class:`~tritonreshard.engine.publisher.Publisher` (trainer side): the exported arena, ``publish``,
-  ``fence``;
-* :class:`~tritonreshard.engine.subscriber.Subscriber` (inference side): buffer sets, pulls, the copy
-  thread. A colocated rank has both.
+  same ``ValueError`` before any data moves), liveness, and the one wait;
+* :class:`~tritonreshard.engine.route.Route` (one per epoch): what this rank reads, sends, relays and
+  fences, from the plan and the host map; one host is a route with no transfers;
+* a trainer's :class:`~tritonreshard.engine.publisher.SourceArena` (its shards, exported once) and
+  :class:`~tritonreshard.engine.publisher.Publisher` (``publish``, ``fence``);
+* an inference rank's :class:`~tritonreshard.engine.subscriber.ServingBuffers` (outliving epochs)
+  and :class:`~tritonreshard.engine.subscriber.Subscriber` (pulls, over the route's reads);
+* a :class:`~tritonreshard.engine.relay.Relay` when the group spans hosts.
 
 Every refit: the trainer bumps its published version. An inference rank waits until all of its
 sources published the same version, runs its descriptor table (one gather-kernel launch per dtype
@@ -31,28 +34,52 @@ version to each source. The trainer's ``fence`` waits for those acks, and only f
 read its arena.
 
 Failures are scoped (see also the README): a pull or fence that times out or is abandoned fails
-that call only; a dead peer ends the group's epoch (:class:`PeerDiedError`); an inference rank
-keeps serving its last complete version and joins the trainers' next epoch with ``rejoin()``.
+that call only; a dead peer ends the group's epoch (:class:`~tritonreshard.PeerDiedError`); an
+inference rank keeps serving its last complete version and joins the trainers' next epoch with
+``rejoin()``.
 """
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
-from . import fsdp as _fsdp
-from .relay import CrossHost, HostSources, spans_hosts
-from ..errors import PeerDiedError, RefitError
-from .group import (Group, Member, check_timeout, connect,
-                     host_identity)
-from ..execute import writable_problem
+from ..errors import RefitError
+from ..execute import check_shard
 from ..layout import Layout, Part
-from .publisher import Exports, Publisher
-from .subscriber import LocalSources, PullStats, Subscriber
+from ..recipes import RecipeSpec
+from . import fsdp as _fsdp
+from .group import Group, Member, check_timeout, connect, host_identity
+from .publisher import Publisher, SourceArena, tensor_order
+from .relay import Relay
+from .route import Sources, build_route
+from .subscriber import PullStats, ServingBuffers, Subscriber
 
-__all__ = ["RefitEndpoint", "RefitTrainer", "RefitInference", "PullStats"]
+__all__ = ["RefitEndpoint", "RefitTrainer", "RefitInference", "RefitStats", "PullStats"]
+
+
+@dataclass(frozen=True)
+class RefitStats:
+    """What an endpoint measured and holds, as of now (``ep.stats``).
+
+    ``pulls``: successful pulls; ``bytes_per_refit``: destination bytes this rank writes per refit;
+    ``num_descriptors``: rows of its descriptor table; ``num_copies``: work items per pull (kernel
+    launches on the triton backend, coalesced ``copy_`` calls on torch); ``handles_opened``: peer
+    buffers mapped (one per peer, never one per tensor); ``staging_bytes``: the most extra memory
+    one pull allocated, as measured, plus the cross-host receive and packing buffers;
+    ``cross_host_bytes``: bytes this rank received from other hosts in its last refit (summed over
+    the ranks: the bytes per refit that crossed between hosts).
+    """
+
+    pulls: int = 0
+    bytes_per_refit: int = 0
+    num_descriptors: int = 0
+    num_copies: int = 0
+    handles_opened: int = 0
+    staging_bytes: int = 0
+    cross_host_bytes: int = 0
 
 
 class RefitEndpoint:
@@ -96,73 +123,58 @@ class RefitEndpoint:
         peer_timeout: seconds without a heartbeat after which a peer counts as dead (a local peer
             whose process is gone is noticed at once).
         group: namespace of this group's keys in the store.
-        sources: destination side: where source bytes come from (default
-            :class:`~tritonreshard.engine.subscriber.LocalSources`, the arenas on this host).
+        sources: destination side: where source bytes come from, a subclass of
+            :class:`~tritonreshard.engine.route.Sources` (the default: the arenas and relay buffers
+            of this host, mapped once and read in place).
     """
 
     def __init__(self, *, rank: int | None = None, world_size: int | None = None, store=None,
                  src_tensors=None, src_layouts=None, dst_layouts=None, dst_tensors=None,
                  mode: str = "shadow", device=None, backend: str = "auto", timeout: float = 60.0,
                  peer_timeout: float = 10.0, group: str = "default", epoch: int = 0,
-                 host_store: bool | None = None, start_version: int = 0, sources=LocalSources,
+                 host_store: bool | None = None, start_version: int = 0, sources=Sources,
                  parts=None):
         self._released = True  # until set-up succeeded far enough to need closing (see close())
         rank, world_size = _default_rank(rank, world_size)
-        # A fully_shard model brings its layouts, and FSDP2 keeps training on the arena (see _fsdp).
+        # A fully_shard model brings its layouts, and FSDP2 keeps training on the arena (see fsdp).
         fsdp2 = None
         if isinstance(src_tensors, torch.nn.Module) and _fsdp.is_fsdp2(src_tensors):
             src_tensors = _fsdp.FSDP2Source(src_tensors)
         if isinstance(src_tensors, _fsdp.FSDP2Source):  # (also one built with a rank_map)
             fsdp2 = src_tensors
             src_layouts = fsdp2.layouts if src_layouts is None else src_layouts
-        bad = []
-        if not isinstance(world_size, int) or world_size < 1:
-            bad.append(f"world_size must be a positive int, got world_size={world_size!r}")
-        elif not isinstance(rank, int) or not 0 <= rank < world_size:
-            bad.append(f"rank must be in [0, {world_size}), got rank={rank!r}")
-        if mode not in ("shadow", "inplace"):
-            bad.append(f"mode must be 'shadow' or 'inplace', got mode={mode!r}")
-        if backend not in ("auto", "torch", "triton"):
-            bad.append(f"backend must be 'auto', 'torch' or 'triton', got backend={backend!r}")
-        if src_layouts is None and dst_layouts is None:
-            bad.append("give src_layouts (trainer side), dst_layouts (inference side) or both")
-        if parts is not None and dst_layouts is None:
-            bad.append(f"parts describe destinations: give them with dst_layouts (the inference side), "
-                       f"got parts={_short(parts)} and dst_layouts=None")
-        if (src_tensors is None) != (src_layouts is None):
-            bad.append("src_tensors and src_layouts go together (the trainer side needs both)")
-        if not (isinstance(timeout, (int, float)) and timeout > 0):
-            bad.append(f"timeout must be > 0 seconds, got timeout={timeout!r}")
-        if not (isinstance(peer_timeout, (int, float)) and peer_timeout > 0):
-            bad.append(f"peer_timeout must be > 0 seconds, got peer_timeout={peer_timeout!r}")
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            bad.append(f"epoch must be an int >= 0, got epoch={epoch!r}")
-        if isinstance(start_version, bool) or not isinstance(start_version, int) or start_version < 0:
-            bad.append(f"start_version must be an int >= 0, got start_version={start_version!r}")
+        bad = _argument_problems(rank, world_size, mode, backend, src_tensors, src_layouts, dst_layouts, parts,
+                                 timeout, peer_timeout, epoch, start_version)
         if bad:  # nothing to tell the group: these make joining it impossible
             raise ValueError("RefitEndpoint: " + "; ".join(bad))
 
         self.rank, self.world_size, self.mode = rank, world_size, mode
         self.timeout, self.peer_timeout, self._group_name = float(timeout), float(peer_timeout), group
-        self._module_params: dict[str, torch.nn.Parameter] = {}
-        src_map, problems = self._local_sources(src_tensors, src_layouts)
-        dst_map, dst_device, dst_problems = self._local_destinations(dst_tensors, dst_layouts, device)
+        params = dict(src_tensors.named_parameters()) if isinstance(src_tensors, torch.nn.Module) else {}
+        if params:
+            src_tensors = {n: p.data for n, p in params.items()}
+        src_map, problems = _local_sources(rank, src_tensors, src_layouts)
+        dst_map, dst_device, dst_problems = _local_destinations(rank, dst_tensors, dst_layouts, device)
         problems += dst_problems
         dst_parts, parts_problems = _local_parts(parts) if dst_layouts is not None else ({}, [])
         problems += parts_problems
         self.device = dst_device if dst_layouts is not None else (
             next(iter(src_map.values())).device if src_map else torch.device("cpu"))
         self.backend = backend if backend != "auto" else ("triton" if self.device.type == "cuda" else "torch")
+        self._sources = sources
         self._member = Member(rank, os.getpid(), host_identity(), str(self.device),
                               dict(src_layouts) if src_layouts is not None else None,
                               dict(dst_layouts) if dst_layouts is not None else None, tuple(problems),
                               dst_parts if dst_layouts is not None else None)
         self._base_store, self._hosts_store = connect(store, rank=rank, world_size=world_size,
                                                       timeout=self.timeout, host_store=host_store)
+        self.arena: SourceArena | None = None
+        self.buffers: ServingBuffers | None = None
         self.publisher: Publisher | None = None
         self.subscriber: Subscriber | None = None
-        self._cross: CrossHost | None = None
-        self.group = self._new_group(epoch)
+        self.relay: Relay | None = None
+        self.route = None
+        self.group = self._new_group(epoch, self.timeout)
         self.plan = self.group.join(self._member)  # every rank raises the same ValueError here
 
         # Arenas from here on: every handle and resource is released by close().
@@ -170,143 +182,48 @@ class RefitEndpoint:
         try:
             plan = self.plan
             if rank in plan.src_ranks:
-                self.publisher = Publisher(self.group, plan, src_map, params=self._module_params,
-                                           start_version=start_version, fsdp2=fsdp2)
-            dst_layouts_here = {n: l for n, l in plan.dst_layouts.items() if rank in l.ranks}
-            if dst_layouts_here:
-                # Buffers of the same source geometry sit together (copies of equal shards then
-                # differ by a constant step); a destination built from parts has no namesake source.
-                self.subscriber = Subscriber(rank, dst_layouts_here, tensors=dst_map, device=dst_device,
-                                             mode=mode, backend=self.backend, sources=sources,
-                                             src_order={n: repr(plan.src_layouts.get(n)) for n in dst_layouts_here},
-                                             fills=plan.fills_for_dst(rank))
-            self._attach(self.group, plan)
+                self.arena = SourceArena(self.group, plan, src_map, params=params, start_version=start_version,
+                                         fsdp2=fsdp2)
+            dst_here = {n: lay for n, lay in plan.dst_layouts.items() if rank in lay.ranks}
+            if dst_here:
+                self.buffers = ServingBuffers(rank, dst_here, tensor_order(plan, dst_here), tensors=dst_map,
+                                              device=dst_device, mode=mode, fills=plan.fills_for_dst(rank))
+            self._open(self.group, plan)
         except BaseException:
             self.close(abort=True)
             raise
 
-    def _new_group(self, epoch: int) -> Group:
+    def _new_group(self, epoch: int, timeout: float) -> Group:
         return Group(self._base_store, rank=self.rank, world_size=self.world_size, epoch=epoch,
-                     name=self._group_name, timeout=self.timeout, peer_timeout=self.peer_timeout,
+                     name=self._group_name, timeout=timeout, peer_timeout=self.peer_timeout,
                      hosts_store=self._hosts_store)
 
-    def _attach(self, group: Group, plan) -> None:
-        exports = group.exchange("exports", self.publisher.exports if self.publisher is not None
-                                 else Exports(self.rank))
-        sources = None
-        if self._cross is not None:  # the previous epoch's relays and process group
-            self._cross.close()
-            self._cross = None
-        if spans_hosts(plan, {r: m.host for r, m in group.members.items()}):
-            # Every rank takes part: the point-to-point process group is collective.
-            self._cross = CrossHost(group, plan, exports, publisher=self.publisher, device=self.device)
-            self._cross.open_relays(group.exchange("relays", self._cross.exports))
-            sources = functools.partial(HostSources, cross=self._cross)
-            if self.publisher is not None:
-                self.publisher.cross = self._cross
-        if self.subscriber is not None:
-            self.subscriber.attach(group, plan, exports, local=self.publisher, sources=sources)
+    def _open(self, group: Group, plan) -> None:
+        """Take this epoch's route and build its parts: exchange the arenas, derive the route, open
+        the relay (a group spanning hosts), the publisher and the subscriber, finish set-up."""
+        exported = _merged(group.exchange("exports", (self.arena.exported,) if self.arena else ()))
+        offsets = {(b.owner, n): o for b, e in exported.items() for n, o in e.offsets.items()}
+        self.route = route = build_route(plan, group.hosts, self.rank, offsets)
+        if route.spans_hosts:  # every rank takes part: the point-to-point process group is collective
+            self.relay = Relay(group, route, arena=self.arena, device=self.device)
+            exported.update(_merged(group.exchange("relays", self.relay.exported)))
+        if self.arena is not None and self.publisher is None:
+            self.publisher = Publisher(group, route, self.arena, sender=self.relay)
+        if self.buffers is not None:
+            own = [b for b in (self.arena.own() if self.arena else None,
+                               self.relay.own() if self.relay else None) if b is not None]
+            sources = self._sources(group, route, exported, own={b.buffer: b for b in own}, device=self.device)
+            try:
+                self.subscriber = Subscriber(group, route, self.buffers, sources, backend=self.backend)
+            except BaseException:
+                sources.close()
+                raise
         group.finish_setup()  # everyone mapped what it needs ...
-        if self.publisher is not None:
-            self.publisher.unlink()  # ... so owners stop handing their arenas out
-        if self._cross is not None:
-            self._cross.unlink()
-            self._cross.start()
-
-    # ------------------------------------------------------------------ local validation
-    def _local_sources(self, tensors, layouts):
-        if layouts is None:
-            return {}, []
-        problems = []
-        if isinstance(tensors, torch.nn.Module):
-            self._module_params = dict(tensors.named_parameters())
-            tensors = {n: p.data for n, p in self._module_params.items()}
-        if not isinstance(tensors, Mapping) or not isinstance(layouts, Mapping):
-            return {}, [f"src_tensors and src_layouts must be mappings name -> tensor / Layout, got "
-                        f"{type(tensors).__name__} and {type(layouts).__name__}"]
-        devices = set()
-        mine = {}
-        for name, lay in layouts.items():
-            if not isinstance(lay, Layout):
-                problems.append(f"src_layouts[{name!r}] is {type(lay).__name__}, not a trs.Layout")
-                continue
-            holds = self.rank in lay.ranks
-            t = tensors.get(name)
-            if t is None:
-                if holds:
-                    problems.append(f"src_tensors has no {name!r}, but src_layouts[{name!r}]={lay} places "
-                                    f"a shard of shape {lay.local_shape(self.rank)} on rank {self.rank}")
-                continue
-            if not isinstance(t, torch.Tensor):
-                problems.append(f"src_tensors[{name!r}] is {type(t).__name__}, not a torch.Tensor")
-                continue
-            if not holds:
-                problems.append(f"src_tensors[{name!r}] is given but src_layouts[{name!r}]={lay} does not "
-                                f"place it on rank {self.rank}")
-                continue
-            want = lay.local_shape(self.rank)
-            if tuple(t.shape) != want:
-                problems.append(f"src_tensors[{name!r}] has shape {tuple(t.shape)}, "
-                                f"src_layouts[{name!r}].local_shape({self.rank}) is {want}")
-            if t.dtype != lay.dtype:
-                problems.append(f"src_tensors[{name!r}] has dtype {t.dtype}, src_layouts[{name!r}] says {lay.dtype}")
-            devices.add(t.device)
-            mine[name] = t
-        extra = sorted(set(tensors) - set(layouts))
-        if extra:
-            problems.append(f"src_tensors has names without a layout in src_layouts: {extra}")
-        if len(devices) > 1:
-            problems.append(f"src_tensors live on several devices {sorted(map(str, devices))}; one arena "
-                            f"per rank needs them on one device")
-        return mine, problems
-
-    def _local_destinations(self, tensors, layouts, device):
-        if layouts is None:
-            return {}, torch.device(device) if device is not None else torch.device("cpu"), []
-        problems = []
-        if not isinstance(layouts, Mapping):
-            return {}, torch.device("cpu"), [f"dst_layouts must be a mapping, got {type(layouts).__name__}"]
-        tensors = {} if tensors is None else tensors
-        if not isinstance(tensors, Mapping):
-            return {}, torch.device("cpu"), [f"dst_tensors must be a mapping, got {type(tensors).__name__}"]
-        if device is None:
-            given = {t.device for t in tensors.values() if isinstance(t, torch.Tensor)}
-            device = next(iter(given)) if len(given) == 1 else torch.device("cpu")
-        device = torch.device(device)
-        if device.type not in ("cpu", "cuda"):
-            return {}, torch.device("cpu"), [f"device must be cpu or cuda, got device={str(device)!r} (from "
-                                             f"the argument or the dst_tensors' device)"]
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        out = {}
-        for name, lay in layouts.items():
-            if not isinstance(lay, Layout):
-                problems.append(f"dst_layouts[{name!r}] is {type(lay).__name__}, not a trs.Layout")
-                continue
-            if self.rank not in lay.ranks:
-                continue
-            t = tensors.get(name)
-            if t is None:
-                continue
-            want = lay.local_shape(self.rank)
-            if not isinstance(t, torch.Tensor):
-                problems.append(f"dst_tensors[{name!r}] is {type(t).__name__}, not a torch.Tensor")
-                continue
-            if tuple(t.shape) != want:
-                problems.append(f"dst_tensors[{name!r}] has shape {tuple(t.shape)}, "
-                                f"dst_layouts[{name!r}].local_shape({self.rank}) is {want}")
-            if t.dtype != lay.dtype:
-                problems.append(f"dst_tensors[{name!r}] has dtype {t.dtype}, dst_layouts[{name!r}] says {lay.dtype}")
-            if t.device != device:
-                problems.append(f"dst_tensors[{name!r}] is on {t.device}, device is {device}")
-            why = writable_problem(t)
-            if why:
-                problems.append(f"dst_tensors[{name!r}] {why}")
-            out[name] = t
-        extra = sorted(set(tensors) - set(layouts))
-        if extra:
-            problems.append(f"dst_tensors has names without a layout in dst_layouts: {extra}")
-        return out, device, problems
+        if self.arena is not None:
+            self.arena.unlink()  # ... so owners stop handing their buffers out
+        if self.relay is not None:
+            self.relay.unlink()
+            self.relay.start()
 
     # ------------------------------------------------------------------ membership and liveness
     @property
@@ -347,23 +264,19 @@ class RefitEndpoint:
         with ``epoch=`` instead.
         """
         self._check_open("rejoin")
-        if self.publisher is not None or self.subscriber is None:
+        if self.arena is not None or self.buffers is None:
             raise ValueError(f"rejoin: only an inference-only endpoint rejoins (rank {self.rank} has "
-                             f"{'a trainer side' if self.publisher is not None else 'no inference side'}); "
+                             f"{'a trainer side' if self.arena is not None else 'no inference side'}); "
                              f"a trainer restarts as a new process with epoch=")
         epoch = self.group.epoch + 1 if epoch is None else epoch
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch <= self.group.epoch:
             raise ValueError(f"rejoin: epoch must be an int > the current epoch {self.group.epoch}, "
                              f"got epoch={epoch!r}")
         timeout = check_timeout("rejoin", timeout, self.timeout)
-        self.subscriber.detach()
-        self.group.close()
-        group = Group(self._base_store, rank=self.rank, world_size=self.world_size, epoch=epoch,
-                      name=self._group_name, timeout=timeout, peer_timeout=self.peer_timeout,
-                      hosts_store=self._hosts_store)
-        self.group = group
+        self._close_epoch()
+        self.group = group = self._new_group(epoch, timeout)
         self.plan = group.join(self._member)
-        self._attach(group, self.plan)
+        self._open(group, self.plan)
         group.timeout = self.timeout
         return epoch
 
@@ -373,13 +286,15 @@ class RefitEndpoint:
         """Source side: the arena-backed local shards (train on these). Destination side: the serving
         weights (in shadow mode a new dict after each ``swap``; re-read it)."""
         self._check_open("tensors")
-        if self.subscriber is not None:
-            return self.subscriber.tensors
-        return dict(self.publisher.tensors) if self.publisher is not None else {}
+        if self.buffers is not None:
+            return self.buffers.tensors
+        return self.source_tensors
 
     @property
     def source_tensors(self) -> dict[str, torch.Tensor]:
-        return dict(self.publisher.tensors) if self.publisher is not None else {}
+        """Source side: the arena-backed local shards (also on a colocated rank, whose ``tensors``
+        are the serving weights)."""
+        return dict(self.arena.tensors) if self.arena is not None else {}
 
     @property
     def published(self) -> int:
@@ -405,52 +320,47 @@ class RefitEndpoint:
     # ------------------------------------------------------------------ inference side
     def _sub(self, what) -> Subscriber:
         self._check_open(what)
-        if self.subscriber is None:
+        if self.buffers is None:
             raise ValueError(f"{what}: rank {self.rank} has no destination side (dst_layouts was not given "
                              f"or places nothing on this rank)")
+        if self.subscriber is None:
+            raise RefitError(f"{what}: rank {self.rank} reads from no group epoch now (its last epoch "
+                             f"ended; call rejoin())")
         return self.subscriber
 
     @property
     def version(self) -> int:
         """Destination side: the version being served (0: none yet)."""
-        return self.subscriber.version if self.subscriber is not None else 0
+        return self.buffers.version if self.buffers is not None else 0
 
     @property
     def consistent(self) -> bool:
         """Destination side, in-place mode: False after a pull that failed part-way (torn)."""
-        return self.subscriber.consistent if self.subscriber is not None else True
-
-    @property
-    def pulls(self) -> int:
-        return self.subscriber.pulls if self.subscriber is not None else 0
+        return self.buffers.consistent if self.buffers is not None else True
 
     @property
     def last_pull(self) -> PullStats | None:
         """Destination side: the last successful pull, measured (wait, copy, total ms, staging)."""
-        return self.subscriber.last_pull if self.subscriber is not None else None
-
-    @property
-    def last_pull_seconds(self) -> float:
-        lp = self.last_pull
-        return float("nan") if lp is None else lp.copy_ms / 1e3
-
-    @property
-    def staging_bytes(self) -> int:
-        """Destination side: the most extra memory one pull allocated, as measured (see
-        ``tritonreshard.engine.subscriber``); 0 for a trainer-only rank."""
-        pulls = self.subscriber.staging_bytes if self.subscriber is not None else 0
-        return pulls + (self._cross.staging_bytes if self._cross is not None else 0)
-
-    @property
-    def cross_host_bytes(self) -> int:
-        """Bytes this rank received from other hosts in its last refit (0 when the group is on one
-        host); summed over the ranks: the bytes per refit that crossed between hosts."""
-        return self._cross.bytes_received if self._cross is not None else 0
+        return self.buffers.last_pull if self.buffers is not None else None
 
     @property
     def host_plan(self):
-        """The group's :class:`~tritonreshard.planning.hosts.HostPlan` (None when it is on one host)."""
-        return self._cross.hp if self._cross is not None else None
+        """The group's :class:`~tritonreshard.planning.HostPlan` (None when it is on one host)."""
+        return self.route.host_plan if self.route is not None and self.route.spans_hosts else None
+
+    @property
+    def stats(self) -> RefitStats:
+        """What this endpoint measured and holds now (see :class:`RefitStats`)."""
+        sub, bufs, relay = self.subscriber, self.buffers, self.relay
+        return RefitStats(
+            pulls=bufs.pulls if bufs is not None else 0,
+            bytes_per_refit=sub.bytes_per_refit if sub is not None else 0,
+            num_descriptors=sub.num_descriptors if sub is not None else 0,
+            num_copies=sub.num_copies if sub is not None else 0,
+            handles_opened=sub.sources.handles_opened if sub is not None and sub.sources is not None else 0,
+            staging_bytes=(bufs.staging_bytes if bufs is not None else 0)
+            + (relay.staging_bytes if relay is not None else 0),
+            cross_host_bytes=relay.bytes_received if relay is not None else 0)
 
     def available_version(self) -> int:
         """Destination side: the newest version every source of this rank has published."""
@@ -479,6 +389,7 @@ class RefitEndpoint:
 
     @property
     def pulling(self) -> bool:
+        """Shadow mode: a background pull is in flight (or finished and not yet swapped)."""
         return self.subscriber is not None and self.subscriber.pulling
 
     def pull_error(self) -> BaseException | None:
@@ -498,29 +409,21 @@ class RefitEndpoint:
         sub = self._sub("swap")
         return sub.swap(self.timeout * 2 if timeout is None else timeout)
 
-    # ------------------------------------------------------------------ stats and lifetime
-    @property
-    def bytes_per_refit(self) -> int:
-        """Destination bytes this rank writes per refit."""
-        return self.subscriber.bytes_per_refit if self.subscriber is not None else 0
-
-    @property
-    def num_descriptors(self) -> int:
-        return self.subscriber.num_descriptors if self.subscriber is not None else 0
-
-    @property
-    def num_copies(self) -> int:
-        """Work items per pull: kernel launches (triton backend) or coalesced ``copy_`` calls (torch)."""
-        return self.subscriber.num_copies if self.subscriber is not None else 0
-
-    @property
-    def handles_opened(self) -> int:
-        """Peer arenas mapped (one per source peer, never one per tensor)."""
-        return self.subscriber.handles_opened if self.subscriber is not None else 0
-
+    # ------------------------------------------------------------------ lifetime
     def _check_open(self, what):
         if self._released:
             raise RuntimeError(f"{what}: this endpoint (rank {self.rank}) is closed")
+
+    def _close_epoch(self) -> None:
+        """Release what belongs to the current epoch (subscriber, relay, group); buffers and the
+        trainer's arena stay."""
+        self.group.close()  # stops heartbeats and ends every wait of this rank
+        if self.subscriber is not None:
+            self.subscriber.close()
+            self.subscriber = None
+        if self.relay is not None:
+            self.relay.close()
+            self.relay = None
 
     def close(self, abort: bool = False) -> None:
         """Release everything (arenas, mappings, control blocks, threads). Idempotent; safe after an
@@ -530,16 +433,15 @@ class RefitEndpoint:
             return
         self._released = True
         if abort:
-            for part in (self.subscriber, self.publisher, self._cross):
+            for part in (self.subscriber, self.arena, self.relay):
                 if part is not None:
                     part.abort()
-        self.group.close()  # stops heartbeats and wakes nobody: waits in this process end below
-        if self.subscriber is not None:
-            self.subscriber.close()
-        if self._cross is not None:
-            self._cross.close()
-        if self.publisher is not None:
-            self.publisher.close()
+        self._close_epoch()
+        self.publisher = None
+        if self.arena is not None:
+            self.arena.close()
+        if self.buffers is not None:
+            self.buffers.release()
 
     def __enter__(self):
         return self
@@ -553,11 +455,116 @@ class RefitEndpoint:
             self.close()
 
     def __repr__(self):
-        roles = [r for r, on in (("trainer", self.publisher is not None),
-                                 ("inference", self.subscriber is not None)) if on]
+        roles = [r for r, on in (("trainer", self.arena is not None), ("inference", self.buffers is not None)) if on]
         return (f"<{type(self).__name__} rank {self.rank}/{self.world_size} epoch {self.group.epoch} "
                 f"{'+'.join(roles) or '-'} published={self.published} version={self.version} "
                 f"mode={self.mode} backend={self.backend}>")
+
+
+def _merged(exchanged: dict) -> dict:
+    """``{BufferRef: Exported}`` from an exchange of each rank's tuple of exported buffers."""
+    return {e.buffer: e for es in exchanged.values() for e in es}
+
+
+def _argument_problems(rank, world_size, mode, backend, src_tensors, src_layouts, dst_layouts, parts,
+                       timeout, peer_timeout, epoch, start_version) -> list[str]:
+    bad = []
+    if not isinstance(world_size, int) or world_size < 1:
+        bad.append(f"world_size must be a positive int, got world_size={world_size!r}")
+    elif not isinstance(rank, int) or not 0 <= rank < world_size:
+        bad.append(f"rank must be in [0, {world_size}), got rank={rank!r}")
+    if mode not in ("shadow", "inplace"):
+        bad.append(f"mode must be 'shadow' or 'inplace', got mode={mode!r}")
+    if backend not in ("auto", "torch", "triton"):
+        bad.append(f"backend must be 'auto', 'torch' or 'triton', got backend={backend!r}")
+    if src_layouts is None and dst_layouts is None:
+        bad.append("give src_layouts (trainer side), dst_layouts (inference side) or both")
+    if parts is not None and dst_layouts is None:
+        bad.append(f"parts describe destinations: give them with dst_layouts (the inference side), "
+                   f"got parts={_short(parts)} and dst_layouts=None")
+    if (src_tensors is None) != (src_layouts is None):
+        bad.append("src_tensors and src_layouts go together (the trainer side needs both)")
+    if not (isinstance(timeout, (int, float)) and timeout > 0):
+        bad.append(f"timeout must be > 0 seconds, got timeout={timeout!r}")
+    if not (isinstance(peer_timeout, (int, float)) and peer_timeout > 0):
+        bad.append(f"peer_timeout must be > 0 seconds, got peer_timeout={peer_timeout!r}")
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+        bad.append(f"epoch must be an int >= 0, got epoch={epoch!r}")
+    if isinstance(start_version, bool) or not isinstance(start_version, int) or start_version < 0:
+        bad.append(f"start_version must be an int >= 0, got start_version={start_version!r}")
+    return bad
+
+
+def _local_sources(rank: int, tensors, layouts) -> tuple[dict, list[str]]:
+    """This rank's source shards ``{name: tensor}`` and every problem with them (checked like
+    ``execute_local``'s inputs)."""
+    if layouts is None:
+        return {}, []
+    if not isinstance(tensors, Mapping) or not isinstance(layouts, Mapping):
+        return {}, [f"src_tensors and src_layouts must be mappings name -> tensor / Layout, got "
+                    f"{type(tensors).__name__} and {type(layouts).__name__}"]
+    problems, devices, mine = [], set(), {}
+    for name, lay in layouts.items():
+        if not isinstance(lay, Layout):
+            problems.append(f"src_layouts[{name!r}] is {type(lay).__name__}, not a trs.Layout")
+            continue
+        holds = rank in lay.ranks
+        t = tensors.get(name)
+        if t is None:
+            if holds:
+                problems.append(f"src_tensors has no {name!r}, but src_layouts[{name!r}]={lay} places "
+                                f"a shard of shape {lay.local_shape(rank)} on rank {rank}")
+            continue
+        if not holds:
+            problems.append(f"src_tensors[{name!r}] is given but src_layouts[{name!r}]={lay} does not "
+                            f"place it on rank {rank}")
+            continue
+        device = check_shard(f"src_tensors[{name!r}]", t, lay, rank, problems, of=f"src_layouts[{name!r}]")
+        if device is not None:
+            devices.add(device)
+            mine[name] = t
+    extra = sorted(set(tensors) - set(layouts))
+    if extra:
+        problems.append(f"src_tensors has names without a layout in src_layouts: {extra}")
+    if len(devices) > 1:
+        problems.append(f"src_tensors live on several devices {sorted(map(str, devices))}; one arena "
+                        f"per rank needs them on one device")
+    return mine, problems
+
+
+def _local_destinations(rank: int, tensors, layouts, device):
+    """This rank's given destination tensors, their device, and every problem with them."""
+    if layouts is None:
+        return {}, torch.device(device) if device is not None else torch.device("cpu"), []
+    if not isinstance(layouts, Mapping):
+        return {}, torch.device("cpu"), [f"dst_layouts must be a mapping, got {type(layouts).__name__}"]
+    tensors = {} if tensors is None else tensors
+    if not isinstance(tensors, Mapping):
+        return {}, torch.device("cpu"), [f"dst_tensors must be a mapping, got {type(tensors).__name__}"]
+    if device is None:
+        given = {t.device for t in tensors.values() if isinstance(t, torch.Tensor)}
+        device = next(iter(given)) if len(given) == 1 else torch.device("cpu")
+    device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        return {}, torch.device("cpu"), [f"device must be cpu or cuda, got device={str(device)!r} (from "
+                                         f"the argument or the dst_tensors' device)"]
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    problems, out = [], {}
+    for name, lay in layouts.items():
+        if not isinstance(lay, Layout):
+            problems.append(f"dst_layouts[{name!r}] is {type(lay).__name__}, not a trs.Layout")
+            continue
+        t = tensors.get(name)
+        if rank not in lay.ranks or t is None:
+            continue
+        if check_shard(f"dst_tensors[{name!r}]", t, lay, rank, problems, of=f"dst_layouts[{name!r}]",
+                       device=device, writable=True) is not None:
+            out[name] = t
+    extra = sorted(set(tensors) - set(layouts))
+    if extra:
+        problems.append(f"dst_tensors has names without a layout in dst_layouts: {extra}")
+    return out, device, problems
 
 
 def _short(obj, limit: int = 120) -> str:
@@ -585,7 +592,6 @@ def _local_parts(parts) -> tuple[dict, list[str]]:
 
 
 def _recipe_spec(spec, what: str):
-    from ..recipes import RecipeSpec  # planning layer; imported here to keep refit's imports lean
     if not isinstance(spec, RecipeSpec):
         raise ValueError(f"{what}: spec must be a trs.recipes.RecipeSpec (from trs.recipes.hf_to_vllm), "
                          f"got spec={_short(spec)}")

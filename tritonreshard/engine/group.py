@@ -36,6 +36,7 @@ if dist.is_available() and not dist.is_initialized():
 
 from ..errors import PeerDiedError, RefitError
 from . import rendezvous as rdv
+from .liveness import Liveness
 from ..transport import wait as _wait
 from ..layout import Layout
 from ..planning import Plan, plan_reshard
@@ -45,7 +46,6 @@ __all__ = ["Group", "Member", "host_identity", "connect",
            "HOST_ENV"]
 
 HOST_ENV = "TRITONRESHARD_HOST"
-_HEARTBEAT_S = 0.2
 
 
 def host_identity() -> str:
@@ -71,16 +71,6 @@ class Member:
         roles = [r for r, on in (("trainer", self.src_layouts is not None),
                                  ("inference", self.dst_layouts is not None)) if on]
         return f"Member(rank={self.rank}, pid={self.pid}, host={self.host!r}, {'+'.join(roles)}, {self.device})"
-
-
-def _proc_state(pid: int) -> str | None:
-    """One-letter state of a local process, or None when it no longer exists."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return data[data.rfind(b")") + 2:][:1].decode()
 
 
 def connect(store, *, rank: int, world_size: int, timeout: float, host_store: bool | None):
@@ -201,11 +191,10 @@ class Group:
         self.secret = rdv.group_secret(self.store, is_master=rank == 0, timeout=self.timeout)
         self.host = host_identity()
         self.members: dict[int, Member] = {}
+        #: Who is alive (set up by ``join``; the publisher, subscriber and relay register with it).
+        self.liveness: Liveness | None = None
         self.ended: PeerDiedError | None = None
-        self._beat: list = []               # control blocks this rank heartbeats into
-        self._watch: dict[int, object] = {}  # peer -> a control block that peer heartbeats into
-        self._stop = threading.Event()
-        self._hb_thread = None
+        self._closed = threading.Event()
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ set-up
@@ -214,12 +203,18 @@ class Group:
         members = rdv.all_gather_obj(self.store, "hello", self.rank, self.world_size, member,
                                      timeout=self.timeout)
         self.members = {m.rank: m for m in members}
+        self.liveness = Liveness(self.rank, self.members, self.host, self.peer_timeout, self.store)
         rdv.publish(self.store, f"hello-read/{self.rank}", True)
         try:
             return validate_members(members, self.world_size)
         except (ValueError, NotImplementedError):
             self._outlive_store_readers("hello-read")  # so every rank reads the hellos and raises too
             raise
+
+    @property
+    def hosts(self) -> dict[int, str]:
+        """``{rank: host identity}`` of this epoch's members."""
+        return {r: m.host for r, m in self.members.items()}
 
     def exchange(self, key: str, obj) -> dict:
         """Every rank contributes ``obj``; returns ``{rank: obj}``."""
@@ -231,10 +226,7 @@ class Group:
         self.exchange("mapped", True)
         rdv.publish(self.store, f"setup-done/{self.rank}", True)
         self._outlive_store_readers("setup-done")
-        self._heartbeat()
-        self._hb_thread = threading.Thread(target=self._heartbeat_loop, daemon=True,
-                                           name=f"trs-heartbeat-{self.rank}-e{self.epoch}")
-        self._hb_thread.start()
+        self.liveness.start()
 
     def _outlive_store_readers(self, key: str) -> None:
         """The store's host must not return (and perhaps exit) before every rank published ``key``,
@@ -245,57 +237,23 @@ class Group:
             rdv.fetch(self.store, f"{key}/{r}", timeout=self.timeout, what=f"rank {r} to finish reading the store")
 
     # ------------------------------------------------------------------ liveness
-    def beat_into(self, control) -> None:
-        """Heartbeat into ``control`` (a block whose owner watches this rank)."""
-        self._beat.append(control)
-
-    def watch(self, peer: int, control) -> None:
-        """``peer`` heartbeats into ``control``; use it to tell whether ``peer`` is alive."""
-        self._watch[peer] = control
-
-    def _heartbeat(self):
-        for c in self._beat:
-            c.heartbeat(self.rank)
-
-    def _heartbeat_loop(self):
-        while not self._stop.wait(_HEARTBEAT_S):
-            self._heartbeat()
-
-    def dead_reason(self, peer: int) -> str | None:
-        """Why ``peer`` counts as dead (its local process is gone, or its heartbeat is older than
-        ``peer_timeout``), or None."""
-        m = self.members[peer]
-        if m.host == self.host:
-            state = _proc_state(m.pid)
-            if state is None or state in "ZX":
-                return f"rank {peer} (pid {m.pid}) died" + (" (zombie)" if state == "Z" else "")
-        control = self._watch.get(peer)
-        if control is not None:
-            beat = control.last_heartbeat_ns(peer)
-            age = (time.monotonic_ns() - beat) / 1e9
-            if beat > 0 and age > self.peer_timeout:
-                return (f"rank {peer} (pid {m.pid}) sent no heartbeat for {age:.1f} s "
-                        f"(peer_timeout={self.peer_timeout:g} s)")
-        return None
-
     def dead_peers(self) -> list[int]:
         """Ranks of this epoch known dead now (no waiting): local processes that are gone, and peers
-        this rank shares a control block with whose heartbeat is older than ``peer_timeout``."""
-        return [r for r in sorted(self.members) if r != self.rank and self.dead_reason(r)]
+        whose heartbeat (shared memory or store) is older than ``peer_timeout``."""
+        return [r for r in sorted(self.members) if r != self.rank and self.liveness.dead_reason(r)]
 
-    def check_peers(self, peers, what: str) -> None:
-        """Raise PeerDiedError if one of ``peers`` is dead (ending the epoch), RefitError if one of
-        their control blocks carries the abort word."""
+    def check_peers(self, peers, what: str, *, closed_is_gone: bool = True) -> None:
+        """Raise PeerDiedError if the epoch ended or one of ``peers`` is dead (ending the epoch)."""
         if self.ended is not None:
             raise PeerDiedError(self.ended.rank, f"rank {self.rank}: epoch {self.epoch} already ended "
                                 f"({self.ended}) while waiting for {what}")
-        self.raise_if_dead(peers, f"while waiting for {what}")
+        self.raise_if_dead(peers, f"while waiting for {what}", closed_is_gone=closed_is_gone)
 
-    def raise_if_dead(self, peers, when: str) -> None:
+    def raise_if_dead(self, peers, when: str, *, closed_is_gone: bool = True) -> None:
         """Raise PeerDiedError naming the first of ``peers`` that is dead, ``when`` saying what this
         rank was doing; a death ends the epoch."""
         for peer in peers:
-            reason = self.dead_reason(peer)
+            reason = self.liveness.dead_reason(peer, closed_is_gone=closed_is_gone)
             if reason:
                 err = PeerDiedError(peer, f"rank {self.rank}: {reason} {when}")
                 self.end(err)
@@ -323,21 +281,23 @@ class Group:
 
     # ------------------------------------------------------------------ the one wait
     def wait(self, done, what: str, timeout: float, *, peers=(), controls=(), doorbell=None,
-             status=None, cancel: threading.Event | None = None) -> None:
-        """Wait until ``done()``: spin briefly, then sleep on ``doorbell()`` (a control block word
-        every relevant state change rings; see ``tritonreshard.transport.wait``).
+             status=None, cancel: threading.Event | None = None, closed_is_gone: bool = True) -> None:
+        """Wait until ``done()``: spin briefly, then sleep on ``doorbell()`` (a futex word that every
+        relevant state change rings: a control block's, or a :class:`~tritonreshard.transport.wait.Doorbell`
+        rung by the thread that saw a store signal or a transfer complete).
 
         Raises PeerDiedError if one of ``peers`` died, RefitError if one of ``controls`` carries the
         abort word, the group was closed or ``cancel`` was set, and TimeoutError naming ``what``
         (and ``status()``) after ``timeout`` seconds. ``timeout=0`` checks once: a poll, which fails
-        only itself.
+        only itself. ``closed_is_gone=False``: a cross-host peer that closed cleanly is not dead
+        (waiting for a transfer it already finished).
         """
         def check():
-            if self._stop.is_set():
+            if self._closed.is_set():
                 raise RefitError(f"rank {self.rank}: endpoint closed while waiting for {what}")
             if cancel is not None and cancel.is_set():
                 raise RefitError(f"rank {self.rank}: abandoned while waiting for {what}")
-            self.check_peers(peers, what)
+            self.check_peers(peers, what, closed_is_gone=closed_is_gone)
             self.check_abort(controls, what)
 
         if self.ended is not None:  # the epoch is over: nothing of it can be waited for any more
@@ -348,16 +308,18 @@ class Group:
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
-        """Stop heart-beating (idempotent). Control blocks belong to the publisher / subscriber."""
-        self._stop.set()
-        if self._hb_thread is not None:
-            self._hb_thread.join(1.0)
-            self._hb_thread = None
-        self._beat.clear()
-        self._watch.clear()
+        """Stop heart-beating and end every wait of this rank (idempotent). Control blocks belong
+        to the publisher / subscriber / relay."""
+        self._closed.set()
+        if self.liveness is not None:
+            self.liveness.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
 
     def __repr__(self):
-        state = "ended" if self.ended else ("closed" if self._stop.is_set() else "open")
+        state = "ended" if self.ended else ("closed" if self._closed.is_set() else "open")
         return f"<Group {self.name!r} epoch {self.epoch} rank {self.rank}/{self.world_size} {state}>"
 
 

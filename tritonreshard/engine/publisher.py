@@ -1,103 +1,133 @@
-"""Publisher: the trainer side of a refit group (arena, publish, fence).
+"""The trainer side of a refit group: the arena its shards live in, ``publish`` and ``fence``.
 
-Who calls what (a trainer rank; :class:`tritonreshard.RefitTrainer` builds one)::
+Who calls what (a trainer rank; :class:`tritonreshard.RefitTrainer` builds both)::
 
-    pub.fence()          # every rank that reads this arena acked the last version
-    optimizer.step()     # on pub.tensors (the arena: no copy per step)
+    arena = SourceArena(group, plan, tensors)      # once: the shards move into an exported arena
+    pub = Publisher(group, route, arena)           # each epoch, with the rank's route
+    pub.fence()          # every reader of this arena acked the last version (and sends completed)
+    optimizer.step()     # on arena.tensors (no copy per step)
     pub.publish()        # -> version start_version + 1, + 2, ...
 
-One arena per rank holds all its local shards, same-geometry shards back to back (the torch backend
-coalesces their copies). Next to it, a control block: the published version, one ack word per
-reader, heartbeats, the abort word and the doorbell that wakes waiters.
+One arena per rank holds all its local shards, in the plan's tensor order (same-geometry shards back
+to back, as the readers' buffers are: their copies then differ by a constant address step). Next to
+it a control block: the published version, one ack word per reader, heartbeats, the abort word and
+the doorbell that wakes waiters.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-from .group import Group, check_timeout
-from ..planning import Plan
 from ..transport import create_arena, create_control_block, pack_offsets
+from .group import Group, check_timeout
+from .route import BufferRef, Exported, OwnBuffer, Route
 
-__all__ = ["Publisher", "Exports"]
-
-
-@dataclass(frozen=True)
-class Exports:
-    """What a rank hands the group at set-up: its arena and control block handles (None for a rank
-    without a source side) and the byte offset of each shard in the arena."""
-
-    rank: int
-    arena: object | None = None
-    control: object | None = None
-    offsets: dict = field(default_factory=dict)
+__all__ = ["Publisher", "SourceArena", "tensor_order"]
 
 
-class Publisher:
-    """Trainer side of one rank for one group epoch.
+def tensor_order(plan, names) -> list[str]:
+    """``names`` in the group's one buffer order: by geometry (local shapes, dtypes, both sides'
+    layouts), then name. Trainers' arenas and inference ranks' buffers both use it, so shards of
+    the same geometry sit back to back on both sides."""
+    def key(n):
+        lay = plan.src_layouts.get(n) or plan.dst_layouts.get(n)
+        other = plan.dst_layouts.get(n) if n in plan.src_layouts else plan.src_layouts.get(n)
+        return (lay.shape, str(lay.dtype), lay.ranks, tuple(map(str, lay.placements)),
+                (other.shape, other.ranks, tuple(map(str, other.placements))) if other is not None else (), n)
+    return sorted(names, key=key)
+
+
+class SourceArena:
+    """A trainer rank's local shards in one exported arena, with its control block.
 
     Args:
-        group: the rank's :class:`~tritonreshard.engine.group.Group` (joined: ``group.members`` is set).
-        plan: the group's plan.
+        group: the rank's group (joined). plan: the group's plan.
         tensors: ``{name: local shard}`` (validated by the endpoint), all on one device; copied into
             the arena once. ``params``: ``{name: nn.Parameter}`` re-pointed at the arena views.
         start_version: the version before the first ``publish()`` (a restarted trainer resumes its
-            numbering from a checkpoint).
-        fsdp2: a :class:`~tritonreshard.engine.fsdp.FSDP2Source` when ``tensors`` are a ``fully_shard``
-            model's shards: each moves into the arena with FSDP's padding (``rebind``).
+            numbering from a checkpoint); readers see it at once.
+        fsdp2: a :class:`~tritonreshard.engine.fsdp.FSDP2Source` when ``tensors`` are a
+            ``fully_shard`` model's shards: each moves into the arena with FSDP's padding (``rebind``).
     """
 
-    def __init__(self, group: Group, plan: Plan, tensors: dict, *, params=None, start_version: int = 0,
-                 fsdp2=None):
-        self.group, self.rank = group, group.rank
-        self.published = int(start_version)
-        self._fenced_version = 0  # what fence() waits for: nothing read from this arena yet
-        self.readers = tuple(plan.readers_of(self.rank))
-        names = sorted(tensors, key=lambda n: (tuple(tensors[n].shape), str(tensors[n].dtype),
-                                               repr(plan.dst_layouts.get(n)), n))
+    def __init__(self, group: Group, plan, tensors: dict, *, params=None, start_version: int = 0, fsdp2=None):
+        self.rank = group.rank
+        names = tensor_order(plan, tensors)
+
         def room(n):  # FSDP2 all-gathers its padded shard, so the arena holds the padding too
             return fsdp2.padded_numel(n) if fsdp2 is not None else tensors[n].numel()
         sizes = [room(n) * tensors[n].element_size() for n in names]
         offsets, total = pack_offsets(sizes)
         self.device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
-        self._arena = self._control = None
+        self.arena = self.control = None
         self.tensors: dict[str, torch.Tensor] = {}
-        self._arena = create_arena(max(total, 1), self.device, secret=group.secret)
-        self._control = create_control_block(group.world_size, group.world_size, secret=group.secret)
+        try:
+            self.arena = create_arena(max(total, 1), self.device, secret=group.secret)
+            self.control = create_control_block(group.world_size, group.world_size, secret=group.secret)
+        except BaseException:
+            self.close()
+            raise
         for name, off, size in zip(names, offsets, sizes):
             t = tensors[name]
             if fsdp2 is not None:  # FSDP2 all-gathers and steps on the arena from now on
-                view = fsdp2.rebind(name, self._arena.tensor(off, size // t.element_size(), t.dtype))
+                view = fsdp2.rebind(name, self.arena.tensor(off, size // t.element_size(), t.dtype))
             else:
-                view = self._arena.tensor(off, t.shape, t.dtype)
+                view = self.arena.tensor(off, t.shape, t.dtype)
                 view.copy_(t)  # the one copy: afterwards training runs on the arena
             self.tensors[name] = view
             if params and name in params:
                 params[name].data = view
-        self._control.publish(self.published)
-        self.exports = Exports(self.rank, self._arena.export(), self._control.export(), dict(zip(names, offsets)))
-        #: Cross-host sends of a group spanning hosts (set by the endpoint; see ``_crosshost``).
-        self.cross = None
-        group.beat_into(self._control)
-        for r in self.readers:
-            if r != self.rank:
-                group.watch(r, self._control)
+        self.control.publish(int(start_version))
+        self.buffer = BufferRef("arena", self.rank)
+        self.offsets = dict(zip(names, offsets))
+        self.exported = Exported(self.buffer, self.arena.export(), self.control.export(), dict(self.offsets))
 
     @property
-    def arena_bytes(self) -> torch.Tensor:
-        """The whole arena as a flat uint8 tensor (offsets as in ``exports.offsets``)."""
-        return self._arena.tensor(0, (self._arena.nbytes,), torch.uint8)
+    def flat(self) -> torch.Tensor:
+        """The whole arena as a flat uint8 tensor (offsets as in ``offsets``)."""
+        return self.arena.tensor(0, (self.arena.nbytes,), torch.uint8)
 
-    @property
-    def control(self):
-        """This rank's control block (read by its readers; the colocated subscriber reads it too)."""
-        return self._control
+    def own(self) -> OwnBuffer:
+        """This arena as a copy source of this process (a colocated rank reads its own shards)."""
+        return OwnBuffer(self.buffer, self.arena, self.control)
 
     def unlink(self) -> None:
         """After set-up: no new peer may map the arena."""
-        self._arena.unlink()
-        self._control.unlink()
+        self.arena.unlink()
+        self.control.unlink()
+
+    def abort(self) -> None:
+        if self.control is not None:
+            self.control.abort(self.rank)
+
+    def close(self) -> None:
+        """Release the arena and the control block (idempotent)."""
+        self.tensors = {}
+        if self.control is not None:
+            self.control.close()
+            self.control = None
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
+
+
+class Publisher:
+    """Trainer side of one rank for one epoch: ``publish`` and ``fence`` over its route.
+
+    Args:
+        group: the epoch's group. route: this rank's route (``fenced``: the readers on this host).
+        arena: the rank's :class:`SourceArena`. sender: the rank's
+            :class:`~tritonreshard.engine.relay.Relay` when its route sends to other hosts, else None.
+    """
+
+    def __init__(self, group: Group, route: Route, arena: SourceArena, *, sender=None):
+        self.group, self.rank, self.route, self.arena = group, group.rank, route, arena
+        self.sender = sender if route.sends else None
+        self.published = arena.control.published_version
+        self._fenced_version = 0  # what fence() waits for: nothing read from this arena yet
+        group.liveness.beat_into(arena.control)
+        for r in route.fenced:
+            if r != self.rank:
+                group.liveness.watch(r, arena.control)
 
     def publish(self) -> int:
         """After ``optimizer.step()``: publish the arena's contents as the next version; returns it.
@@ -105,51 +135,40 @@ class Publisher:
         On CUDA every stream's work on the device is finished first (``torch.cuda.synchronize``),
         so the version word never runs ahead of the data, whichever stream wrote it.
         """
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.arena.device.type == "cuda":
+            torch.cuda.synchronize(self.arena.device)
         self.published += 1
         self._fenced_version = self.published
-        self._control.publish(self.published)
-        if self.cross is not None:
-            self.cross.published(self.published)
+        self.arena.control.publish(self.published)
+        if self.sender is not None:
+            self.sender.published(self.published)
         return self.published
 
     def fence(self, timeout: float | None = None) -> None:
-        """Before changing the weights again: wait until every rank that reads this arena acked the
-        last published version (only those readers).
+        """Before changing the weights again: wait until every rank on this host that reads the
+        arena acked the last published version, and the sends to other hosts completed.
 
         Raises PeerDiedError if a reader died (the refit fails clearly: nothing is dropped
         silently), RefitError if a reader aborted, TimeoutError naming the readers still behind. A
         timeout fails only this call: ``fence(timeout=0)`` is a poll.
         """
         timeout = check_timeout("fence", timeout, self.group.timeout)
-        v, control, readers = self._fenced_version, self._control, list(self.readers)
+        v, control, readers, sender = self._fenced_version, self.arena.control, list(self.route.fenced), self.sender
 
         def behind():
             return {r: control.acked_version(r) for r in readers if control.acked_version(r) < v}
 
-        self.group.wait(lambda: not behind(), f"readers {readers} to ack version {v}", timeout,
-                        peers=[r for r in readers if r != self.rank], controls=[control],
-                        doorbell=control.doorbell,
-                        status=lambda: f"still behind, rank: acked version = {behind()}")
-        if self.cross is not None:  # readers on other hosts: the sends to their relays completed
-            self.cross.fence(timeout)
+        def done():  # the sender rings this arena's doorbell when its sends completed
+            return not behind() and (sender is None or sender.sent(v))
 
-    def fenced(self) -> bool:
-        """True when every reader acked the last published version (no waiting)."""
-        return (all(self._control.acked_version(r) >= self._fenced_version for r in self.readers)
-                and (self.cross is None or self.cross.fenced()))
+        def status():
+            out = f"still behind, rank: acked version = {behind()}"
+            return out + (f"; cross-host sends to {list(self.route.receivers)} "
+                          f"{'done' if sender.sent(v) else 'pending'}" if sender is not None else "")
 
-    def abort(self) -> None:
-        if self._control is not None:
-            self._control.abort(self.rank)
-
-    def close(self) -> None:
-        """Release the arena and the control block (idempotent)."""
-        self.tensors = {}
-        if self._control is not None:
-            self._control.close()
-            self._control = None
-        if self._arena is not None:
-            self._arena.close()
-            self._arena = None
+        what = f"readers {readers} to ack version {v}" + (
+            f" and the sends to ranks {list(self.route.receivers)}" if sender is not None else "")
+        self.group.wait(done, what, timeout, peers=[r for r in readers if r != self.rank], controls=[control],
+                        doorbell=control.doorbell, status=status)
+        if sender is not None:
+            sender.raise_send_error()

@@ -1,18 +1,19 @@
-"""Subscriber: the inference side of a refit group (buffer sets, pull / start_pull / swap, copy thread).
+"""The inference side of a refit group: destination buffers, and pulls into them.
 
-Who calls what (an inference rank; :class:`tritonreshard.RefitInference` builds one)::
+Who calls what (an inference rank; :class:`tritonreshard.RefitInference` builds both)::
 
+    bufs = ServingBuffers(rank, layouts, ...)      # once: the buffer sets and what they serve
+    sub = Subscriber(group, route, bufs, sources)   # each epoch, with the rank's route
     sub.pull()                          # wait for the next version, copy, install
     sub.start_pull(); ...; sub.swap()   # shadow mode: copy in a background thread meanwhile
 
-The buffer sets (one in in-place mode, two in shadow mode) belong to the subscriber for its whole
-life; the sources (where the bytes come from) belong to one group epoch. ``attach`` / ``detach``
-switch epochs without touching the buffers, so a rank keeps serving the last complete version while
-its trainers restart, and then pulls from the new ones.
+The buffer sets (one in in-place mode, two in shadow mode) and the serving version outlive epochs; a
+:class:`Subscriber` belongs to one epoch. A rank keeps serving the last complete version while its
+trainers restart, and then pulls from the new ones through a new subscriber over the same buffers.
 
-Where the source bytes come from is one seam, :class:`LocalSources`: the source ranks' arenas on
-this host, mapped once. A cross-host receiver provides the same three things (``controls``,
-``tensor``, ``prepare``) for sources on other hosts.
+Where the bytes come from is the route's reads over :class:`~tritonreshard.engine.route.Sources`
+(arenas and relay buffers on this host, mapped once): one descriptor table per buffer set, built
+once, run every pull.
 
 Each pull is measured (:class:`PullStats`): time waiting for the sources, the copy itself (device
 sync included), the total up to the ack, and the extra memory it allocated (``staging_bytes``:
@@ -30,11 +31,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import RefitError
 from ..kernels import DescriptorTable
+from ..transport import pack_offsets
 from .group import Group, check_timeout
-from ..planning import Plan
-from ..transport import open_arena, open_control_block, pack_offsets
+from .route import BufferRef, Route, Sources
 
-__all__ = ["Subscriber", "LocalSources", "PullStats"]
+__all__ = ["PullStats", "ServingBuffers", "Subscriber"]
 
 
 @dataclass(frozen=True)
@@ -117,197 +118,129 @@ class _StagingMeter:
         return False
 
 
-class LocalSources:
-    """Where a subscriber's source bytes come from: the source ranks' arenas on this host.
+class ServingBuffers:
+    """An inference rank's destination buffers and what they serve; they outlive group epochs.
 
     Args:
-        group: the epoch's group; exports: ``{rank: Exports}`` from ``group.exchange``;
-        ranks: the source ranks this subscriber reads; local: the colocated publisher, or None.
-        device: the device that reads the memory.
+        rank: this rank. layouts: ``{name: Layout}`` of the destinations this rank holds.
+        order: the names in the group's buffer order (same-geometry shards back to back).
+        tensors: optional ``{name: tensor}`` to write (the engine's parameters): the serving set in
+            in-place mode, the first of the two sets in shadow mode. device: of the buffers.
+        mode: ``"shadow"`` (two sets: pull into the spare, then swap) or ``"inplace"``.
+        fills: the plan's zero fills of this rank (padding no copy writes): zeroed once here.
     """
 
-    def __init__(self, group: Group, exports: dict, ranks, *, local=None, device=None):
-        self.group, self.exports = group, exports
-        self.local = local
-        self._arenas: dict[int, object] = {}
-        self.controls: dict[int, object] = {}
-        try:
-            for s in ranks:
-                if local is not None and s == group.rank:
-                    self.controls[s] = local.control
-                    continue
-                e = exports[s]
-                self._arenas[s] = open_arena(e.arena, secret=group.secret, device=device, timeout=group.timeout)
-                self.controls[s] = open_control_block(e.control, secret=group.secret, timeout=group.timeout)
-        except BaseException:
-            self.close()
-            raise
-
-    @property
-    def remote(self) -> dict:
-        """Control blocks of the sources in other processes (the ones that can die)."""
-        return {s: c for s, c in self.controls.items() if s != self.group.rank}
-
-    @property
-    def handles_opened(self) -> int:
-        return len(self._arenas)
-
-    def tensor(self, rank: int, name: str, layout) -> torch.Tensor:
-        """Source ``rank``'s whole local shard of source tensor ``name`` (an op's ``src_name``; a
-        view into its arena, no copy)."""
-        if self.local is not None and rank == self.group.rank:
-            return self.local.tensors[name]
-        return self._arenas[rank].tensor(self.exports[rank].offsets[name], layout.local_shape(rank), layout.dtype)
-
-    def ops(self, plan, rank: int) -> tuple:
-        """The ops ``rank`` runs from these sources."""
-        return plan.ops_for_dst(rank)
-
-    def order_key(self, op) -> tuple:
-        """Table order: by source, then where the shard lives in the source's memory."""
-        return (op.src_rank, self.exports[op.src_rank].offsets[op.src_name])
-
-    def view(self, op, plan) -> torch.Tensor:
-        """The whole source tensor ``op`` indexes with its ``src_slices``."""
-        return self.tensor(op.src_rank, op.src_name, plan.src_layouts[op.src_name])
-
-    def prepare(self, version: int) -> None:
-        """Before the copy of ``version``: make the bytes of ``tensor()`` current. Local arenas are
-        read in place, so nothing to do; a cross-host receiver receives here."""
-
-    def close(self) -> None:
-        for c in [c for s, c in self.controls.items() if s != self.group.rank]:
-            c.close()
-        self.controls.clear()
-        for a in self._arenas.values():
-            a.close()
-        self._arenas.clear()
-
-
-class Subscriber:
-    """Inference side of one rank: owns the buffer sets; reads from one group epoch at a time.
-
-    Args:
-        rank: this rank; layouts: ``{name: Layout}`` of the names this rank holds (non-empty).
-        tensors: optional ``{name: tensor}`` to write (first buffer set), validated by the endpoint.
-        device: device of the buffers; mode: ``"shadow"`` or ``"inplace"``; backend: ``"triton"`` or
-            ``"torch"``.
-        sources: factory with :class:`LocalSources`' signature (the seam for other byte sources).
-        fills: this rank's zero fills (``plan.fills_for_dst(rank)``: padding no op writes, e.g.
-            vocab rows past the real vocab). Zeroed once in every buffer set here, at allocation
-            (a given ``tensors`` set included), never per pull.
-    """
-
-    def __init__(self, rank: int, layouts: dict, *, tensors=None, device: torch.device, mode: str,
-                 backend: str, src_order=None, sources=LocalSources, fills=()):
-        self.rank, self.mode, self.backend, self.device = rank, mode, backend, device
+    def __init__(self, rank: int, layouts: dict, order, *, tensors=None, device, mode: str, fills=()):
+        self.rank, self.mode, self.device = rank, mode, device
         self.layouts = dict(layouts)
-        self._sources_factory = sources
+        self.order = list(order)
         self.version = 0           # version being served
         self.consistent = True     # in-place mode: False after a torn pull
         self.pulls = 0
         self.last_pull: PullStats | None = None
         self.staging_bytes = 0     # the largest staging_bytes measured over this rank's pulls
-        self.group: Group | None = None
-        self.sources: LocalSources | None = None
-        self._tables: list[DescriptorTable] = []
+        tensors = tensors or {}
+        # One flat allocation per buffer set, in the group's order (as in the trainers' arenas):
+        # copies of equal shards then differ by a constant address step.
+        self.sets: list[dict[str, torch.Tensor]] = []
+        for i in range(2 if mode == "shadow" else 1):
+            own = [n for n in self.order if not (i == 0 and n in tensors)]
+            sizes = [self.layouts[n].local_numel(rank) * self.layouts[n].itemsize for n in own]
+            offsets, total = pack_offsets(sizes)
+            flat = torch.zeros(total, dtype=torch.uint8, device=device)
+            bufs = {n: tensors[n] for n in self.order if i == 0 and n in tensors}
+            for n, off, size in zip(own, offsets, sizes):
+                lay = self.layouts[n]
+                bufs[n] = flat[off:off + size].view(lay.dtype).view(lay.local_shape(rank))
+            self.sets.append({n: bufs[n] for n in self.order})
+        self.fills = tuple(fills)
+        for bufs in self.sets:  # padding: no op ever writes it, so once is enough
+            for f in self.fills:
+                bufs[f.name][f.dst_slices].zero_()
+        self.serving = 0
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The serving weights (in shadow mode a new dict after each swap: re-read it)."""
+        return dict(self.sets[self.serving])
+
+    @property
+    def spare(self) -> int:
+        """The set a pull writes: the other one in shadow mode, the serving one in place."""
+        return 1 - self.serving if self.mode == "shadow" else 0
+
+    def install(self, slot: int, version: int, stats: PullStats) -> None:
+        """A pull into ``slot`` completed: serve it."""
+        self.serving, self.version, self.consistent = slot, version, True
+        self.last_pull = stats
+        self.staging_bytes = max(self.staging_bytes, stats.staging_bytes)
+        self.pulls += 1
+
+    def release(self) -> None:
+        self.sets = []
+
+
+def _label(b: BufferRef):
+    """How a buffer is named in messages: its owner for a source arena, ``relay <rank>`` else."""
+    return b.owner if b.kind == "arena" else f"relay {b.owner}"
+
+
+class Subscriber:
+    """The inference side of one rank for one epoch.
+
+    Args:
+        group: the epoch's group. route: this rank's route. buffers: the rank's
+            :class:`ServingBuffers`. sources: the epoch's :class:`~tritonreshard.engine.route.Sources`
+            (mapped; the subscriber closes them). backend: ``"triton"`` or ``"torch"``.
+    """
+
+    def __init__(self, group: Group, route: Route, buffers: ServingBuffers, sources: Sources, *, backend: str):
+        self.group, self.route, self.buffers, self.sources = group, route, buffers, sources
+        self.rank, self.backend, self.device = group.rank, backend, buffers.device
+        if set(route.fills) != set(buffers.fills):  # the same layouts and parts join every epoch
+            raise RefitError(f"rank {self.rank}: epoch {group.epoch}'s plan zero-fills {len(route.fills)} "
+                             f"region(s) of this rank's buffers, the buffers were set up with "
+                             f"{len(buffers.fills)}: a rank keeps its destination layouts and parts")
+        for b, c in sources.remote.items():
+            group.liveness.beat_into(c)
+            group.liveness.watch(b.owner, c)
         self._thread = None
         self._target = None
         self._result = None
         self._cancel = threading.Event()
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        tensors = tensors or {}
-        # One flat allocation per buffer set, same-geometry shards back to back (as in the
-        # trainers' arenas): copies of equal shards then differ by a constant address step.
-        src_order = src_order or {}
-        geo = {n: (lay.local_shape(rank), str(lay.dtype), src_order.get(n, ""), n) for n, lay in self.layouts.items()}
-        self._order = sorted(self.layouts, key=geo.__getitem__)
-        self._buffers: list[dict[str, torch.Tensor]] = []
-        for i in range(2 if mode == "shadow" else 1):
-            own = [n for n in self._order if not (i == 0 and n in tensors)]
-            sizes = [self.layouts[n].local_numel(rank) * self.layouts[n].itemsize for n in own]
-            offsets, total = pack_offsets(sizes)
-            flat = torch.zeros(total, dtype=torch.uint8, device=device)
-            bufs = {n: tensors[n] for n in self._order if i == 0 and n in tensors}
-            for n, off, size in zip(own, offsets, sizes):
-                lay = self.layouts[n]
-                bufs[n] = flat[off:off + size].view(lay.dtype).view(lay.local_shape(rank))
-            self._buffers.append({n: bufs[n] for n in self._order})
-        self.fills = tuple(fills)
-        for bufs in self._buffers:  # padding: no op ever writes it, so once is enough
-            for f in self.fills:
-                bufs[f.name][f.dst_slices].zero_()
-        self._serving = 0
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        pos = {n: i for i, n in enumerate(buffers.order)}
+        # Table order: by buffer, then where the source view lies in it, then the destination.
+        reads = sorted(route.reads, key=lambda r: (*r.order_key, pos[r.op.name],
+                                                   tuple(s.start for s in r.op.dst_slices)))
+        views = {}
 
-    # ------------------------------------------------------------------ epochs
-    def attach(self, group: Group, plan: Plan, exports: dict, *, local=None, sources=None) -> None:
-        """Read from ``group``'s sources: map their arenas, build one descriptor table per buffer
-        set. The buffers (and the serving version) are kept. ``sources``: a factory for this epoch
-        instead of the subscriber's (e.g. the cross-host one)."""
-        fills = plan.fills_for_dst(self.rank)
-        if set(fills) != set(self.fills):  # the same layouts and parts join every epoch
-            raise RefitError(f"rank {self.rank}: epoch {group.epoch}'s plan zero-fills {len(fills)} "
-                             f"region(s) of this rank's buffers, the buffers were set up with "
-                             f"{len(self.fills)}: a subscriber keeps its destination layouts and parts")
-        self.detach()
-        self.group = group
-        self.sources = (sources or self._sources_factory)(group, exports, plan.sources_of(self.rank),
-                                                          local=local, device=self.device)
-        for s, c in self.sources.remote.items():
-            group.beat_into(c)
-            group.watch(s, c)
-        pos = {n: i for i, n in enumerate(self._order)}
-        # Sources are keyed by the source tensor's name (op.src_name), destination buffers by the
-        # destination's (op.name): they differ for parts= plans (q/k/v -> qkv_proj, ...).
-        src = self.sources
-        ops = sorted(src.ops(plan, self.rank), key=lambda op: (
-            *src.order_key(op), pos[op.name], tuple(s.start for s in op.dst_slices)))
-        full = {}
+        def src_view(read):
+            key = read.order_key
+            if key not in views:
+                views[key] = sources.view(read)
+            return views[key]
 
-        def src_view(op):
-            key = src.order_key(op)
-            if key not in full:
-                full[key] = src.view(op, plan)
-            return full[key]
-
-        self._tables = [DescriptorTable.build(ops, src=src_view, dst=lambda op, b=bufs: b[op.name])
-                        for bufs in self._buffers]
-
-    def detach(self) -> None:
-        """Stop reading from the current epoch's sources (after a discard of any pull in flight)."""
-        if self._thread is not None:
-            self.discard()
-        self._tables = []
-        if self.sources is not None:
-            self.sources.close()
-            self.sources = None
-        self.group = None
+        by_op = {r.op: r for r in reads}
+        self._tables = [DescriptorTable.build([r.op for r in reads], src=lambda op: src_view(by_op[op]),
+                                              dst=lambda op, b=bufs: b[op.name])
+                        for bufs in buffers.sets]
 
     # ------------------------------------------------------------------ pulling
-    @property
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """The serving weights (in shadow mode a new dict after each ``swap``: re-read it)."""
-        return dict(self._buffers[self._serving])
-
     def available_version(self) -> int:
         """The newest version every source of this rank has published."""
-        versions = [c.published_version for c in self._attached("available_version").controls.values()]
+        versions = [c.published_version for c in self.sources.controls.values()]
         return min(versions) if versions else 0
 
-    def _attached(self, what):
-        if self.sources is None:
-            raise RefitError(f"{what}: rank {self.rank} reads from no group epoch now (its last epoch "
-                             f"ended; call rejoin())")
-        return self.sources
-
-    def _pull_into(self, slot: int, version: int, timeout: float, cancel=None, ready=None) -> None:
+    def _pull_into(self, slot: int, version: int, timeout: float, cancel=None, ready=None) -> PullStats:
         t0 = time.perf_counter()
-        sources, group = self._attached("pull"), self.group
+        sources, group = self.sources, self.group
         controls, remote = sources.controls, sources.remote
+        owners = sorted({b.owner for b in remote})
         table = self._tables[slot]
 
         def published():
-            return {s: c.published_version for s, c in controls.items()}
+            return {_label(b): c.published_version for b, c in controls.items()}
 
         def doorbell():  # sleep on the first source that is behind
             for c in controls.values():
@@ -316,16 +249,16 @@ class Subscriber:
             return None
 
         group.wait(lambda: all(c.published_version >= version for c in controls.values()),
-                   f"sources {list(controls)} to publish version {version}", timeout,
-                   peers=list(remote), controls=list(remote.values()), doorbell=doorbell,
+                   f"sources {[_label(b) for b in controls]} to publish version {version}", timeout,
+                   peers=owners, controls=list(remote.values()), doorbell=doorbell,
                    status=lambda: f"published: {published()}", cancel=cancel)
         ahead = {s: v for s, v in published().items() if v != version}
         if ahead:
             raise RefitError(f"rank {self.rank}: sources moved past version {version} before it was read "
                              f"({ahead}); a trainer published without fence()")
         t1 = time.perf_counter()
-        if self.mode == "inplace":  # from here on a failure leaves the serving tensors torn
-            self.consistent = False
+        if self.buffers.mode == "inplace":  # from here on a failure leaves the serving tensors torn
+            self.buffers.consistent = False
         with _StagingMeter(self.device) as meter:
             sources.prepare(version)
             if self._stream is not None:
@@ -339,7 +272,7 @@ class Subscriber:
         t2 = time.perf_counter()
         # The copy is only valid if no source changed or died while it ran (a dead trainer's
         # memory stays mapped, but the version it was publishing can no longer be vouched for).
-        group.raise_if_dead(remote, f"during the pull of version {version}")
+        group.raise_if_dead(owners, f"during the pull of version {version}")
         moved = {s: v for s, v in published().items() if v != version}
         if moved:
             raise RefitError(f"rank {self.rank}: sources published {moved} during the pull of version "
@@ -347,36 +280,31 @@ class Subscriber:
         for c in controls.values():
             c.ack(self.rank, version)
         t3 = time.perf_counter()
-        self.last_pull = PullStats(version, (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t0) * 1e3, meter.nbytes)
-        self.staging_bytes = max(self.staging_bytes, meter.nbytes)
-        self.pulls += 1
+        return PullStats(version, (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t0) * 1e3, meter.nbytes)
 
     def next_version(self, version=None) -> int:
         if version is not None:
             if isinstance(version, bool) or not isinstance(version, int):
                 raise ValueError(f"version must be an int (or None: the newest), got version={version!r}")
-            if version <= self.version:
-                raise ValueError(f"version={version} must be newer than the serving version {self.version}")
+            if version <= self.buffers.version:
+                raise ValueError(f"version={version} must be newer than the serving version {self.buffers.version}")
             return version
-        return max(self.available_version(), self.version + 1)
+        return max(self.available_version(), self.buffers.version + 1)
 
     def pull(self, version: int | None = None, timeout: float | None = None) -> int:
         """Wait for and install the next version (default: the newest available, at least one newer
         than the serving one). Returns the version now served. A failure fails this pull only:
         shadow mode keeps serving the previous version; in-place mode sets ``consistent = False``
         if the copy had started."""
-        timeout = check_timeout("pull", timeout, self._attached("pull").group.timeout)
+        timeout = check_timeout("pull", timeout, self.group.timeout)
         if self._thread is not None:  # a background pull is in flight: this pull is that one
             return self.swap(timeout=None)
         target = self.next_version(version)
         # The caller waits anyway, so the copy runs on this thread (no thread start or join on
         # the refit's critical path); shadow mode still writes the spare set and then swaps.
-        slot = 1 - self._serving if self.mode == "shadow" else 0
-        self._pull_into(slot, target, timeout, ready=self._ready_event())
-        if self.mode == "shadow":
-            self._serving = slot
-        self.consistent = True
-        self.version = target
+        slot = self.buffers.spare
+        stats = self._pull_into(slot, target, timeout, ready=self._ready_event())
+        self.buffers.install(slot, target, stats)
         return target
 
     def _ready_event(self):
@@ -391,24 +319,24 @@ class Subscriber:
         background thread (on its own CUDA stream), while generation goes on with the serving
         weights. Returns the version. Work queued on the caller's current stream before this call
         (e.g. generation still reading the spare set) is finished before the copy writes it."""
-        if self.mode != "shadow":
-            raise ValueError(f"start_pull needs mode='shadow' (this endpoint has mode={self.mode!r}); "
+        if self.buffers.mode != "shadow":
+            raise ValueError(f"start_pull needs mode='shadow' (this endpoint has mode={self.buffers.mode!r}); "
                              f"in-place pulls are synchronous: use pull()")
         if self._thread is not None:
             return self._target
-        timeout = check_timeout("start_pull", timeout, self._attached("start_pull").group.timeout)
+        timeout = check_timeout("start_pull", timeout, self.group.timeout)
         target = self.next_version(version)
-        spare, ready, cancel = 1 - self._serving, self._ready_event(), threading.Event()
+        spare, ready, cancel = self.buffers.spare, self._ready_event(), threading.Event()
         self._target, self._result, self._cancel = target, None, cancel
 
         def run():
             try:
                 if self.device.type == "cuda":
                     torch.cuda.set_device(self.device)  # launches and syncs go to our device
-                self._pull_into(spare, target, timeout, cancel=cancel, ready=ready)
-                self._result = (target, None)
+                self._result = (spare, target, self._pull_into(spare, target, timeout, cancel=cancel, ready=ready),
+                                None)
             except BaseException as exc:  # handed to swap(), which re-raises it in the caller
-                self._result = (target, exc)
+                self._result = (spare, target, None, exc)
 
         self._thread = threading.Thread(target=run, name=f"trs-pull-{self.rank}", daemon=True)
         self._thread.start()
@@ -426,7 +354,7 @@ class Subscriber:
         """Once ``pull_done()``: the background pull's error, or None if it succeeded."""
         if not self.pull_done():
             raise ValueError("pull_error: no finished pull (call start_pull and wait for pull_done)")
-        return self._result[1]
+        return self._result[3]
 
     def discard(self, timeout: float = 60.0) -> None:
         """Shadow mode: abandon the pull in flight (a wait stops within ~50 ms; a copy finishes
@@ -452,11 +380,10 @@ class Subscriber:
             raise TimeoutError(f"rank {self.rank}: swap timed out after {timeout:g} s waiting for the pull "
                                f"of version {self._target} (it goes on; swap again or discard)")
         self._thread = None
-        target, exc = self._result
+        slot, target, stats, exc = self._result
         if exc is not None:
             raise exc
-        self._serving = 1 - self._serving
-        self.version = target
+        self.buffers.install(slot, target, stats)
         return target
 
     # ------------------------------------------------------------------ stats and lifetime
@@ -470,14 +397,11 @@ class Subscriber:
 
     @property
     def num_copies(self) -> int:
+        """Work items per pull: kernel launches (triton backend) or coalesced ``copy_`` calls (torch)."""
         if not self._tables:
             return 0
         t = self._tables[0]
         return t.num_launches if self.backend == "triton" else t.num_torch_copies
-
-    @property
-    def handles_opened(self) -> int:
-        return self.sources.handles_opened if self.sources is not None else 0
 
     def abort(self) -> None:
         """Tell every source's control block that this rank gave up on the epoch."""
@@ -486,6 +410,7 @@ class Subscriber:
                 c.abort(self.rank)
 
     def close(self) -> None:
+        """Abandon any pull in flight and unmap the sources (the buffers stay). Idempotent."""
         if self._thread is not None:
             self._cancel.set()
             self._thread.join(60.0)
@@ -494,4 +419,3 @@ class Subscriber:
         if self.sources is not None:
             self.sources.close()
             self.sources = None
-        self._buffers = []

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ._base import ALIGN, SHM_PREFIX, Arena, ArenaHandle, align_up, pack_offsets, wait_until
+from ._base import ALIGN, SHM_PREFIX, Arena, ArenaHandle, align_up, pack_offsets
 from ._control import (STATE_ABORT, STATE_CLOSED, STATE_OK, ControlBlock, create_control_block,
                        open_control_block)
 from ._dist import CrossHostCopy, DistLink, LinkError, PendingExchange
@@ -33,7 +33,7 @@ __all__ = [
     "CrossHostCopy", "DistLink", "LinkError", "PendingExchange",
     "ALIGN", "SHM_PREFIX", "Arena", "ArenaHandle", "ControlBlock", "STATE_ABORT", "STATE_CLOSED",
     "STATE_OK", "align_up", "create_arena", "create_control_block", "open_arena",
-    "open_control_block", "pack_offsets", "unlink_segment", "wait_until",
+    "open_control_block", "pack_offsets", "unlink_segment",
 ]
 
 

@@ -15,9 +15,8 @@ from __future__ import annotations
 import math
 import os
 import socket
-import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -28,7 +27,6 @@ __all__ = [
     "Arena",
     "align_up",
     "pack_offsets",
-    "wait_until",
 ]
 
 #: Alignment of every tensor inside an arena, in bytes (covers 128-bit vector loads and the
@@ -211,27 +209,3 @@ class Arena:
         h = getattr(self, "_handle", None)
         return (f"{type(self).__name__}({role}, {state}, kind={h.kind if h else '?'}, "
                 f"id={h.short_id if h else '?'}, nbytes={h.nbytes if h else '?'})")
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float, *, what: str,
-               poll_min_s: float = 20e-6, poll_max_s: float = 5e-3,
-               abort: Callable[[], str | None] | None = None) -> None:
-    """Poll ``predicate`` with exponential backoff until it returns true.
-
-    Raises ``TimeoutError`` naming ``what`` after ``timeout`` seconds, and ``RuntimeError`` as soon
-    as ``abort()`` returns a non-empty reason (e.g. the peer set the abort word).
-    """
-    deadline = time.monotonic() + timeout
-    sleep = poll_min_s
-    while True:
-        if predicate():
-            return
-        if abort is not None:
-            reason = abort()
-            if reason:
-                raise RuntimeError(f"aborted while waiting for {what}: {reason}")
-        now = time.monotonic()
-        if now >= deadline:
-            raise TimeoutError(f"timed out after {timeout:.3g} s waiting for {what}")
-        time.sleep(min(sleep, deadline - now))
-        sleep = min(sleep * 2, poll_max_s)

@@ -113,12 +113,6 @@ class ControlBlock:
     def last_heartbeat_ns(self, rank: int) -> int:
         return int(self._slots[self._hb_slot(rank)])
 
-    def stale_ranks(self, max_age_s: float) -> list[int]:
-        """Ranks that have beaten at least once but not within ``max_age_s``."""
-        now = time.monotonic_ns()
-        return [r for r in range(self.n_ranks)
-                if 0 < self.last_heartbeat_ns(r) < now - int(max_age_s * 1e9)]
-
     @property
     def state(self) -> int:
         return int(self._slots[_STATE * LINE])
@@ -148,29 +142,6 @@ class ControlBlock:
         """``(address, value)`` of the doorbell word, for ``_wait.futex_wait``."""
         return self._bell_addr, int(self._slots[_DOORBELL * LINE]) & 0xFFFFFFFF
 
-    def _wait(self, done, timeout: float, what: str) -> None:
-        def check():
-            reason = self.abort_reason()
-            if reason:
-                raise RuntimeError(f"aborted while waiting for {what}: {reason}")
-        if not _wait.wait_until(done, self.doorbell, time.monotonic() + timeout, check):
-            raise TimeoutError(f"timed out after {timeout:.3g} s waiting for {what}")
-
-    def wait_published(self, min_version: int, timeout: float) -> int:
-        """Reader: wait until ``published_version >= min_version``; returns it."""
-        self._wait(lambda: self.published_version >= min_version, timeout,
-                   f"published_version >= {min_version} (now {self.published_version})")
-        return self.published_version
-
-    def wait_acked(self, version: int, timeout: float) -> None:
-        """Publisher's fence: wait until every reader acked ``version`` (or later)."""
-        def done():
-            return all(v >= version for v in self.acked_versions())
-        try:
-            self._wait(done, timeout, f"all {self.n_readers} readers to ack version {version}")
-        except TimeoutError as e:
-            behind = [i for i, v in enumerate(self.acked_versions()) if v < version]
-            raise TimeoutError(f"{e}; readers still behind: {behind}") from None
 
     # --- lifetime -----------------------------------------------------------------------------
     def export(self) -> ArenaHandle:

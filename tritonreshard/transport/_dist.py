@@ -31,20 +31,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..errors import PeerDiedError
+from .wait import Doorbell, wait_until
+
 __all__ = ["DistLink", "CrossHostCopy", "PendingExchange", "LinkError"]
 
 _HEADER_WORDS = 2   # (version, message bytes) per (sender, receiver) pair and refit
-_POLL_S = 0.01
 
 
 class LinkError(RuntimeError):
     """The cross-host link cannot be used (broken by an earlier failure, or closed)."""
-
-
-def _peer_died(peer: int, message: str):
-    # The group layer imports the transports, so its error class is imported when first needed.
-    from ..errors import PeerDiedError
-    return PeerDiedError(peer, message)
 
 
 class DistLink:
@@ -121,19 +117,26 @@ class DistLink:
 
 
 class PendingExchange:
-    """Posted sends / receives of one refit; ``wait`` them (once)."""
+    """Posted sends / receives of one refit; ``wait`` them (once).
+
+    Completion rings a :class:`~tritonreshard.transport.wait.Doorbell`, so the wait is the engine's
+    one wait (a futex sleep), not a poll: on CPU a waiter thread sees the gloo works finish (a gloo
+    work whose peer died never reports completion through polling; its ``wait()`` raises at once),
+    on CUDA the works' futures ring it when NCCL completes them.
+    """
 
     def __init__(self, link: DistLink, works):
         self._link, self._works = link, works
         self._done = threading.Event()
         self._error: tuple[int, str, BaseException] | None = None
         self._waited = False
+        self.bell = Doorbell()
         if link.device.type == "cpu":
-            # A gloo work whose peer died never reports completion through polling; wait() raises
-            # at once. One waiter thread turns that into something the caller can poll.
             self._thread = threading.Thread(target=self._wait_gloo, name=f"trs-dist-wait-{link.rank}",
                                             daemon=True)
             self._thread.start()
+        else:
+            torch.futures.collect_all([w.get_future() for _, _, w in works]).then(lambda _: self.bell.ring())
 
     def _wait_gloo(self):
         for peer, what, w in self._works:
@@ -143,37 +146,34 @@ class PendingExchange:
                 self._error = (peer, what, exc)
                 break
         self._done.set()
+        self.bell.ring()
 
     def done(self) -> bool:
         if self._link.device.type == "cpu":
             return self._done.is_set()
         return all(w.is_completed() for _, _, w in self._works)
 
+    def doorbell(self) -> tuple[int, int]:
+        return self.bell.doorbell()
+
     def wait(self, timeout: float | None = None, check: Callable[[], None] | None = None) -> None:
         """Block until every posted operation completed. ``check`` (e.g. the group's liveness check,
         which raises ``PeerDiedError``) runs while waiting. Raises ``PeerDiedError`` naming the peer
-        whose connection failed, ``TimeoutError`` naming the peers still pending."""
+        whose connection failed, ``TimeoutError`` naming the peers still pending. Any failure
+        breaks the link: messages in flight can no longer be matched."""
         if self._waited:
             return
         link = self._link
         timeout = link.timeout if timeout is None else timeout
-        deadline = time.monotonic() + timeout
         try:
-            while not self.done():
-                if check is not None:
-                    check()
-                if time.monotonic() >= deadline:
-                    pending = sorted({p for p, _, w in self._works if not w.is_completed()})
-                    raise TimeoutError(f"rank {link.rank}: cross-host {link.backend} transfers with ranks "
-                                       f"{pending} did not complete within {timeout:g} s")
-                if link.device.type == "cpu":
-                    self._done.wait(_POLL_S)
-                else:
-                    time.sleep(_POLL_S / 10)
+            if not wait_until(self.done, self.doorbell, time.monotonic() + timeout, check):
+                pending = sorted({p for p, _, w in self._works if not w.is_completed()})
+                raise TimeoutError(f"rank {link.rank}: cross-host {link.backend} transfers with ranks "
+                                   f"{pending} did not complete within {timeout:g} s")
             if self._error is not None:
                 peer, what, exc = self._error
                 first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                raise _peer_died(peer, f"rank {link.rank}: cross-host {what} rank {peer} failed: {first}")
+                raise PeerDiedError(peer, f"rank {link.rank}: cross-host {what} rank {peer} failed: {first}")
             if link.device.type == "cuda":
                 for _, _, w in self._works:
                     w.wait()  # orders the current stream after the NCCL stream

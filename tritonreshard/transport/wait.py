@@ -13,6 +13,10 @@ most ``SLICE_S``, which is also how often dead peers are looked for (a dead proc
 Doorbell values are ``time.monotonic_ns()`` truncated to 32 bits, so two rings essentially never
 store the same value.
 
+Waits on something that is not a control block (a cross-host signal that arrived through the store,
+a point-to-point transfer that completed) sleep on a :class:`Doorbell`: the same word and the same
+wait, in this process's memory, rung by the thread that saw the event.
+
 Wake-up latency (printed by ``tests/test_wait.py``, not asserted): one futex wake plus the
 scheduler getting the sleeper onto a CPU; ~150 us p50 across processes on a 2-core machine at load
 average 10-20, far less on an idle one. A pull that finds its version already published never
@@ -24,7 +28,9 @@ import ctypes
 import platform
 import time
 
-__all__ = ["futex_wait", "futex_wake", "ring", "wait_until", "SLICE_S", "SPIN_S"]
+import numpy as np
+
+__all__ = ["Doorbell", "futex_wait", "futex_wake", "ring", "wait_until", "SLICE_S", "SPIN_S"]
 
 #: Longest single sleep; also the period of liveness checks while waiting.
 SLICE_S = 0.05
@@ -68,6 +74,22 @@ def ring(words, index: int, addr: int) -> None:
     is its low 32 bits, little-endian) and wake its sleepers. Call after writing the state change."""
     words[index] = time.monotonic_ns() & 0xFFFFFFFF
     futex_wake(addr)
+
+
+class Doorbell:
+    """A doorbell word in this process's memory, for events other threads of the process see
+    (a store signal, a finished transfer): ``ring()`` after the state change, ``doorbell()`` for
+    :func:`wait_until`. Control blocks carry their own word in shared memory."""
+
+    def __init__(self):
+        self._words = np.zeros(1, dtype=np.int64)
+        self._addr = self._words.ctypes.data
+
+    def ring(self) -> None:
+        ring(self._words, 0, self._addr)
+
+    def doorbell(self) -> tuple[int, int]:
+        return self._addr, int(self._words[0]) & 0xFFFFFFFF
 
 
 def wait_until(done, doorbell, deadline: float, check=None, spin_s: float = SPIN_S) -> bool:

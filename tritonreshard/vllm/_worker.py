@@ -248,7 +248,7 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
                       "agree_ms": (t1 - t_agree) * 1e3,
                       "copy_ms": self._sub.last_pull.copy_ms,
                       "wait_ms": self._sub.last_pull.wait_ms, "staging_bytes": self._sub.last_pull.staging_bytes,
-                      "bytes": self._sub.bytes_per_refit, **self._apply_split}
+                      "bytes": self._sub.stats.bytes_per_refit, **self._apply_split}
 
     @torch.no_grad()
     def _apply(self, bufs: dict[str, torch.Tensor]) -> None:

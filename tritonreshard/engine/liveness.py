@@ -1,0 +1,173 @@
+"""Liveness: is a peer of this epoch still there? One answer for peers on this host and on others.
+
+* **This host**: a peer whose process is gone (``/proc/<pid>``, zombies included) is dead at once;
+  one that stopped heart-beating into a control block this rank shares with it for ``peer_timeout``
+  seconds (a hung process, or a pid reused) is dead too. Heartbeats go into every block this rank
+  reads or owns (``beat_into``); this rank watches the blocks its peers beat into (``watch``).
+* **Other hosts** (only ranks of a cross-host route, ``watch_remote``): a counter per rank in the
+  group's store, bumped every heartbeat. A peer whose counter stood still for ``peer_timeout`` is
+  dead; one that set ``closed/<rank>`` left (a clean close: gone at once for a wait that needs it,
+  but not for a transfer it already completed, see ``dead_reason(closed_is_gone=)``).
+
+One thread per rank beats both. Who calls what: the :class:`~tritonreshard.engine.group.Group` owns
+one :class:`Liveness` per epoch; the publisher, subscriber and relay register the blocks and peers
+they share; every wait asks :meth:`Liveness.dead_reason` through ``Group.wait``.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import torch.distributed as dist
+
+__all__ = ["Liveness", "HEARTBEAT_S", "proc_state"]
+
+#: Heartbeat period (shared memory and store alike).
+HEARTBEAT_S = 0.2
+# How often a waiter reads one cross-host peer's counter (a store round trip each).
+_LOOK_S = 0.5
+
+
+def proc_state(pid: int) -> str | None:
+    """One-letter state of a process of this host, or None when it no longer exists."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return data[data.rfind(b")") + 2:][:1].decode()
+
+
+class Liveness:
+    """Heartbeats out, and who is dead, for one rank in one epoch.
+
+    Args:
+        rank: this rank. members: ``{rank: Member}`` of the epoch (pid and host of each).
+        host: this rank's host identity. peer_timeout: seconds without a heartbeat before a peer
+        counts as dead. store: the epoch's store (cross-host counters live under ``live/``).
+    """
+
+    def __init__(self, rank: int, members: dict, host: str, peer_timeout: float, store):
+        self.rank, self.members, self.host, self.peer_timeout = rank, members, host, peer_timeout
+        self._store = dist.PrefixStore("live/", store)
+        self._beat: list = []                # control blocks this rank heart-beats into
+        self._watch: dict[int, object] = {}  # local peer -> a block that peer heart-beats into
+        self._remote: tuple[int, ...] = ()   # peers on other hosts (store counters)
+        self._counts: dict[int, tuple[int, float]] = {}  # remote peer -> (counter, when it changed)
+        self._looked: dict[int, tuple[float, str | None]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ registration
+    def beat_into(self, control) -> None:
+        """Heartbeat into ``control`` (a block whose owner or readers watch this rank)."""
+        self._beat.append(control)
+
+    def watch(self, peer: int, control) -> None:
+        """``peer`` (on this host) heart-beats into ``control``."""
+        self._watch[peer] = control
+
+    def watch_remote(self, peers) -> None:
+        """``peers`` are on other hosts: this rank beats into the store, and reads their counters."""
+        self._remote = tuple(sorted(set(self._remote) | set(peers)))
+
+    @property
+    def remote(self) -> tuple[int, ...]:
+        return self._remote
+
+    # ------------------------------------------------------------------ beating
+    def start(self) -> None:
+        self._beat_once()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name=f"trs-heartbeat-{self.rank}")
+        self._thread.start()
+
+    def _beat_once(self) -> None:
+        for c in self._beat:
+            c.heartbeat(self.rank)
+        if self._remote:
+            self._store.add(f"hb/{self.rank}", 1)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self._beat_once()
+            except (RuntimeError, dist.DistError):  # the store's host is gone: nothing left to tell
+                if not self._remote:
+                    raise
+                self._remote = ()
+
+    # ------------------------------------------------------------------ asking
+    def dead_reason(self, peer: int, *, closed_is_gone: bool = True) -> str | None:
+        """Why ``peer`` counts as dead, or None. ``closed_is_gone=False``: a cross-host peer that
+        closed cleanly is not dead (a sender closes right after its send completed, perhaps before
+        our receive saw it complete; the transfer itself fails if it cannot finish)."""
+        m = self.members[peer]
+        if m.host == self.host:
+            state = proc_state(m.pid)
+            if state is None or state in "ZX":
+                return f"rank {peer} (pid {m.pid}) died" + (" (zombie)" if state == "Z" else "")
+            control = self._watch.get(peer)
+            if control is not None:
+                beat = control.last_heartbeat_ns(peer)
+                age = (time.monotonic_ns() - beat) / 1e9
+                if beat > 0 and age > self.peer_timeout:
+                    return (f"rank {peer} (pid {m.pid}) sent no heartbeat for {age:.1f} s "
+                            f"(peer_timeout={self.peer_timeout:g} s)")
+            return None
+        if peer not in self._remote:
+            return None
+        return self._remote_reason(peer, closed_is_gone)
+
+    def _remote_reason(self, peer: int, closed_is_gone: bool) -> str | None:
+        now = time.monotonic()
+        with self._lock:
+            when, reason = self._looked.get(peer, (-1e9, None))
+        if now - when >= _LOOK_S:  # a store round trip per look: at most one per peer every _LOOK_S
+            reason = self._look(peer, now)
+            with self._lock:
+                self._looked[peer] = (now, reason)
+        if reason is not None and reason.endswith("closed its endpoint") and not closed_is_gone:
+            return None
+        return reason
+
+    def _look(self, peer: int, now: float) -> str | None:
+        m = self.members[peer]
+        if self._store.check([f"closed/{peer}"]):
+            return f"rank {peer} (pid {m.pid} on host {m.host!r}) closed its endpoint"
+        count = self._store.add(f"hb/{peer}", 0)
+        with self._lock:
+            seen, since = self._counts.get(peer, (None, now))
+            if count != seen:
+                self._counts[peer] = (count, now)
+                return None
+        if now - since > self.peer_timeout:
+            return (f"rank {peer} (pid {m.pid} on host {m.host!r}) sent no heartbeat for "
+                    f"{now - since:.1f} s (peer_timeout={self.peer_timeout:g} s)")
+        return None
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Stop beating (idempotent); cross-host peers learn at once that this rank closed."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(1.0)
+            self._thread = None
+        if self._remote:
+            try:
+                self._store.set(f"closed/{self.rank}", "1")
+            except (RuntimeError, dist.DistError):  # the store's host is gone (perhaps the dead peer)
+                pass
+        self._beat.clear()
+        self._watch.clear()
+
+    def outlive_store_users(self, users, timeout: float) -> None:
+        """The store's host: return once each of ``users`` (ranks that still read the store for
+        signals or heartbeats) closed or is dead, or after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        users = [u for u in users if u != self.rank]
+        while users and time.monotonic() < deadline:
+            users = [u for u in users if not self._store.check([f"closed/{u}"]) and not self.dead_reason(u)]
+            time.sleep(_LOOK_S / 5)
