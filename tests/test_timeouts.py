@@ -17,8 +17,8 @@ import torch
 import tritonreshard as trs
 from tritonreshard import Layout, Replicate
 from tritonreshard.engine import rendezvous as rdv
-from tritonreshard.engine.group import _HEARTBEAT_S, _proc_state
-from tritonreshard.engine.subscriber import LocalSources
+from tritonreshard.engine.liveness import HEARTBEAT_S, proc_state
+from tritonreshard.engine.route import Sources
 
 from _faults import die, fd_targets, our_fds, our_maps
 from _mp import free_port, run_ranks
@@ -127,7 +127,7 @@ def test_timeouts_fail_only_that_call_and_abort_stops_peers():
 TRAINER = 3  # not rank 0: rank 0 hosts the store, which the survivors still use afterwards
 
 
-class _HeldSources(LocalSources):
+class _HeldSources(Sources):
     """The arenas on this host, but each copy (once it started) waits until the trainer is gone:
     the public seam for where source bytes come from, used to place the kill mid-copy."""
 
@@ -139,7 +139,7 @@ class _HeldSources(LocalSources):
         pid = self.group.members[TRAINER].pid
         self.group.store.set(f"copying/{self.group.rank}", b"1")
         deadline = time.monotonic() + 60
-        while _proc_state(pid) not in (None, "Z", "X") and time.monotonic() < deadline:
+        while proc_state(pid) not in (None, "Z", "X") and time.monotonic() < deadline:
             time.sleep(0.01)
 
 
@@ -255,5 +255,5 @@ def test_reader_gone_makes_fence_raise_peer_died(how):
         assert "sent no heartbeat" in rep["error"] and "peer_timeout=1.5 s" in rep["error"], rep
         # Its last heartbeat may be up to one period older than "gone_at": detection that much
         # earlier than 1.5 s is correct.
-        assert 1.5 - _HEARTBEAT_S - 0.05 <= rep["latency"] < 1.5 + 20, rep
+        assert 1.5 - HEARTBEAT_S - 0.05 <= rep["latency"] < 1.5 + 20, rep
     print(f"reader {how}: noticed after {rep['latency']:.3f} s")

@@ -17,10 +17,11 @@ import torch
 import tritonreshard as trs
 from tritonreshard import Layout, Replicate, Shard
 from tritonreshard.transport import wait as _wait
-from tritonreshard.engine.subscriber import LocalSources
+from tritonreshard.engine.route import Sources
 from tritonreshard.transport import create_control_block, open_control_block
 
 from _mp import free_port, run_ranks
+from _waits import wait_acked, wait_published
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -61,7 +62,7 @@ def _waiter(rank, handle, rounds):
     try:
         for v in range(1, rounds + 1):
             cb.ack(0, v)  # "ready for v"
-            cb.wait_published(v, timeout=LONG)
+            wait_published(cb, v, timeout=LONG)
             lat.append(time.monotonic_ns() - cb.published_ns)
     finally:
         cb.close()
@@ -79,7 +80,7 @@ def test_wait_wakes_another_process_within_microseconds_not_a_poll_period():
         with ctx.Pool(1) as pool:
             res = pool.apply_async(_waiter, (1, cb.export(), rounds))
             for v in range(1, rounds + 1):
-                cb.wait_acked(v, timeout=LONG)
+                wait_acked(cb, v, timeout=LONG)
                 time.sleep(0.005)  # the waiter is asleep in the futex by now
                 cb.publish(v)
             lat_ns = res.get(timeout=120)
@@ -94,22 +95,21 @@ def test_wait_wakes_another_process_within_microseconds_not_a_poll_period():
 
 # ------------------------------------------------------------------------------ staging, measured
 
-class _StagingSources(LocalSources):
-    """Deliberately stages: each pull clones every source shard into a fresh tensor first (what a
+class _StagingSources(Sources):
+    """Deliberately stages: each pull clones every source view into a fresh tensor first (what a
     naive receiver would do). The copy then reads persistent buffers filled from those clones."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._staged = {}
 
-    def tensor(self, rank, name, layout):
-        src = super().tensor(rank, name, layout)
-        self._staged[(rank, name, layout)] = torch.empty_like(src)
-        return self._staged[(rank, name, layout)]
+    def view(self, read):
+        self._staged[read] = (super().view(read), torch.empty(read.shape, dtype=read.dtype))
+        return self._staged[read][1]
 
     def prepare(self, version):
-        for (rank, name, layout), buf in self._staged.items():
-            buf.copy_(super().tensor(rank, name, layout).clone())
+        for src, buf in self._staged.values():
+            buf.copy_(src.clone())
 
 
 def _endpoint(sources, port):
@@ -123,7 +123,7 @@ def _endpoint(sources, port):
 
 @pytest.mark.parametrize("staged", [False, True])
 def test_staging_bytes_is_measured_per_pull(staged):
-    ep, tensors = _endpoint(_StagingSources if staged else LocalSources, free_port())
+    ep, tensors = _endpoint(_StagingSources if staged else Sources, free_port())
     with ep:
         for v in (1, 2):
             ep.fence()

@@ -3,9 +3,9 @@
 Who calls what: every process of a refit group (trainers, inference ranks, colocated ranks) builds
 one :class:`Group` per *epoch* and calls, in this order, ``join`` (roles and layouts -> the plan,
 validated identically on every rank), ``exchange("exports", ...)`` (arena handles), and
-``finish_setup`` (everyone mapped what it needs; heartbeats start). The publisher and subscriber
-register the control blocks they share with peers (``beat_into`` / ``watch``) and wait only through
-:meth:`Group.wait`.
+``finish_setup`` (everyone mapped what it needs; heartbeats start). The publisher, subscriber and
+relay register the control blocks and peers they share with the epoch's
+:class:`~tritonreshard.engine.liveness.Liveness` and wait only through :meth:`Group.wait`.
 
 Epochs: every key lives under ``trs/<name>/e<epoch>/`` in the store, so a new group (restarted
 trainers at ``epoch + 1``) forms on the same store while the old epoch's keys are ignored. A dead
@@ -13,7 +13,8 @@ peer ends the epoch: every later wait of this group raises :class:`PeerDiedError
 survivors form the next epoch (``RefitInference.rejoin``).
 
 Host identity: a rank's host is ``$TRITONRESHARD_HOST`` if set, else the machine's hostname. Ranks
-with different identities never share memory (a plan that would needs a cross-host transport).
+with different identities never share memory: their bytes cross through the relay (see
+:mod:`~tritonreshard.engine.route`).
 """
 from __future__ import annotations
 
