@@ -41,16 +41,15 @@ inference rank keeps serving its last complete version and joins the trainers' n
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import RefitError
-from ..execute import check_shard
-from ..layout import Layout, Part
 from ..recipes import RecipeSpec
 from . import fsdp as _fsdp
+from .checks import (argument_problems, default_rank, local_destinations, local_parts, local_sources,
+                     short)
 from .group import Group, Member, check_timeout, connect, host_identity
 from .publisher import Publisher, SourceArena, tensor_order
 from .relay import Relay
@@ -135,7 +134,7 @@ class RefitEndpoint:
                  host_store: bool | None = None, start_version: int = 0, sources=Sources,
                  parts=None):
         self._released = True  # until set-up succeeded far enough to need closing (see close())
-        rank, world_size = _default_rank(rank, world_size)
+        rank, world_size = default_rank(rank, world_size)
         # A fully_shard model brings its layouts, and FSDP2 keeps training on the arena (see fsdp).
         fsdp2 = None
         if isinstance(src_tensors, torch.nn.Module) and _fsdp.is_fsdp2(src_tensors):
@@ -143,20 +142,21 @@ class RefitEndpoint:
         if isinstance(src_tensors, _fsdp.FSDP2Source):  # (also one built with a rank_map)
             fsdp2 = src_tensors
             src_layouts = fsdp2.layouts if src_layouts is None else src_layouts
-        bad = _argument_problems(rank, world_size, mode, backend, src_tensors, src_layouts, dst_layouts, parts,
+        bad = argument_problems(rank, world_size, mode, backend, src_tensors, src_layouts, dst_layouts, parts,
                                  timeout, peer_timeout, epoch, start_version)
         if bad:  # nothing to tell the group: these make joining it impossible
             raise ValueError("RefitEndpoint: " + "; ".join(bad))
 
         self.rank, self.world_size, self.mode = rank, world_size, mode
         self.timeout, self.peer_timeout, self._group_name = float(timeout), float(peer_timeout), group
-        params = dict(src_tensors.named_parameters()) if isinstance(src_tensors, torch.nn.Module) else {}
-        if params:
+        params = {}
+        if isinstance(src_tensors, torch.nn.Module):  # its parameters are re-pointed at the arena
+            params = dict(src_tensors.named_parameters())
             src_tensors = {n: p.data for n, p in params.items()}
-        src_map, problems = _local_sources(rank, src_tensors, src_layouts)
-        dst_map, dst_device, dst_problems = _local_destinations(rank, dst_tensors, dst_layouts, device)
+        src_map, problems = local_sources(rank, src_tensors, src_layouts)
+        dst_map, dst_device, dst_problems = local_destinations(rank, dst_tensors, dst_layouts, device)
         problems += dst_problems
-        dst_parts, parts_problems = _local_parts(parts) if dst_layouts is not None else ({}, [])
+        dst_parts, parts_problems = local_parts(parts) if dst_layouts is not None else ({}, [])
         problems += parts_problems
         self.device = dst_device if dst_layouts is not None else (
             next(iter(src_map.values())).device if src_map else torch.device("cpu"))
@@ -466,153 +466,11 @@ def _merged(exchanged: dict) -> dict:
     return {e.buffer: e for es in exchanged.values() for e in es}
 
 
-def _argument_problems(rank, world_size, mode, backend, src_tensors, src_layouts, dst_layouts, parts,
-                       timeout, peer_timeout, epoch, start_version) -> list[str]:
-    bad = []
-    if not isinstance(world_size, int) or world_size < 1:
-        bad.append(f"world_size must be a positive int, got world_size={world_size!r}")
-    elif not isinstance(rank, int) or not 0 <= rank < world_size:
-        bad.append(f"rank must be in [0, {world_size}), got rank={rank!r}")
-    if mode not in ("shadow", "inplace"):
-        bad.append(f"mode must be 'shadow' or 'inplace', got mode={mode!r}")
-    if backend not in ("auto", "torch", "triton"):
-        bad.append(f"backend must be 'auto', 'torch' or 'triton', got backend={backend!r}")
-    if src_layouts is None and dst_layouts is None:
-        bad.append("give src_layouts (trainer side), dst_layouts (inference side) or both")
-    if parts is not None and dst_layouts is None:
-        bad.append(f"parts describe destinations: give them with dst_layouts (the inference side), "
-                   f"got parts={_short(parts)} and dst_layouts=None")
-    if (src_tensors is None) != (src_layouts is None):
-        bad.append("src_tensors and src_layouts go together (the trainer side needs both)")
-    if not (isinstance(timeout, (int, float)) and timeout > 0):
-        bad.append(f"timeout must be > 0 seconds, got timeout={timeout!r}")
-    if not (isinstance(peer_timeout, (int, float)) and peer_timeout > 0):
-        bad.append(f"peer_timeout must be > 0 seconds, got peer_timeout={peer_timeout!r}")
-    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-        bad.append(f"epoch must be an int >= 0, got epoch={epoch!r}")
-    if isinstance(start_version, bool) or not isinstance(start_version, int) or start_version < 0:
-        bad.append(f"start_version must be an int >= 0, got start_version={start_version!r}")
-    return bad
-
-
-def _local_sources(rank: int, tensors, layouts) -> tuple[dict, list[str]]:
-    """This rank's source shards ``{name: tensor}`` and every problem with them (checked like
-    ``execute_local``'s inputs)."""
-    if layouts is None:
-        return {}, []
-    if not isinstance(tensors, Mapping) or not isinstance(layouts, Mapping):
-        return {}, [f"src_tensors and src_layouts must be mappings name -> tensor / Layout, got "
-                    f"{type(tensors).__name__} and {type(layouts).__name__}"]
-    problems, devices, mine = [], set(), {}
-    for name, lay in layouts.items():
-        if not isinstance(lay, Layout):
-            problems.append(f"src_layouts[{name!r}] is {type(lay).__name__}, not a trs.Layout")
-            continue
-        holds = rank in lay.ranks
-        t = tensors.get(name)
-        if t is None:
-            if holds:
-                problems.append(f"src_tensors has no {name!r}, but src_layouts[{name!r}]={lay} places "
-                                f"a shard of shape {lay.local_shape(rank)} on rank {rank}")
-            continue
-        if not holds:
-            problems.append(f"src_tensors[{name!r}] is given but src_layouts[{name!r}]={lay} does not "
-                            f"place it on rank {rank}")
-            continue
-        device = check_shard(f"src_tensors[{name!r}]", t, lay, rank, problems, of=f"src_layouts[{name!r}]")
-        if device is not None:
-            devices.add(device)
-            mine[name] = t
-    extra = sorted(set(tensors) - set(layouts))
-    if extra:
-        problems.append(f"src_tensors has names without a layout in src_layouts: {extra}")
-    if len(devices) > 1:
-        problems.append(f"src_tensors live on several devices {sorted(map(str, devices))}; one arena "
-                        f"per rank needs them on one device")
-    return mine, problems
-
-
-def _local_destinations(rank: int, tensors, layouts, device):
-    """This rank's given destination tensors, their device, and every problem with them."""
-    if layouts is None:
-        return {}, torch.device(device) if device is not None else torch.device("cpu"), []
-    if not isinstance(layouts, Mapping):
-        return {}, torch.device("cpu"), [f"dst_layouts must be a mapping, got {type(layouts).__name__}"]
-    tensors = {} if tensors is None else tensors
-    if not isinstance(tensors, Mapping):
-        return {}, torch.device("cpu"), [f"dst_tensors must be a mapping, got {type(tensors).__name__}"]
-    if device is None:
-        given = {t.device for t in tensors.values() if isinstance(t, torch.Tensor)}
-        device = next(iter(given)) if len(given) == 1 else torch.device("cpu")
-    device = torch.device(device)
-    if device.type not in ("cpu", "cuda"):
-        return {}, torch.device("cpu"), [f"device must be cpu or cuda, got device={str(device)!r} (from "
-                                         f"the argument or the dst_tensors' device)"]
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    problems, out = [], {}
-    for name, lay in layouts.items():
-        if not isinstance(lay, Layout):
-            problems.append(f"dst_layouts[{name!r}] is {type(lay).__name__}, not a trs.Layout")
-            continue
-        t = tensors.get(name)
-        if rank not in lay.ranks or t is None:
-            continue
-        if check_shard(f"dst_tensors[{name!r}]", t, lay, rank, problems, of=f"dst_layouts[{name!r}]",
-                       device=device, writable=True) is not None:
-            out[name] = t
-    extra = sorted(set(tensors) - set(layouts))
-    if extra:
-        problems.append(f"dst_tensors has names without a layout in dst_layouts: {extra}")
-    return out, device, problems
-
-
-def _short(obj, limit: int = 120) -> str:
-    text = repr(obj)
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _local_parts(parts) -> tuple[dict, list[str]]:
-    """``parts`` as ``{dst name: (Part, ...)}`` (plain data: it travels in the rank's hello and is
-    compared with the other inference ranks'), and the problems found. Boxes are checked against
-    the layouts by ``plan_reshard`` when the group meets."""
-    if parts is None:
-        return {}, []
-    if not isinstance(parts, Mapping):
-        return {}, [f"parts must be a mapping dst name -> [trs.Part, ...], got {type(parts).__name__} "
-                    f"(parts={_short(parts)})"]
-    out, problems = {}, []
-    for name, ps in parts.items():
-        if isinstance(ps, (Part, str, bytes)) or not isinstance(ps, (list, tuple)) or not all(
-                isinstance(p, Part) for p in ps):
-            problems.append(f"parts[{name!r}] must be a list of trs.Part, got {_short(ps)}")
-            continue
-        out[name] = tuple(ps)
-    return out, problems
-
-
 def _recipe_spec(spec, what: str):
     if not isinstance(spec, RecipeSpec):
         raise ValueError(f"{what}: spec must be a trs.recipes.RecipeSpec (from trs.recipes.hf_to_vllm), "
-                         f"got spec={_short(spec)}")
+                         f"got spec={short(spec)}")
     return spec
-
-
-def _default_rank(rank, world_size):
-    """``rank`` / ``world_size`` given, else torch.distributed's (if initialised), else the
-    launcher's ``$RANK`` / ``$WORLD_SIZE`` (torchrun sets them)."""
-    dist = torch.distributed
-    if rank is None:
-        if dist.is_available() and dist.is_initialized():
-            rank = dist.get_rank()
-        elif os.environ.get("RANK", "").isdigit():
-            rank = int(os.environ["RANK"])
-    if world_size is None:
-        if dist.is_available() and dist.is_initialized():
-            world_size = dist.get_world_size()
-        elif os.environ.get("WORLD_SIZE", "").isdigit():
-            world_size = int(os.environ["WORLD_SIZE"])
-    return rank, world_size
 
 
 class RefitTrainer(RefitEndpoint):

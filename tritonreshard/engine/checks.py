@@ -1,0 +1,160 @@
+"""An endpoint's arguments and local tensors, checked before the rank joins its group.
+
+Problems found here travel in the rank's hello, so every rank of the group raises the same one
+``ValueError`` (arguments that make joining impossible raise at once). The shards themselves are
+checked by :func:`~tritonreshard.execute.check_shard`, as ``execute_local``'s inputs are.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import torch
+
+from ..execute import check_shard
+from ..layout import Layout, Part
+
+__all__ = ["argument_problems", "default_rank", "local_destinations", "local_parts", "local_sources", "short"]
+
+
+def short(obj, limit: int = 120) -> str:
+    """``repr(obj)``, cut at ``limit`` characters (for messages)."""
+    text = repr(obj)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def argument_problems(rank, world_size, mode, backend, src_tensors, src_layouts, dst_layouts, parts,
+                       timeout, peer_timeout, epoch, start_version) -> list[str]:
+    bad = []
+    if not isinstance(world_size, int) or world_size < 1:
+        bad.append(f"world_size must be a positive int, got world_size={world_size!r}")
+    elif not isinstance(rank, int) or not 0 <= rank < world_size:
+        bad.append(f"rank must be in [0, {world_size}), got rank={rank!r}")
+    if mode not in ("shadow", "inplace"):
+        bad.append(f"mode must be 'shadow' or 'inplace', got mode={mode!r}")
+    if backend not in ("auto", "torch", "triton"):
+        bad.append(f"backend must be 'auto', 'torch' or 'triton', got backend={backend!r}")
+    if src_layouts is None and dst_layouts is None:
+        bad.append("give src_layouts (trainer side), dst_layouts (inference side) or both")
+    if parts is not None and dst_layouts is None:
+        bad.append(f"parts describe destinations: give them with dst_layouts (the inference side), "
+                   f"got parts={short(parts)} and dst_layouts=None")
+    if (src_tensors is None) != (src_layouts is None):
+        bad.append("src_tensors and src_layouts go together (the trainer side needs both)")
+    if not (isinstance(timeout, (int, float)) and timeout > 0):
+        bad.append(f"timeout must be > 0 seconds, got timeout={timeout!r}")
+    if not (isinstance(peer_timeout, (int, float)) and peer_timeout > 0):
+        bad.append(f"peer_timeout must be > 0 seconds, got peer_timeout={peer_timeout!r}")
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+        bad.append(f"epoch must be an int >= 0, got epoch={epoch!r}")
+    if isinstance(start_version, bool) or not isinstance(start_version, int) or start_version < 0:
+        bad.append(f"start_version must be an int >= 0, got start_version={start_version!r}")
+    return bad
+
+
+def local_sources(rank: int, tensors, layouts) -> tuple[dict, list[str]]:
+    """This rank's source shards ``{name: tensor}`` and every problem with them (checked like
+    ``execute_local``'s inputs)."""
+    if layouts is None:
+        return {}, []
+    if not isinstance(tensors, Mapping) or not isinstance(layouts, Mapping):
+        return {}, [f"src_tensors and src_layouts must be mappings name -> tensor / Layout, got "
+                    f"{type(tensors).__name__} and {type(layouts).__name__}"]
+    problems, devices, mine = [], set(), {}
+    for name, lay in layouts.items():
+        if not isinstance(lay, Layout):
+            problems.append(f"src_layouts[{name!r}] is {type(lay).__name__}, not a trs.Layout")
+            continue
+        holds = rank in lay.ranks
+        t = tensors.get(name)
+        if t is None:
+            if holds:
+                problems.append(f"src_tensors has no {name!r}, but src_layouts[{name!r}]={lay} places "
+                                f"a shard of shape {lay.local_shape(rank)} on rank {rank}")
+            continue
+        if not holds:
+            problems.append(f"src_tensors[{name!r}] is given but src_layouts[{name!r}]={lay} does not "
+                            f"place it on rank {rank}")
+            continue
+        device = check_shard(f"src_tensors[{name!r}]", t, lay, rank, problems, of=f"src_layouts[{name!r}]")
+        if device is not None:
+            devices.add(device)
+            mine[name] = t
+    extra = sorted(set(tensors) - set(layouts))
+    if extra:
+        problems.append(f"src_tensors has names without a layout in src_layouts: {extra}")
+    if len(devices) > 1:
+        problems.append(f"src_tensors live on several devices {sorted(map(str, devices))}; one arena "
+                        f"per rank needs them on one device")
+    return mine, problems
+
+
+def local_destinations(rank: int, tensors, layouts, device):
+    """This rank's given destination tensors, their device, and every problem with them."""
+    if layouts is None:
+        return {}, torch.device(device) if device is not None else torch.device("cpu"), []
+    if not isinstance(layouts, Mapping):
+        return {}, torch.device("cpu"), [f"dst_layouts must be a mapping, got {type(layouts).__name__}"]
+    tensors = {} if tensors is None else tensors
+    if not isinstance(tensors, Mapping):
+        return {}, torch.device("cpu"), [f"dst_tensors must be a mapping, got {type(tensors).__name__}"]
+    if device is None:
+        given = {t.device for t in tensors.values() if isinstance(t, torch.Tensor)}
+        device = next(iter(given)) if len(given) == 1 else torch.device("cpu")
+    device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        return {}, torch.device("cpu"), [f"device must be cpu or cuda, got device={str(device)!r} (from "
+                                         f"the argument or the dst_tensors' device)"]
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    problems, out = [], {}
+    for name, lay in layouts.items():
+        if not isinstance(lay, Layout):
+            problems.append(f"dst_layouts[{name!r}] is {type(lay).__name__}, not a trs.Layout")
+            continue
+        t = tensors.get(name)
+        if rank not in lay.ranks or t is None:
+            continue
+        if check_shard(f"dst_tensors[{name!r}]", t, lay, rank, problems, of=f"dst_layouts[{name!r}]",
+                       device=device, writable=True) is not None:
+            out[name] = t
+    extra = sorted(set(tensors) - set(layouts))
+    if extra:
+        problems.append(f"dst_tensors has names without a layout in dst_layouts: {extra}")
+    return out, device, problems
+
+
+def local_parts(parts) -> tuple[dict, list[str]]:
+    """``parts`` as ``{dst name: (Part, ...)}`` (plain data: it travels in the rank's hello and is
+    compared with the other inference ranks'), and the problems found. Boxes are checked against
+    the layouts by ``plan_reshard`` when the group meets."""
+    if parts is None:
+        return {}, []
+    if not isinstance(parts, Mapping):
+        return {}, [f"parts must be a mapping dst name -> [trs.Part, ...], got {type(parts).__name__} "
+                    f"(parts={short(parts)})"]
+    out, problems = {}, []
+    for name, ps in parts.items():
+        if isinstance(ps, (Part, str, bytes)) or not isinstance(ps, (list, tuple)) or not all(
+                isinstance(p, Part) for p in ps):
+            problems.append(f"parts[{name!r}] must be a list of trs.Part, got {short(ps)}")
+            continue
+        out[name] = tuple(ps)
+    return out, problems
+
+
+def default_rank(rank, world_size):
+    """``rank`` / ``world_size`` given, else torch.distributed's (if initialised), else the
+    launcher's ``$RANK`` / ``$WORLD_SIZE`` (torchrun sets them)."""
+    dist = torch.distributed
+    if rank is None:
+        if dist.is_available() and dist.is_initialized():
+            rank = dist.get_rank()
+        elif os.environ.get("RANK", "").isdigit():
+            rank = int(os.environ["RANK"])
+    if world_size is None:
+        if dist.is_available() and dist.is_initialized():
+            world_size = dist.get_world_size()
+        elif os.environ.get("WORLD_SIZE", "").isdigit():
+            world_size = int(os.environ["WORLD_SIZE"])
+    return rank, world_size
