@@ -1,14 +1,20 @@
 """Security: shared buffers are readable by the same user only, names are unguessable, a process
-outside the group can't attach to a real engine arena, and the group secret never shows up in logs,
-reprs or error messages.
+outside the group can't attach to a real engine arena, fd servers deal only with their own uid, and
+the group secret never shows up in logs, reprs or error messages.
 """
+import hashlib
+import hmac
 import io
+import json
 import logging
 import os
 import re
+import secrets
+import socket
 import stat
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -16,7 +22,8 @@ import torch
 import tritonreshard as trs
 from tritonreshard import Layout, Replicate
 from tritonreshard.engine import rendezvous as rdv
-from tritonreshard.transport import create_arena, create_control_block, open_arena, open_control_block
+from tritonreshard.transport import (ArenaHandle, create_arena, create_control_block, open_arena,
+                                     open_control_block)
 
 from _mp import free_port, run_ranks
 
@@ -157,3 +164,112 @@ def test_group_secret_redacts_itself():
     with pytest.raises(ValueError) as info:
         rdv.GroupSecret(b"short")
     assert "short" not in str(info.value)
+
+
+OTHER_UID = 65534  # nobody
+
+
+def _as_other_uid(work) -> dict:
+    """Run ``work()`` (-> a JSON-able dict) in a forked child that dropped to uid ``OTHER_UID``; its
+    result, or the exception it raised, comes back through a pipe."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a process as another uid (setuid)")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest, no return; it only reports and exits
+        status = 0
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(OTHER_UID)
+            os.setuid(OTHER_UID)
+            out = {"ok": work()}
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent, which checks it
+            out = {"error": [type(exc).__name__, str(exc)]}
+        try:
+            os.write(w, json.dumps(out).encode())
+        finally:
+            os._exit(status)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    _, code = os.waitpid(pid, 0)
+    assert code == 0 and data, f"child exited with {code}"
+    return json.loads(data)
+
+
+def _raw_fd_client(handle, secret) -> str:
+    """A client written from the protocol in ``transport/_fdserver.py`` that knows the secret (no
+    checks of its own): what the server says to it."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as c:
+        c.settimeout(5)
+        c.connect(handle.socket_address)
+        hello = c.recv(64)
+        if hello == b"DENY":
+            return "denied at the greeting"
+        nonce_s, nonce_c = hello[4:], secrets.token_bytes(32)
+        proof = hmac.new(bytes(secret), b"client|" + handle.arena_id.encode() + b"|" + nonce_s + nonce_c,
+                         hashlib.sha256).digest()
+        c.sendall(nonce_c + proof)
+        msg, fds, _, _ = socket.recv_fds(c, 65536, 1)
+        for fd in fds:
+            os.close(fd)
+        return f"{msg[:4].decode()} with {len(fds)} fd(s)"
+
+
+def test_fd_server_refuses_another_uid_even_with_the_secret(caplog):
+    secret = rdv.GroupSecret.generate()
+    arena = create_arena(4096, secret=secret)
+    try:
+        handle = arena.export()
+        caplog.set_level(logging.WARNING)
+        assert _raw_fd_client(handle, secret) == "OKAY with 1 fd(s)"  # the same uid: served
+        out = _as_other_uid(lambda: _raw_fd_client(handle, secret))
+        assert out == {"ok": "denied at the greeting"}, out
+        assert "refused a client of another user" in caplog.text and f"uid {OTHER_UID}" in caplog.text
+        assert "bad group-secret proof" not in caplog.text
+        out = _as_other_uid(lambda: open_arena(handle, secret=secret, timeout=5).close() or "opened")
+        assert out.get("error", [None])[0] == "PermissionError", out  # the library's client says why
+        peer = open_arena(handle, secret=secret, timeout=5)  # the owner still serves its own uid
+        peer.tensor(0, (4,), torch.uint8).fill_(7)
+        assert torch.equal(arena.tensor(0, (4,), torch.uint8), torch.full((4,), 7, dtype=torch.uint8))
+        peer.close()
+    finally:
+        arena.close()
+
+
+def test_a_client_refuses_an_fd_server_of_another_uid():
+    """A process of another uid squats the abstract name of an arena's fd server: the client
+    refuses it before it sends anything (not even its proof of the secret)."""
+    arena_id = secrets.token_hex(16)
+    handle = ArenaHandle(kind="shm-fd", arena_id=arena_id, nbytes=4096, alloc_nbytes=4096, device="cpu",
+                         owner_pid=os.getpid(), hostname=socket.gethostname())
+    ready_r, ready_w = os.pipe()
+
+    def squat():
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as srv:
+            srv.bind(handle.socket_address)
+            srv.listen(1)
+            os.write(ready_w, b"x")
+            conn, _ = srv.accept()
+            with conn:
+                conn.settimeout(10)
+                return {"received": len(conn.recv(4096))}  # 0: the client hung up without a word
+
+    result = {}
+
+    def client():
+        os.read(ready_r, 1)
+        try:
+            open_arena(handle, secret=rdv.GroupSecret.generate(), timeout=5)
+        except PermissionError as exc:
+            result["error"] = str(exc)
+
+    t = threading.Thread(target=client)
+    t.start()
+    out = _as_other_uid(squat)
+    t.join(30)
+    os.close(ready_r)
+    os.close(ready_w)
+    assert f"runs as uid {OTHER_UID}" in result.get("error", ""), result
+    assert out == {"ok": {"received": 0}}, out
