@@ -73,6 +73,9 @@ class Member:
         return f"Member(rank={self.rank}, pid={self.pid}, host={self.host!r}, {'+'.join(roles)}, {self.device})"
 
 
+rdv.register_plain(Member)  # it travels through the store in each rank's hello
+
+
 def _proc_state(pid: int) -> str | None:
     """One-letter state of a local process, or None when it no longer exists."""
     try:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .group import Group, check_timeout
+from .rendezvous import register_plain
 from ..planning import Plan
 from ..transport import create_arena, create_control_block, pack_offsets
 
@@ -32,6 +33,9 @@ class Exports:
     arena: object | None = None
     control: object | None = None
     offsets: dict = field(default_factory=dict)
+
+
+register_plain(Exports)  # it travels through the store at set-up
 
 
 class Publisher:

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from ..errors import PeerDiedError, RefitError
 from .group import Group
+from .rendezvous import register_plain
 from ..planning import HostPlan, plan_hosts, plan_messages
 from .subscriber import LocalSources
 from ..transport import create_arena, create_control_block, open_arena, open_control_block
@@ -69,6 +70,9 @@ class RelayExports:
     rank: int
     arena: object | None = None
     control: object | None = None
+
+
+register_plain(RelayExports)  # it travels through the store at set-up
 
 
 class CrossHost:
