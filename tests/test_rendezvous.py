@@ -1,14 +1,18 @@
-"""Rendezvous helpers over TCPStore: connect, publish/fetch with named timeouts, all-gather, secret."""
+"""Rendezvous helpers over TCPStore: connect, publish/fetch with named timeouts, all-gather, secret
+(and where the store listens when it is passed through it)."""
 from __future__ import annotations
 
+import datetime
 import multiprocessing as mp
 import pickle
+import socket
 import time
 
 import pytest
+import torch.distributed as dist
 
-from tritonreshard.engine.rendezvous import (SECRET_ENV, all_gather_obj, connect_store,
-                                       fetch, group_secret, publish)
+from tritonreshard.engine.rendezvous import (SECRET_ENV, SECRET_KEY, all_gather_obj, connect_store,
+                                             fetch, group_secret, publish)
 
 CHILD_TIMEOUT_S = 30
 
@@ -106,3 +110,62 @@ def test_all_gather_across_processes():
 def test_all_gather_bad_rank(master):
     with pytest.raises(ValueError, match=r"rank must be in \[0, 2\), got rank=2"):
         all_gather_obj(master, "x", 2, 2, None, timeout=1)
+
+
+def _non_loopback_address() -> str:
+    """An address of this machine outside 127/8 (the route a datagram would take; nothing is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.123", 9))
+        except OSError:
+            pytest.skip("this machine has no non-loopback IPv4 address")
+        addr = s.getsockname()[0]
+    if addr.startswith("127."):
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    return addr
+
+
+def _reachable(addr: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(2)
+        return s.connect_ex((addr, port)) == 0
+
+
+def test_a_loopback_master_listens_on_loopback_only():
+    """torch's own master listens on every interface whatever its host; connect_store's doesn't."""
+    outside = _non_loopback_address()
+    torch_master = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=10), wait_for_workers=False)
+    assert _reachable(outside, torch_master.port)  # what the rule below is about
+    for host in ("127.0.0.1", "localhost"):
+        ours = connect_store(f"{host}:0", world_size=1, is_master=True, timeout=10)
+        assert not _reachable(outside, ours.port) and _reachable("127.0.0.1", ours.port)
+        publish(ours, "k", 1)
+        assert fetch(connect_store(f"{host}:{ours.port}", world_size=1, is_master=False, timeout=10),
+                     "k", timeout=1) == 1
+
+
+def test_group_secret_never_goes_into_a_store_that_listens_beyond_loopback(monkeypatch):
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    wide = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=10), wait_for_workers=False)
+    clients = [dist.PrefixStore("trs/default/e0/", wide),
+               connect_store(f"127.0.0.1:{wide.port}", world_size=1, is_master=False, timeout=10),
+               connect_store(f"{_non_loopback_address()}:{wide.port}", world_size=1, is_master=False, timeout=10)]
+    for i, store in enumerate(clients):
+        with pytest.raises(ValueError) as info:
+            group_secret(store, is_master=i == 0, timeout=1)
+        msg = str(info.value)
+        assert SECRET_ENV in msg and "tritonreshard.secret_for_children()" in msg, msg
+        assert "beyond loopback" in msg, msg
+    assert "listens on every interface" in str(pytest.raises(ValueError, group_secret, wide, is_master=True,
+                                                             timeout=1).value)
+    assert not wide.check([SECRET_KEY]) and not clients[0].check([SECRET_KEY])
+    monkeypatch.setenv(SECRET_ENV, "cd" * 32)  # the launcher's secret: any store is fine
+    assert bytes(group_secret(wide, is_master=True, timeout=1)) == b"\xcd" * 32
+    monkeypatch.delenv(SECRET_ENV)
+    assert group_secret(dist.HashStore(), is_master=True, timeout=1)  # in-process: listens nowhere
+
+
+def test_group_secret_refuses_a_store_it_cannot_inspect(monkeypatch, tmp_path):
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    with pytest.raises(ValueError, match=f"FileStore can't be checked.*{SECRET_ENV}"):
+        group_secret(dist.FileStore(str(tmp_path / "store"), 1), is_master=True, timeout=1)

@@ -1,22 +1,36 @@
 """Security: shared buffers are readable by the same user only, names are unguessable, a process
-outside the group can't attach to a real engine arena, and the group secret never shows up in logs,
-reprs or error messages.
+outside the group can't attach to a real engine arena, fd servers deal only with their own uid, the
+group secret never shows up in logs, reprs or error messages, and what a rank reads from the store
+is plain data (never unpickled), authenticated when the secret comes from the environment.
 """
+import dataclasses
+import datetime
+import hashlib
+import hmac
 import io
+import json
 import logging
 import os
 import re
+import secrets
+import socket
 import stat
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import tritonreshard as trs
-from tritonreshard import Layout, Replicate
+from tritonreshard import Layout, Part, Replicate, Shard
+from tritonreshard.engine.group import Member
+from tritonreshard.engine.publisher import Exports
+from tritonreshard.engine.relay import RelayExports
 from tritonreshard.engine import rendezvous as rdv
-from tritonreshard.transport import create_arena, create_control_block, open_arena, open_control_block
+from tritonreshard.transport import (ArenaHandle, create_arena, create_control_block, open_arena,
+                                     open_control_block)
 
 from _mp import free_port, run_ranks
 
@@ -97,7 +111,7 @@ def _attack_worker(rank, port, secret_hex):
                 errors.append((type(exc).__name__, str(exc)))
         report["errors"] = errors
         report["secret_in_store"] = prefixed.check([rdv.SECRET_KEY])
-        rdv.publish(prefixed, "attacked", True)
+        prefixed.set("attacked", "1")  # a raw signal: rank 3 can't sign a value
     elif rank == 0:
         with trs.RefitTrainer({"w": torch.arange(24.0).reshape(4, 6)}, src, **kw) as ep:
             ep.publish()
@@ -112,7 +126,7 @@ def _attack_worker(rank, port, secret_hex):
             def delayed(store, prefix, *args, **kwargs):
                 out = gather(store, prefix, *args, **kwargs)
                 if prefix == "exports":
-                    rdv.fetch(store, "attacked", timeout=60)
+                    store.wait(["attacked"], datetime.timedelta(seconds=60))
                 return out
             rdv.all_gather_obj = delayed
         with trs.RefitInference(dst, **kw) as ep:
@@ -157,3 +171,304 @@ def test_group_secret_redacts_itself():
     with pytest.raises(ValueError) as info:
         rdv.GroupSecret(b"short")
     assert "short" not in str(info.value)
+
+
+OTHER_UID = 65534  # nobody
+
+
+def _as_other_uid(work) -> dict:
+    """Run ``work()`` (-> a JSON-able dict) in a forked child that dropped to uid ``OTHER_UID``; its
+    result, or the exception it raised, comes back through a pipe."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a process as another uid (setuid)")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest, no return; it only reports and exits
+        status = 0
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(OTHER_UID)
+            os.setuid(OTHER_UID)
+            out = {"ok": work()}
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent, which checks it
+            out = {"error": [type(exc).__name__, str(exc)]}
+        try:
+            os.write(w, json.dumps(out).encode())
+        finally:
+            os._exit(status)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    _, code = os.waitpid(pid, 0)
+    assert code == 0 and data, f"child exited with {code}"
+    return json.loads(data)
+
+
+def _raw_fd_client(handle, secret) -> str:
+    """A client written from the protocol in ``transport/_fdserver.py`` that knows the secret (no
+    checks of its own): what the server says to it."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as c:
+        c.settimeout(5)
+        c.connect(handle.socket_address)
+        hello = c.recv(64)
+        if hello == b"DENY":
+            return "denied at the greeting"
+        nonce_s, nonce_c = hello[4:], secrets.token_bytes(32)
+        proof = hmac.new(bytes(secret), b"client|" + handle.arena_id.encode() + b"|" + nonce_s + nonce_c,
+                         hashlib.sha256).digest()
+        c.sendall(nonce_c + proof)
+        msg, fds, _, _ = socket.recv_fds(c, 65536, 1)
+        for fd in fds:
+            os.close(fd)
+        return f"{msg[:4].decode()} with {len(fds)} fd(s)"
+
+
+def test_fd_server_refuses_another_uid_even_with_the_secret(caplog):
+    secret = rdv.GroupSecret.generate()
+    arena = create_arena(4096, secret=secret)
+    try:
+        handle = arena.export()
+        caplog.set_level(logging.WARNING)
+        assert _raw_fd_client(handle, secret) == "OKAY with 1 fd(s)"  # the same uid: served
+        out = _as_other_uid(lambda: _raw_fd_client(handle, secret))
+        assert out == {"ok": "denied at the greeting"}, out
+        assert "refused a client of another user" in caplog.text and f"uid {OTHER_UID}" in caplog.text
+        assert "bad group-secret proof" not in caplog.text
+        out = _as_other_uid(lambda: open_arena(handle, secret=secret, timeout=5).close() or "opened")
+        assert out.get("error", [None])[0] == "PermissionError", out  # the library's client says why
+        peer = open_arena(handle, secret=secret, timeout=5)  # the owner still serves its own uid
+        peer.tensor(0, (4,), torch.uint8).fill_(7)
+        assert torch.equal(arena.tensor(0, (4,), torch.uint8), torch.full((4,), 7, dtype=torch.uint8))
+        peer.close()
+    finally:
+        arena.close()
+
+
+def test_a_client_refuses_an_fd_server_of_another_uid():
+    """A process of another uid squats the abstract name of an arena's fd server: the client
+    refuses it before it sends anything (not even its proof of the secret)."""
+    arena_id = secrets.token_hex(16)
+    handle = ArenaHandle(kind="shm-fd", arena_id=arena_id, nbytes=4096, alloc_nbytes=4096, device="cpu",
+                         owner_pid=os.getpid(), hostname=socket.gethostname())
+    ready_r, ready_w = os.pipe()
+
+    def squat():
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as srv:
+            srv.bind(handle.socket_address)
+            srv.listen(1)
+            os.write(ready_w, b"x")
+            conn, _ = srv.accept()
+            with conn:
+                conn.settimeout(10)
+                return {"received": len(conn.recv(4096))}  # 0: the client hung up without a word
+
+    result = {}
+
+    def client():
+        os.read(ready_r, 1)
+        try:
+            open_arena(handle, secret=rdv.GroupSecret.generate(), timeout=5)
+        except PermissionError as exc:
+            result["error"] = str(exc)
+
+    t = threading.Thread(target=client)
+    t.start()
+    out = _as_other_uid(squat)
+    t.join(30)
+    os.close(ready_r)
+    os.close(ready_w)
+    assert f"runs as uid {OTHER_UID}" in result.get("error", ""), result
+    assert out == {"ok": {"received": 0}}, out
+
+
+# ---------------------------------------------------------------------------- store values
+class _Payload:
+    """Unpickling this creates ``path``: the stand-in for any code an attacker would run."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _plain_hello(store_key, monkeypatch, member) -> bytes:
+    """What an outsider without the environment secret can write: a well-formed, unsigned value."""
+    with monkeypatch.context() as m:
+        m.delenv(rdv.SECRET_ENV, raising=False)
+        scratch = dist.HashStore()
+        rdv.publish(scratch, store_key, member)
+        return scratch.get(store_key)
+
+
+@pytest.mark.parametrize("attack", ["pickle", "unsigned-json", "tampered-json"])
+def test_a_group_join_refuses_a_forged_hello_and_never_unpickles(tmp_path, monkeypatch, attack):
+    """Someone who can write to the store plants rank 1's hello before rank 0 joins a real group:
+    a pickle that would create a file when unpickled, or (with the environment secret) a JSON hello
+    without a MAC or with its payload changed. Rank 0's join refuses it, naming the key."""
+    marker = tmp_path / "pwned"
+    probe = tmp_path / "probe"
+    pickle_bytes = __import__("pickle").dumps(_Payload(str(marker)))
+    __import__("pickle").loads(__import__("pickle").dumps(_Payload(str(probe)))).close()
+    assert probe.exists()  # the payload is live: unpickling it runs code
+    fake = Member(1, 4242, "h", "cpu", None, {"w": Layout((4, 6), [1], [Replicate()])})
+    if attack == "pickle":
+        monkeypatch.delenv(rdv.SECRET_ENV, raising=False)
+        planted, why = pickle_bytes, "not a tritonreshard plain value"
+    else:
+        monkeypatch.setenv(rdv.SECRET_ENV, secrets.token_hex(32))
+        planted, why = _plain_hello("hello/1", monkeypatch, fake), "forged or corrupted"
+        if attack == "tampered-json":
+            scratch = dist.HashStore()
+            rdv.publish(scratch, "hello/1", fake)  # signed with the group's secret ...
+            planted = scratch.get("hello/1").replace(b"4242", b"4243")  # ... then changed on the way
+    base = rdv.connect_store("127.0.0.1:0", world_size=1, is_master=True, timeout=10)
+    dist.PrefixStore("trs/default/e0/", base).set("hello/1", planted)  # the group's namespace
+    with pytest.raises(ValueError, match=f"store key 'hello/1': the value is {why}") as info:
+        trs.RefitTrainer({"w": torch.zeros(4, 6)}, {"w": Layout((4, 6), [0], [Replicate()])}, rank=0,
+                         world_size=2, store=base, timeout=10)
+    assert isinstance(info.value, rdv.StoreValueError)
+    assert not marker.exists()
+
+
+def _same(a, b) -> bool:
+    """Equal, and of the same types all the way down (1 is not True, a tuple is not a list)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same(k, l) and _same(a[k], b[l]) for k, l in zip(a, b))
+    return a == b
+
+
+def _round_trip_values(arena, control):
+    lay2d = Layout((8, 6), [[0, 1], [2, 3]], [Shard(0, blocks=(4, 4)), Replicate()], torch.bfloat16)
+    parts = {"qkv": (Part("q", [(0, 4), None]), Part("k", [slice(4, 6), (0, 6)], (2, 0)),
+                     Part(None, [(6, 8), None]))}
+    member = Member(3, 1234, "host-a", "cuda:1", {"w": lay2d, "b": Layout((5,), [0, 1], [Shard(0)])},
+                    {"qkv": Layout((8, 6), [2, 3], [Shard(1)], torch.float16)}, ("a problem", "another"), parts)
+    return [
+        None, True, False, 0, -7, 2 ** 80, 1.5, -0.0, float("inf"), "", "héllo\n\"$\"", b"", bytes(range(256)),
+        [], (), (1,), [1, (2, [3, (4,)])], {}, {1: "int key", "1": "str key", True: 0, (1, "a"): None, None: [],
+                                                 b"k": {"$": "looks like a tag"}},
+        {"$": "dict", "items": []},  # a user dict shaped like a node stays a dict
+        *[getattr(torch, n) for n in ("float32", "bfloat16", "float8_e4m3fn", "int64", "bool", "complex64")],
+        slice(None), slice(1, 9, 2), slice(-1, None, None),
+        Shard(0), Shard(1, (2, 3)), Replicate(), lay2d, parts["qkv"][1], member,
+        Exports(0), Exports(2, arena.export(), control.export(), {"w": 0, "b": 256}),
+        RelayExports(1), RelayExports(4, arena.export(), None), arena.export(),
+        {"members": {0: member}, "exports": [Exports(5, arena.export())]},
+    ]
+
+
+@pytest.mark.parametrize("env_secret", [False, True])
+def test_every_plain_type_round_trips_exactly(monkeypatch, env_secret):
+    if env_secret:
+        monkeypatch.setenv(rdv.SECRET_ENV, secrets.token_hex(32))
+    else:
+        monkeypatch.delenv(rdv.SECRET_ENV, raising=False)
+    arena, control = create_arena(1024, secret=b"s" * 32), create_control_block(2, 2, secret=b"s" * 32)
+    try:
+        values = _round_trip_values(arena, control)
+        store = dist.HashStore()
+        for i, v in enumerate(values):
+            rdv.publish(store, f"v/{i}", v)
+            raw = store.get(f"v/{i}")
+            assert raw.startswith(b"trs-signed-1\n" if env_secret else b"trs-plain-1\n")
+            got = rdv.fetch(store, f"v/{i}", timeout=1)
+            assert _same(got, v), (v, got)
+        assert _same(rdv.all_gather_obj(store, "g", 0, 1, values, timeout=1), [values])
+    finally:
+        arena.close()
+        control.close()
+
+
+def test_store_values_refuse_what_is_not_plain(monkeypatch):
+    monkeypatch.delenv(rdv.SECRET_ENV, raising=False)
+    store = dist.HashStore()
+
+    def refused(raw, *needles):
+        store.set("k", raw)
+        with pytest.raises(rdv.StoreValueError) as info:
+            rdv.fetch(store, "k", timeout=1)
+        for n in ("store key 'k'", *needles):
+            assert n in str(info.value), str(info.value)
+
+    head = b"trs-plain-1\n"
+    refused(__import__("pickle").dumps({"a": 1}), "not a tritonreshard plain value", "never unpickled")
+    refused(b"", "not a tritonreshard plain value")
+    refused(head + b"{not json", "not a tritonreshard plain value")
+    refused(head + b'{"a": 1}', "unknown node")
+    refused(head + b'{"$": "obj", "type": "os.system", "fields": {}}', "'os.system' is not registered")
+    refused(head + b'{"$": "obj", "type": "builtins.dict", "fields": {}}', "not registered")
+    refused(head + b'{"$": "dtype", "name": "__class__"}', "unknown dtype")
+    refused(head + b'{"$": "bytes", "b64": "***"}', "bad base64")
+    refused(head + b'{"$": "dict", "items": [[[1], 2]]}', "unhashable")
+    refused(head + b"[" * 100000 + b"]" * 100000, "not a tritonreshard plain value")
+    # The constructor runs, so a class's own validation refuses what it would refuse from a caller.
+    bad_kind = {"$": "obj", "type": "tritonreshard.transport._base.ArenaHandle",
+                "fields": {"kind": "pickle", "arena_id": "x", "nbytes": 1, "alloc_nbytes": 1, "device": "cpu",
+                           "owner_pid": 1, "hostname": "h"}}
+    refused(head + json.dumps(bad_kind).encode(), "refused its fields", "kind must be one of")
+    bad_layout = {"$": "obj", "type": "tritonreshard.layout.Layout",
+                  "fields": {"shape": {"$": "tuple", "items": [4]}, "mesh": [0, 0], "placements": [],
+                             "dtype": {"$": "dtype", "name": "float32"}}}
+    refused(head + json.dumps(bad_layout).encode(), "refused its fields", "duplicate ranks")
+    with pytest.raises(TypeError, match=r"publish 'k': value\[1\]\['t'\] is a torch.Tensor, not a plain value"):
+        rdv.publish(store, "k", [1, {"t": torch.zeros(1)}])
+
+
+def test_with_the_env_secret_every_value_is_authenticated(monkeypatch):
+    monkeypatch.setenv(rdv.SECRET_ENV, secrets.token_hex(32))
+    store = dist.HashStore()
+    value = Exports(1, None, None, {"w": 512})
+    rdv.publish(store, "exports/1", value)
+    signed = store.get("exports/1")
+    assert rdv.fetch(store, "exports/1", timeout=1) == value
+
+    def forged(key, raw, why):
+        store.set(key, raw)
+        with pytest.raises(rdv.StoreValueError, match=f"store key '{key}': the value is forged or corrupted.*{why}"):
+            rdv.fetch(store, key, timeout=1)
+
+    forged("exports/1", signed.replace(b"512", b"513"), "MAC does not match")      # payload changed
+    forged("exports/2", signed, "MAC does not match")                             # moved to another key
+    mac_at = len(b"trs-signed-1\n")
+    flipped = signed[:mac_at] + (b"0" if signed[mac_at:mac_at + 1] != b"0" else b"1") + signed[mac_at + 1:]
+    forged("exports/1", flipped, "MAC does not match")                            # MAC changed
+    forged("exports/1", b"trs-plain-1\n" + signed.split(b"\n", 2)[2], "no MAC")   # MAC stripped
+    monkeypatch.setenv(rdv.SECRET_ENV, secrets.token_hex(32))                    # another group's secret
+    forged("exports/1", signed, "MAC does not match")
+
+
+def test_register_plain_names_every_problem():
+    @dataclasses.dataclass
+    class Mutable:
+        x: int
+
+    @dataclasses.dataclass(frozen=True, init=False)
+    class OddInit:
+        x: int
+
+        def __init__(self, *args):
+            object.__setattr__(self, "x", args[0])
+
+    with pytest.raises(ValueError) as info:
+        rdv.register_plain(Mutable, OddInit, dict)
+    msg = str(info.value)
+    assert "Mutable is not frozen" in msg and "OddInit: constructor parameters ['args']" in msg
+    assert "<class 'dict'> is not a dataclass" in msg
+
+    @dataclasses.dataclass(frozen=True)
+    class Fine:
+        x: tuple
+        y: dict = dataclasses.field(default_factory=dict)
+
+    store = dist.HashStore()
+    with pytest.raises(TypeError, match="not a plain value"):
+        rdv.publish(store, "k", Fine((1,)))
+    rdv.register_plain(Fine)
+    rdv.publish(store, "k", Fine((1, torch.int8), {2: b"x"}))
+    assert _same(rdv.fetch(store, "k", timeout=1), Fine((1, torch.int8), {2: b"x"}))

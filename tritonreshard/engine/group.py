@@ -74,6 +74,9 @@ class Member:
         return f"Member(rank={self.rank}, pid={self.pid}, host={self.host!r}, {'+'.join(roles)}, {self.device})"
 
 
+rdv.register_plain(Member)  # it travels through the store in each rank's hello
+
+
 def connect(store, *, rank: int, world_size: int, timeout: float, host_store: bool | None):
     """The base store of a refit group, and whether this process hosts it.
 

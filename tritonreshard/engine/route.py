@@ -29,6 +29,7 @@ from ..planning import (CrossTransfer, FillOp, HostPlan, Message, TransferOp, pl
                         plan_messages)
 from ..transport import ArenaHandle, ControlBlock, open_arena, open_control_block
 from .group import Group
+from .rendezvous import register_plain
 
 __all__ = ["BufferRef", "CopySource", "Exported", "OwnBuffer", "Read", "Route", "Sources", "build_route"]
 
@@ -73,6 +74,9 @@ class Exported:
     arena: ArenaHandle
     control: ArenaHandle
     offsets: dict = field(default_factory=dict)
+
+
+register_plain(BufferRef, Exported)  # both travel through the store in the set-up exchanges
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,15 @@ name when the socket closes). It hands the arena's fd only to a client that prov
 group secret, and proves the same back, so a process squatting the name can't feed a peer a fake
 buffer either. Works without ptrace rights (no ``pidfd_getfd``).
 
+Before that, each side reads the other's credentials from the kernel (``SO_PEERCRED``) and deals
+only with a process of its own effective uid: abstract sockets have no permissions, so any local
+user can connect or squat a name, and a group's processes all run as one user (named segments are
+0600 too). A peer of another uid is refused before any nonce or MAC is exchanged, whatever secret
+it holds, so a leaked secret alone does not let another local user in.
+
 Protocol (one message per step; SEQPACKET keeps message boundaries):
 
+0. server -> client: ``"DENY"`` and close, if the client runs as another uid
 1. server -> client: ``MAGIC + nonce_s`` (32 random bytes)
 2. client -> server: ``nonce_c + HMAC(secret, "client" | arena_id | nonce_s | nonce_c)``
 3. server -> client: ``"DENY"`` and close, or
@@ -22,6 +29,7 @@ import os
 import secrets
 import select
 import socket
+import struct
 import threading
 
 __all__ = ["FdServer", "request_fds", "as_secret_bytes"]
@@ -43,6 +51,11 @@ def as_secret_bytes(secret) -> bytes:
     if len(b) < 16:
         raise ValueError(f"secret: need at least 16 bytes, got {len(b)} bytes")
     return b
+
+
+def _peer_cred(sock: socket.socket) -> tuple[int, int, int]:
+    """``(pid, uid, gid)`` of the process at the other end of a connected Unix socket."""
+    return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
 
 
 def _mac(secret: bytes, role: bytes, arena_id: str, nonce_s: bytes, nonce_c: bytes) -> bytes:
@@ -107,6 +120,12 @@ class FdServer:
                 self.refused += 1
 
     def _serve_one(self, conn: socket.socket) -> bool:
+        pid, uid, _ = _peer_cred(conn)
+        if uid != os.geteuid():
+            log.warning("fd server %s: refused a client of another user (pid %d, uid %d; this server "
+                        "serves uid %d only)", self._arena_id[:6], pid, uid, os.geteuid())
+            conn.sendall(b"DENY")
+            return False
         nonce_s = secrets.token_bytes(NONCE)
         conn.sendall(MAGIC + nonce_s)
         msg = conn.recv(NONCE + MAC + 1)  # no ancillary buffer: fds a client might send are dropped
@@ -149,8 +168,9 @@ class FdServer:
 def request_fds(address: str, secret, arena_id: str, max_fds: int, timeout: float) -> tuple[bytes, list[int]]:
     """Client side: authenticate to the owner's server and receive ``(payload, fds)``.
 
-    Raises ``PermissionError`` if the server refuses (wrong secret) or fails to prove it holds the
-    secret, ``ConnectionError`` if nobody serves ``address`` (owner gone, or arena already sealed).
+    Raises ``PermissionError`` if the server refuses (wrong secret, or this process runs as another
+    uid), runs as another uid, or fails to prove it holds the secret; ``ConnectionError`` if nobody
+    serves ``address`` (owner gone, or arena already sealed).
     """
     secret = as_secret_bytes(secret)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
@@ -163,7 +183,16 @@ def request_fds(address: str, secret, arena_id: str, max_fds: int, timeout: floa
             raise ConnectionError(
                 f"no fd server for arena {arena_id[:6]}…: the owner exited, or it already sealed the "
                 f"arena (unlink) before this peer mapped it ({e.strerror})") from None
+        pid, uid, _ = _peer_cred(sock)
+        if uid != os.geteuid():  # a squatter of the name: don't talk to it at all
+            raise PermissionError(
+                f"fd server for arena {arena_id[:6]}… runs as uid {uid} (pid {pid}), not as this process's "
+                f"uid {os.geteuid()}: refusing it")
         hello = sock.recv(len(MAGIC) + NONCE + 1)
+        if hello == b"DENY":
+            raise PermissionError(
+                f"fd server for arena {arena_id[:6]}… refused this process: it serves only processes "
+                f"of its own uid, this one runs as uid {os.geteuid()}")
         if len(hello) != len(MAGIC) + NONCE or not hello.startswith(MAGIC):
             raise ConnectionError(f"fd server for arena {arena_id[:6]}… sent an unexpected greeting")
         nonce_s = hello[len(MAGIC):]
