@@ -26,8 +26,7 @@ import torch.distributed as dist
 import tritonreshard as trs
 from tritonreshard import Layout, Part, Replicate, Shard
 from tritonreshard.engine.group import Member
-from tritonreshard.engine.publisher import Exports
-from tritonreshard.engine.relay import RelayExports
+from tritonreshard.engine.route import BufferRef, Exported
 from tritonreshard.engine import rendezvous as rdv
 from tritonreshard.transport import (ArenaHandle, create_arena, create_control_block, open_arena,
                                      open_control_block)
@@ -100,7 +99,7 @@ def _attack_worker(rank, port, secret_hex):
     if rank == 3:
         store = rdv.connect_store(f"127.0.0.1:{port}", world_size=3, is_master=False, timeout=60)
         prefixed = torch.distributed.PrefixStore("trs/default/e0/", store)
-        exports = rdv.fetch(prefixed, "exports/0", timeout=60)
+        (exports,) = rdv.fetch(prefixed, "exports/0", timeout=60)  # the trainer's arena, as exchanged
         guess = rdv.GroupSecret.generate()
         errors = []
         for opener, handle in ((open_arena, exports.arena), (open_control_block, exports.control)):
@@ -117,7 +116,7 @@ def _attack_worker(rank, port, secret_hex):
             ep.publish()
             ep.fence()
             report["texts"] = [repr(ep), str(ep), repr(ep.group), repr(ep.group.secret), str(ep.group.secret),
-                               repr(ep.publisher.exports), repr(ep.publisher.control), repr(ep.members),
+                               repr(ep.arena.exported), repr(ep.arena.control), str(ep.route), repr(ep.route), repr(ep.members),
                                str(ep.plan), repr(ep.plan)]
     else:
         if rank == 2:  # maps the trainer's arena only after the attack: the owner must still serve it
@@ -132,8 +131,8 @@ def _attack_worker(rank, port, secret_hex):
         with trs.RefitInference(dst, **kw) as ep:
             assert ep.pull() == 1
             report["exact"] = torch.equal(ep.tensors["w"], torch.arange(24.0).reshape(4, 6))
-            report["texts"] = [repr(ep), repr(ep.subscriber.sources.exports[0]),
-                               repr(ep.subscriber.sources.controls[0]), repr(ep.last_pull)]
+            report["texts"] = [repr(ep), repr(ep.route),
+                               repr(ep.subscriber.sources.controls), repr(ep.last_pull)]
     # A set-up that fails: its message must not carry the secret either.
     try:
         trs.RefitInference({"w": "not a layout"}, rank=0, world_size=1, store=f"127.0.0.1:{free_port()}",
@@ -357,9 +356,9 @@ def _round_trip_values(arena, control):
         *[getattr(torch, n) for n in ("float32", "bfloat16", "float8_e4m3fn", "int64", "bool", "complex64")],
         slice(None), slice(1, 9, 2), slice(-1, None, None),
         Shard(0), Shard(1, (2, 3)), Replicate(), lay2d, parts["qkv"][1], member,
-        Exports(0), Exports(2, arena.export(), control.export(), {"w": 0, "b": 256}),
-        RelayExports(1), RelayExports(4, arena.export(), None), arena.export(),
-        {"members": {0: member}, "exports": [Exports(5, arena.export())]},
+        BufferRef("arena", 0), Exported(BufferRef("arena", 2), arena.export(), control.export(), {"w": 0, "b": 256}),
+        Exported(BufferRef("relay", 4), arena.export(), control.export()), arena.export(),
+        {"members": {0: member}, "exports": (Exported(BufferRef("arena", 5), arena.export(), control.export()),)},
     ]
 
 
@@ -423,7 +422,7 @@ def test_store_values_refuse_what_is_not_plain(monkeypatch):
 def test_with_the_env_secret_every_value_is_authenticated(monkeypatch):
     monkeypatch.setenv(rdv.SECRET_ENV, secrets.token_hex(32))
     store = dist.HashStore()
-    value = Exports(1, None, None, {"w": 512})
+    value = {"w": 512, "buffer": BufferRef("arena", 1)}
     rdv.publish(store, "exports/1", value)
     signed = store.get("exports/1")
     assert rdv.fetch(store, "exports/1", timeout=1) == value
