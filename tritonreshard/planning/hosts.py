@@ -109,20 +109,6 @@ def _intersect(a: Box, b: Box) -> Box | None:
     return out if all(lo < hi for lo, hi in out) else None
 
 
-def _split_box(box: Box, n: int) -> list[Box]:
-    """``box`` cut into ``n`` near-equal parts along its outermost dim of extent > 1 (contiguous
-    boxes stay contiguous)."""
-    axis = next(d for d, (a, b) in enumerate(box) if b - a > 1)
-    a, b = box[axis]
-    step, extra = divmod(b - a, n)
-    parts, pos = [], a
-    for i in range(n):
-        e = pos + step + (1 if i < extra else 0)
-        parts.append(box[:axis] + ((pos, e),) + box[axis + 1:])
-        pos = e
-    return parts
-
-
 @dataclass(frozen=True)
 class CrossTransfer:
     """One box of a source rank's local shard that crosses from ``src_host`` into ``dst_host``.
@@ -298,12 +284,6 @@ class HostPlan:
     def local_readers_of(self, src_rank: int) -> tuple[int, ...]:
         """Destination ranks that read ``src_rank``'s arena directly (all on its host)."""
         return tuple(sorted({op.dst_rank for op in self.local_ops if op.src_rank == src_rank}))
-
-    def receivers_fed_by(self, src_rank: int) -> tuple[int, ...]:
-        return tuple(sorted({t.receiver for t in self.sends_of(src_rank)}))
-
-    def senders_to(self, receiver: int) -> tuple[int, ...]:
-        return tuple(sorted({t.src_rank for t in self.recvs_of(receiver)}))
 
     # ---------------------------------------------------------------- text
     def summary(self) -> str:
