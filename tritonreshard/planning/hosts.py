@@ -47,7 +47,7 @@ from functools import cached_property
 import torch
 
 from .reshard import Plan, TransferOp, cut_global
-from .text import fmt_bytes, fmt_global, fmt_slices
+from .text import fmt_bytes, fmt_ranks, fmt_slices, render_table
 
 __all__ = ["CrossTransfer", "FanoutOp", "HostPlan", "Message", "plan_hosts", "plan_messages",
            "box_is_contiguous"]
@@ -299,30 +299,20 @@ class HostPlan:
         by_host: dict[str, list[int]] = defaultdict(list)
         for r in sorted(self._hosts):
             by_host[self._hosts[r]].append(r)
-        lines.append("hosts: " + "; ".join(f"{h}: ranks {_fmt_ranks(by_host[h])}" for h in self.host_names))
+        lines.append("hosts: " + "; ".join(f"{h}: ranks {fmt_ranks(by_host[h])}" for h in self.host_names))
         if self.transfers:
-            rows = [("#", "tensor", "src->recv", "hosts", "src local", "shape", "bytes", "buf offset", "send")]
-            shown = self.transfers if max_rows is None else self.transfers[:max_rows]
-            for t in shown:
-                rows.append((str(t.index), t.name, f"{t.src_rank}->{t.receiver}", f"{t.src_host}->{t.dst_host}",
-                             fmt_slices(t.box), "x".join(map(str, t.shape)) or "scalar", fmt_bytes(t.nbytes),
-                             str(t.offset), "direct" if t.contiguous else "packed"))
-            widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-            for r in rows:
-                lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-            if len(shown) < len(self.transfers):
-                lines.append(f"  ... {len(self.transfers) - len(shown)} more transfers")
+            headers = ("#", "tensor", "src->recv", "hosts", "src local", "shape", "bytes", "buf offset", "send")
+            rows = ((str(t.index), t.name, f"{t.src_rank}->{t.receiver}", f"{t.src_host}->{t.dst_host}",
+                     fmt_slices(t.box), "x".join(map(str, t.shape)) or "scalar", fmt_bytes(t.nbytes),
+                     str(t.offset), "direct" if t.contiguous else "packed") for t in self.transfers)
+            lines += render_table(headers, rows, max_rows=max_rows, sections=(("transfers", len(self.transfers)),))
             lines.append("bytes across hosts (rows: source host, columns: destination host)")
             hs = self.host_names
-            cells = [["src\\dst"] + list(hs)]
-            for s in hs:
-                cells.append([s] + [fmt_bytes(self.host_pair_bytes[(s, d)]) if (s, d) in self.host_pair_bytes
-                                    else "." for d in hs])
-            w = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
-            for row in cells:
-                lines.append("  " + "  ".join(c.rjust(x) for c, x in zip(row, w)))
+            lines += render_table(["src\\dst"] + list(hs),
+                                  [[s] + [fmt_bytes(self.host_pair_bytes[(s, d)]) if (s, d) in self.host_pair_bytes
+                                          else "." for d in hs] for s in hs], right=True)
             lines.append("receive buffers: " + ", ".join(
-                f"{r}: {fmt_bytes(b)} read by {_fmt_ranks(self.buffer_readers(r))}"
+                f"{r}: {fmt_bytes(b)} read by {fmt_ranks(self.buffer_readers(r))}"
                 for r, b in sorted(self._buffer_bytes.items())))
         else:
             lines.append("nothing crosses between hosts")
@@ -333,10 +323,6 @@ class HostPlan:
 
     def __repr__(self) -> str:
         return f"<{self.summary()}>"
-
-
-def _fmt_ranks(ranks) -> str:
-    return "{" + ",".join(map(str, ranks)) + "}"
 
 
 def _check_hosts(plan: Plan, hosts) -> dict[int, str]:

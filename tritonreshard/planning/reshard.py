@@ -21,12 +21,12 @@ from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
-from itertools import product
+from itertools import chain, product
 
 import torch
 
 from ..layout import Layout, Part, Segment, segments_by_mesh_index
-from .text import fmt_bytes, fmt_global, fmt_slices
+from .text import fmt_box, fmt_bytes, fmt_global, fmt_slices, render_table
 
 __all__ = ["TransferOp", "FillOp", "Plan", "PlanStats", "plan_reshard", "CASTABLE_DTYPES"]
 
@@ -325,28 +325,22 @@ class Plan:
         lines = [self.summary()]
         renamed = any(op.src_name != op.name for op in self._ops)
         # With parts, "global" is the source's index, so the source's name goes with it.
-        rows = [("tensor", "src->dst", "source[global]" if renamed else "global", "src local", "dst local",
-                 "shape", "bytes")]
-        shown = self._ops if max_ops is None else self._ops[:max_ops]
-        for op in shown:
+        headers = ("tensor", "src->dst", "source[global]" if renamed else "global", "src local", "dst local",
+                   "shape", "bytes")
+
+        def op_row(op: TransferOp) -> tuple[str, ...]:
             g = fmt_global(op.global_index)
-            rows.append((op.name, f"{op.src_rank}->{op.dst_rank}", op.src_name + g if renamed else g,
-                         fmt_slices(op.src_slices), fmt_slices(op.dst_slices),
-                         "x".join(map(str, op.shape)) or "scalar",
-                         fmt_bytes(op.numel * self._dst[op.name].itemsize)))
-        budget = None if max_ops is None else max(0, max_ops - len(shown))
-        fills = self._fills if budget is None else self._fills[:budget]
-        for f in fills:
-            rows.append((f.name, f"zeros->{f.dst_rank}", fmt_global(f.global_index), "-",
-                         fmt_slices(f.dst_slices), "x".join(map(str, f.shape)),
-                         fmt_bytes(f.numel * self._dst[f.name].itemsize)))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        for r in rows:
-            lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-        if len(shown) < len(self._ops):
-            lines.append(f"  ... {len(self._ops) - len(shown)} more ops")
-        if len(fills) < len(self._fills):
-            lines.append(f"  ... {len(self._fills) - len(fills)} more zero fills")
+            return (op.name, f"{op.src_rank}->{op.dst_rank}", op.src_name + g if renamed else g,
+                    fmt_slices(op.src_slices), fmt_slices(op.dst_slices), "x".join(map(str, op.shape)) or "scalar",
+                    fmt_bytes(op.numel * self._dst[op.name].itemsize))
+
+        def fill_row(f: FillOp) -> tuple[str, ...]:
+            return (f.name, f"zeros->{f.dst_rank}", fmt_global(f.global_index), "-", fmt_slices(f.dst_slices),
+                    "x".join(map(str, f.shape)), fmt_bytes(f.numel * self._dst[f.name].itemsize))
+
+        rows = chain(map(op_row, self._ops), map(fill_row, self._fills))
+        lines += render_table(headers, rows, max_rows=max_ops,
+                              sections=(("ops", len(self._ops)), ("zero fills", len(self._fills))))
         if self._parts:
             lines.append("parts (destination box <- source):")
             for name in sorted(self._parts)[:16 if max_ops is not None else None]:
@@ -356,13 +350,9 @@ class Plan:
         srcs, dsts = self.src_ranks, self.dst_ranks
         if len(srcs) <= 16 and len(dsts) <= 16:
             lines.append("bytes (rows: source rank, columns: destination rank)")
-            cells = [["src\\dst"] + [str(d) for d in dsts]]
-            for s in srcs:
-                cells.append([str(s)] + [fmt_bytes(st.pair_bytes[(s, d)]) if (s, d) in st.pair_bytes else "."
-                                         for d in dsts])
-            w = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
-            for row in cells:
-                lines.append("  " + "  ".join(c.rjust(x) for c, x in zip(row, w)))
+            lines += render_table(["src\\dst"] + [str(d) for d in dsts],
+                                  [[str(s)] + [fmt_bytes(st.pair_bytes[(s, d)]) if (s, d) in st.pair_bytes
+                                               else "." for d in dsts] for s in srcs], right=True)
         lines.append("send: " + ", ".join(f"{r}: {fmt_bytes(b)}" for r, b in sorted(st.send_bytes.items())))
         lines.append("recv: " + ", ".join(f"{r}: {fmt_bytes(b)}" for r, b in sorted(st.recv_bytes.items())))
         return "\n".join(lines)
@@ -376,10 +366,6 @@ class Plan:
 
 # A resolved part: (source name or None for zeros, destination box, source start).
 _Resolved = tuple[str | None, tuple[tuple[int, int], ...], tuple[int, ...]]
-
-
-def _fmt_box(box) -> str:
-    return "[" + ", ".join(f"{a}:{b}" for a, b in box) + "]"
 
 
 @lru_cache(maxsize=4096)
@@ -424,7 +410,7 @@ def _resolve_parts(name: str, d: Layout, parts, src: Mapping[str, Layout], probl
         box = tuple((0, n) if iv is None else iv for iv, n in zip(p.dst, d.shape))
         bad = [f"dim {k}: {a}:{b}" for k, ((a, b), n) in enumerate(zip(box, d.shape)) if not 0 <= a <= b <= n]
         if bad:
-            problems.append(f"{w}={p}: dst box {_fmt_box(box)} is outside dst_layouts[{name!r}].shape="
+            problems.append(f"{w}={p}: dst box {fmt_box(box)} is outside dst_layouts[{name!r}].shape="
                             f"{d.shape} ({'; '.join(bad)})")
             continue
         start = p.src_start if p.src_start is not None else (0,) * d.ndim
@@ -439,7 +425,7 @@ def _resolve_parts(name: str, d: Layout, parts, src: Mapping[str, Layout], probl
                 continue
             stop = tuple(a + (hi - lo) for a, (lo, hi) in zip(start, box))
             if any(a < 0 or b > n for a, b, n in zip(start, stop, s.shape)):
-                problems.append(f"{w}={p}: source box {_fmt_box(tuple(zip(start, stop)))} is outside "
+                problems.append(f"{w}={p}: source box {fmt_box(tuple(zip(start, stop)))} is outside "
                                 f"src_layouts[{p.src!r}].shape={s.shape}")
                 continue
             if s.dtype != d.dtype and not (s.dtype in CASTABLE_DTYPES and d.dtype in CASTABLE_DTYPES):
@@ -454,10 +440,10 @@ def _resolve_parts(name: str, d: Layout, parts, src: Mapping[str, Layout], probl
             if kind == "overlap":
                 i, j, box = rest
                 problems.append(f"dst_layouts[{name!r}]: parts {labels[i]} and {labels[j]} overlap on "
-                                f"{_fmt_box(box)}")
+                                f"{fmt_box(box)}")
             else:
                 count, box = rest
-                problems.append(f"dst_layouts[{name!r}]: no part covers {_fmt_box(box)} (a hole; mark "
+                problems.append(f"dst_layouts[{name!r}]: no part covers {fmt_box(box)} (a hole; mark "
                                 f"padding with trs.Part(None, ...))")
         holes = [g for g in gaps if g[0] == "hole"]
         if holes and holes[0][1] > len(holes):
