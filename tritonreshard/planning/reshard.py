@@ -26,13 +26,10 @@ from itertools import chain, product
 import torch
 
 from ..layout import Layout, Part, Segment, segments_by_mesh_index
+from . import dtypes
 from .text import fmt_box, fmt_bytes, fmt_global, fmt_slices, render_table
 
-__all__ = ["TransferOp", "FillOp", "Plan", "PlanStats", "plan_reshard", "CASTABLE_DTYPES"]
-
-#: Dtypes the kernels convert between in the same pass (round-to-nearest-even, like ``.to()``).
-#: Any dtype may be copied to itself.
-CASTABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+__all__ = ["TransferOp", "FillOp", "Plan", "PlanStats", "plan_reshard"]
 
 # Remote pieces read from replicated sources are split across replicas only into parts at least
 # this big: below it a descriptor entry costs more than the imbalance it removes.
@@ -428,7 +425,7 @@ def _resolve_parts(name: str, d: Layout, parts, src: Mapping[str, Layout], probl
                 problems.append(f"{w}={p}: source box {fmt_box(tuple(zip(start, stop)))} is outside "
                                 f"src_layouts[{p.src!r}].shape={s.shape}")
                 continue
-            if s.dtype != d.dtype and not (s.dtype in CASTABLE_DTYPES and d.dtype in CASTABLE_DTYPES):
+            if not dtypes.castable(s.dtype, d.dtype):
                 problems.append(f"{w}: dst_layouts[{name!r}].dtype={d.dtype} cannot be produced from "
                                 f"src_layouts[{p.src!r}].dtype={s.dtype}")
                 continue
@@ -479,10 +476,10 @@ def _validate(src: Mapping[str, Layout], dst: Mapping[str, Layout], parts) -> di
             continue
         if s.shape != d.shape:
             problems.append(f"dst_layouts[{name!r}].shape={d.shape} != src_layouts[{name!r}].shape={s.shape}")
-        if s.dtype != d.dtype and not (s.dtype in CASTABLE_DTYPES and d.dtype in CASTABLE_DTYPES):
+        if not dtypes.castable(s.dtype, d.dtype):
             problems.append(f"dst_layouts[{name!r}].dtype={d.dtype} cannot be produced from "
                             f"src_layouts[{name!r}].dtype={s.dtype}: casts are supported among "
-                            f"{', '.join(map(str, CASTABLE_DTYPES))}; other dtypes copy only to themselves")
+                            f"{', '.join(map(str, dtypes.CASTABLE_DTYPES))}; other dtypes copy only to themselves")
     if problems:
         raise ValueError(f"plan_reshard: {len(problems)} problem(s):\n  - " + "\n  - ".join(problems))
     return resolved
