@@ -26,17 +26,10 @@ from itertools import chain, product
 import torch
 
 from ..layout import Layout, Part, Segment, segments_by_mesh_index
-from . import dtypes
+from . import dtypes, replicas
 from .text import fmt_box, fmt_bytes, fmt_global, fmt_slices, render_table
 
 __all__ = ["TransferOp", "FillOp", "Plan", "PlanStats", "plan_reshard"]
-
-# Remote pieces read from replicated sources are split across replicas only into parts at least
-# this big: below it a descriptor entry costs more than the imbalance it removes.
-_MIN_SPLIT_BYTES = 4096
-# A whole piece goes to the least-loaded replica while that keeps it within this factor of the
-# replica set's projected fair load; otherwise the piece is water-filled across replicas.
-_BALANCE_SLACK = 1.05
 
 
 class _DstBox:
@@ -179,8 +172,8 @@ def _make_op(name: str, src: int, dst: int, dims: tuple[_DimPiece, ...], src_nam
 
 
 def _split(dims: tuple[_DimPiece, ...], units: list[int]) -> list[tuple[_DimPiece, ...]]:
-    """Split a piece along its outermost dim of extent > 1 into consecutive parts of ``units``."""
-    axis = next(d for d, p in enumerate(dims) if p[2] > 1)
+    """Split a piece along :func:`~.replicas.split_axis` into consecutive parts of ``units``."""
+    axis = replicas.split_axis([p[2] for p in dims])
     s, d, n, g = dims[axis]
     parts, pos = [], 0
     for u in units:
@@ -513,7 +506,8 @@ def plan_reshard(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, La
     used = set(n for n in dst_layouts if n not in resolved)
     used.update(p[0] for rs in resolved.values() for p in rs if p[0] is not None)
     needed = tuple(sorted((n, src_layouts[n]) for n in used))
-    return _plan_cached(needed, tuple(sorted(dst_layouts.items())), tuple(sorted(resolved.items())))
+    return _plan_cached(needed, tuple(sorted(dst_layouts.items())), tuple(sorted(resolved.items())),
+                        replicas.KNOBS)
 
 
 def _geometry(layout: Layout) -> tuple:
@@ -551,26 +545,22 @@ def _pair_pieces(s_geo: tuple, d_geo: tuple, box: tuple | None = None, src_start
     if box is not None:
         d_segments = {r: tuple(_clip(segs, lo, hi, st - lo) for segs, (lo, hi), st in zip(dsegs, box, src_start))
                       for r, dsegs in d_segments.items()}
-    groups: dict[tuple, list[int]] = {}  # source ranks with identical regions are replicas
-    for r in s_geo[2]:
-        segs = s_segments[r]
-        if all(segs):  # empty shards hold nothing to read
-            groups.setdefault(segs, []).append(r)
+    groups = replicas.group_replicas(s_segments)
     rows = []
     for dst_rank in d_geo[2]:
         d_segs = d_segments[dst_rank]
         if not all(d_segs):
             continue
-        for s_segs, replicas in groups.items():
+        for s_segs, group in groups.items():
             per_dim = [_intersect_dim(s, d) for s, d in zip(s_segs, d_segs)]
             if not all(per_dim):
                 continue
             for dims in product(*per_dim):
                 numel = math.prod(p[2] for p in dims)
                 template = None
-                if len(replicas) == 1 or dst_rank in replicas:
-                    template = (dst_rank if dst_rank in replicas else replicas[0], *_op_fields(dims))
-                rows.append((dst_rank, tuple(replicas), dims, numel, template))
+                if len(group) == 1 or dst_rank in group:
+                    template = (dst_rank if dst_rank in group else group[0], *_op_fields(dims))
+                rows.append((dst_rank, group, dims, numel, template))
     return tuple(rows)
 
 
@@ -588,13 +578,14 @@ def _fill_pieces(d_geo: tuple, box: tuple) -> tuple:
 
 @lru_cache(maxsize=128)
 def _plan_cached(src_items: tuple[tuple[str, Layout], ...], dst_items: tuple[tuple[str, Layout], ...],
-                 parts_items: tuple = ()) -> Plan:
+                 parts_items: tuple = (), knobs: replicas.Knobs = replicas.KNOBS) -> Plan:
     src, dst, parts = dict(src_items), dict(dst_items), dict(parts_items)
     ops: list[TransferOp] = []
     fills: list[FillOp] = []
-    # Remote pieces with several candidate replicas, balanced after all fixed assignments are known.
-    pending: list[tuple[str, str, int, tuple[_DimPiece, ...], tuple[int, ...], int]] = []
-    load: dict[int, int] = defaultdict(int)
+    # Remote pieces with several candidate replicas, spread after all fixed reads are counted.
+    pending: list[tuple[str, str, int, tuple[_DimPiece, ...]]] = []
+    pieces: list[replicas.Piece] = []
+    reads = replicas.Loads()   # source bytes each source rank serves
 
     for name, d_lay in dst_items:
         d_geo = _geometry(d_lay)
@@ -608,48 +599,23 @@ def _plan_cached(src_items: tuple[tuple[str, Layout], ...], dst_items: tuple[tup
                 continue
             s_lay = src[src_name]
             s_isz = s_lay.itemsize
-            for dst_rank, replicas, dims, numel, template in _pair_pieces(_geometry(s_lay), d_geo, box, start):
+            for dst_rank, group, dims, numel, template in _pair_pieces(_geometry(s_lay), d_geo, box, start):
                 if template is not None:
                     src_rank, ss, ds, g = template
                     ops.append(TransferOp(name, src_rank, dst_rank, ss, ds, g, src_name))
-                    load[src_rank] += numel * s_isz
+                    reads.add(src_rank, numel * s_isz)
                 else:
-                    pending.append((name, src_name, dst_rank, dims, replicas, numel * s_isz))
+                    axis = replicas.split_axis([p[2] for p in dims])
+                    pending.append((name, src_name, dst_rank, dims))
+                    pieces.append(replicas.Piece(group, numel * s_isz, 1 if axis is None else dims[axis][2],
+                                                 (name, src_name, dst_rank, tuple(p[1] for p in dims))))
 
-    # Balance replicated reads: biggest pieces first (LPT), then water-fill where one replica would
-    # otherwise carry much more than its share.
-    remaining: dict[tuple[int, ...], int] = defaultdict(int)
-    for *_, cands, nbytes in pending:
-        remaining[cands] += nbytes
-    pending.sort(key=lambda p: (-p[5], p[0], p[1], p[2], tuple(x[1] for x in p[3])))
-    for name, src_name, dst_rank, dims, cands, nbytes in pending:
-        k = len(cands)
-        target = (sum(load[c] for c in cands) + remaining[cands]) / k
-        remaining[cands] -= nbytes
-        order = sorted(cands, key=lambda c: (load[c], c))
-        axis_extent = next((p[2] for p in dims if p[2] > 1), 1)
-        if load[order[0]] + nbytes <= target * _BALANCE_SLACK or axis_extent <= 1 or nbytes < 2 * _MIN_SPLIT_BYTES:
-            ops.append(_make_op(name, order[0], dst_rank, dims, src_name))
-            load[order[0]] += nbytes
+    for (name, src_name, dst_rank, dims), shares in zip(pending, replicas.spread(pieces, reads, knobs)):
+        if len(shares) == 1:
+            ops.append(_make_op(name, shares[0][0], dst_rank, dims, src_name))
             continue
-        k_eff = min(k, nbytes // _MIN_SPLIT_BYTES, axis_extent)
-        chosen = order[:k_eff]
-        # Water level L with sum(max(0, L - load)) == nbytes over the chosen replicas.
-        loads = sorted(load[c] for c in chosen)
-        level = 0.0
-        for i in range(len(loads), 0, -1):
-            level = (sum(loads[:i]) + nbytes) / i
-            if level >= loads[i - 1]:
-                break
-        want = [max(0.0, level - load[c]) / nbytes * axis_extent for c in chosen]
-        units = [int(w) for w in want]
-        for i in sorted(range(len(want)), key=lambda i: (units[i] - want[i], i))[:axis_extent - sum(units)]:
-            units[i] += 1
-        itemsize = nbytes // math.prod(p[2] for p in dims)
-        recipients = [c for c, u in zip(chosen, units) if u]
-        for c, part in zip(recipients, _split(dims, units)):
-            ops.append(_make_op(name, c, dst_rank, part, src_name))
-            load[c] += math.prod(p[2] for p in part) * itemsize
+        for (src_rank, _), part in zip(shares, _split(dims, [u for _, u in shares])):
+            ops.append(_make_op(name, src_rank, dst_rank, part, src_name))
 
     ops.sort(key=lambda op: (op.name, op.dst_rank, tuple(s.start for s in op.dst_slices), op.src_rank))
     fills.sort(key=lambda f: (f.name, f.dst_rank, tuple(s.start for s in f.dst_slices)))
