@@ -112,7 +112,8 @@ class Piece:
 def spread(pieces: Sequence[Piece], loads: Loads, knobs: Knobs | None = None) -> list[tuple[tuple[int, int], ...]]:
     """Choose the replica(s) serving each piece, balancing ``loads`` (which it updates).
 
-    Biggest pieces first (LPT). A piece goes whole to its least-loaded replica while that keeps the
+    Pieces with a single replica are counted first (they leave no choice), then the others go
+    biggest first (LPT). A piece goes whole to its least-loaded replica while that keeps the
     replica within ``knobs.slack`` times its replica set's projected fair load (the set's current
     load plus every piece of the set not yet placed, over the set's size). Otherwise it is
     water-filled over the least-loaded replicas (at most ``nbytes // min_split_bytes`` of them, and
@@ -122,12 +123,18 @@ def spread(pieces: Sequence[Piece], loads: Loads, knobs: Knobs | None = None) ->
     into consecutive parts, each served by its replica; units sum to ``piece.extent``.
     """
     knobs = KNOBS if knobs is None else knobs
-    remaining: dict[tuple[int, ...], int] = defaultdict(int)
-    for p in pieces:
-        remaining[p.replicas] += p.nbytes
     out: list[tuple[tuple[int, int], ...]] = [()] * len(pieces)
+    remaining: dict[tuple[int, ...], int] = defaultdict(int)
+    for i, p in enumerate(pieces):
+        if len(p.replicas) == 1:   # no choice: counted before any choice is made
+            out[i] = ((p.replicas[0], p.extent),)
+            loads.add(p.replicas[0], p.nbytes)
+        else:
+            remaining[p.replicas] += p.nbytes
     for i in sorted(range(len(pieces)), key=lambda i: (-pieces[i].nbytes, pieces[i].key)):
         p = pieces[i]
+        if len(p.replicas) == 1:
+            continue
         target = (sum(loads[c] for c in p.replicas) + remaining[p.replicas]) / len(p.replicas)
         remaining[p.replicas] -= p.nbytes
         order = sorted(p.replicas, key=lambda c: (loads[c], c))
