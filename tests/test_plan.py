@@ -101,6 +101,20 @@ def test_exactly_once_several_tensors_and_colocated_meshes(data):
     assert "unused" not in {op.name for op in plan.ops}
 
 
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), min_split=st.integers(1, 64), slack=st.sampled_from([1.0, 1.05, 1.5]))
+def test_exactly_once_when_the_knobs_cut_small_pieces(data, min_split, slack):
+    """The layouts above are too small for the default knobs to ever cut a replicated read: with
+    tiny knobs the water-filling runs on every example, and coverage must stay exactly once."""
+    from tritonreshard.planning import replicas
+
+    src = data.draw(layouts())
+    dst = data.draw(layouts(shape=src.shape))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(replicas, "KNOBS", replicas.Knobs(min_split_bytes=min_split, slack=slack))
+        check_exactly_once({"t": src}, {"t": dst})
+
+
 def test_seed_rows_to_columns_op_by_op():
     plan = trs.plan_reshard({"w": Layout((8, 8), 2, [Shard(0)])},
                             {"w": Layout((8, 8), [2, 3, 4, 5], [Shard(1)])})

@@ -121,6 +121,11 @@ def spread(pieces: Sequence[Piece], loads: Loads, knobs: Knobs | None = None) ->
 
     Returns, per piece in input order, ``((replica, units), ...)``: the piece's units in order, cut
     into consecutive parts, each served by its replica; units sum to ``piece.extent``.
+
+    The balance this buys: with one replica set of k replicas and no earlier load, no replica ends
+    above ``slack * total / k + excess``, where ``excess`` is the largest of: one unit of a piece
+    that can be cut k ways (``extent >= k`` and ``nbytes >= k * min_split_bytes``), and the whole
+    size of any other piece (one that may have to go whole, or to fewer replicas).
     """
     knobs = KNOBS if knobs is None else knobs
     out: list[tuple[tuple[int, int], ...]] = [()] * len(pieces)
