@@ -82,7 +82,7 @@ def test_group_replicas_by_identical_regions_skipping_empty_shards():
 def test_spread_counts_pieces_without_a_choice_first():
     # Rank 0 must serve the small piece; the big one, which 0 or 1 could serve, goes to 1 even
     # though it is placed first (biggest first) and 0 is the lower rank.
-    out = spread([Piece((0, 1), 4096, 1, "big"), Piece((0,), 512, 1, "small")], Loads())
+    out = spread([Piece((0, 1), 4096, 1, ("big",)), Piece((0,), 512, 1, ("small",))], Loads())
     assert out == [((1, 1),), ((0, 1),)]
 
 
@@ -105,7 +105,7 @@ replica_sets = st.lists(st.integers(0, 5), min_size=1, max_size=4, unique=True).
 def pieces(draw, sets=replica_sets):
     extent = draw(st.integers(1, 40))
     unit = draw(st.integers(1, 64))
-    return Piece(draw(sets), extent * unit, extent, draw(st.integers(0, 3)))
+    return Piece(draw(sets), extent * unit, extent, (draw(st.integers(0, 3)),))
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -13,14 +13,14 @@ derives the same choices.
   about equal bytes (the host planner's receivers), so neighbours stay together.
 
 Both balancers cut a piece only along its outermost dim of extent > 1 (:func:`split_axis`), in
-whole units of that dim, so a part of a contiguous box is contiguous. Both read :data:`KNOBS` at the
-moment they are called (the reshard planner also keys its cache on it), so replacing ``KNOBS``
-changes both planners at once.
+whole units of that dim, so a part of a contiguous box is contiguous. Both planners read
+:data:`KNOBS` each time they are called and pass it down (the reshard planner also keys its cache
+on it), so replacing ``KNOBS`` changes both planners at once.
 """
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = ["KNOBS", "Knobs", "Loads", "Piece", "cut_runs", "group_replicas", "split_axis", "spread"]
@@ -101,12 +101,13 @@ class Loads:
 @dataclass(frozen=True)
 class Piece:
     """Something one of ``replicas`` must serve: ``nbytes`` bytes that can be cut into ``extent``
-    equal units (along :func:`split_axis`; 1: only whole). ``key`` orders pieces of equal size."""
+    equal units (along :func:`split_axis`; 1: only whole). ``key`` (a tuple, comparable with the
+    other pieces' keys) orders pieces of equal size; input order breaks the remaining ties."""
 
     replicas: tuple[int, ...]
     nbytes: int
     extent: int = 1
-    key: Hashable = ()
+    key: tuple = ()
 
 
 def spread(pieces: Sequence[Piece], loads: Loads, knobs: Knobs | None = None) -> list[tuple[tuple[int, int], ...]]:
