@@ -354,6 +354,23 @@ def test_property_exactly_once_and_each_byte_crosses_once(data):
     check(srcs, dsts, hosts)
 
 
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), min_split=st.integers(1, 64), slack=st.sampled_from([1.0, 1.05, 1.5]))
+def test_property_exactly_once_when_the_knobs_cut_small_boxes(data, min_split, slack):
+    """With tiny knobs both planners cut pieces on every example (reads over replicas, boxes over
+    senders and receivers): still exactly once, each byte crossing once."""
+    from tritonreshard.planning import replicas
+
+    srcs, dsts = {}, {}
+    for i in range(data.draw(st.integers(1, 2))):
+        srcs[f"t{i}"] = data.draw(layouts())
+        dsts[f"t{i}"] = data.draw(layouts(shape=srcs[f"t{i}"].shape))
+    hosts = {r: f"h{data.draw(st.integers(0, 2))}" for r in range(9)}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(replicas, "KNOBS", replicas.Knobs(min_split_bytes=min_split, slack=slack))
+        check(srcs, dsts, hosts)
+
+
 def test_receiver_runs_keep_arena_neighbours_in_few_messages():
     from tritonreshard.planning import plan_messages
     from tritonreshard.transport import pack_offsets

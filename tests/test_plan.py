@@ -101,6 +101,20 @@ def test_exactly_once_several_tensors_and_colocated_meshes(data):
     assert "unused" not in {op.name for op in plan.ops}
 
 
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), min_split=st.integers(1, 64), slack=st.sampled_from([1.0, 1.05, 1.5]))
+def test_exactly_once_when_the_knobs_cut_small_pieces(data, min_split, slack):
+    """The layouts above are too small for the default knobs to ever cut a replicated read: with
+    tiny knobs the water-filling runs on every example, and coverage must stay exactly once."""
+    from tritonreshard.planning import replicas
+
+    src = data.draw(layouts())
+    dst = data.draw(layouts(shape=src.shape))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(replicas, "KNOBS", replicas.Knobs(min_split_bytes=min_split, slack=slack))
+        check_exactly_once({"t": src}, {"t": dst})
+
+
 def test_seed_rows_to_columns_op_by_op():
     plan = trs.plan_reshard({"w": Layout((8, 8), 2, [Shard(0)])},
                             {"w": Layout((8, 8), [2, 3, 4, 5], [Shard(1)])})
@@ -405,3 +419,20 @@ def test_plan_picture_of_a_destination_built_from_parts(tmp_path):
         path = draw_plan(plan, str(tmp_path / f"{name}.png"), name=name)
         with open(path, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_planner_and_kernels_read_one_dtype_table(monkeypatch):
+    """plan_reshard's validation and kernels.supported_conversion answer from planning's one table:
+    narrowing it narrows both (and the kernels keep their own width rule for bit copies)."""
+    from tritonreshard import kernels
+    from tritonreshard.planning import dtypes
+
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+    src = {"w": Layout((4, 4), 2, [Shard(0)], f32)}
+    assert kernels.supported_conversion(f32, f16) and trs.planning.castable(f32, f16)
+    trs.plan_reshard(src, {"w": Layout((4, 4), [2, 3], [Shard(1)], f16)})
+    assert not kernels.supported_conversion(torch.complex128, torch.complex128)  # 16-byte bit copy
+    monkeypatch.setattr(dtypes, "CASTABLE_DTYPES", (f32, bf16))
+    assert not kernels.supported_conversion(f32, f16) and kernels.supported_conversion(f32, bf16)
+    with pytest.raises(ValueError, match="casts are supported among torch.float32, torch.bfloat16;"):
+        trs.plan_reshard(src, {"w": Layout((4, 4), [2, 3], [Shard(0)], f16)})

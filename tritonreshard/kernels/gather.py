@@ -67,6 +67,7 @@ import numpy as np
 import torch
 import triton.language as tl
 
+from ..planning import CASTABLE_DTYPES, castable
 from ._jit import interpreted, jit
 
 FIELD_NAMES = ("src_addr", "dst_addr", "n_rows", "n_cols", "ss_row", "ss_col", "ds_row", "ds_col",
@@ -86,16 +87,17 @@ _NUM_WARPS = 4
 
 # dtype "kinds" the conversion code understands; RAW means "copy the bits"
 _RAW, _F32, _BF16, _F16 = 0, 1, 2, 3
-_KIND = {torch.float32: _F32, torch.bfloat16: _BF16, torch.float16: _F16}
+# Which dtypes cast is planning's table (CASTABLE_DTYPES); this is only the conversion code's number
+# for each of them. A dtype planning calls castable that the code cannot convert fails here, at import.
+_KIND = {dt: {torch.float32: _F32, torch.bfloat16: _BF16, torch.float16: _F16}[dt] for dt in CASTABLE_DTYPES}
 _BITS_T = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
 
 
 def supported_conversion(src_dtype: torch.dtype, dst_dtype: torch.dtype) -> bool:
-    """True if the kernels can copy ``src_dtype`` -> ``dst_dtype`` (same dtype of width 1/2/4/8 bytes,
-    or any pair among float32, bfloat16, float16)."""
-    if src_dtype == dst_dtype:
-        return src_dtype.itemsize in _BITS_T
-    return src_dtype in _KIND and dst_dtype in _KIND
+    """True if the kernels can copy ``src_dtype`` -> ``dst_dtype``: what a plan may connect
+    (:func:`tritonreshard.planning.castable`: the same dtype, or any pair among
+    :data:`~tritonreshard.planning.CASTABLE_DTYPES`), where a bit copy is 1, 2, 4 or 8 bytes wide."""
+    return castable(src_dtype, dst_dtype) and (src_dtype != dst_dtype or src_dtype.itemsize in _BITS_T)
 
 
 def group_key(src_dtype: torch.dtype, dst_dtype: torch.dtype):

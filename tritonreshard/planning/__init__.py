@@ -1,17 +1,23 @@
 """Planning: pure Python and deterministic (no device, no Triton), validated before any data moves.
 
+Modules, bottom up (each imports only those above it in this list):
+
+* :mod:`.text`: how sizes, slices and tables print, for every printer;
+* :mod:`.dtypes`: which dtypes a plan may connect (copy or cast), for the planner and the kernels;
+* :mod:`.checks`: ``plan_reshard``'s inputs checked before anything is planned, every problem at once;
+* :mod:`.replicas`: replica grouping and load balancing, with the one set of knobs both planners use;
 * :mod:`.reshard`: ``plan_reshard(src_layouts, dst_layouts, parts=)`` -> :class:`Plan`, a tuple of
   :class:`TransferOp` (one box from one source rank to one destination rank) and :class:`FillOp`
   (zero padding);
 * :mod:`.hosts`: the same plan split by host (:func:`plan_hosts`): each byte a host needs crosses into
-  it once, then fans out locally;
-* :mod:`.text`: how sizes and slices print, for every printer.
+  it once, then fans out locally.
 """
+from .dtypes import CASTABLE_DTYPES, castable
 from .hosts import (CrossTransfer, FanoutOp, HostPlan, Message, box_is_contiguous, plan_hosts,
                     plan_messages, RECV_ALIGN)
-from .reshard import CASTABLE_DTYPES, FillOp, Plan, PlanStats, TransferOp, plan_reshard
+from .reshard import FillOp, Plan, PlanStats, TransferOp, plan_reshard
 from .text import fmt_bytes, fmt_global, fmt_slices
 
 __all__ = ["CASTABLE_DTYPES", "CrossTransfer", "FanoutOp", "FillOp", "HostPlan", "Message", "Plan",
-           "PlanStats", "RECV_ALIGN", "TransferOp", "box_is_contiguous", "fmt_bytes", "fmt_global",
+           "PlanStats", "RECV_ALIGN", "TransferOp", "box_is_contiguous", "castable", "fmt_bytes", "fmt_global",
            "fmt_slices", "plan_hosts", "plan_messages", "plan_reshard"]

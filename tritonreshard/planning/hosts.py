@@ -14,12 +14,11 @@ each byte needed on a host crosses into it exactly once:
   re-sourced to that replica: it becomes a local op and nothing crosses.
 * **transfers** (:class:`CrossTransfer`): for each destination host, the union of the source boxes
   its ranks still need from other hosts, per tensor and per set of source replicas, cut into
-  disjoint boxes of the source's local shard (merged as far as possible, so a whole shard needed on
-  the host is one box, sent straight from the source's memory as one contiguous message). Each box
-  has exactly one sender (a source replica, balanced by bytes sent) and exactly one receiving rank on
-  the destination host (balanced by bytes received over the host's ranks that need data from other
-  hosts: each receiver takes one contiguous run of the host's boxes in the senders' arena order,
-  a box split along its outermost dim where a run ends, so neighbours travel as one message).
+  disjoint boxes of the source's local shard (a whole shard needed on the host is one box, sent
+  straight from the source's memory as one message). Each box has exactly one sender (a source
+  replica) and one receiver on the destination host (each receiver takes one run of the host's
+  boxes in the senders' arena order, so neighbours travel as one message), both balanced by bytes
+  with the reshard planner's own core, :mod:`.replicas`.
 * **receive buffers**: each receiver holds its boxes back to back (``align``-byte aligned, source
   dtype). They are the only staging of the cross-host path; :attr:`HostPlan.buffer_bytes` counts
   them per rank.
@@ -43,22 +42,20 @@ from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
 import torch
 
+from . import replicas
 from .reshard import Plan, TransferOp, cut_global
-from .text import fmt_bytes, fmt_global, fmt_slices
+from .text import fmt_bytes, fmt_ranks, fmt_slices, render_table
 
-__all__ = ["CrossTransfer", "FanoutOp", "HostPlan", "Message", "plan_hosts", "plan_messages",
-           "box_is_contiguous"]
+__all__ = ["CrossTransfer", "FanoutOp", "HostPlan", "Message", "RECV_ALIGN", "box_is_contiguous", "plan_hosts",
+           "plan_messages"]
 
 #: Receive buffers start every box on this boundary (the transports' arena alignment), so boxes that
 #: are back to back in the source arena stay back to back in the buffer and travel as one message.
 RECV_ALIGN = 256
-# A box is split between two receivers only into parts at least this big.
-_MIN_SPLIT_BYTES = 64 * 1024
-# A whole box stays in a receiver's run while that keeps the run within this factor of its share.
-_BALANCE_SLACK = 1.05
 
 Box = tuple[tuple[int, int], ...]   # per dim [start, stop) in a source rank's local shard
 
@@ -109,18 +106,23 @@ def _intersect(a: Box, b: Box) -> Box | None:
     return out if all(lo < hi for lo, hi in out) else None
 
 
-def _split_box(box: Box, n: int) -> list[Box]:
-    """``box`` cut into ``n`` near-equal parts along its outermost dim of extent > 1 (contiguous
-    boxes stay contiguous)."""
-    axis = next(d for d, (a, b) in enumerate(box) if b - a > 1)
-    a, b = box[axis]
-    step, extra = divmod(b - a, n)
-    parts, pos = [], a
-    for i in range(n):
-        e = pos + step + (1 if i < extra else 0)
-        parts.append(box[:axis] + ((pos, e),) + box[axis + 1:])
-        pos = e
-    return parts
+def _nbytes(lay, box: Box) -> int:
+    return math.prod(b - a for a, b in box) * lay.itemsize
+
+
+def _extent(box: Box) -> int:
+    """Units ``box`` can be cut into: its extent along :func:`~.replicas.split_axis` (1: one element)."""
+    axis = replicas.split_axis([b - a for a, b in box])
+    return 1 if axis is None else box[axis][1] - box[axis][0]
+
+
+def _part(box: Box, u0: int, u1: int) -> Box:
+    """Units ``[u0, u1)`` of ``box`` along :func:`~.replicas.split_axis` (contiguous if ``box`` is)."""
+    if (u0, u1) == (0, _extent(box)):
+        return box
+    axis = replicas.split_axis([b - a for a, b in box])
+    a = box[axis][0]
+    return box[:axis] + ((a + u0, a + u1),) + box[axis + 1:]
 
 
 @dataclass(frozen=True)
@@ -299,12 +301,6 @@ class HostPlan:
         """Destination ranks that read ``src_rank``'s arena directly (all on its host)."""
         return tuple(sorted({op.dst_rank for op in self.local_ops if op.src_rank == src_rank}))
 
-    def receivers_fed_by(self, src_rank: int) -> tuple[int, ...]:
-        return tuple(sorted({t.receiver for t in self.sends_of(src_rank)}))
-
-    def senders_to(self, receiver: int) -> tuple[int, ...]:
-        return tuple(sorted({t.src_rank for t in self.recvs_of(receiver)}))
-
     # ---------------------------------------------------------------- text
     def summary(self) -> str:
         return (f"HostPlan: {len(self.host_names)} host(s), {len(self.transfers)} cross-host transfer(s), "
@@ -319,30 +315,20 @@ class HostPlan:
         by_host: dict[str, list[int]] = defaultdict(list)
         for r in sorted(self._hosts):
             by_host[self._hosts[r]].append(r)
-        lines.append("hosts: " + "; ".join(f"{h}: ranks {_fmt_ranks(by_host[h])}" for h in self.host_names))
+        lines.append("hosts: " + "; ".join(f"{h}: ranks {fmt_ranks(by_host[h])}" for h in self.host_names))
         if self.transfers:
-            rows = [("#", "tensor", "src->recv", "hosts", "src local", "shape", "bytes", "buf offset", "send")]
-            shown = self.transfers if max_rows is None else self.transfers[:max_rows]
-            for t in shown:
-                rows.append((str(t.index), t.name, f"{t.src_rank}->{t.receiver}", f"{t.src_host}->{t.dst_host}",
-                             fmt_slices(t.box), "x".join(map(str, t.shape)) or "scalar", fmt_bytes(t.nbytes),
-                             str(t.offset), "direct" if t.contiguous else "packed"))
-            widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-            for r in rows:
-                lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-            if len(shown) < len(self.transfers):
-                lines.append(f"  ... {len(self.transfers) - len(shown)} more transfers")
+            headers = ("#", "tensor", "src->recv", "hosts", "src local", "shape", "bytes", "buf offset", "send")
+            rows = ((str(t.index), t.name, f"{t.src_rank}->{t.receiver}", f"{t.src_host}->{t.dst_host}",
+                     fmt_slices(t.box), "x".join(map(str, t.shape)) or "scalar", fmt_bytes(t.nbytes),
+                     str(t.offset), "direct" if t.contiguous else "packed") for t in self.transfers)
+            lines += render_table(headers, rows, max_rows=max_rows, sections=(("transfers", len(self.transfers)),))
             lines.append("bytes across hosts (rows: source host, columns: destination host)")
             hs = self.host_names
-            cells = [["src\\dst"] + list(hs)]
-            for s in hs:
-                cells.append([s] + [fmt_bytes(self.host_pair_bytes[(s, d)]) if (s, d) in self.host_pair_bytes
-                                    else "." for d in hs])
-            w = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
-            for row in cells:
-                lines.append("  " + "  ".join(c.rjust(x) for c, x in zip(row, w)))
+            lines += render_table(["src\\dst"] + list(hs),
+                                  [[s] + [fmt_bytes(self.host_pair_bytes[(s, d)]) if (s, d) in self.host_pair_bytes
+                                          else "." for d in hs] for s in hs], right=True)
             lines.append("receive buffers: " + ", ".join(
-                f"{r}: {fmt_bytes(b)} read by {_fmt_ranks(self.buffer_readers(r))}"
+                f"{r}: {fmt_bytes(b)} read by {fmt_ranks(self.buffer_readers(r))}"
                 for r, b in sorted(self._buffer_bytes.items())))
         else:
             lines.append("nothing crosses between hosts")
@@ -353,10 +339,6 @@ class HostPlan:
 
     def __repr__(self) -> str:
         return f"<{self.summary()}>"
-
-
-def _fmt_ranks(ranks) -> str:
-    return "{" + ",".join(map(str, ranks)) + "}"
 
 
 def _check_hosts(plan: Plan, hosts) -> dict[int, str]:
@@ -393,130 +375,160 @@ def plan_hosts(plan: Plan, hosts: Mapping[int, str], *,
 
     Returns a :class:`HostPlan`. Deterministic: every rank derives the same one. Raises
     ``ValueError`` listing every problem with ``hosts`` (missing ranks, bad names).
+
+    The steps, each a function below: re-source cross-host ops to replicas on the destination's
+    host (:func:`_resource_locally`); union what each host still needs into disjoint boxes
+    (:func:`_union_needs`); choose each box's sender (:func:`_choose_senders`); cut each host's
+    boxes into one run per receiver (:func:`_assign_receivers`); lay out the receive buffers
+    (:func:`_lay_out_buffers`); derive the fan-out ops (:func:`_fan_out`). Both balancing steps use
+    :mod:`.replicas` and its :data:`~.replicas.KNOBS`, like the reshard planner.
     """
     host_of = _check_hosts(plan, hosts)
     if not isinstance(align, int) or align < 1:
         raise ValueError(f"plan_hosts: align must be a positive int, got align={align!r}")
-    src_lay, dst_lay = plan.src_layouts, plan.dst_layouts
-
-    # Source replicas: ranks holding identical regions of a tensor hold identical local shards.
-    replicas: dict[tuple[str, int], tuple[int, ...]] = {}
-    for name in sorted({op.src_name for op in plan.ops}):  # source tensors (parts= may rename)
-        lay = src_lay[name]
-        groups: dict[tuple, list[int]] = defaultdict(list)
-        for r in lay.ranks:
-            groups[lay.segments(r)].append(r)
-        for g in groups.values():
-            for r in g:
-                replicas[(name, r)] = tuple(g)
-
-    local: list[TransferOp] = []
-    read_load: dict[int, int] = defaultdict(int)   # bytes read from each source by local ops
-    remote: list[TransferOp] = []
-    for op in plan.ops:
-        if host_of[op.src_rank] == host_of[op.dst_rank]:
-            local.append(op)
-            read_load[op.src_rank] += op.numel
-        else:
-            remote.append(op)
-    # Re-source to a replica on the destination's host where there is one: nothing needs to cross.
-    needs: dict[tuple[str, str, tuple[int, ...]], list[TransferOp]] = defaultdict(list)
-    for op in remote:
-        group = replicas[(op.src_name, op.src_rank)]
-        here = [r for r in group if host_of[r] == host_of[op.dst_rank]]
-        if here:
-            r = min(here, key=lambda c: (read_load[c], c))
-            local.append(TransferOp(op.name, r, op.dst_rank, op.src_slices, op.dst_slices, op.global_index,
-                                    op.src_name))
-            read_load[r] += op.numel
-        else:
-            needs[(host_of[op.dst_rank], op.src_name, group)].append(op)
-
-    # Union of what each host needs of each replica group's shard, as disjoint merged boxes.
-    items: dict[str, list[tuple[str, tuple[int, ...], Box]]] = defaultdict(list)
-    receivers_of_host: dict[str, set[int]] = defaultdict(set)
-    for (h, name, group), ops in sorted(needs.items()):
-        for box in _union([_box(op.src_slices) for op in ops]):
-            items[h].append((name, group, box))
-        receivers_of_host[h].update(op.dst_rank for op in ops)
-
-    # Balance. Each box's sender is the least-loaded replica (biggest boxes first). Then the host's
-    # boxes, in (sender, arena) order, are cut into one contiguous run per receiver of about the fair
-    # share, a box at a run's end split along its outermost dim: boxes back to back in a sender's
-    # arena stay together, so they travel as few messages and receivers stay balanced by bytes.
-    assigned: list[tuple[str, str, tuple[int, ...], Box, int, int]] = []  # host, name, group, box, sender, recv
-    send_load: dict[int, int] = defaultdict(int)
-
-    def nbytes(name: str, box: Box) -> int:
-        return math.prod(b - a for a, b in box) * src_lay[name].itemsize
+    knobs = replicas.KNOBS
+    src_lay = plan.src_layouts
 
     def arena_pos(sender: int, name: str) -> int:
         return src_offsets.get((sender, name), 0) if src_offsets is not None else 0
 
-    for h in sorted(items):
-        recvs = sorted(receivers_of_host[h])
-        seq = []
-        for name, group, box in sorted(items[h], key=lambda it: (-nbytes(it[0], it[2]), it[0], it[2])):
-            sender = min(group, key=lambda s: (send_load[s], s))
-            send_load[sender] += nbytes(name, box)
-            seq.append((sender, arena_pos(sender, name), name, box, group))
-        seq.sort(key=lambda x: x[:4])
-        left = sum(nbytes(name, box) for _, _, name, box, _ in seq)   # bytes not in a closed run
-        i, filled, share = 0, 0, left / len(recvs)   # current run, its bytes, its share of what is left
+    replica_sets = _replica_sets(plan)
+    local, needs = _resource_locally(plan, host_of, replica_sets)
+    boxes = _choose_senders(_union_needs(needs), src_lay, knobs)
+    boxes = _assign_receivers(boxes, needs, src_lay, arena_pos, knobs)
+    transfers, buffer_bytes = _lay_out_buffers(boxes, host_of, src_lay, arena_pos, align)
+    fanout = _fan_out(needs, transfers, replica_sets)
+    local.sort(key=lambda op: (op.name, op.dst_rank, tuple(s.start for s in op.dst_slices), op.src_rank))
+    fanout.sort(key=lambda f: (f.op.name, f.dst_rank, tuple(s.start for s in f.op.dst_slices), f.transfer))
+    return HostPlan(plan, host_of, tuple(local), tuple(transfers), tuple(fanout), buffer_bytes)
 
-        def next_run():
-            nonlocal i, filled, share, left
-            left -= filled
-            i, filled = i + 1, 0
-            share = left / (len(recvs) - i)
 
-        for sender, _, name, box, group in seq:
-            rest = box
-            while rest is not None:
-                size, room = nbytes(name, rest), share - filled
-                last = i == len(recvs) - 1
-                if last or size <= room * _BALANCE_SLACK:
-                    part, rest = rest, None
-                else:
-                    axis = next((d for d, (a, b) in enumerate(rest) if b - a > 1), None)
-                    extent = 0 if axis is None else rest[axis][1] - rest[axis][0]
-                    rows = 0 if axis is None else int(room / (size / extent))
-                    if 0 < rows < extent and room >= _MIN_SPLIT_BYTES and size - room >= _MIN_SPLIT_BYTES:
-                        a0 = rest[axis][0]
-                        part = rest[:axis] + ((a0, a0 + rows),) + rest[axis + 1:]
-                        rest = rest[:axis] + ((a0 + rows, rest[axis][1]),) + rest[axis + 1:]
-                    elif filled == 0 or room >= size / 2:   # an empty run, or most of it fits: take it
-                        part, rest = rest, None
-                    else:                                    # most of it does not: the next run starts
-                        next_run()
-                        continue
-                assigned.append((h, name, group, part, sender, recvs[i]))
-                filled += nbytes(name, part)
-                if not last and filled >= share * (1 - 1e-9):
-                    next_run()
+# What a host needs from other hosts: (destination host, source name, replica set) -> the plan's ops.
+_Needs = dict[tuple[str, str, tuple[int, ...]], list[TransferOp]]
 
-    # Receive buffers: per receiver, grouped by sender, in the sender's arena order.
-    def order_key(a):
-        h, name, group, box, sender, r = a
-        off = src_offsets.get((sender, name), 0) if src_offsets is not None else 0
-        return (r, sender, off, name, box)
 
+class _Crossing(NamedTuple):
+    """A box of a source's local shard on its way into ``host``; ``sender`` and ``receiver`` are
+    filled in by the steps that choose them (-1 until then)."""
+
+    host: str
+    name: str
+    group: tuple[int, ...]   # the source replicas holding the box
+    box: Box
+    sender: int = -1
+    receiver: int = -1
+
+
+def _replica_sets(plan: Plan) -> dict[tuple[str, int], tuple[int, ...]]:
+    """(source name, rank) -> the replica set of that rank's shard (:func:`.replicas.group_replicas`),
+    for every source tensor an op reads (``parts=`` may read other names than the destinations')."""
+    out: dict[tuple[str, int], tuple[int, ...]] = {}
+    for name in sorted({op.src_name for op in plan.ops}):
+        lay = plan.src_layouts[name]
+        for group in replicas.group_replicas({r: lay.segments(r) for r in lay.ranks}).values():
+            out.update(((name, r), group) for r in group)
+    return out
+
+
+def _resource_locally(plan: Plan, host_of: Mapping[int, str],
+                      replica_sets: Mapping[tuple[str, int], tuple[int, ...]]) -> tuple[list[TransferOp], _Needs]:
+    """Step 1: the ops that stay within a host, and what each host needs from others.
+
+    An op whose source and destination share a host stays as it is. A cross-host op whose source
+    shard has a replica on the destination's host is re-sourced to the replica there that serves
+    the fewest bytes so far (the reshard planner chose replicas blind to hosts): nothing crosses.
+    The other cross-host ops are grouped by (destination host, source name, replica set)."""
+    src_lay = plan.src_layouts
+    local = [op for op in plan.ops if host_of[op.src_rank] == host_of[op.dst_rank]]
+    reads = replicas.Loads()   # source bytes each rank serves to ranks of its own host
+    for op in local:
+        reads.add(op.src_rank, op.numel * src_lay[op.src_name].itemsize)
+    needs: _Needs = defaultdict(list)
+    for op in (op for op in plan.ops if host_of[op.src_rank] != host_of[op.dst_rank]):
+        group = replica_sets[(op.src_name, op.src_rank)]
+        here = [r for r in group if host_of[r] == host_of[op.dst_rank]]
+        if here:
+            r = reads.least(here)
+            local.append(TransferOp(op.name, r, op.dst_rank, op.src_slices, op.dst_slices, op.global_index,
+                                    op.src_name))
+            reads.add(r, op.numel * src_lay[op.src_name].itemsize)
+        else:
+            needs[(host_of[op.dst_rank], op.src_name, group)].append(op)
+    return local, needs
+
+
+def _union_needs(needs: _Needs) -> list[_Crossing]:
+    """Step 2: per (host, source name, replica set), the union of the source boxes the host's ranks
+    need, as disjoint boxes merged as far as possible (:func:`_union`): a whole shard needed on a
+    host is one box, so it can be sent straight from the sender's memory as one message."""
+    return [_Crossing(h, name, group, box) for (h, name, group), ops in sorted(needs.items())
+            for box in _union([_box(op.src_slices) for op in ops])]
+
+
+def _choose_senders(crossings: list[_Crossing], src_lay, knobs: replicas.Knobs) -> list[_Crossing]:
+    """Step 3: each box's sender, one of the box's replica set (all off the destination host),
+    balanced by bytes sent over all hosts with :func:`.replicas.spread`. A big box whose replicas
+    would otherwise send unevenly is cut along its outermost dim between several of them; every
+    resulting box has exactly one sender."""
+    pieces = [replicas.Piece(c.group, _nbytes(src_lay[c.name], c.box), _extent(c.box), (c.host, c.name, c.group, c.box))
+              for c in crossings]
+    out = []
+    for c, shares in zip(crossings, replicas.spread(pieces, replicas.Loads(), knobs)):
+        u0 = 0
+        for sender, units in shares:
+            out.append(c._replace(box=_part(c.box, u0, u0 + units), sender=sender))
+            u0 += units
+    return out
+
+
+def _assign_receivers(crossings: list[_Crossing], needs: _Needs, src_lay, arena_pos,
+                      knobs: replicas.Knobs) -> list[_Crossing]:
+    """Step 4: each box's receiver, one of the destination host's ranks that need data from other
+    hosts. The host's boxes in (sender, arena) order are cut into one consecutive run per receiver
+    of about equal bytes (:func:`.replicas.cut_runs`), a box at a run's end cut along its outermost
+    dim: boxes back to back in a sender's arena stay together and travel as few messages."""
+    receivers: dict[str, set[int]] = defaultdict(set)
+    for (h, _, _), ops in needs.items():
+        receivers[h].update(op.dst_rank for op in ops)
+    by_host: dict[str, list[_Crossing]] = defaultdict(list)
+    for c in crossings:
+        by_host[c.host].append(c)
+    out = []
+    for h in sorted(by_host):
+        seq = sorted(by_host[h], key=lambda c: (c.sender, arena_pos(c.sender, c.name), c.name, c.box))
+        sizes = [(_nbytes(src_lay[c.name], c.box), _extent(c.box)) for c in seq]
+        recvs = sorted(receivers[h])
+        for i, u0, u1, run in replicas.cut_runs(sizes, len(recvs), knobs):
+            out.append(seq[i]._replace(box=_part(seq[i].box, u0, u1), receiver=recvs[run]))
+    return out
+
+
+def _lay_out_buffers(crossings: list[_Crossing], host_of: Mapping[int, str], src_lay, arena_pos,
+                     align: int) -> tuple[list[CrossTransfer], dict[int, int]]:
+    """Step 5: each receiver's buffer holds its boxes back to back, ``align``-byte aligned, grouped by
+    sender in the sender's arena order (so arena neighbours are buffer neighbours: one message).
+    Returns the transfers, numbered in buffer order, and each receiver's buffer size."""
     transfers: list[CrossTransfer] = []
     buffer_bytes: dict[int, int] = defaultdict(int)
-    for h, name, group, box, sender, r in sorted(assigned, key=order_key):
-        lay = src_lay[name]
-        pos = -(-buffer_bytes[r] // align) * align
-        size = math.prod(b - a for a, b in box) * lay.itemsize
-        transfers.append(CrossTransfer(len(transfers), name, sender, r, host_of[sender], h, _slices(box),
-                                       lay.dtype, pos, size,
-                                       box_is_contiguous(box, lay.local_shape(sender))))
-        buffer_bytes[r] = pos + size
-    buffer_bytes = {r: -(-b // align) * align for r, b in buffer_bytes.items()}
+    for c in sorted(crossings, key=lambda c: (c.receiver, c.sender, arena_pos(c.sender, c.name), c.name, c.box)):
+        lay = src_lay[c.name]
+        pos = -(-buffer_bytes[c.receiver] // align) * align
+        size = _nbytes(lay, c.box)
+        transfers.append(CrossTransfer(len(transfers), c.name, c.sender, c.receiver, host_of[c.sender], c.host,
+                                       _slices(c.box), lay.dtype, pos, size,
+                                       box_is_contiguous(c.box, lay.local_shape(c.sender))))
+        buffer_bytes[c.receiver] = pos + size
+    return transfers, {r: -(-b // align) * align for r, b in buffer_bytes.items()}
 
-    # Fan-out: each remote op reads the parts of its source box from the transfers that hold them.
+
+def _fan_out(needs: _Needs, transfers: list[CrossTransfer],
+             replica_sets: Mapping[tuple[str, int], tuple[int, ...]]) -> list[FanoutOp]:
+    """Step 6: each cross-host op of the plan becomes reads of the parts of its source box from the
+    transfers that hold them, each from the transfer's receive buffer (same host), with source
+    slices relative to the transfer's box."""
     by_need: dict[tuple[str, str, tuple[int, ...]], list[CrossTransfer]] = defaultdict(list)
     for t in transfers:
-        by_need[(t.dst_host, t.name, replicas[(t.name, t.src_rank)])].append(t)
+        by_need[(t.dst_host, t.name, replica_sets[(t.name, t.src_rank)])].append(t)
     fanout: list[FanoutOp] = []
     for key, ops in needs.items():
         for op in ops:
@@ -531,9 +543,7 @@ def plan_hosts(plan: Plan, hosts: Mapping[int, str], *,
                 g = tuple(cut_global(gi, a - sa, b - sa) for (a, b), (sa, _), gi in zip(cut, src_box, op.global_index))
                 fanout.append(FanoutOp(t.index, TransferOp(op.name, t.receiver, op.dst_rank, rel, dst, g,
                                                            op.src_name)))
-    local.sort(key=lambda op: (op.name, op.dst_rank, tuple(s.start for s in op.dst_slices), op.src_rank))
-    fanout.sort(key=lambda f: (f.op.name, f.dst_rank, tuple(s.start for s in f.op.dst_slices), f.transfer))
-    return HostPlan(plan, host_of, tuple(local), tuple(transfers), tuple(fanout), buffer_bytes)
+    return fanout
 
 
 @dataclass(frozen=True)

@@ -21,25 +21,14 @@ from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
-from itertools import product
-
-import torch
+from itertools import chain, product
 
 from ..layout import Layout, Part, Segment, segments_by_mesh_index
-from .text import fmt_bytes, fmt_global, fmt_slices
+from . import replicas
+from .checks import check_inputs
+from .text import fmt_bytes, fmt_global, fmt_slices, render_table
 
-__all__ = ["TransferOp", "FillOp", "Plan", "PlanStats", "plan_reshard", "CASTABLE_DTYPES"]
-
-#: Dtypes the kernels convert between in the same pass (round-to-nearest-even, like ``.to()``).
-#: Any dtype may be copied to itself.
-CASTABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-# Remote pieces read from replicated sources are split across replicas only into parts at least
-# this big: below it a descriptor entry costs more than the imbalance it removes.
-_MIN_SPLIT_BYTES = 4096
-# A whole piece goes to the least-loaded replica while that keeps it within this factor of the
-# replica set's projected fair load; otherwise the piece is water-filled across replicas.
-_BALANCE_SLACK = 1.05
+__all__ = ["TransferOp", "FillOp", "Plan", "PlanStats", "plan_reshard"]
 
 
 class _DstBox:
@@ -182,8 +171,8 @@ def _make_op(name: str, src: int, dst: int, dims: tuple[_DimPiece, ...], src_nam
 
 
 def _split(dims: tuple[_DimPiece, ...], units: list[int]) -> list[tuple[_DimPiece, ...]]:
-    """Split a piece along its outermost dim of extent > 1 into consecutive parts of ``units``."""
-    axis = next(d for d, p in enumerate(dims) if p[2] > 1)
+    """Split a piece along :func:`~.replicas.split_axis` into consecutive parts of ``units``."""
+    axis = replicas.split_axis([p[2] for p in dims])
     s, d, n, g = dims[axis]
     parts, pos = [], 0
     for u in units:
@@ -325,28 +314,22 @@ class Plan:
         lines = [self.summary()]
         renamed = any(op.src_name != op.name for op in self._ops)
         # With parts, "global" is the source's index, so the source's name goes with it.
-        rows = [("tensor", "src->dst", "source[global]" if renamed else "global", "src local", "dst local",
-                 "shape", "bytes")]
-        shown = self._ops if max_ops is None else self._ops[:max_ops]
-        for op in shown:
+        headers = ("tensor", "src->dst", "source[global]" if renamed else "global", "src local", "dst local",
+                   "shape", "bytes")
+
+        def op_row(op: TransferOp) -> tuple[str, ...]:
             g = fmt_global(op.global_index)
-            rows.append((op.name, f"{op.src_rank}->{op.dst_rank}", op.src_name + g if renamed else g,
-                         fmt_slices(op.src_slices), fmt_slices(op.dst_slices),
-                         "x".join(map(str, op.shape)) or "scalar",
-                         fmt_bytes(op.numel * self._dst[op.name].itemsize)))
-        budget = None if max_ops is None else max(0, max_ops - len(shown))
-        fills = self._fills if budget is None else self._fills[:budget]
-        for f in fills:
-            rows.append((f.name, f"zeros->{f.dst_rank}", fmt_global(f.global_index), "-",
-                         fmt_slices(f.dst_slices), "x".join(map(str, f.shape)),
-                         fmt_bytes(f.numel * self._dst[f.name].itemsize)))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        for r in rows:
-            lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-        if len(shown) < len(self._ops):
-            lines.append(f"  ... {len(self._ops) - len(shown)} more ops")
-        if len(fills) < len(self._fills):
-            lines.append(f"  ... {len(self._fills) - len(fills)} more zero fills")
+            return (op.name, f"{op.src_rank}->{op.dst_rank}", op.src_name + g if renamed else g,
+                    fmt_slices(op.src_slices), fmt_slices(op.dst_slices), "x".join(map(str, op.shape)) or "scalar",
+                    fmt_bytes(op.numel * self._dst[op.name].itemsize))
+
+        def fill_row(f: FillOp) -> tuple[str, ...]:
+            return (f.name, f"zeros->{f.dst_rank}", fmt_global(f.global_index), "-", fmt_slices(f.dst_slices),
+                    "x".join(map(str, f.shape)), fmt_bytes(f.numel * self._dst[f.name].itemsize))
+
+        rows = chain(map(op_row, self._ops), map(fill_row, self._fills))
+        lines += render_table(headers, rows, max_rows=max_ops,
+                              sections=(("ops", len(self._ops)), ("zero fills", len(self._fills))))
         if self._parts:
             lines.append("parts (destination box <- source):")
             for name in sorted(self._parts)[:16 if max_ops is not None else None]:
@@ -356,13 +339,9 @@ class Plan:
         srcs, dsts = self.src_ranks, self.dst_ranks
         if len(srcs) <= 16 and len(dsts) <= 16:
             lines.append("bytes (rows: source rank, columns: destination rank)")
-            cells = [["src\\dst"] + [str(d) for d in dsts]]
-            for s in srcs:
-                cells.append([str(s)] + [fmt_bytes(st.pair_bytes[(s, d)]) if (s, d) in st.pair_bytes else "."
-                                         for d in dsts])
-            w = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
-            for row in cells:
-                lines.append("  " + "  ".join(c.rjust(x) for c, x in zip(row, w)))
+            lines += render_table(["src\\dst"] + [str(d) for d in dsts],
+                                  [[str(s)] + [fmt_bytes(st.pair_bytes[(s, d)]) if (s, d) in st.pair_bytes
+                                               else "." for d in dsts] for s in srcs], right=True)
         lines.append("send: " + ", ".join(f"{r}: {fmt_bytes(b)}" for r, b in sorted(st.send_bytes.items())))
         lines.append("recv: " + ", ".join(f"{r}: {fmt_bytes(b)}" for r, b in sorted(st.recv_bytes.items())))
         return "\n".join(lines)
@@ -372,134 +351,6 @@ class Plan:
 
     def __repr__(self) -> str:
         return f"<{self.summary()}>"
-
-
-# A resolved part: (source name or None for zeros, destination box, source start).
-_Resolved = tuple[str | None, tuple[tuple[int, int], ...], tuple[int, ...]]
-
-
-def _fmt_box(box) -> str:
-    return "[" + ", ".join(f"{a}:{b}" for a, b in box) + "]"
-
-
-@lru_cache(maxsize=4096)
-def _tiling_gaps(shape: tuple[int, ...], boxes: tuple[tuple[tuple[int, int], ...], ...]) -> tuple:
-    """Overlaps ``("overlap", i, j, box)`` and holes ``("hole", count, box)`` of ``boxes`` (already
-    in bounds) against ``shape``. Cached on geometry: a model's layers repeat a few tilings."""
-    out = []
-    for i in range(len(boxes)):
-        for j in range(i):
-            inter = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(boxes[i], boxes[j]))
-            if all(a < b for a, b in inter):
-                out.append(("overlap", j, i, inter))
-    if math.prod(shape) == 0:
-        return tuple(out)
-    # Holes: compress coordinates to the boxes' edges, count coverage per cell.
-    edges = [sorted({0, n, *(x for box in boxes for x in box[d])}) for d, n in enumerate(shape)]
-    grid = torch.zeros([len(e) - 1 for e in edges], dtype=torch.int32)
-    for box in boxes:
-        if all(a < b for a, b in box):
-            grid[tuple(slice(e.index(a), e.index(b)) for e, (a, b) in zip(edges, box))] += 1
-    holes = (grid == 0).nonzero().tolist()
-    for cell in holes[:4]:
-        out.append(("hole", len(holes), tuple((edges[d][c], edges[d][c + 1]) for d, c in enumerate(cell))))
-    return tuple(out)
-
-
-def _resolve_parts(name: str, d: Layout, parts, src: Mapping[str, Layout], problems: list[str]) -> tuple[_Resolved, ...]:
-    """Checks one destination's parts against the layouts; appends every problem found."""
-    where = f"parts[{name!r}]"
-    if isinstance(parts, Part) or isinstance(parts, (str, bytes)) or not isinstance(parts, (list, tuple)):
-        problems.append(f"{where} must be a list of trs.Part, got {type(parts).__name__}")
-        return ()
-    resolved, labels, n_before = [], [], len(problems)
-    for i, p in enumerate(parts):
-        w = f"{where}[{i}]"
-        if not isinstance(p, Part):
-            problems.append(f"{w} is a {type(p).__name__}, not a trs.Part")
-            continue
-        if len(p.dst) != d.ndim:
-            problems.append(f"{w}={p}: dst box has {len(p.dst)} dims but dst_layouts[{name!r}].shape={d.shape}")
-            continue
-        box = tuple((0, n) if iv is None else iv for iv, n in zip(p.dst, d.shape))
-        bad = [f"dim {k}: {a}:{b}" for k, ((a, b), n) in enumerate(zip(box, d.shape)) if not 0 <= a <= b <= n]
-        if bad:
-            problems.append(f"{w}={p}: dst box {_fmt_box(box)} is outside dst_layouts[{name!r}].shape="
-                            f"{d.shape} ({'; '.join(bad)})")
-            continue
-        start = p.src_start if p.src_start is not None else (0,) * d.ndim
-        if p.src is not None:
-            s = src.get(p.src)
-            if s is None:
-                problems.append(f"{w}={p}: src_layouts has no {p.src!r}")
-                continue
-            if s.ndim != d.ndim or len(start) != d.ndim:
-                problems.append(f"{w}={p}: src_layouts[{p.src!r}].shape={s.shape} and src_start={start} "
-                                f"must have the destination's {d.ndim} dims")
-                continue
-            stop = tuple(a + (hi - lo) for a, (lo, hi) in zip(start, box))
-            if any(a < 0 or b > n for a, b, n in zip(start, stop, s.shape)):
-                problems.append(f"{w}={p}: source box {_fmt_box(tuple(zip(start, stop)))} is outside "
-                                f"src_layouts[{p.src!r}].shape={s.shape}")
-                continue
-            if s.dtype != d.dtype and not (s.dtype in CASTABLE_DTYPES and d.dtype in CASTABLE_DTYPES):
-                problems.append(f"{w}: dst_layouts[{name!r}].dtype={d.dtype} cannot be produced from "
-                                f"src_layouts[{p.src!r}].dtype={s.dtype}")
-                continue
-        resolved.append((p.src, box, start))
-        labels.append(f"[{i}] {p}")
-    if len(problems) == n_before:
-        gaps = _tiling_gaps(d.shape, tuple(b for _, b, _ in resolved))
-        for kind, *rest in gaps:
-            if kind == "overlap":
-                i, j, box = rest
-                problems.append(f"dst_layouts[{name!r}]: parts {labels[i]} and {labels[j]} overlap on "
-                                f"{_fmt_box(box)}")
-            else:
-                count, box = rest
-                problems.append(f"dst_layouts[{name!r}]: no part covers {_fmt_box(box)} (a hole; mark "
-                                f"padding with trs.Part(None, ...))")
-        holes = [g for g in gaps if g[0] == "hole"]
-        if holes and holes[0][1] > len(holes):
-            problems.append(f"dst_layouts[{name!r}]: ... and {holes[0][1] - len(holes)} more uncovered region(s)")
-    return tuple(resolved)
-
-
-def _validate(src: Mapping[str, Layout], dst: Mapping[str, Layout], parts) -> dict[str, tuple[_Resolved, ...]]:
-    for param, mapping in (("src_layouts", src), ("dst_layouts", dst)):
-        if not isinstance(mapping, Mapping):
-            raise TypeError(f"{param} must be a mapping of name -> Layout, got {type(mapping).__name__}")
-        bad = [f"{param}[{k!r}] is {type(v).__name__}" for k, v in mapping.items()
-               if not isinstance(k, str) or not isinstance(v, Layout)]
-        if bad:
-            raise TypeError(f"{param} must map str names to trs.Layout: " + "; ".join(bad))
-    if parts is None:
-        parts = {}
-    if not isinstance(parts, Mapping):
-        raise TypeError(f"parts must be a mapping of destination name -> [trs.Part, ...], got {type(parts).__name__}")
-    problems = []
-    for name in parts:
-        if name not in dst:
-            problems.append(f"parts[{name!r}] names no destination: dst_layouts has no {name!r}")
-    resolved = {}
-    for name, d in dst.items():
-        if name in parts:
-            resolved[name] = _resolve_parts(name, d, parts[name], src, problems)
-            continue
-        s = src.get(name)
-        if s is None:
-            problems.append(f"dst_layouts[{name!r}] has no source: src_layouts has no {name!r} "
-                            f"(and parts has no entry for it)")
-            continue
-        if s.shape != d.shape:
-            problems.append(f"dst_layouts[{name!r}].shape={d.shape} != src_layouts[{name!r}].shape={s.shape}")
-        if s.dtype != d.dtype and not (s.dtype in CASTABLE_DTYPES and d.dtype in CASTABLE_DTYPES):
-            problems.append(f"dst_layouts[{name!r}].dtype={d.dtype} cannot be produced from "
-                            f"src_layouts[{name!r}].dtype={s.dtype}: casts are supported among "
-                            f"{', '.join(map(str, CASTABLE_DTYPES))}; other dtypes copy only to themselves")
-    if problems:
-        raise ValueError(f"plan_reshard: {len(problems)} problem(s):\n  - " + "\n  - ".join(problems))
-    return resolved
 
 
 def plan_reshard(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout],
@@ -526,11 +377,12 @@ def plan_reshard(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, La
     pair, a part out of bounds, a hole or an overlap in a destination, naming the tensor and the
     range) before anything moves; ``TypeError`` for values that are not Layouts / Parts.
     """
-    resolved = _validate(src_layouts, dst_layouts, parts)
+    resolved = check_inputs(src_layouts, dst_layouts, parts)
     used = set(n for n in dst_layouts if n not in resolved)
     used.update(p[0] for rs in resolved.values() for p in rs if p[0] is not None)
     needed = tuple(sorted((n, src_layouts[n]) for n in used))
-    return _plan_cached(needed, tuple(sorted(dst_layouts.items())), tuple(sorted(resolved.items())))
+    return _plan_cached(needed, tuple(sorted(dst_layouts.items())), tuple(sorted(resolved.items())),
+                        replicas.KNOBS)
 
 
 def _geometry(layout: Layout) -> tuple:
@@ -568,26 +420,22 @@ def _pair_pieces(s_geo: tuple, d_geo: tuple, box: tuple | None = None, src_start
     if box is not None:
         d_segments = {r: tuple(_clip(segs, lo, hi, st - lo) for segs, (lo, hi), st in zip(dsegs, box, src_start))
                       for r, dsegs in d_segments.items()}
-    groups: dict[tuple, list[int]] = {}  # source ranks with identical regions are replicas
-    for r in s_geo[2]:
-        segs = s_segments[r]
-        if all(segs):  # empty shards hold nothing to read
-            groups.setdefault(segs, []).append(r)
+    groups = replicas.group_replicas(s_segments)
     rows = []
     for dst_rank in d_geo[2]:
         d_segs = d_segments[dst_rank]
         if not all(d_segs):
             continue
-        for s_segs, replicas in groups.items():
+        for s_segs, group in groups.items():
             per_dim = [_intersect_dim(s, d) for s, d in zip(s_segs, d_segs)]
             if not all(per_dim):
                 continue
             for dims in product(*per_dim):
                 numel = math.prod(p[2] for p in dims)
                 template = None
-                if len(replicas) == 1 or dst_rank in replicas:
-                    template = (dst_rank if dst_rank in replicas else replicas[0], *_op_fields(dims))
-                rows.append((dst_rank, tuple(replicas), dims, numel, template))
+                if len(group) == 1 or dst_rank in group:
+                    template = (dst_rank if dst_rank in group else group[0], *_op_fields(dims))
+                rows.append((dst_rank, group, dims, numel, template))
     return tuple(rows)
 
 
@@ -605,13 +453,14 @@ def _fill_pieces(d_geo: tuple, box: tuple) -> tuple:
 
 @lru_cache(maxsize=128)
 def _plan_cached(src_items: tuple[tuple[str, Layout], ...], dst_items: tuple[tuple[str, Layout], ...],
-                 parts_items: tuple = ()) -> Plan:
+                 parts_items: tuple = (), knobs: replicas.Knobs = replicas.KNOBS) -> Plan:
     src, dst, parts = dict(src_items), dict(dst_items), dict(parts_items)
     ops: list[TransferOp] = []
     fills: list[FillOp] = []
-    # Remote pieces with several candidate replicas, balanced after all fixed assignments are known.
-    pending: list[tuple[str, str, int, tuple[_DimPiece, ...], tuple[int, ...], int]] = []
-    load: dict[int, int] = defaultdict(int)
+    # Remote pieces with several candidate replicas, spread after all fixed reads are counted.
+    pending: list[tuple[str, str, int, tuple[_DimPiece, ...]]] = []
+    pieces: list[replicas.Piece] = []
+    reads = replicas.Loads()   # source bytes each source rank serves
 
     for name, d_lay in dst_items:
         d_geo = _geometry(d_lay)
@@ -625,48 +474,23 @@ def _plan_cached(src_items: tuple[tuple[str, Layout], ...], dst_items: tuple[tup
                 continue
             s_lay = src[src_name]
             s_isz = s_lay.itemsize
-            for dst_rank, replicas, dims, numel, template in _pair_pieces(_geometry(s_lay), d_geo, box, start):
+            for dst_rank, group, dims, numel, template in _pair_pieces(_geometry(s_lay), d_geo, box, start):
                 if template is not None:
                     src_rank, ss, ds, g = template
                     ops.append(TransferOp(name, src_rank, dst_rank, ss, ds, g, src_name))
-                    load[src_rank] += numel * s_isz
+                    reads.add(src_rank, numel * s_isz)
                 else:
-                    pending.append((name, src_name, dst_rank, dims, replicas, numel * s_isz))
+                    axis = replicas.split_axis([p[2] for p in dims])
+                    pending.append((name, src_name, dst_rank, dims))
+                    pieces.append(replicas.Piece(group, numel * s_isz, 1 if axis is None else dims[axis][2],
+                                                 (name, src_name, dst_rank, tuple(p[1] for p in dims))))
 
-    # Balance replicated reads: biggest pieces first (LPT), then water-fill where one replica would
-    # otherwise carry much more than its share.
-    remaining: dict[tuple[int, ...], int] = defaultdict(int)
-    for *_, cands, nbytes in pending:
-        remaining[cands] += nbytes
-    pending.sort(key=lambda p: (-p[5], p[0], p[1], p[2], tuple(x[1] for x in p[3])))
-    for name, src_name, dst_rank, dims, cands, nbytes in pending:
-        k = len(cands)
-        target = (sum(load[c] for c in cands) + remaining[cands]) / k
-        remaining[cands] -= nbytes
-        order = sorted(cands, key=lambda c: (load[c], c))
-        axis_extent = next((p[2] for p in dims if p[2] > 1), 1)
-        if load[order[0]] + nbytes <= target * _BALANCE_SLACK or axis_extent <= 1 or nbytes < 2 * _MIN_SPLIT_BYTES:
-            ops.append(_make_op(name, order[0], dst_rank, dims, src_name))
-            load[order[0]] += nbytes
+    for (name, src_name, dst_rank, dims), shares in zip(pending, replicas.spread(pieces, reads, knobs)):
+        if len(shares) == 1:
+            ops.append(_make_op(name, shares[0][0], dst_rank, dims, src_name))
             continue
-        k_eff = min(k, nbytes // _MIN_SPLIT_BYTES, axis_extent)
-        chosen = order[:k_eff]
-        # Water level L with sum(max(0, L - load)) == nbytes over the chosen replicas.
-        loads = sorted(load[c] for c in chosen)
-        level = 0.0
-        for i in range(len(loads), 0, -1):
-            level = (sum(loads[:i]) + nbytes) / i
-            if level >= loads[i - 1]:
-                break
-        want = [max(0.0, level - load[c]) / nbytes * axis_extent for c in chosen]
-        units = [int(w) for w in want]
-        for i in sorted(range(len(want)), key=lambda i: (units[i] - want[i], i))[:axis_extent - sum(units)]:
-            units[i] += 1
-        itemsize = nbytes // math.prod(p[2] for p in dims)
-        recipients = [c for c, u in zip(chosen, units) if u]
-        for c, part in zip(recipients, _split(dims, units)):
-            ops.append(_make_op(name, c, dst_rank, part, src_name))
-            load[c] += math.prod(p[2] for p in part) * itemsize
+        for (src_rank, _), part in zip(shares, _split(dims, [u for _, u in shares])):
+            ops.append(_make_op(name, src_rank, dst_rank, part, src_name))
 
     ops.sort(key=lambda op: (op.name, op.dst_rank, tuple(s.start for s in op.dst_slices), op.src_rank))
     fills.sort(key=lambda f: (f.name, f.dst_rank, tuple(s.start for s in f.dst_slices)))
