@@ -37,16 +37,12 @@ from vllm.model_executor.model_loader.reload import layerwise as _layerwise
 from vllm.model_executor.model_loader.reload.meta import materialize_layer
 from vllm.platforms import current_platform
 
-from ..recipes import hf_to_vllm
-from ..engine import RefitInference
-from ..errors import RefitError
+from .. import RefitError, RefitInference, recipes
+from . import SRC_DTYPES
 
 __all__ = ["TritonreshardInitInfo", "TritonreshardUpdateInfo", "TritonreshardWeightTransferEngine"]
 
 logger = init_logger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @dataclass
 class TritonreshardInitInfo(WeightTransferInitInfo):
@@ -145,14 +141,14 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         if pc.pipeline_parallel_size != 1 or pc.data_parallel_size != 1:
             problems.append(f"pipeline_parallel_size={pc.pipeline_parallel_size} and data_parallel_size="
                             f"{pc.data_parallel_size}: only tensor parallelism is supported")
-        if init_info.src_dtype not in _DTYPES:
-            problems.append(f"init_info src_dtype={init_info.src_dtype!r} must be one of {sorted(_DTYPES)}")
+        if init_info.src_dtype not in SRC_DTYPES:
+            problems.append(f"init_info src_dtype={init_info.src_dtype!r} must be one of {list(SRC_DTYPES)}")
         if problems:
             raise ValueError("tritonreshard init_weight_transfer_engine: " + "; ".join(problems))
         self.tp_rank, tp = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-        self.spec = hf_to_vllm(self.model_config.hf_config, tp=tp, trainer_ranks=init_info.trainer_ranks,
-                               inference_ranks=init_info.inference_ranks, dtype=self.model_config.dtype,
-                               src_dtype=_DTYPES[init_info.src_dtype])
+        self.spec = recipes.hf_to_vllm(self.model_config.hf_config, tp=tp, trainer_ranks=init_info.trainer_ranks,
+                                       inference_ranks=init_info.inference_ranks, dtype=self.model_config.dtype,
+                                       src_dtype=SRC_DTYPES[init_info.src_dtype])
         self.rank = init_info.inference_ranks[self.tp_rank]  # hf_to_vllm checked there is one per TP rank
         moe = sorted(n for n in self.spec.dst if ".experts." in n)
         if moe:  # refits land, but vLLM 0.32 (CPU) then generates differently from transformers: refuse
