@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import tritonreshard as trs
-from tritonreshard.vllm import SRC_DTYPES, Trainer, init_info
+from tritonreshard.vllm import SRC_DTYPES, Trainer, WorkerExtension, init_info
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -72,6 +72,49 @@ def test_dtype_names_are_one_table():
     for dtype in SRC_DTYPES.values():
         spelled = {n: src.count(str(dtype)) for n, src in sources.items() if str(dtype) in src}
         assert spelled == {"__init__.py": 1}, (dtype, spelled)
+
+
+def test_engine_meets_its_worker_only_through_the_extension():
+    """The engine learns its vLLM worker from WorkerExtension (vLLM's worker_extension_cls) when the
+    worker stores it, never by looking around: created inside a method of an object that looks like
+    a vLLM worker (what a frame walk searched for), it has no worker; stored by a worker that has
+    the extension, it has that one. Without one, init_weight_transfer_engine refuses."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from tritonreshard.vllm._worker import TritonreshardInitInfo, TritonreshardWeightTransferEngine
+
+    pc = SimpleNamespace(pipeline_parallel_size=1, data_parallel_size=1)
+    args = (None, SimpleNamespace(parallel_config=pc, model_config=None), torch.device("cpu"), torch.nn.Linear(2, 2))
+
+    class LooksLikeAWorker:  # what vLLM's worker has, without the extension
+        def __init__(self):
+            self._weight_update_active, self.model_runner = False, object()
+
+        def load_model(self):
+            self.weight_transfer_engine = TritonreshardWeightTransferEngine(*args)
+
+    bare = LooksLikeAWorker()
+    bare.load_model()
+    assert bare.weight_transfer_engine.worker is None
+    with pytest.raises(ValueError, match="pass worker_extension_cls=tritonreshard.vllm.WORKER_EXTENSION"):
+        bare.weight_transfer_engine._init(TritonreshardInitInfo(store="127.0.0.1:9", trainer_ranks=[0],
+                                                                inference_ranks=[1]))
+
+    class Extended(LooksLikeAWorker, WorkerExtension):
+        pass
+
+    worker = Extended()
+    assert worker.weight_transfer_engine is None  # a worker without an engine yet (vLLM sets None first)
+    worker.load_model()
+    assert worker.weight_transfer_engine.worker is worker
+    # vLLM refuses an extension that shadows anything of its worker class.
+    assert [a for a in dir(WorkerExtension) if not a.startswith("__") and hasattr(Worker, a)] == []
+    source = (ROOT / "tritonreshard" / "vllm" / "_worker.py").read_text()
+    for peek in ("_getframe", "f_back", "f_locals", "inspect.", "gc.get_referrers"):
+        assert peek not in source, peek
 
 
 def test_entry_point_names_the_register_function():

@@ -9,7 +9,9 @@ trainer process; the RL script drives vLLM's four phases::
                                     inference_ranks=[2, 3], store="127.0.0.1:29600")
     tr.fence(); optimizer.step(); tr.publish()          # each step
 
-    # the script that owns the vLLM engine (LLM(..., weight_transfer_config={"backend": "tritonreshard"}))
+    # the script that owns the vLLM engine
+    llm = LLM(model, weight_transfer_config={"backend": tritonreshard.vllm.BACKEND},
+              worker_extension_cls=tritonreshard.vllm.WORKER_EXTENSION)
     llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": tritonreshard.vllm.init_info(
         store="127.0.0.1:29600", trainer_ranks=[0, 1], inference_ranks=[2, 3])})   # once
     llm.collective_rpc("start_weight_update")                                   # each refit
@@ -27,9 +29,10 @@ import torch
 
 from .. import RefitTrainer, recipes
 
-__all__ = ["Trainer", "init_info", "register", "BACKEND", "SRC_DTYPES"]
+__all__ = ["Trainer", "WorkerExtension", "init_info", "register", "BACKEND", "WORKER_EXTENSION", "SRC_DTYPES"]
 
 BACKEND = "tritonreshard"
+WORKER_EXTENSION = f"{__name__}.WorkerExtension"  # for LLM(worker_extension_cls=...)
 
 # The trainers' parameter dtypes the backend accepts, by the name that crosses the wire in
 # init_info (a plain dict: vLLM's RPC carries names, not torch dtypes). The one table: init_info,
@@ -50,6 +53,36 @@ def register() -> None:
     WeightTransferEngineFactory.register_engine(BACKEND, "tritonreshard.vllm._worker",
                                                 "TritonreshardWeightTransferEngine")
     _registered = True
+
+
+class WorkerExtension:
+    """vLLM worker extension that hands each worker to its ``"tritonreshard"`` engine; pass
+    ``worker_extension_cls=WORKER_EXTENSION`` to ``LLM`` (or ``--worker-extension-cls`` to
+    ``vllm serve``) next to the weight-transfer backend. A script with its own extension class
+    subclasses this one.
+
+    Why the engine needs its worker: a failed refit must end vLLM's weight-update session on every
+    TP rank, but vLLM 0.32's multiprocess executor stops reading replies at the first failed rank
+    (the later ranks' replies would answer the next ``collective_rpc``), so only the last TP rank
+    may raise, and the others must close their worker's session themselves. vLLM 0.32 gives an
+    engine only ``(config, vllm_config, device, model)`` and nothing that reaches the worker;
+    ``worker_extension_cls`` is vLLM's way to add attributes to the worker class. The attribute
+    added here is the one the worker already assigns its engine to in ``load_model``
+    (``weight_transfer_engine``), so the two meet exactly where vLLM creates the engine.
+    """
+
+    @property
+    def weight_transfer_engine(self):
+        return self.__dict__.get("weight_transfer_engine")
+
+    @weight_transfer_engine.setter
+    def weight_transfer_engine(self, engine) -> None:
+        self.__dict__["weight_transfer_engine"] = engine
+        if engine is not None:
+            from ._worker import TritonreshardWeightTransferEngine  # vLLM is loaded once an engine exists
+
+            if isinstance(engine, TritonreshardWeightTransferEngine):
+                engine.bind_worker(self)
 
 
 def init_info(*, store: str, trainer_ranks, inference_ranks, src_dtype: str = "float32", group: str = "vllm",
