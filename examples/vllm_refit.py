@@ -6,6 +6,8 @@ Hugging Face parameters in tritonreshard's shared arenas and perturb them each s
 evolution-strategies style update); vLLM serves the model with tensor parallelism ``--tp`` and is
 refitted ``--refits`` times through vLLM's own four-phase flow:
 
+    llm = LLM(model_dir, tensor_parallel_size=tp, weight_transfer_config={"backend": "tritonreshard"},
+              worker_extension_cls="tritonreshard.vllm.WorkerExtension")
     llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": ...})   # once
     llm.collective_rpc("start_weight_update")
     llm.collective_rpc("update_weights", kwargs={"update_info": {"version": v}})
@@ -223,7 +225,8 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     llm = LLM(model_dir, tensor_parallel_size=args.tp, dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
               max_model_len=128, max_num_seqs=max(4, len(prompts)), seed=SEED,
-              weight_transfer_config={"backend": trs_vllm.BACKEND})
+              weight_transfer_config={"backend": trs_vllm.BACKEND},
+              worker_extension_cls=trs_vllm.WORKER_EXTENSION)  # hands each vLLM worker to its engine
     summary["engine_start_s"] = round(time.perf_counter() - t0, 1)
     print(f"engine started in {summary['engine_start_s']} s", flush=True)
     idents = summary["vllm_dist_idents"] = sorted(set(llm.collective_rpc(_dist_ident)) - {None})

@@ -8,6 +8,7 @@ cleanly where vLLM is not installed (``pip install -e '.[vllm]'``).
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 import tritonreshard as trs
-from tritonreshard.vllm import Trainer, init_info
+from tritonreshard.vllm import SRC_DTYPES, Trainer, WorkerExtension, init_info
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -51,6 +52,69 @@ def test_bad_input_fails_before_joining():
     with pytest.raises(ValueError, match="hf_to_vllm: .*num_attention_heads=4 is not divisible by tp=3"):
         Trainer(cfg, {"x": torch.zeros(2)}, rank=0, tp=3, trainer_ranks=[0, 1], inference_ranks=[2, 3, 4],
                 store="127.0.0.1:9")
+
+
+def test_dtype_names_are_one_table():
+    """init_info and Trainer accept exactly SRC_DTYPES, and no other module of the backend spells a
+    dtype of its own (the table used to be written three times, and could drift)."""
+    ok = dict(store="127.0.0.1:9", trainer_ranks=[0, 1], inference_ranks=[2, 3])
+    for name in SRC_DTYPES:
+        assert init_info(**ok, src_dtype=name)["src_dtype"] == name
+    for name in ("float64", "fp32", "half", "int8", "torch.float32"):
+        with pytest.raises(ValueError, match=re.escape(f"src_dtype must be one of {list(SRC_DTYPES)}")):
+            init_info(**ok, src_dtype=name)
+    from transformers import LlamaConfig
+
+    with pytest.raises(ValueError, match=re.escape(f"dtype must be one of {list(SRC_DTYPES)}, got torch.float64")):
+        Trainer(LlamaConfig(**TINY), {"x": torch.zeros(2, dtype=torch.float64)}, rank=0, tp=2,
+                trainer_ranks=[0, 1], inference_ranks=[2, 3], store="127.0.0.1:9")
+    sources = {p.name: p.read_text() for p in (ROOT / "tritonreshard" / "vllm").glob("*.py")}
+    for dtype in SRC_DTYPES.values():
+        spelled = {n: src.count(str(dtype)) for n, src in sources.items() if str(dtype) in src}
+        assert spelled == {"__init__.py": 1}, (dtype, spelled)
+
+
+def test_engine_meets_its_worker_only_through_the_extension():
+    """The engine learns its vLLM worker from WorkerExtension (vLLM's worker_extension_cls) when the
+    worker stores it, never by looking around: created inside a method of an object that looks like
+    a vLLM worker (what a frame walk searched for), it has no worker; stored by a worker that has
+    the extension, it has that one. Without one, init_weight_transfer_engine refuses."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from tritonreshard.vllm._worker import TritonreshardInitInfo, TritonreshardWeightTransferEngine
+
+    pc = SimpleNamespace(pipeline_parallel_size=1, data_parallel_size=1)
+    args = (None, SimpleNamespace(parallel_config=pc, model_config=None), torch.device("cpu"), torch.nn.Linear(2, 2))
+
+    class LooksLikeAWorker:  # what vLLM's worker has, without the extension
+        def __init__(self):
+            self._weight_update_active, self.model_runner = False, object()
+
+        def load_model(self):
+            self.weight_transfer_engine = TritonreshardWeightTransferEngine(*args)
+
+    bare = LooksLikeAWorker()
+    bare.load_model()
+    assert bare.weight_transfer_engine.worker is None
+    with pytest.raises(ValueError, match="pass worker_extension_cls=tritonreshard.vllm.WORKER_EXTENSION"):
+        bare.weight_transfer_engine._init(TritonreshardInitInfo(store="127.0.0.1:9", trainer_ranks=[0],
+                                                                inference_ranks=[1]))
+
+    class Extended(LooksLikeAWorker, WorkerExtension):
+        pass
+
+    worker = Extended()
+    assert worker.weight_transfer_engine is None  # a worker without an engine yet (vLLM sets None first)
+    worker.load_model()
+    assert worker.weight_transfer_engine.worker is worker
+    # vLLM refuses an extension that shadows anything of its worker class.
+    assert [a for a in dir(WorkerExtension) if not a.startswith("__") and hasattr(Worker, a)] == []
+    source = (ROOT / "tritonreshard" / "vllm" / "_worker.py").read_text()
+    for peek in ("_getframe", "f_back", "f_locals", "inspect.", "gc.get_referrers"):
+        assert peek not in source, peek
 
 
 def test_entry_point_names_the_register_function():

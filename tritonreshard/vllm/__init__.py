@@ -9,7 +9,9 @@ trainer process; the RL script drives vLLM's four phases::
                                     inference_ranks=[2, 3], store="127.0.0.1:29600")
     tr.fence(); optimizer.step(); tr.publish()          # each step
 
-    # the script that owns the vLLM engine (LLM(..., weight_transfer_config={"backend": "tritonreshard"}))
+    # the script that owns the vLLM engine
+    llm = LLM(model, weight_transfer_config={"backend": tritonreshard.vllm.BACKEND},
+              worker_extension_cls=tritonreshard.vllm.WORKER_EXTENSION)
     llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": tritonreshard.vllm.init_info(
         store="127.0.0.1:29600", trainer_ranks=[0, 1], inference_ranks=[2, 3])})   # once
     llm.collective_rpc("start_weight_update")                                   # each refit
@@ -21,24 +23,66 @@ Importing this package does not import vLLM.
 """
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import torch
 
-from ..recipes import hf_to_vllm
-from ..engine import RefitTrainer
+from .. import RefitTrainer, recipes
 
-__all__ = ["Trainer", "init_info", "register", "BACKEND"]
+__all__ = ["Trainer", "WorkerExtension", "init_info", "register", "BACKEND", "WORKER_EXTENSION", "SRC_DTYPES"]
 
 BACKEND = "tritonreshard"
+WORKER_EXTENSION = f"{__name__}.WorkerExtension"  # for LLM(worker_extension_cls=...)
+
+# The trainers' parameter dtypes the backend accepts, by the name that crosses the wire in
+# init_info (a plain dict: vLLM's RPC carries names, not torch dtypes). The one table: init_info,
+# Trainer and the workers all read it.
+SRC_DTYPES = MappingProxyType({"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16})
+
+_registered = False
 
 
 def register() -> None:
     """``vllm.general_plugins`` entry point: register the engine with vLLM's factory (lazily: the
     worker module is imported only when a worker creates the engine). Runs in every vLLM process."""
+    global _registered
+    if _registered:  # a script may also call it itself: vLLM's factory refuses a second registration
+        return
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    if BACKEND not in WeightTransferEngineFactory._registry:  # plugins may load more than once per process
-        WeightTransferEngineFactory.register_engine(BACKEND, "tritonreshard.vllm._worker",
-                                                    "TritonreshardWeightTransferEngine")
+    WeightTransferEngineFactory.register_engine(BACKEND, "tritonreshard.vllm._worker",
+                                                "TritonreshardWeightTransferEngine")
+    _registered = True
+
+
+class WorkerExtension:
+    """vLLM worker extension that hands each worker to its ``"tritonreshard"`` engine; pass
+    ``worker_extension_cls=WORKER_EXTENSION`` to ``LLM`` (or ``--worker-extension-cls`` to
+    ``vllm serve``) next to the weight-transfer backend. A script with its own extension class
+    subclasses this one.
+
+    Why the engine needs its worker: a failed refit must end vLLM's weight-update session on every
+    TP rank, but vLLM 0.32's multiprocess executor stops reading replies at the first failed rank
+    (the later ranks' replies would answer the next ``collective_rpc``), so only the last TP rank
+    may raise, and the others must close their worker's session themselves. vLLM 0.32 gives an
+    engine only ``(config, vllm_config, device, model)`` and nothing that reaches the worker;
+    ``worker_extension_cls`` is vLLM's way to add attributes to the worker class. The attribute
+    added here is the one the worker already assigns its engine to in ``load_model``
+    (``weight_transfer_engine``), so the two meet exactly where vLLM creates the engine.
+    """
+
+    @property
+    def weight_transfer_engine(self):
+        return self.__dict__.get("weight_transfer_engine")
+
+    @weight_transfer_engine.setter
+    def weight_transfer_engine(self, engine) -> None:
+        self.__dict__["weight_transfer_engine"] = engine
+        if engine is not None:
+            from ._worker import TritonreshardWeightTransferEngine  # vLLM is loaded once an engine exists
+
+            if isinstance(engine, TritonreshardWeightTransferEngine):
+                engine.bind_worker(self)
 
 
 def init_info(*, store: str, trainer_ranks, inference_ranks, src_dtype: str = "float32", group: str = "vllm",
@@ -53,8 +97,8 @@ def init_info(*, store: str, trainer_ranks, inference_ranks, src_dtype: str = "f
         problems.append(f"trainer_ranks={trainer_ranks} and inference_ranks={inference_ranks} overlap")
     if not isinstance(store, str) or ":" not in store:
         problems.append(f"store must be 'host:port', got store={store!r}")
-    if src_dtype not in ("float32", "bfloat16", "float16"):
-        problems.append(f"src_dtype must be 'float32', 'bfloat16' or 'float16', got src_dtype={src_dtype!r}")
+    if src_dtype not in SRC_DTYPES:
+        problems.append(f"src_dtype must be one of {list(SRC_DTYPES)}, got src_dtype={src_dtype!r}")
     if problems:
         raise ValueError("init_info: " + "; ".join(problems))
     return {"store": store, "trainer_ranks": trainer_ranks, "inference_ranks": inference_ranks,
@@ -73,24 +117,26 @@ class Trainer(RefitTrainer):
     into the shared arena; train on ``tensors`` afterwards (or pass an ``nn.Module`` whose parameters
     are those shards: they are re-pointed at the arena). Call ``fence()`` before changing the
     weights and ``publish()`` after; the vLLM workers pull from the arena. ``rank`` is this
-    process's rank in the refit group (one of ``trainer_ranks``). ``spec`` is the recipe;
-    ``src_dtype`` the name to pass to :func:`init_info`.
+    process's rank in the refit group (one of ``trainer_ranks``). ``src_dtype``: a name of
+    :data:`SRC_DTYPES` or its torch dtype (default: the shards' dtype). ``spec`` is the recipe;
+    the attribute ``src_dtype`` the name to pass to :func:`init_info`.
     """
 
     def __init__(self, config, shards, *, rank: int, tp: int, trainer_ranks, inference_ranks, store,
                  src_dtype=None, group: str = "vllm", **kwargs):
-        dtype = src_dtype or next(iter(shards.values() if isinstance(shards, dict) else
-                                       (p for _, p in shards.named_parameters()))).dtype
-        names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+        dtype = SRC_DTYPES.get(src_dtype, src_dtype) or next(iter(
+            shards.values() if isinstance(shards, dict) else (p for _, p in shards.named_parameters()))).dtype
+        names = {d: n for n, d in SRC_DTYPES.items()}
+        problems = []
         if dtype not in names:
-            raise ValueError(f"Trainer: the shards' dtype must be one of {sorted(names.values())}, got {dtype}")
-        overlap = set(trainer_ranks) & set(inference_ranks)
-        if overlap:
-            raise ValueError(f"Trainer: trainer_ranks={list(trainer_ranks)} and inference_ranks="
-                             f"{list(inference_ranks)} overlap")
+            problems.append(f"the shards' dtype must be one of {list(SRC_DTYPES)}, got {dtype}")
+        if set(trainer_ranks) & set(inference_ranks):
+            problems.append(f"trainer_ranks={list(trainer_ranks)} and inference_ranks={list(inference_ranks)} overlap")
+        if problems:
+            raise ValueError("Trainer: " + "; ".join(problems))
         # Only the source side matters here; the destination dtype is vLLM's, chosen by the workers.
-        self.spec = hf_to_vllm(config, tp=tp, trainer_ranks=trainer_ranks, inference_ranks=inference_ranks,
-                               src_dtype=dtype)
+        self.spec = recipes.hf_to_vllm(config, tp=tp, trainer_ranks=trainer_ranks,
+                                       inference_ranks=inference_ranks, src_dtype=dtype)
         self.src_dtype = names[dtype]  # what init_info(src_dtype=...) needs on the vLLM side
         super().__init__(shards, self.spec.src, rank=rank, world_size=len(trainer_ranks) + len(inference_ranks),
                          store=store, group=group, **kwargs)

@@ -19,7 +19,6 @@ applied: the engine keeps serving the previous version.
 """
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -37,16 +36,12 @@ from vllm.model_executor.model_loader.reload import layerwise as _layerwise
 from vllm.model_executor.model_loader.reload.meta import materialize_layer
 from vllm.platforms import current_platform
 
-from ..recipes import hf_to_vllm
-from ..engine import RefitInference
-from ..errors import RefitError
+from .. import RefitError, RefitInference, recipes
+from . import SRC_DTYPES
 
 __all__ = ["TritonreshardInitInfo", "TritonreshardUpdateInfo", "TritonreshardWeightTransferEngine"]
 
 logger = init_logger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @dataclass
 class TritonreshardInitInfo(WeightTransferInitInfo):
@@ -76,7 +71,11 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
     """vLLM ``WeightTransferEngine`` pulling TP shards through tritonreshard (registered as
     ``"tritonreshard"``). Which process calls what: vLLM calls every method in every worker, driven
     by the four phases (``init_weight_transfer_engine``, ``start_weight_update``,
-    ``update_weights``, ``finish_weight_update``) of the engine's ``collective_rpc``."""
+    ``update_weights``, ``finish_weight_update``) of the engine's ``collective_rpc``.
+
+    ``worker``: the vLLM worker that owns this engine, handed over by
+    :class:`tritonreshard.vllm.WorkerExtension` when the worker stores its engine (see there why
+    an engine needs it); :meth:`init_transfer_engine` refuses to start without it."""
 
     init_info_cls = TritonreshardInitInfo
     update_info_cls = TritonreshardUpdateInfo
@@ -88,7 +87,12 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         self._session = False
         self.applied_version = 0
         self.stats: dict = {}
-        self._worker = _creating_worker()
+        self.worker = None
+
+    def bind_worker(self, worker) -> None:
+        """Called once per engine by :class:`~tritonreshard.vllm.WorkerExtension`, in the worker's
+        ``load_model`` right after vLLM's factory created this engine."""
+        self.worker = worker
 
     def _agree(self, version, error) -> list:
         """Every TP rank's ``(rank, version, error text)``: all ranks decide together."""
@@ -113,10 +117,13 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
                "; ".join(f"rank {r}: {e}" for r, e in failed) or f"TP ranks pulled different versions {versions}")
         err = RefitError(f"tritonreshard {what} failed ({why}); nothing was applied, vLLM keeps serving "
                          f"version {self.applied_version}")
-        if get_tensor_model_parallel_rank() < get_tensor_model_parallel_world_size() - 1 and self._worker is not None:
+        if get_tensor_model_parallel_rank() < get_tensor_model_parallel_world_size() - 1:
             logger.warning("%s", err)
             if what == "refit":
-                self._worker._weight_update_active = False
+                # What vLLM's worker does when update_weights raises (its except clause; 0.32 has no
+                # public call for it). Not the worker's finish_weight_update: that also drops LoRA
+                # adapters, which the last rank (where vLLM's own except clause runs) would keep.
+                self.worker._weight_update_active = False
                 self.reset_weight_update_target()
                 self._session = False
             return
@@ -145,14 +152,19 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         if pc.pipeline_parallel_size != 1 or pc.data_parallel_size != 1:
             problems.append(f"pipeline_parallel_size={pc.pipeline_parallel_size} and data_parallel_size="
                             f"{pc.data_parallel_size}: only tensor parallelism is supported")
-        if init_info.src_dtype not in _DTYPES:
-            problems.append(f"init_info src_dtype={init_info.src_dtype!r} must be one of {sorted(_DTYPES)}")
+        if init_info.src_dtype not in SRC_DTYPES:
+            problems.append(f"init_info src_dtype={init_info.src_dtype!r} must be one of {list(SRC_DTYPES)}")
+        if self.worker is None:
+            problems.append("the vLLM worker has no tritonreshard WorkerExtension: pass worker_extension_cls="
+                            "tritonreshard.vllm.WORKER_EXTENSION to LLM(...) (--worker-extension-cls "
+                            "tritonreshard.vllm.WorkerExtension to vllm serve); a failed refit needs it to end "
+                            "every TP rank's weight-update session")
         if problems:
             raise ValueError("tritonreshard init_weight_transfer_engine: " + "; ".join(problems))
         self.tp_rank, tp = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-        self.spec = hf_to_vllm(self.model_config.hf_config, tp=tp, trainer_ranks=init_info.trainer_ranks,
-                               inference_ranks=init_info.inference_ranks, dtype=self.model_config.dtype,
-                               src_dtype=_DTYPES[init_info.src_dtype])
+        self.spec = recipes.hf_to_vllm(self.model_config.hf_config, tp=tp, trainer_ranks=init_info.trainer_ranks,
+                                       inference_ranks=init_info.inference_ranks, dtype=self.model_config.dtype,
+                                       src_dtype=SRC_DTYPES[init_info.src_dtype])
         self.rank = init_info.inference_ranks[self.tp_rank]  # hf_to_vllm checked there is one per TP rank
         moe = sorted(n for n in self.spec.dst if ".experts." in n)
         if moe:  # refits land, but vLLM 0.32 (CPU) then generates differently from transformers: refuse
@@ -296,17 +308,3 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         if self._sub is not None:
             self._sub.close()
             self._sub = None
-
-
-def _creating_worker():
-    """The vLLM worker whose ``load_model`` is creating this engine (a few frames up), or None.
-    Needed only to close its weight-update session on a failed update (see ``_fail``)."""
-    frame = sys._getframe(1)
-    for _ in range(8):
-        if frame is None:
-            return None
-        obj = frame.f_locals.get("self")
-        if hasattr(obj, "_weight_update_active") and hasattr(obj, "model_runner"):
-            return obj
-        frame = frame.f_back
-    return None
