@@ -14,7 +14,8 @@ import time
 import torch
 
 import tritonreshard as trs
-from tritonreshard.execute import DescriptorTable, execute_local
+from tritonreshard import execute_local
+from tritonreshard.kernels import DescriptorTable
 
 # CUDA tensors run the compiled kernels; the CPU tensors of this notebook run the same kernels in
 # Triton's interpreter (exact, slow: fine for 8x8).

@@ -21,11 +21,14 @@ The pattern to copy into your own RL code:
 
 Every inference rank must pull every version: the trainer's ``fence()`` waits for all of them.
 
-Inside a torch.distributed job (the usual case) nothing else is needed: with ``store`` left out,
-the endpoints meet in the job's own store (the default process group's). Run it either way:
+Inside a torch.distributed job (the usual case), with ``store`` left out, the endpoints meet in the
+job's own store (the default process group's). That store listens on every interface, so the group
+secret must come from the environment (tritonreshard refuses to put it in such a store): export one
+for the whole job. Run it either way:
 
-    torchrun --standalone --nproc-per-node 3 examples/rl_refit.py
-    python examples/rl_refit.py      # spawns the 3 ranks itself, the way torchrun would
+    TRITONRESHARD_GROUP_SECRET=$(python -c "import secrets; print(secrets.token_hex(32))") \
+        torchrun --standalone --nproc-per-node 3 examples/rl_refit.py
+    python examples/rl_refit.py      # spawns the 3 ranks itself (trs.secret_for_children())
 
 (CPU, a few seconds.)
 """

@@ -4,6 +4,7 @@ import argparse
 import json
 import math
 import os
+import secrets
 import re
 import subprocess
 import sys
@@ -149,10 +150,12 @@ def test_example_rl_refit():
 
 
 def test_example_rl_refit_under_torchrun():
-    """``torchrun --standalone --nproc-per-node 3 examples/rl_refit.py``: the endpoints meet in the
-    job's own store (the launcher's rendezvous and the default process group), no port clash."""
+    """``TRITONRESHARD_GROUP_SECRET=... torchrun --standalone --nproc-per-node 3 examples/rl_refit.py``:
+    the endpoints meet in the job's own store (the launcher's rendezvous and the default process
+    group), no port clash. That store listens on every interface, so the secret comes from the
+    environment, as the example's docstring says."""
     before = _shm()
-    env = {k: v for k, v in os.environ.items() if k != "TRITONRESHARD_GROUP_SECRET"}
+    env = {**os.environ, "TRITONRESHARD_GROUP_SECRET": secrets.token_hex(32)}
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
                           str(ROOT / "examples" / "rl_refit.py")], capture_output=True, text=True, timeout=240,
                          cwd=ROOT, env=env)

@@ -1,6 +1,8 @@
 """The engine inside an existing torch.distributed job and under torchrun: it reuses the job's store
 (no second TCPStore, no clash with the launcher's MASTER_PORT) and takes rank / world size from the
 job when they are not given."""
+import os
+import secrets
 import subprocess
 import sys
 import textwrap
@@ -12,6 +14,7 @@ import torch.distributed as dist
 
 import tritonreshard as trs
 from tritonreshard import Layout, Replicate, Shard
+from tritonreshard.engine import rendezvous as rdv
 
 from _mp import free_port, run_ranks
 
@@ -50,7 +53,9 @@ def _job_worker(rank, port):
         dist.destroy_process_group()
 
 
-def test_inside_an_initialised_process_group_reuses_its_store_and_ranks():
+def test_inside_an_initialised_process_group_reuses_its_store_and_ranks(monkeypatch):
+    # The job's store listens on every interface: the group secret comes from the environment.
+    monkeypatch.setenv(rdv.SECRET_ENV, secrets.token_hex(32))
     out = run_ranks(_job_worker, 3, args=(free_port(),), timeout=180)
     assert out[1]["exact"] == [True, True] and out[2]["exact"] == [True, True], out
     assert all(r["sum"] == 3 for r in out.values())
@@ -59,6 +64,7 @@ def test_inside_an_initialised_process_group_reuses_its_store_and_ranks():
 SCRIPT = textwrap.dedent('''
     import os, torch, tritonreshard as trs
     from tritonreshard import Layout, Replicate, Shard
+from tritonreshard.engine import rendezvous as rdv
     src = {"w": Layout((6, 4), [0], [Replicate()])}
     dst = {"w": Layout((6, 4), [1, 2], [Shard(0)])}
     rank = int(os.environ["RANK"])
@@ -79,7 +85,8 @@ def test_under_torchrun_no_port_clash_with_the_launchers_store(tmp_path):
     script = tmp_path / "refit_under_torchrun.py"
     script.write_text(SCRIPT)
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-                          str(script)], capture_output=True, text=True, timeout=200, cwd=ROOT)
+                          str(script)], capture_output=True, text=True, timeout=200, cwd=ROOT,
+                         env={**os.environ, rdv.SECRET_ENV: secrets.token_hex(32)})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "rank 1 exact" in out.stdout and "rank 2 exact" in out.stdout, out.stdout
 
