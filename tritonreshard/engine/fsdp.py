@@ -31,6 +31,9 @@ __all__ = ["is_fsdp2", "FSDP2Source"]
 
 def is_fsdp2(module) -> bool:
     """True when ``module`` or one of its submodules was wrapped by ``fully_shard``."""
+    # Lazy (here and below): torch.distributed.fsdp imports torch.distributed.nn, which pins a job's
+    # process group when first imported after init_process_group (see engine/group.py). A model
+    # that is an FSDP2 module has imported it already.
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(module, torch.nn.Module) and any(isinstance(m, FSDPModule) for m in module.modules())
@@ -38,7 +41,7 @@ def is_fsdp2(module) -> bool:
 
 def _fsdp_params(module: torch.nn.Module) -> dict[str, object]:
     """``{parameter name: FSDPParam}`` over every ``fully_shard`` group inside ``module``."""
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule  # lazy: see is_fsdp2
 
     names = {id(p): n for n, p in module.named_parameters()}
     out = {}
@@ -67,7 +70,7 @@ class FSDP2Source(Mapping):
     """
 
     def __init__(self, module: torch.nn.Module, rank_map: Mapping[int, int] | None = None):
-        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import DTensor  # lazy: see is_fsdp2
 
         self._fsdp = _fsdp_params(module)
         problems, layouts, shards = [], {}, {}

@@ -55,7 +55,7 @@ def create_arena(nbytes: int, device: torch.device | str = "cpu", *, secret=None
     if device.type == "cpu":
         return ShmArena.create(nbytes, secret=secret, expected_peers=expected_peers)
     if device.type == "cuda":
-        from ._cuda import CudaArena
+        from ._cuda import CudaArena  # lazy: the CUDA transport needs cuda-python (CUDA machines only)
         if secret is None:
             raise ValueError("create_arena: CUDA arenas are handed out over the authenticated fd "
                              "server and need secret= (the group secret)")
@@ -76,7 +76,7 @@ def open_arena(handle: ArenaHandle, *, secret=None, device: torch.device | str |
         raise ValueError(f"open_arena: handle must be an ArenaHandle, got {type(handle).__name__}")
     if handle.kind.startswith("shm-"):
         return ShmArena.open(handle, secret=secret, timeout=timeout)
-    from ._cuda import CudaArena
+    from ._cuda import CudaArena  # lazy: the CUDA transport needs cuda-python (CUDA machines only)
     if secret is None:
         raise ValueError(f"open_arena: {handle!r} needs secret= (the group secret)")
     return CudaArena.open(handle, secret=secret,

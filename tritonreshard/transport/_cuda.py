@@ -36,6 +36,7 @@ _IPC_HANDLE_BYTES = 64
 
 
 def _driver():
+    # Lazy: cuda-python's driver bindings load libcuda, which a CPU-only machine does not have.
     from cuda.bindings import driver
     return driver
 

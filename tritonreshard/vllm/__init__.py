@@ -48,6 +48,7 @@ def register() -> None:
     global _registered
     if _registered:  # a script may also call it itself: vLLM's factory refuses a second registration
         return
+    # Lazy: importing this package must not import vLLM (trainers have none).
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     WeightTransferEngineFactory.register_engine(BACKEND, "tritonreshard.vllm._worker",
