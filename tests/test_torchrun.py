@@ -64,7 +64,6 @@ def test_inside_an_initialised_process_group_reuses_its_store_and_ranks(monkeypa
 SCRIPT = textwrap.dedent('''
     import os, torch, tritonreshard as trs
     from tritonreshard import Layout, Replicate, Shard
-from tritonreshard.engine import rendezvous as rdv
     src = {"w": Layout((6, 4), [0], [Replicate()])}
     dst = {"w": Layout((6, 4), [1, 2], [Shard(0)])}
     rank = int(os.environ["RANK"])
