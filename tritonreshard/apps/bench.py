@@ -40,7 +40,7 @@ version, with the top exponent bit clear (finite values). Every refit changes ev
 the timed refits each inference rank checks its shards bit for bit: a stale, misplaced or unwritten
 element fails ``verified``.
 
-Processes: the shared driver (:mod:`._driver`) hosts a TCPStore and spawns one process per rank
+Processes: the shared driver (:mod:`.driver`) hosts a TCPStore and spawns one process per rank
 (``torch.set_num_threads(1)``); ranks run commands from the store (:class:`BenchSession`, also used by ``bench/test_bench_refit.py``)
 so one set-up serves many measurements. Entry points for ``tritonreshard bench``: :func:`add_arguments`
 and :func:`run`.
@@ -63,7 +63,7 @@ from itertools import product
 
 from tritonreshard.planning import fmt_bytes as _fmt_bytes
 
-from ._driver import Driver, RankFailed, wait_key
+from .driver import Driver, RankFailed, wait_key
 
 __all__ = ["add_arguments", "run"]
 

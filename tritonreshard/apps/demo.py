@@ -1,6 +1,6 @@
 """``tritonreshard demo``: an asynchronous RL loop whose policy refits through tritonreshard.
 
-Processes (spawned by the shared driver, :mod:`._driver`, one per rank; global ranks ``0..T-1``
+Processes (spawned by the shared driver, :mod:`.driver`, one per rank; global ranks ``0..T-1``
 train, ``T..T+I-1`` serve; each role has its own torch.distributed group)::
 
     trainers (FSDP rows, Shard(0))                 inference (tensor parallel, TP = I)
@@ -74,7 +74,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from ._driver import Driver, RankFailed, poll_until, wait_key
+from .driver import Driver, RankFailed, poll_until, wait_key
 
 __all__ = ["add_arguments", "run"]
 
