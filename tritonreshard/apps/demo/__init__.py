@@ -1,7 +1,7 @@
 """``tritonreshard demo``: an asynchronous RL loop whose policy refits through tritonreshard.
 
-Processes (spawned by the shared driver, :mod:`.driver`, one per rank; global ranks ``0..T-1``
-train, ``T..T+I-1`` serve; each role has its own torch.distributed group)::
+Processes (spawned by the shared driver, :mod:`tritonreshard.apps.driver`, one per rank; global
+ranks ``0..T-1`` train, ``T..T+I-1`` serve; each role has its own torch.distributed group)::
 
     trainers (FSDP rows, Shard(0))                 inference (tensor parallel, TP = I)
     ------------------------------                 -------------------------------------------
