@@ -19,7 +19,7 @@ trip, up to a few ms); ``extra_info`` has the ranks' own measurement, the one th
   tritonreshard).
 
 Every case ends by checking the destination shards bit for bit (provenance data, see
-``apps/bench.py``). The cuda cases run where a GPU is present and are skipped otherwise.
+``apps/bench/provenance.py``). The cuda cases run where a GPU is present and are skipped otherwise.
 ``tritonreshard bench`` runs the same measurements from the command line with a table or JSON.
 """
 import statistics

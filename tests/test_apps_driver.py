@@ -1,4 +1,4 @@
-"""The applications' shared process driver (apps/_driver.py): one line per failed rank, abort
+"""The applications' shared process driver (apps/driver.py): one line per failed rank, abort
 reaches waiting ranks, a killed rank is named, and SIGTERM of the driver leaves no rank behind.
 Spawned processes with hard timeouts."""
 import os
@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tritonreshard import PeerDiedError
-from tritonreshard.apps._driver import Driver, RankFailed, one_line, wait_key
+from tritonreshard.apps.driver import Driver, RankFailed, one_line, wait_key
 
 pytestmark = pytest.mark.slow
 
@@ -89,7 +89,7 @@ DRIVER_SCRIPT = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {tests!r})
     from test_apps_driver import _target, _role
-    from tritonreshard.apps._driver import Driver
+    from tritonreshard.apps.driver import Driver
     if __name__ == "__main__":
         drv = Driver("t", 2, _target, ("wait",), timeout=120, role=_role)
         try:

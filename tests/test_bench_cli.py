@@ -89,6 +89,7 @@ def test_bench_rejects_bad_arguments(tmp_path):
 
 def test_parse_size_and_model():
     from tritonreshard.apps import bench
+    from tritonreshard.apps.bench.model import build_model
     assert bench.parse_size("256MiB") == 256 << 20
     assert bench.parse_size("1GiB") == 1 << 30
     assert bench.parse_size("1000") == 1000 and bench.parse_size(4096) == 4096
@@ -96,7 +97,7 @@ def test_parse_size_and_model():
         bench.parse_size("12 parsecs")
     for size in ("8MiB", "256MiB", "1GiB"):
         cfg = bench.BenchConfig(size=bench.parse_size(size))
-        total = sum(2 * t.shape[0] * (t.shape[1] if len(t.shape) > 1 else 1) for t in bench._model(cfg))
+        total = sum(2 * t.shape[0] * (t.shape[1] if len(t.shape) > 1 else 1) for t in build_model(cfg))
         assert abs(total - cfg.size) <= 2 * 4096, size   # within an embedding row
     cfg = bench.BenchConfig(size=bench.parse_size("16MiB"), tensors=10_000)
-    assert len(bench._model(cfg)) == 10_000
+    assert len(build_model(cfg)) == 10_000

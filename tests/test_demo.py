@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tritonreshard.apps import demo
-from tritonreshard.apps._driver import our_shm_entries
+from tritonreshard.apps.driver import our_shm_entries
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow

@@ -1,6 +1,6 @@
 """The applications built on tritonreshard: the ``tritonreshard`` command (:mod:`.cli`), the RL refit
-demo (:mod:`.demo`, with its policy model :mod:`._policy`), the benchmark (:mod:`.bench`), plan
-pictures (:mod:`.viz`), and the process driver the demo and the bench share (:mod:`._driver`).
+demo (:mod:`.demo`, with its policy model), the benchmark (:mod:`.bench`), plan
+pictures (:mod:`.viz`), and the process driver the demo and the bench share (:mod:`.driver`).
 
 The folder ``apps/`` imports as ``tritonreshard.apps``. It sits on top of the library: the library
 (everything else under ``tritonreshard``) never imports it, so a user of the engine pulls in neither

@@ -14,6 +14,9 @@ import torch
 from tritonreshard.layout import MAX_RANKS, Layout, Replicate, Shard
 from tritonreshard.planning import plan_reshard
 
+from . import bench, demo
+from .viz import check_figure_path, draw_plan
+
 __all__ = ["main", "parse_layout_spec"]
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
@@ -80,8 +83,6 @@ def _cmd_plan(args) -> int:
     src = parse_layout_spec(args.src, shape, src_dtype, 0, "--src")
     dst = parse_layout_spec(args.dst, shape, dst_dtype, 0 if args.colocated else max(src.ranks) + 1, "--dst")
     if args.png:  # a bad path fails now, in one line, not after the work
-        from .viz import check_figure_path
-
         check_figure_path(args.png, "--png")
     t0 = time.perf_counter()
     plan = plan_reshard({args.name: src}, {args.name: dst})
@@ -94,8 +95,6 @@ def _cmd_plan(args) -> int:
               f"({dst_dtype}); send counts source bytes ({src_dtype})")
     print(f"planned in {elapsed * 1e3:.2f} ms")
     if args.png:
-        from .viz import draw_plan
-
         draw_plan(plan, args.png)
         print(f"wrote {os.path.abspath(args.png)}")
     return 0
@@ -128,9 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--png", metavar="FILE", help="draw the plan to FILE")
     p.set_defaults(func=_cmd_plan)
 
-    # The demo and the benchmark own their flags; they are imported only to build their parsers.
-    from . import bench, demo
-
+    # The demo and the benchmark own their flags and their help text.
     d = sub.add_parser("demo", help="an asynchronous RL loop that refits through tritonreshard",
                        description=plain(demo.__doc__))
     demo.add_arguments(d)

@@ -12,6 +12,8 @@
 """
 from __future__ import annotations
 
+import os
+
 from tritonreshard.layout import Layout
 from tritonreshard.planning import Plan, fmt_bytes as _fmt_bytes
 
@@ -58,6 +60,8 @@ def _owner_groups(layout: Layout):
 
 def draw_plan(plan: Plan, path: str, name: str | None = None, title: str | None = None) -> str:
     """Draw ``plan`` for tensor ``name`` (default: the first) to the image file ``path``; returns it."""
+    # Lazy: matplotlib is heavy to import and only a picture needs it (the ``tritonreshard`` command
+    # and the demo import this module whether or not they draw).
     import matplotlib
 
     matplotlib.use("Agg")
@@ -172,9 +176,7 @@ def check_figure_path(path: str, what: str = "--png") -> None:
     """Raises ``ValueError`` naming ``what`` when a figure cannot be saved to ``path`` (a format
     matplotlib does not write, a missing or read-only folder): checked before any work, so a run
     never fails at its very end."""
-    import os
-
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # lazy, as in draw_plan: only a picture needs matplotlib
 
     problems = []
     ext = os.path.splitext(path)[1].lower().lstrip(".")

@@ -16,7 +16,8 @@ hold a tensor-parallel layout: ``gate_up`` column-parallel with its gate and up 
 independently (``Shard(0, blocks=(H, H))``), ``down`` row-parallel (``Shard(1)``), ``lm_head``
 vocab-parallel (``Shard(0)``) and everything else replicated.
 
-Everything here is plain torch; the process groups are passed in by the caller (``demo.py``).
+Everything here is plain torch; the process groups are passed in by the callers (:mod:`.trainer`,
+:mod:`.inference`).
 """
 from __future__ import annotations
 

@@ -24,10 +24,17 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
 from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tritonreshard import secret_for_children
 
 __all__ = ["Driver", "RankFailed", "RankError", "poll_until", "wait_key", "our_shm_entries",
            "one_line"]
@@ -125,9 +132,6 @@ class RankFailed(RuntimeError):
 
 
 def _rank_entry(target, rank: int, port: int, prefix: str, timeout: float, args: tuple) -> None:
-    import torch
-    import torch.distributed as dist
-
     def _sigterm(signum, frame):
         raise SystemExit(128 + signum)
 
@@ -168,7 +172,6 @@ def _sigterm_exits() -> None:
     """SIGTERM of the driver raises SystemExit(143), so its ``finally`` / ``with`` blocks stop the
     ranks and sweep what they left (the default action would kill the driver and orphan them).
     Only from the main thread, and only where nobody installed a handler of their own."""
-    import threading
     if threading.current_thread() is threading.main_thread() and \
             signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         def _exit(signum, frame):
@@ -183,7 +186,6 @@ class Driver:
 
     def __init__(self, name: str, world_size: int, target, args: tuple = (), *, timeout: float,
                  prefix: str | None = None, role: Callable[[int], str] | None = None):
-        import torch.distributed as dist
         self.name, self.world_size, self.timeout = name, world_size, timeout
         self.prefix = prefix or name
         self.role = role or (lambda r: f"rank {r}")
@@ -200,9 +202,6 @@ class Driver:
     # -- processes ------------------------------------------------------------------------------
     def start(self, ranks=None) -> None:
         """Spawns ``ranks`` (default: all). A rank started again (a restart) gets a new process."""
-        import torch.multiprocessing as mp
-        from tritonreshard import secret_for_children
-
         secret_for_children()  # children inherit it through the environment; it never crosses the store
         ctx = mp.get_context("spawn")
         for r in (range(self.world_size) if ranks is None else ranks):

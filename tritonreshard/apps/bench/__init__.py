@@ -1,0 +1,59 @@
+"""``tritonreshard bench``: refit throughput of the engine against memcpy and two baselines.
+
+What moves: a Llama-shaped bf16 state dict of ``--size`` bytes (``qkv``, ``o``, ``gate_up``,
+``down``, two norms per layer, embedding, lm_head, final norm; layers and hidden size scale with the
+size, the embedding absorbs the rest) from trainer processes to inference processes. Layouts
+(``--layout``)::
+
+    fsdp-tp             T trainers Shard(0) (FSDP rows)  ->  I inference ranks, tensor parallel:
+                        qkv Shard(0, blocks=(h,h,h)), gate_up Shard(0, blocks=(i,i)), o/down Shard(1),
+                        embed/lm_head Shard(0) (vocab parallel), norms Replicate
+    cols-replicas       T trainers Shard(1) (column shards)  ->  I ranks holding every tensor whole
+    colocated           the fsdp-tp layouts on the same processes (ranks 0..max(T,I)-1 are trainer
+                        and/or inference; one RefitEndpoint with both sides per process)
+    replicated-sources  T trainers as DP x FSDP, mesh [[0..T/2-1],[T/2..T-1]] [Replicate(), Shard(0)]
+                        ->  I ranks tensor parallel
+
+Methods, all on the same bytes in one run (destination bytes = the sum of every inference rank's
+local shards):
+
+* ``memcpy``: the driver process copies that many bytes in one ``copy_`` of a big buffer (all cores,
+  torch's threads): the machine's speed of light.
+* ``tritonreshard``: ``RefitEndpoint``: trainers ``publish()``, every inference rank ``pull()``s.
+* ``p2p``: ``torch.distributed.batch_isend_irecv`` over the same plan's ops (gloo on CPU, NCCL on
+  GPU): sources send each op's slice (packed when not contiguous), destinations receive into a
+  temporary (or straight into a contiguous destination slice) and copy into the shard.
+* ``gather_broadcast``: per tensor, gather the full tensor on the first trainer, broadcast it to
+  every inference rank, each inference rank copies out its shard (the serialized flow).
+
+Timing of one refit: trainers write the next version's weights (untimed), every rank meets in a gloo
+barrier, reads ``time.monotonic()`` (CLOCK_MONOTONIC: one clock for every process of the machine),
+runs the method and reads the clock again; the refit's time is max(end) - min(start) over all ranks.
+``seconds`` is the median over ``--repeats`` refits after ``--warmup``. For ``tritonreshard``,
+``coordination_ms`` is the median of (refit time - the slowest inference rank's copy), the copy as
+the engine measures it (``last_pull.copy_ms``: its descriptor-table copy, device sync included), and
+``staging_bytes`` the extra memory the pulls allocated as the engine measured it (``staging_bytes``
+of each rank: the most one pull took), summed over the ranks.
+
+Provenance: every element's bf16 bits are a hash of (tensor name, global index) XOR a key of the
+version, with the top exponent bit clear (finite values). Every refit changes every weight, so after
+the timed refits each inference rank checks its shards bit for bit: a stale, misplaced or unwritten
+element fails ``verified``.
+
+Processes: the shared driver (:mod:`tritonreshard.apps.driver`) hosts a TCPStore and spawns one
+process per rank (``torch.set_num_threads(1)``); ranks run commands from the store
+(:class:`BenchSession`, also used by ``bench/test_bench_refit.py``) so one set-up serves many
+measurements. Entry points for ``tritonreshard bench``: :func:`add_arguments` and :func:`run`.
+
+Modules, one job each: :mod:`.cli` (options, checks, :func:`run`), :mod:`.config` (:class:`BenchConfig`,
+``--size``), :mod:`.model` (the model and its layouts), :mod:`.provenance` (the bits every element
+holds), :mod:`.baselines` (p2p and gather_broadcast), :mod:`.rank` (one rank's set-up and command
+loop), :mod:`.session` (:class:`BenchSession`, memcpy) and :mod:`.report` (the JSON object and the
+table).
+"""
+from .cli import add_arguments, run
+from .config import BenchConfig, parse_size
+from .report import measure
+from .session import BenchSession, memcpy_seconds
+
+__all__ = ["add_arguments", "run", "BenchConfig", "BenchSession", "parse_size", "measure", "memcpy_seconds"]

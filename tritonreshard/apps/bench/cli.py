@@ -1,0 +1,110 @@
+"""The bench's command line: its options (:func:`add_arguments`) and :func:`run`, what ``tritonreshard
+bench`` calls: check, set up a :class:`.session.BenchSession`, :func:`.report.measure`, print."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+from tqdm import tqdm
+
+from tritonreshard.planning import fmt_bytes
+
+from ..driver import RankFailed
+from .config import LAYOUTS, METHODS, WORKER_METHODS, BenchConfig, parse_size
+from .report import measure, table
+from .session import BenchSession
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Adds the bench options to ``parser`` (used by ``tritonreshard bench``)."""
+    parser.add_argument("--size", default="1GiB",
+                        help="bytes of the bf16 model (256MiB, 1GiB, a plain int; default 1GiB). On "
+                             "--device cuda the model lives in GPU memory: trainer arenas and inference "
+                             "shards are on the GPUs (rank %% device count)")
+    parser.add_argument("--layout", choices=LAYOUTS, default="fsdp-tp",
+                        help="fsdp-tp: FSDP rows -> tensor parallel (default); cols-replicas: column shards "
+                             "-> whole tensors on every inference rank; colocated: fsdp-tp with trainers and "
+                             "inference on the same processes; replicated-sources: DP x FSDP -> TP")
+    parser.add_argument("--trainers", type=int, default=None,
+                        help="trainer processes (default 2 for fsdp-tp, 4 otherwise)")
+    parser.add_argument("--inference", type=int, default=4, help="inference processes (default 4)")
+    parser.add_argument("--tensors", type=int, default=None,
+                        help="number of tensors (many small layers, same total size), e.g. 10000 to "
+                             "measure the per-tensor overhead of a refit")
+    parser.add_argument("--repeats", type=int, default=10, help="timed refits per method (default 10)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed refits per method first (default 2)")
+    parser.add_argument("--backend", choices=("torch", "triton"), default=None,
+                        help="engine copy backend (default: torch on cpu, triton on cuda)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--mode", choices=("shadow", "inplace"), default="shadow",
+                        help="engine mode: pull into a spare buffer set and swap (default), or in place")
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help=f"comma-separated subset of {','.join(METHODS)} (default: all)")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds for set-up and for each command's refits; also bounds every wait")
+    parser.add_argument("--hosts", type=int, default=1,
+                        help="simulate N hosts on this machine (a TRITONRESHARD_HOST per rank): trainers on "
+                             "host 0, inference ranks spread over hosts 1..N-1; the JSON adds cross_host_bytes "
+                             "per method (default 1: every rank on this host)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
+    return parser
+
+
+def _config(args) -> BenchConfig:
+    return BenchConfig(size=parse_size(args.size), layout=args.layout, trainers=args.trainers,
+                       inference=args.inference, tensors=args.tensors, backend=args.backend or "auto",
+                       device=args.device, mode=args.mode, timeout=args.timeout, hosts=args.hosts)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the bench; returns the exit code (0: measured and every method verified)."""
+    try:
+        cfg = _config(args)
+    except ValueError as exc:
+        print(f"tritonreshard bench: {exc}", file=sys.stderr)
+        return 2
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    problems = cfg.problems()
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        problems.append(f"--methods has unknown {bad}; choose from {','.join(METHODS)}")
+    if args.repeats < 1 or args.warmup < 0:
+        problems.append(f"--repeats={args.repeats} must be >= 1 and --warmup={args.warmup} >= 0")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        problems.append("--device=cuda but torch.cuda.is_available() is False")
+    if problems:
+        print("tritonreshard bench: invalid arguments:\n  - " + "\n  - ".join(problems), file=sys.stderr)
+        return 2
+
+    total = len(methods) * args.repeats + len([m for m in methods if m in WORKER_METHODS]) * args.warmup
+    if "memcpy" in methods:
+        total += max(1, args.warmup) + (max(3, args.repeats // 2) + 1 if args.device == "cpu" else 0)
+    bar = tqdm(total=total, desc=f"bench {cfg.layout} {fmt_bytes(cfg.size)}", unit="refit", file=sys.stderr,
+               dynamic_ncols=True)
+    leaked: list[str] = []
+    try:
+        bar.set_postfix_str(f"setting up {cfg.world_size} processes")
+        session = BenchSession(cfg, on_progress=bar.update)
+        try:
+            bar.set_postfix_str("")
+            out = measure(session, methods, args.repeats, args.warmup)
+        finally:
+            leaked = session.close(failed=sys.exc_info()[0] is not None)
+    except (RankFailed, TimeoutError) as exc:
+        bar.close()
+        print(f"tritonreshard bench failed: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        bar.close()
+    if leaked:
+        print(f"tritonreshard bench: /dev/shm entries appeared during the run: {leaked}", file=sys.stderr)
+    out["shm_leaked"] = leaked
+    print(table(out))
+    if args.json:
+        print(json.dumps(out))
+    ok = all(r.get("verified", True) for r in out["results"].values()) and not leaked
+    return 0 if ok else 1

@@ -1,0 +1,107 @@
+"""The bench's configuration: :class:`BenchConfig` (every spawned rank's argument, so frozen and
+picklable), the methods and layouts it knows, and :func:`parse_size` for ``--size``."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+__all__ = ["BenchConfig", "parse_size", "METHODS", "WORKER_METHODS", "LAYOUTS"]
+
+METHODS = ("memcpy", "tritonreshard", "p2p", "gather_broadcast")
+WORKER_METHODS = ("tritonreshard", "p2p", "gather_broadcast")  # run by the spawned ranks (memcpy: the driver)
+LAYOUTS = ("fsdp-tp", "cols-replicas", "colocated", "replicated-sources")
+_DEFAULT_TRAINERS = {"fsdp-tp": 2, "cols-replicas": 4, "colocated": 4, "replicated-sources": 4}
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4, "tb": 1000**4}
+
+
+def parse_size(text) -> int:
+    """``"256MiB"``, ``"1GiB"``, ``"64MB"``, ``"1e6"`` or a plain int -> bytes."""
+    if isinstance(text, int):
+        return text
+    if str(text).strip().startswith("-"):
+        raise ValueError(f"--size={text!r} must be a positive number of bytes, e.g. 256MiB")
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"--size={text!r}: use bytes as an int or a number with a unit "
+                         f"(KiB, MiB, GiB, KB, MB, GB), e.g. 256MiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Everything a bench session needs; picklable (it is each spawned rank's argument)."""
+
+    size: int = 1 << 30
+    layout: str = "fsdp-tp"
+    trainers: int | None = None
+    inference: int = 4
+    tensors: int | None = None
+    backend: str = "auto"
+    device: str = "cpu"
+    mode: str = "shadow"
+    timeout: float = 600.0
+    hosts: int = 1
+
+    @property
+    def num_trainers(self) -> int:
+        return self.trainers if self.trainers is not None else _DEFAULT_TRAINERS[self.layout]
+
+    @property
+    def trainer_ranks(self) -> tuple[int, ...]:
+        return tuple(range(self.num_trainers))
+
+    @property
+    def inference_ranks(self) -> tuple[int, ...]:
+        first = 0 if self.layout == "colocated" else self.num_trainers
+        return tuple(range(first, first + self.inference))
+
+    def host_of(self, rank: int) -> str | None:
+        """Simulated host identity of ``rank`` (``$TRITONRESHARD_HOST``) when ``hosts > 1``: the
+        trainers on host 0, the inference ranks spread over hosts 1..N-1 in contiguous blocks.
+        None with one host: every rank keeps the machine's own identity."""
+        if self.hosts <= 1:
+            return None
+        if rank in self.trainer_ranks:
+            return "host0"
+        i = self.inference_ranks.index(rank)
+        return f"host{1 + i * (self.hosts - 1) // self.inference}"
+
+    @property
+    def world_size(self) -> int:
+        return len(set(self.trainer_ranks) | set(self.inference_ranks))
+
+    def problems(self) -> list[str]:
+        p = []
+        if self.layout not in LAYOUTS:
+            p.append(f"--layout={self.layout!r} must be one of {', '.join(LAYOUTS)}")
+        if self.size < 1 << 16:
+            p.append(f"--size={self.size} bytes is too small (at least 64 KiB)")
+        if self.num_trainers < 1 or self.inference < 1:
+            p.append(f"--trainers={self.num_trainers} and --inference={self.inference} must be >= 1")
+        if self.layout == "replicated-sources" and (self.num_trainers < 2 or self.num_trainers % 2):
+            p.append(f"--layout=replicated-sources needs an even --trainers >= 2 (a 2 x T/2 DP x FSDP "
+                     f"mesh), got {self.num_trainers}")
+        if self.tensors is not None and self.tensors < 9:
+            p.append(f"--tensors={self.tensors} must be >= 9 (one layer plus embeddings)")
+        if self.mode not in ("shadow", "inplace"):
+            p.append(f"--mode={self.mode!r} must be shadow or inplace")
+        if self.backend not in ("auto", "torch", "triton"):
+            p.append(f"--backend={self.backend!r} must be torch or triton")
+        if self.device not in ("cpu", "cuda"):
+            p.append(f"--device={self.device!r} must be cpu or cuda")
+        if not isinstance(self.hosts, int) or self.hosts < 1:
+            p.append(f"--hosts={self.hosts!r} must be an int >= 1")
+        elif self.hosts > 1 and self.layout == "colocated":
+            p.append(f"--hosts={self.hosts} puts the trainers on host 0 and the inference ranks elsewhere, "
+                     f"but --layout=colocated runs both on the same processes")
+        elif self.hosts > 1 and self.inference < self.hosts - 1:
+            p.append(f"--hosts={self.hosts} spreads the inference ranks over {self.hosts - 1} host(s), "
+                     f"but --inference={self.inference}")
+        return p
+
+    def role(self, rank: int) -> str:
+        """``rank`` as the driver names it in messages (a colocated rank is both)."""
+        sides = [s for s, ranks in (("trainer", self.trainer_ranks), ("inference", self.inference_ranks))
+                 if rank in ranks]
+        return " + ".join(sides)

@@ -1,0 +1,182 @@
+"""The driver's side of the bench: :class:`BenchSession` spawns the ranks once (through the shared
+:mod:`tritonreshard.apps.driver`) and runs refits on command; :func:`memcpy_seconds` is the speed
+of light the refits are compared with (the driver's own copy of the same bytes)."""
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import torch
+
+from tritonreshard.planning import plan_reshard
+
+from ..driver import Driver
+from .baselines import bcast_set, gather_set
+from .config import WORKER_METHODS, BenchConfig
+from .model import build_model, layouts
+from .rank import rank_main
+
+__all__ = ["BenchSession", "memcpy_seconds"]
+
+
+def memcpy_seconds(nbytes: int, repeats: int, warmup: int = 1, device: str = "cpu",
+                   threads: int | None = None, buffers=None) -> list[float]:
+    """Seconds of ``dst.copy_(src)`` of ``nbytes`` (pre-faulted buffers) on ``device``, ``repeats`` times.
+    ``threads``: torch intra-op threads for the CPU copy (default: torch's, i.e. all cores);
+    ``buffers``: a ``(src, dst)`` pair to reuse (from an earlier call's set-up)."""
+    old = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        dev = torch.device(device)
+        src, dst = buffers if buffers is not None else _memcpy_buffers(nbytes, dev)
+        sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+        out = []
+        for k in range(warmup + repeats):
+            sync()
+            t0 = time.monotonic()
+            dst.copy_(src)
+            sync()
+            if k >= warmup:
+                out.append(time.monotonic() - t0)
+        return out
+    finally:
+        torch.set_num_threads(old)
+
+
+def _memcpy_buffers(nbytes: int, device):
+    return (torch.ones(nbytes, dtype=torch.uint8, device=device),   # filled: pages are faulted in
+            torch.zeros(nbytes, dtype=torch.uint8, device=device))
+
+
+class BenchSession:
+    """Spawned ranks set up once (endpoints, baselines, provenance), then run refits on command.
+
+    ``refits(method, count)`` -> list of seconds (one per timed refit), ``verify(method)`` -> bool,
+    ``memcpy(repeats)`` -> list of seconds of the driver's copy of the same bytes, ``close()``.
+    Use as a context manager. ``dst_bytes``: destination bytes per refit.
+    """
+
+    def __init__(self, cfg: BenchConfig, on_progress=None):
+        problems = cfg.problems()
+        if problems:
+            raise ValueError("invalid bench configuration:\n  - " + "\n  - ".join(problems))
+        self.cfg = cfg
+        self.model = build_model(cfg)
+        _, dst = layouts(cfg, self.model)
+        # Destination bytes: every inference rank's local shards (the plan writes each exactly once).
+        self.dst_bytes = sum(lay.local_numel(r) * lay.itemsize for lay in dst.values() for r in lay.ranks)
+        self.model_bytes = sum(math.prod(t.shape) * 2 for t in self.model)
+        self._on_progress = on_progress
+        self._n = 0
+        self._progress_seen = 0
+        self._memcpy_bufs = None
+        self.closed = False
+        self._driver = Driver("bench", cfg.world_size, rank_main, (cfg,), timeout=cfg.timeout, prefix="bench",
+                              role=cfg.role)
+        self._bstore = self._driver.pstore
+        try:
+            self._driver.start()
+            self._wait(lambda: self._bstore.add("ready", 0) >= cfg.world_size, "set-up")
+            self.rank_info = json.loads(self._bstore.get("info"))
+        except BaseException:
+            self.close(failed=True)
+            raise
+
+    def _poll_progress(self):
+        if self._on_progress is None:
+            return
+        done = self._bstore.add("progress", 0)
+        if done > self._progress_seen:
+            self._on_progress(done - self._progress_seen)
+            self._progress_seen = done
+
+    def _wait(self, ready, what: str):
+        self._driver.wait(ready, f"the bench's {what}", tick=self._poll_progress)
+
+    def _command(self, cmd: dict) -> dict | None:
+        if self.closed:
+            raise RuntimeError("BenchSession is closed")
+        n = self._n
+        self._n += 1
+        self._bstore.set(f"cmd/{n}", json.dumps(cmd))
+        if cmd["op"] == "stop":
+            return None
+        key = f"res/{n}"
+        self._wait(lambda: self._bstore.check([key]), f"{cmd['method']} refits")
+        self._poll_progress()
+        return json.loads(self._bstore.get(key))
+
+    # -- measurements ------------------------------------------------------------------------
+    def refits(self, method: str, count: int = 1, verify: bool = False) -> dict:
+        """Runs ``count`` refits by ``method``; returns ``{"seconds": [...], "verified": bool?}``."""
+        if method not in WORKER_METHODS:
+            raise ValueError(f"method={method!r} must be one of {WORKER_METHODS}")
+        return self._command({"op": "refit", "method": method, "count": int(count), "verify": bool(verify)})
+
+    def verify(self, method: str) -> bool:
+        return bool(self._command({"op": "refit", "method": method, "count": 0, "verify": True})["verified"])
+
+    def memcpy(self, repeats: int, warmup: int = 1, threads: int | None = None) -> list[float]:
+        """The driver copies ``dst_bytes`` (buffers allocated and faulted in once per session)."""
+        if self._memcpy_bufs is None:
+            self._memcpy_bufs = _memcpy_buffers(self.dst_bytes, self.cfg.device)
+        out = memcpy_seconds(self.dst_bytes, repeats, warmup, self.cfg.device, threads, self._memcpy_bufs)
+        if self._on_progress is not None:
+            self._on_progress(warmup + repeats)
+        return out
+
+    def staging_bytes(self) -> int:
+        """Measured (the engine tracks what each pull allocates): the sum over ranks of the most
+        extra memory one pull allocated, over every refit so far."""
+        stats = self._command({"op": "refit", "method": "tritonreshard", "count": 0, "stats": True})["stats"]
+        return sum(s["staging_bytes"] for s in stats)
+
+    def cross_host_bytes(self) -> int:
+        """The engine's own accounting: bytes its ranks received from other hosts in the last refit."""
+        stats = self._command({"op": "refit", "method": "tritonreshard", "count": 0, "stats": True})["stats"]
+        return sum(s["cross_host_bytes"] for s in stats)
+
+    def baseline_cross_host_bytes(self) -> dict:
+        """Bytes per refit the baselines move between hosts with the same placement: ``p2p`` sends
+        every destination rank's own slices; ``gather_broadcast`` broadcasts each full tensor to
+        every inference rank (counted as the bytes each rank on another host than the root
+        receives)."""
+        src, dst = layouts(self.cfg, self.model)
+        host = {r: self.cfg.host_of(r) for r in range(self.cfg.world_size)}
+        p2p = sum(op.numel * src[op.name].itemsize for op in plan_reshard(src, dst).ops
+                  if host[op.src_rank] != host[op.dst_rank])
+        gb = 0
+        for t in self.model:
+            root = gather_set(src[t.name])[0]
+            full = math.prod(t.shape) * src[t.name].itemsize
+            gb += full * sum(1 for r in bcast_set(src[t.name], dst[t.name]) if host[r] != host[root])
+        return {"p2p": p2p, "gather_broadcast": gb}
+
+    @property
+    def plan_ops(self) -> int:
+        return sum(i["plan_ops_dst"] for i in self.rank_info)
+
+    @property
+    def descriptors(self) -> int:
+        return sum(i["descriptors"] for i in self.rank_info)
+
+    # -- lifetime ----------------------------------------------------------------------------
+    def close(self, failed: bool = False) -> list[str]:
+        """Stops the ranks; returns the engine's /dev/shm entries that appeared meanwhile (a leak)."""
+        if self.closed:
+            return []
+        self.closed = True
+        self._memcpy_bufs = None
+        if not failed:
+            self._n, n = self._n + 1, self._n
+            self._bstore.set(f"cmd/{n}", json.dumps({"op": "stop"}))
+        return self._driver.close(join=30.0 if not failed else 0.0)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.close(failed=exc_type is not None)
+        return False

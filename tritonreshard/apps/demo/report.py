@@ -1,0 +1,183 @@
+"""The demo's report: the summary line, the JSON summary (``--json``, the last stdout line) and the
+picture (``--png``), for a run that finished and for one that failed.
+
+The JSON keys are :data:`SUMMARY_KEYS`, then for a failed run :data:`FAILURE_KEYS`; the package
+docstring says what each number measures.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+from .config import RunConfig
+from .driver import RunOutcome
+
+__all__ = ["report", "SUMMARY_KEYS", "FAILURE_KEYS"]
+
+SUMMARY_KEYS = ("steps", "refits", "verified", "reward_first", "reward_last", "refit_ms_p50",
+                "max_inference_stall_ms", "bytes_per_refit", "staleness_max", "staging_bytes",
+                "recoveries", "recovery_ms", "inference_pids")
+# Added to the summary of a failed run (after SUMMARY_KEYS, which then describe what got done).
+FAILURE_KEYS = ("error", "inference_version", "inference_consistent", "detect_ms", "fault", "pids")
+
+
+def report(out: RunOutcome, rc: RunConfig, args: argparse.Namespace) -> int:
+    """Prints what the run did; returns the exit code (0 = ran, refit and verified every version,
+    and left nothing in ``/dev/shm``)."""
+    if out.failure_lines is not None:
+        return _report_failure(out, rc, args)
+    summary, steps, refits = _summarize(out.store, rc, out.pids, out.recoveries)
+    wall = time.perf_counter() - out.started
+    restarts = (f"; {summary['recoveries']} trainer restart(s), {summary['recovery_ms']:.0f} ms from the "
+                f"failure to the first refit of the new trainers, inference processes never restarted "
+                f"(pids {summary['inference_pids']})") if out.recoveries else ""
+    print(f"tritonreshard demo: {summary['steps']} steps, {summary['refits']} refits "
+          f"({args.mode}, {args.backend} backend, {args.trainers} trainers -> {args.inference} TP ranks) in "
+          f"{wall:.1f} s; reward {summary['reward_first']:.3f} -> {summary['reward_last']:.3f}; refit p50 "
+          f"{summary['refit_ms_p50']:.2f} ms, longest stall {summary['max_inference_stall_ms']:.2f} ms, "
+          f"{summary['bytes_per_refit']} B per refit, staging {summary['staging_bytes']} B (measured); "
+          f"verified={summary['verified']}; max |TP - dense| "
+          f"{max((r['tp_max_abs_diff'] for r in refits), default=0.0):.2e}{restarts}")
+    if out.leaked:  # the engine names no segment (see Driver.close), so one here is a leak
+        print(f"tritonreshard demo: /dev/shm entries appeared during the run: {out.leaked}", file=sys.stderr)
+    if args.png:
+        _plot(args.png, steps, refits, args)
+        print(f"tritonreshard demo: wrote {os.path.abspath(args.png)}")
+    if args.json:
+        print(json.dumps(summary))
+    return 0 if summary["verified"] and not out.leaked else 1
+
+
+def _report_failure(out: RunOutcome, rc: RunConfig, args: argparse.Namespace) -> int:
+    lines = out.failure_lines
+    print("tritonreshard demo failed: " + "\n  ".join(lines), file=sys.stderr)
+    if out.leaked:
+        print(f"tritonreshard demo: /dev/shm entries appeared during the run: {out.leaked}", file=sys.stderr)
+    summary = _summarize_failure(out.store, rc, "; ".join(lines), out.pids, out.terminated, out.recoveries)
+    inf = (f"inference serves version {summary['inference_version']} (consistent: "
+           f"{summary['inference_consistent']})")
+    det = "" if summary["detect_ms"] is None else f"; survivors noticed within {summary['detect_ms']:.0f} ms"
+    print(f"tritonreshard demo: {inf}{det}")
+    if args.json:
+        print(json.dumps(summary))
+    return 1
+
+
+def _summarize(dstore, rc: RunConfig, pids, recoveries):
+    steps = [json.loads(dstore.get(f"step/{s}")) for s in range(1, rc.steps + 1)]
+    inf = json.loads(dstore.get("inference_summary"))
+    refits = [json.loads(dstore.get(f"refit/{i}")) for i in range(1, inf["refits"] + 1)]
+    k = max(1, min(5, len(steps) // 4))
+    pull_ms = [r["pull_ms"] for r in refits]
+    # The inference processes at the end are the ones the driver spawned at the start: each rank
+    # reported its pid when it started and again when it finished.
+    inference_pids = [pids[r] for r in rc.inference_ranks]
+    same = all(json.loads(dstore.get(f"pid/{r}")) == {"start": pids[r], "end": pids[r]} for r in rc.inference_ranks)
+    recovery_ms = None
+    if recoveries:
+        first_new = [r["time"] for r in refits if r["epoch"] == recoveries[0]["epoch"]]
+        recovery_ms = 1e3 * (min(first_new) - recoveries[0]["failed_at"]) if first_new else None
+    # Without a restart every version is refit and verified; a restart can drop the version whose
+    # pull the failure broke, so then every version the inference group installed must verify.
+    expected = rc.steps + 1 if not recoveries else inf["refits"] + 1
+    summary = {
+        "steps": len(steps),
+        "refits": inf["refits"],
+        "verified": bool(inf["verified"] and inf["verified_versions"] == expected and same
+                         and inf["final_version"] == rc.steps + 1 and (recovery_ms is not None or not recoveries)),
+        "reward_first": float(statistics.fmean(s["reward"] for s in steps[:k])),
+        "reward_last": float(statistics.fmean(s["reward"] for s in steps[-k:])),
+        "refit_ms_p50": float(statistics.median(pull_ms)) if pull_ms else 0.0,
+        "max_inference_stall_ms": float(max((r["stall_ms"] for r in refits), default=0.0)),
+        "bytes_per_refit": int(inf["bytes_per_refit"]),
+        "staleness_max": int(max(s["staleness"] for s in steps)),
+        "staging_bytes": int(inf["staging_bytes"]),
+        "recoveries": len(recoveries),
+        "recovery_ms": recovery_ms,
+        "inference_pids": inference_pids,
+    }
+    assert tuple(summary) == SUMMARY_KEYS
+    return summary, steps, refits
+
+
+def _summarize_failure(dstore, rc: RunConfig, error: str, pids, terminated, recoveries) -> dict:
+    """The summary of a failed run: SUMMARY_KEYS over what got done, then FAILURE_KEYS.
+
+    ``inference_version`` / ``inference_consistent`` are what the inference group holds at the end:
+    when it noticed the failure together it verified its serving weights (gather + digest against
+    the trainers' digest of that version) and recorded them; otherwise the version is the one every
+    surviving inference rank reported (None if they differ) and consistency is unknown (None).
+    ``detect_ms``: for a --fault kill, the slowest surviving rank's time from the kill to noticing
+    it (its first error); None if a survivor never noticed (the driver had to terminate it)."""
+    get = lambda k: json.loads(dstore.get(k)) if dstore.check([k]) else None  # noqa: E731
+    steps = [s for s in (get(f"step/{s}") for s in range(1, int(dstore.add("steps_done", 0)) + 1)) if s]
+    refits = [get(f"refit/{i}") for i in range(1, int(dstore.add("refits_done", 0)) + 1)]
+    final = get("inference_final")
+    k = max(1, min(5, len(steps) // 4))
+    mean = lambda xs: float(statistics.fmean(xs)) if xs else None  # noqa: E731
+    summary = {
+        "steps": len(steps),
+        "refits": len(refits),
+        "verified": False,
+        "reward_first": mean([s["reward"] for s in steps[:k]]),
+        "reward_last": mean([s["reward"] for s in steps[-k:]]),
+        "refit_ms_p50": float(statistics.median(r["pull_ms"] for r in refits)) if refits else None,
+        "max_inference_stall_ms": float(max((r["stall_ms"] for r in refits), default=0.0)),
+        "bytes_per_refit": final["bytes_per_refit"] if final else None,
+        "staleness_max": int(max((s["staleness"] for s in steps), default=0)),
+        "staging_bytes": final["staging_bytes"] if final else None,
+        "recoveries": len(recoveries),
+        "recovery_ms": None,
+        "inference_pids": [pids[r] for r in rc.inference_ranks],
+    }
+    if final is not None:
+        version, consistent = final["version"], final["consistent"]
+    else:
+        states = [get(f"inference_state/{r}") for r in rc.inference_ranks]
+        versions = {s["version"] for s in states if s is not None}
+        version, consistent = (versions.pop() if len(versions) == 1 else None), None
+    kill = get("fault/kill")
+    detect_ms = None
+    if kill is not None and not terminated:
+        noticed = [get(f"error/{r}") for r in range(rc.world_size) if r != kill["rank"]]
+        if all(n is not None for n in noticed):
+            detect_ms = 1e3 * max(n["time"] - kill["time"] for n in noticed)
+    summary.update({
+        "error": error, "inference_version": version, "inference_consistent": consistent,
+        "detect_ms": detect_ms, "fault": f"{rc.fault[0]}:{rc.fault[1]}" if rc.fault else None,
+        "pids": [pids[r] for r in sorted(pids)]})
+    assert tuple(summary) == SUMMARY_KEYS + FAILURE_KEYS
+    return summary
+
+
+def _plot(path: str, steps, refits, args) -> None:
+    # Lazy: only --png needs matplotlib, and importing it would slow every run that draws nothing.
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, (ax0, ax1) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    xs = [s["step"] for s in steps]
+    ax0.plot(xs, [s["reward"] for s in steps], marker=".", label="batch mean")
+    ax0.set_ylabel("reward (fraction of tokens correct)")
+    ax0.set_ylim(0, 1)
+    ax0.grid(alpha=0.3)
+    ax0.set_title(f"async RL refit demo: {args.trainers} FSDP trainers -> {args.inference} TP inference ranks "
+                  f"({args.mode})", fontsize=10)
+    # Refit i installs version i+1, the weights trainer step i produced.
+    rx = [r["version"] - 1 for r in refits]
+    ax1.plot(rx, [r["pull_ms"] for r in refits], marker=".", label="pull (background in shadow mode)")
+    ax1.plot(rx, [r["stall_ms"] for r in refits], marker=".", label="generation stall")
+    ax1.set_xlabel("trainer step")
+    ax1.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax1.set_ylabel("refit time per step (ms)")
+    ax1.grid(alpha=0.3)
+    ax1.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
