@@ -152,14 +152,14 @@ class Rank:
 
     def stats(self) -> dict:
         """Measured after refits: the most extra memory one of this rank's pulls allocated."""
-        return {"rank": self.rank, "staging_bytes": int(self.ep.staging_bytes),
-                "cross_host_bytes": int(self.ep.cross_host_bytes)}
+        return {"rank": self.rank, "staging_bytes": int(self.ep.stats.staging_bytes),
+                "cross_host_bytes": int(self.ep.stats.cross_host_bytes)}
 
     def info(self) -> dict:
         return {"rank": self.rank,
-                "descriptors": int(self.ep.num_descriptors) if self.is_dst else 0,
-                "handles_opened": int(self.ep.handles_opened),
-                "plan_ops_dst": len(self.plan.ops_for_dst(self.rank)), "bytes_per_refit": int(self.ep.bytes_per_refit)
+                "descriptors": int(self.ep.stats.num_descriptors) if self.is_dst else 0,
+                "handles_opened": int(self.ep.stats.handles_opened),
+                "plan_ops_dst": len(self.plan.ops_for_dst(self.rank)), "bytes_per_refit": int(self.ep.stats.bytes_per_refit)
                 if self.is_dst else 0, "backend": self.ep.backend, "transport": self.transport}
 
     def close(self):

@@ -277,7 +277,7 @@ class InferenceRank:
             checks.check(self.dstore, block=True, timeout=self.rc.timeout)
             if checks.bad:
                 print(f"rank {self.rank}: probe mismatch for versions {checks.bad}", file=sys.stderr)
-        ours = torch.tensor([int(inf.bytes_per_refit), int(inf.staging_bytes)], dtype=torch.int64)
+        ours = torch.tensor([int(inf.stats.bytes_per_refit), int(inf.stats.staging_bytes)], dtype=torch.int64)
         total, staging = self.comm.all_reduce(ours, IGROUP).tolist()
         if self.leader:
             self.dstore.set("inference_summary", json.dumps({
@@ -316,7 +316,7 @@ class InferenceRank:
         inf, comm, dstore = self.inf, self.comm, self.dstore
         vmin, neg_vmax, cons = comm.all_reduce_min(
             torch.tensor([inf.version, -inf.version, int(inf.consistent)], dtype=torch.int64), IGROUP).tolist()
-        ours = torch.tensor([int(inf.bytes_per_refit), int(inf.staging_bytes)], dtype=torch.int64)
+        ours = torch.tensor([int(inf.stats.bytes_per_refit), int(inf.stats.staging_bytes)], dtype=torch.int64)
         total, staging = comm.all_reduce(ours, IGROUP).tolist()
         full = gather_full(self.dst_layouts, inf.tensors, self.rank, IGROUP, comm)
         same = vmin == -neg_vmax

@@ -159,5 +159,5 @@ def _check_readers(tr) -> None:
     dead = tr.dead_peers()
     if dead:
         # The group's own reasons name each rank with its pid, as the engine's waits do.
-        reasons = [tr.group.dead_reason(r) or f"rank {r} died" for r in dead]
+        reasons = [tr.group.liveness.dead_reason(r) or f"rank {r} died" for r in dead]
         raise PeerDiedError(dead[0], "; ".join(reasons))
