@@ -28,6 +28,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _group_secret_stays_with_its_test():
+    """The apps' driver (and tests that launch groups) put a group secret into this process's
+    environment for their children (``trs.secret_for_children()``). A later test's children would
+    inherit it and sign or check store values with the wrong key: each test gets the environment's
+    secret back as it found it."""
+    before = os.environ.get("TRITONRESHARD_GROUP_SECRET")
+    yield
+    if before is None:
+        os.environ.pop("TRITONRESHARD_GROUP_SECRET", None)
+    else:
+        os.environ["TRITONRESHARD_GROUP_SECRET"] = before
+
+
 @pytest.fixture
 def cuda_device():
     if not HAS_CUDA:

@@ -92,6 +92,8 @@ def _attack_worker(rank, port, secret_hex):
     logging.getLogger().setLevel(logging.DEBUG)
     if rank != 3:
         os.environ[rdv.SECRET_ENV] = secret_hex
+    else:  # the outsider has no secret (not even one a parent process left in the environment)
+        os.environ.pop(rdv.SECRET_ENV, None)
     kw = dict(rank=rank, world_size=3, store=f"127.0.0.1:{port}", timeout=60)
     src = {"w": Layout((4, 6), [0], [Replicate()])}
     dst = {"w": Layout((4, 6), [1, 2], [Replicate()])}
