@@ -91,13 +91,16 @@ def test_plan_bad_png_is_one_line(tmp_path, capsys):
     assert not bad.parent.exists()
 
 
-def test_readme_single_process_blocks_run(capsys):
-    """The README's API tour and "Executing a plan in one process" run as written (no undefined names)."""
-    import re
-    from pathlib import Path
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-    tour = next(b for b in blocks if "trs.plan_reshard(src, dst)" in b)
-    local = next(b for b in blocks if "trs.execute_local(" in b)
-    exec(compile(tour + "\n" + local, "README.md", "exec"), {})  # noqa: S102 -- the README's own code
-    assert "8 ops" in capsys.readouterr().out
+def test_plan_refuses_a_shape_past_int64(capsys):
+    """Once planned as "2980232238769.5 GiB": sizes past int64 wrap in torch and in the kernels."""
+    assert main(["plan", "--shape", "99999999999999999999x8"]) == 2
+    captured = capsys.readouterr()
+    assert "shape=(99999999999999999999, 8)" in captured.err and "past int64" in captured.err
+    assert "GiB" not in captured.out + captured.err
+
+
+def test_plan_prints_tib_and_pib(capsys):
+    assert main(["plan", "--shape", "1048576x1048576", "--src", "1:R", "--dst", "1:R"]) == 0
+    assert "4.0 TiB" in capsys.readouterr().out
+    assert main(["plan", "--shape", "1073741824x1048576", "--src", "1:R", "--dst", "1:R"]) == 0
+    assert "4.0 PiB" in capsys.readouterr().out

@@ -63,6 +63,13 @@ def test_mesh_forms_ranks_str_and_hash():
     (dict(shape=(6,), mesh=0, placements=[Shard(0)]), "at least one rank"),
     (dict(shape=(-1,), mesh=2, placements=[Shard(0)]), "negative size"),
     (dict(shape=(6,), mesh=[[0, 1], [2, 3]], placements=[Shard(0, blocks=(3, 3)), Shard(0)]), "conflicting blocks"),
+    # past int64 a plan's sizes wrap (the CLI once planned "2980232238769.5 GiB" for this shape)
+    (dict(shape=(99999999999999999999, 8), mesh=2, placements=[Shard(0)]),
+     "shape=(99999999999999999999, 8): shape[0]=99999999999999999999 is past int64"),
+    (dict(shape=(10 ** 10, 10 ** 10), mesh=2, placements=[Shard(0)]),
+     "shape=(10000000000, 10000000000) of torch.float32 is 400000000000000000000 bytes"),
+    (dict(shape=(1 << 31, 1 << 31), mesh=2, placements=[Shard(0)], dtype=torch.bfloat16), "more than int64"),
+    (dict(shape=(0, 1 << 63), mesh=2, placements=[Shard(0)]), "shape[1]=9223372036854775808 is past int64"),
 ])
 def test_invalid_layouts_raise_value_error(kwargs, message):
     with pytest.raises(ValueError, match="invalid Layout") as info:
@@ -139,3 +146,7 @@ def test_dtensor_interop_matches_to_local():
              ((5, 6), (2, 2), [TRep(), TShard(1)]),
              ((6, 7), (2, 2), [TShard(1), TShard(0)])]
     mp.start_processes(_dtensor_worker, args=(4, port, cases), nprocs=4, start_method="spawn", join=True)
+
+
+def test_largest_int64_byte_size_is_accepted():
+    assert Layout(((1 << 62) - 1, 2), 2, [Shard(0)], torch.int8).numel == (1 << 63) - 2

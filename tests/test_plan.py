@@ -436,3 +436,37 @@ def test_planner_and_kernels_read_one_dtype_table(monkeypatch):
     assert not kernels.supported_conversion(f32, f16) and kernels.supported_conversion(f32, bf16)
     with pytest.raises(ValueError, match="casts are supported among torch.float32, torch.bfloat16;"):
         trs.plan_reshard(src, {"w": Layout((4, 4), [2, 3], [Shard(0)], f16)})
+
+
+@pytest.mark.parametrize("shape, dst_mesh, dst_dim", [((16, 16, 4), 8, 1), ((12, 16, 8, 4), 8, 2), ((4, 6, 8), 4, 2)])
+def test_plan_picture_of_a_3d_tensor_has_readable_titles_and_labels(shape, dst_mesh, dst_dim, monkeypatch):
+    """Tensors of 3+ dims: no two panel titles overlap (the rank panels' titles once ran into each
+    other), and ranks whose regions differ only in an undrawn dim share one label, not a pile."""
+    matplotlib = pytest.importorskip("matplotlib")
+    from tritonreshard.apps import viz
+
+    monkeypatch.setattr(matplotlib, "use", lambda *a, **k: pytest.fail("draw_plan chose a backend"))
+    src = {"w": Layout(shape, 2, [Shard(0)])}
+    dst = {"w": Layout(shape, list(range(2, 2 + dst_mesh)), [Shard(dst_dim)])}
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fig = viz._figure(trs.plan_reshard(src, dst), None, None)
+    fig.set_dpi(110)  # as draw_plan saves it
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    titles = [ax.title.get_window_extent(renderer) for ax in fig.axes]
+    assert len(titles) == 3 + dst_mesh
+    for i, a in enumerate(titles):
+        for b in titles[i + 1:]:
+            assert not a.overlaps(b), (a, b)
+    for ax in fig.axes:
+        places = [t.get_position() for t in ax.texts]
+        assert len(places) == len(set(places)), [t.get_text() for t in ax.texts]
+    assert "not shown" in fig.get_suptitle()
+
+
+def test_sizes_print_up_to_pib():
+    fmt = trs.planning.fmt_bytes
+    assert [fmt(n) for n in (0, 1023, 1536, 3 << 20, 5 << 30)] == ["0 B", "1023 B", "1.5 KiB", "3.0 MiB", "5.0 GiB"]
+    assert fmt(2 << 40) == "2.0 TiB" and fmt(3 << 50) == "3.0 PiB" and fmt(4096 << 50) == "4096.0 PiB"

@@ -26,6 +26,8 @@ __all__ = ["Shard", "Replicate", "Layout", "Placement", "Part"]
 #: Largest mesh accepted (an int mesh would otherwise materialise any number of ranks).
 MAX_RANKS = 1 << 20
 
+_INT64_MAX = (1 << 63) - 1
+
 # A segment of one tensor dim that a rank holds: global [start, stop) placed at local offset `local`.
 Segment = tuple[int, int, int]
 
@@ -198,6 +200,16 @@ class Layout:
             problems.append(f"shape={shape!r} has a negative size")
         if not isinstance(dtype, torch.dtype):
             problems.append(f"dtype={dtype!r} must be a torch.dtype")
+        else:
+            # Element counts, strides and byte offsets are int64 in torch and in the kernels: past that
+            # they wrap, so such a tensor cannot exist (and its plan would print nonsense sizes).
+            nbytes = math.prod(shape_t) * dtype.itemsize
+            huge = [d for d, n in enumerate(shape_t) if n > _INT64_MAX]
+            if huge:
+                problems.append(f"shape={shape_t!r}: shape[{huge[0]}]={shape_t[huge[0]]} is past int64 (2**63 - 1)")
+            elif nbytes > _INT64_MAX:
+                problems.append(f"shape={shape_t!r} of {dtype} is {nbytes} bytes ({math.prod(shape_t)} "
+                                f"elements): more than int64 sizes and offsets hold (2**63 - 1)")
 
         mesh_shape, ranks, mesh_problems = _normalize_mesh(mesh)
         problems += mesh_problems

@@ -45,28 +45,46 @@ def _view_extent(shape):
 
 
 def _owner_groups(layout: Layout):
-    """Ranks grouped by identical regions: [(ranks, rectangles)]."""
+    """Ranks grouped by the rectangles they hold in the 2-D view: [(ranks, rectangles)]. Ranks whose
+    regions differ only in dims past the first two (``S(2)`` of a 3-D tensor) share one group, so
+    their labels are not drawn on top of each other."""
     groups: dict = {}
     for r in layout.ranks:
         segs = layout.segments(r)
         if all(segs) or not segs:
-            groups.setdefault(segs, []).append(r)
-    out = []
-    for segs, ranks in groups.items():
-        rects = _rect_2d([tuple((a, b) for a, b, _ in s) for s in segs])
-        out.append((ranks, rects))
-    return out
+            rects = tuple(_rect_2d([tuple((a, b) for a, b, _ in s) for s in segs[:2]]))
+            groups.setdefault(rects, []).append(r)
+    return [(ranks, list(rects)) for rects, ranks in groups.items()]
+
+
+def _shape_text(shape) -> str:
+    """``(16, 2, 4)`` -> ``16x2x4``, folded onto two lines when long (a panel title must fit its panel)."""
+    text = "x".join(map(str, shape)) or "scalar"
+    if len(text) <= 18:
+        return text
+    half = (len(shape) + 1) // 2
+    return "x".join(map(str, shape[:half])) + "x\n" + "x".join(map(str, shape[half:]))
 
 
 def draw_plan(plan: Plan, path: str, name: str | None = None, title: str | None = None) -> str:
-    """Draw ``plan`` for tensor ``name`` (default: the first) to the image file ``path``; returns it."""
-    # Lazy: matplotlib is heavy to import and only a picture needs it (the ``tritonreshard`` command
-    # and the demo import this module whether or not they draw).
-    import matplotlib
+    """Draw ``plan`` for tensor ``name`` (default: the first) to the image file ``path``; returns it.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Tensors of more than two dims are drawn on dims 0 and 1; regions that differ only in later dims
+    share a box, labeled with every rank they stand for. Only the figure's own canvas is used:
+    matplotlib's global backend (a notebook's inline one, a desktop window) is left as it is."""
+    fig = _figure(plan, name, title)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def _figure(plan: Plan, name: str | None, title: str | None):
+    # Lazy: matplotlib is heavy to import and only a picture needs it (the ``tritonreshard`` command
+    # and the demo import this module whether or not they draw). A bare Figure, not pyplot: pyplot
+    # would pick (or need forcing to) a global backend; a Figure saves through Agg by itself.
+    import matplotlib
+    from matplotlib.figure import Figure
     from matplotlib.patches import Rectangle
+    from matplotlib.ticker import MaxNLocator, MultipleLocator
 
     name = name if name is not None else plan.names[0]
     if name not in plan.dst_layouts:
@@ -75,78 +93,96 @@ def draw_plan(plan: Plan, path: str, name: str | None = None, title: str | None 
     parts = plan.parts.get(name)
     src = dst if parts is not None else plan.src_layouts[name]
     all_ranks = sorted(set(plan.src_ranks) | set(plan.dst_ranks))
-    cmap = plt.get_cmap("tab20" if len(all_ranks) > 10 else "tab10")
+    cmap = matplotlib.colormaps["tab20" if len(all_ranks) > 10 else "tab10"]
     color = {r: cmap(i % cmap.N) for i, r in enumerate(all_ranks)}
     rows, cols = _view_extent(src.shape)
     aspect_rc = max(rows, 1) / max(cols, 1)
+    hidden = len(src.shape) - 2  # dims past the 2-D view
 
     dst_ranks = list(dst.ranks)[:_MAX_DST_PANELS]
-    fig = plt.figure(figsize=(4.2 * 3, 4.2 + 3.2), constrained_layout=True)
-    grid = fig.add_gridspec(2, max(3, len(dst_ranks)), height_ratios=[1.3, 1])
-    ax_src = fig.add_subplot(grid[0, 0])
-    ax_dst = fig.add_subplot(grid[0, 1])
-    ax_mat = fig.add_subplot(grid[0, 2:] if len(dst_ranks) > 3 else grid[0, 2])
+    # Each rank panel gets at least 2.1 in, so its two-line title never reaches its neighbour's.
+    fig = Figure(figsize=(max(4.2 * 3, 2.1 * len(dst_ranks)), 4.2 + 3.2), layout="constrained")
+    outer = fig.add_gridspec(2, 1, height_ratios=[1.3, 1])
+    top = outer[0].subgridspec(1, 3)
+    bottom = outer[1].subgridspec(1, max(3, len(dst_ranks)))
+    ax_src = fig.add_subplot(top[0, 0])
+    ax_dst = fig.add_subplot(top[0, 1])
+    ax_mat = fig.add_subplot(top[0, 2])
 
     def setup(ax, nrows, ncols, heading):
         ax.set_xlim(0, max(ncols, 1))
         ax.set_ylim(max(nrows, 1), 0)
         ax.set_aspect("equal" if 0.05 < aspect_rc < 20 else "auto")
-        ax.set_title(heading, fontsize=10)
+        ax.set_title(heading, fontsize=9)
         ax.set_xlabel("dim 1" if len(src.shape) > 1 else "dim 0", fontsize=8)
         ax.set_ylabel("dim 0" if len(src.shape) > 1 else "", fontsize=8)
         ax.tick_params(labelsize=7)
-        if max(nrows, ncols) <= 16:
-            ax.set_xticks(range(ncols + 1))
-            ax.set_yticks(range(nrows + 1))
-            ax.grid(True, color="white", linewidth=0.6)
+        # At most ~8 labelled ticks per axis: every integer overlaps in a narrow panel.
+        ax.xaxis.set_major_locator(MaxNLocator(8, integer=True, steps=[1, 2, 4, 5, 10]))
+        ax.yaxis.set_major_locator(MaxNLocator(8, integer=True, steps=[1, 2, 4, 5, 10]))
+        if max(nrows, ncols) <= 16:  # a grid line per element while elements are big enough to see
+            ax.xaxis.set_minor_locator(MultipleLocator(1))
+            ax.yaxis.set_minor_locator(MultipleLocator(1))
+            ax.tick_params(which="minor", length=0)
+            ax.grid(True, which="both", color="white", linewidth=0.6)
+
+    def label(ax, r0, r1, c0, c1, nrows, ncols, text, size):
+        # A tall strip narrower than its label (a column shard among many) gets a vertical label.
+        # (Equal aspect: a panel's longer side sets the scale, so width / that side is its share.)
+        vertical = (c1 - c0) / max(nrows, ncols, 1) < 0.2 and (r1 - r0) > (c1 - c0)
+        ax.text((c0 + c1) / 2, (r0 + r1) / 2, text, ha="center", va="center", fontsize=size,
+                rotation=90 if vertical else 0)
 
     def paint(ax, groups, prefix):
         for ranks, rects in groups:
-            label = prefix + ",".join(map(str, ranks))
+            text = prefix + ",".join(map(str, ranks))
             for (r0, r1), (c0, c1) in rects:
                 ax.add_patch(Rectangle((c0, r0), c1 - c0, r1 - r0, facecolor=color[ranks[0]],
                                        edgecolor="black", linewidth=1.0, alpha=0.85))
-                ax.text((c0 + c1) / 2, (r0 + r1) / 2, label, ha="center", va="center", fontsize=8,
-                        wrap=True)
+                label(ax, r0, r1, c0, c1, rows, cols, text, 8)
 
     if parts is None:
-        setup(ax_src, rows, cols, f"{name} {tuple(src.shape)}: source owners\n{src}")
+        setup(ax_src, rows, cols, f"{name} {_shape_text(src.shape)}: source owners\n{src}")
         paint(ax_src, _owner_groups(src), "src ")
     else:
-        setup(ax_src, rows, cols, f"{_short(name)} {tuple(dst.shape)}\nbuilt from {len(parts)} part(s)")
-        pcolor = plt.get_cmap("Pastel1")
+        setup(ax_src, rows, cols, f"{_short(name)} {_shape_text(dst.shape)}\nbuilt from {len(parts)} part(s)")
+        pcolor = matplotlib.colormaps["Pastel1"]
         sources = sorted({p.src for p in parts if p.src is not None})
         for p in parts:
-            label = "zeros" if p.src is None else _short(p.src)
+            text = "zeros" if p.src is None else _short(p.src)
             if p.src is not None and p.src_start and any(p.src_start):  # a replica's source rows
-                label += f" @{list(p.src_start)}"
+                text += f" @{list(p.src_start)}"
             face = "white" if p.src is None else pcolor(sources.index(p.src) % pcolor.N)
             for (r0, r1), (c0, c1) in _rect_2d([(iv,) for iv in p.dst]):
                 ax_src.add_patch(Rectangle((c0, r0), c1 - c0, r1 - r0, facecolor=face, edgecolor="black",
                                            linewidth=1.0, hatch="//" if p.src is None else None))
-                ax_src.text((c0 + c1) / 2, (r0 + r1) / 2, label, ha="center", va="center", fontsize=7)
+                label(ax_src, r0, r1, c0, c1, rows, cols, text, 7)
     setup(ax_dst, rows, cols, f"destination owners\n{dst}")
     paint(ax_dst, _owner_groups(dst), "dst ")
 
     for i, d in enumerate(dst_ranks):
-        ax = fig.add_subplot(grid[1, i])
+        ax = fig.add_subplot(bottom[0, i])
         lr, lc = _view_extent(dst.local_shape(d))
-        setup(ax, lr, lc, f"rank {d} receives {dst.local_shape(d)}")
+        setup(ax, lr, lc, f"rank {d} receives\n{_shape_text(dst.local_shape(d))}")
+        # One box per rectangle of the view: ops that differ only in hidden dims share it, and its
+        # label names every source (``from 0,1``) instead of stacking labels on one spot.
+        boxes: dict = {}
         for op in plan.ops_for_dst(d):
-            if op.name != name:
-                continue
-            label = f"from {op.src_rank}" if parts is None else f"{_short(op.src_name)}\nfrom {op.src_rank}"
-            for (r0, r1), (c0, c1) in _rect_2d([((s.start, s.stop),) for s in op.dst_slices]):
-                ax.add_patch(Rectangle((c0, r0), c1 - c0, r1 - r0, facecolor=color[op.src_rank],
-                                       edgecolor="black", linewidth=1.0, alpha=0.85))
-                ax.text((c0 + c1) / 2, (r0 + r1) / 2, label, ha="center", va="center", fontsize=7)
+            if op.name == name:
+                for rect in _rect_2d([((s.start, s.stop),) for s in op.dst_slices]):
+                    boxes.setdefault(rect, {}).setdefault(op.src_name if parts else "", []).append(op.src_rank)
         for f in plan.fills_for_dst(d):
-            if f.name != name:
-                continue
-            for (r0, r1), (c0, c1) in _rect_2d([((s.start, s.stop),) for s in f.dst_slices]):
-                ax.add_patch(Rectangle((c0, r0), c1 - c0, r1 - r0, facecolor="white", edgecolor="black",
-                                       linewidth=1.0, hatch="//"))
-                ax.text((c0 + c1) / 2, (r0 + r1) / 2, "zeros", ha="center", va="center", fontsize=7)
+            if f.name == name:
+                for rect in _rect_2d([((s.start, s.stop),) for s in f.dst_slices]):
+                    boxes.setdefault(rect, {}).setdefault(None, [])  # None: zero-filled
+        for ((r0, r1), (c0, c1)), by_src in boxes.items():
+            texts = ["zeros" if src_name is None else
+                     (f"{_short(src_name)}\n" if src_name else "") + "from " + ",".join(map(str, dict.fromkeys(ranks)))
+                     for src_name, ranks in by_src.items()]
+            first = next((ranks[0] for ranks in by_src.values() if ranks), None)
+            fill = dict(facecolor="white", hatch="//") if first is None else dict(facecolor=color[first], alpha=0.85)
+            ax.add_patch(Rectangle((c0, r0), c1 - c0, r1 - r0, edgecolor="black", linewidth=1.0, **fill))
+            label(ax, r0, r1, c0, c1, lr, lc, "\n".join(texts), 7)
 
     st = plan.stats
     srcs, dsts = list(plan.src_ranks), list(plan.dst_ranks)
@@ -160,16 +196,17 @@ def draw_plan(plan: Plan, path: str, name: str | None = None, title: str | None 
     ax_mat.set_ylabel("source rank", fontsize=8)
     ax_mat.set_title(f"bytes between ranks (all {len(plan.names)} tensor(s))\n"
                      f"{st.num_ops} ops, {_fmt_bytes(st.total_bytes)}, local {_fmt_bytes(st.local_bytes)}",
-                     fontsize=10)
+                     fontsize=9)
     if len(srcs) * len(dsts) <= 144:
         for i, row in enumerate(matrix):
             for j, v in enumerate(row):
                 ax_mat.text(j, i, _fmt_bytes(v) if v else ".", ha="center", va="center", fontsize=7)
-    fig.suptitle(title or plan.summary(), fontsize=11)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
+    heading = title or plan.summary()
+    if hidden > 0:
+        dims = "dim 2" if hidden == 1 else f"dims 2-{len(src.shape) - 1}"
+        heading += f"\n{name} is drawn on dims 0 and 1; {dims} not shown"
+    fig.suptitle(heading, fontsize=11)
+    return fig
 
 
 def check_figure_path(path: str, what: str = "--png") -> None:
