@@ -8,6 +8,7 @@ that leaves with an exception sets the abort word, so its peers stop waiting at 
 """
 import gc
 import os
+import select
 import signal
 import time
 
@@ -138,9 +139,14 @@ class _HeldSources(Sources):
             return
         pid = self.group.members[TRAINER].pid
         self.group.store.set(f"copying/{self.group.rank}", b"1")
+        # Until the kernel reports the trainer exited, all its threads included (its pidfd turns
+        # readable then; /proc shows the leader a zombie a moment earlier, while threads still exit).
+        fd, exited = os.pidfd_open(pid), select.poll()
+        exited.register(fd, select.POLLIN)
         deadline = time.monotonic() + 60
-        while proc_state(pid) not in (None, "Z", "X") and time.monotonic() < deadline:
-            time.sleep(0.01)
+        while not exited.poll(10) and time.monotonic() < deadline:
+            pass
+        os.close(fd)
 
 
 def _dead_trainer_worker(rank, port):

@@ -207,13 +207,14 @@ class Group:
         members = rdv.all_gather_obj(self.store, "hello", self.rank, self.world_size, member,
                                      timeout=self.timeout)
         self.members = {m.rank: m for m in members}
-        self.liveness = Liveness(self.rank, self.members, self.host, self.peer_timeout, self.store)
         rdv.publish(self.store, f"hello-read/{self.rank}", True)
         try:
-            return validate_members(members, self.world_size)
+            plan = validate_members(members, self.world_size)
         except (ValueError, NotImplementedError):
             self._outlive_store_readers("hello-read")  # so every rank reads the hellos and raises too
             raise
+        self.liveness = Liveness(self.rank, self.members, self.host, self.peer_timeout, self.store)
+        return plan
 
     @property
     def hosts(self) -> dict[int, str]:
