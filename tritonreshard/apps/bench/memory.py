@@ -13,6 +13,8 @@ The estimate adds up what each rank allocates, from the same layouts and plan th
   op whose slice is not contiguous (sent from a packed copy, received into a temporary);
 * ``gather_broadcast``: a destination set of its own, the largest tensor whole on every rank of
   a gather or broadcast, the gather's receive slots on its root, a padding buffer;
+* ``--hosts`` > 1: a relay's receive buffer on each inference host (at most the model), and the
+  senders' packing of boxes that are not contiguous (at most their arena);
 * the driver: ``memcpy``'s two buffers of at most ``MEMCPY_CHUNK`` bytes.
 
 Shared memory is counted once (at its owner), as the kernel does. The per-process figures were
@@ -134,6 +136,18 @@ def estimate(cfg: BenchConfig) -> MemoryEstimate:
                 if any(r == g[0] for g in gsets):
                     _add(est.ranks[r], "gather_broadcast buffers", most * max_local)
                 _add(est.ranks[r], "gather_broadcast buffers", max_local)
+        if cfg.hosts > 1:
+            # Each byte crosses into a host once, into a relay's receive buffer there (at most the
+            # model, or what that host's ranks hold); senders may pack boxes that are not contiguous.
+            model_bytes = sum(math.prod(t.shape) * 2 for t in model)
+            by_host = {}
+            for r in cfg.inference_ranks:
+                by_host.setdefault(cfg.host_of(r), []).append(r)
+            for ranks in by_host.values():
+                held = sum(dst[t.name].local_numel(r) * 2 for t in model for r in ranks)
+                _add(est.ranks[ranks[0]], "cross-host receive buffer", min(model_bytes, held))
+            for r in cfg.trainer_ranks:
+                _add(est.ranks[r], "cross-host send staging", est.ranks[r]["arena"])
     est.driver["process"] = DRIVER_BYTES
     if "memcpy" in cfg.methods and not on_gpu:
         nbytes = sum(lay.local_numel(r) * lay.itemsize for lay in dst.values() for r in lay.ranks)
