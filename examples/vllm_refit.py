@@ -40,6 +40,13 @@ import time
 # one OpenMP thread per TP worker, and pickled callables for the two measurement RPCs below.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+# vLLM gives its engine process and its workers 5 s each to exit, then SIGKILLs them; on a busy
+# machine they often need longer, and a killed one never unlinks its message queues (vLLM's
+# multiprocessing.shared_memory segments, /psm_*), so Python's resource tracker unlinks them at exit
+# with "There appear to be N leaked shared_memory objects". tritonreshard creates none of those (its
+# segments are memfds or trs-* names), so such a warning is vLLM's; a longer grace lets it clean up.
+SHUTDOWN_GRACE_S = 30
+os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(SHUTDOWN_GRACE_S))
 
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
@@ -147,8 +154,9 @@ def _dist_ident(worker):
 
 
 def _remove_vllm_shm(idents) -> list[str]:
-    """vLLM SIGKILLs workers that outlive its 5 s shutdown grace (common on a busy machine); they then
-    leave their TP shared-memory segments in /dev/shm. Remove exactly this engine's, by its names."""
+    """vLLM SIGKILLs workers that outlive its shutdown grace (SHUTDOWN_GRACE_S here; still possible on a
+    very busy machine); they then leave their TP shared-memory segments in /dev/shm. Remove exactly
+    this engine's, by its names."""
     left = sorted(f for f in os.listdir("/dev/shm") if any(i and f.startswith(f"{i}-") for i in idents))
     for f in left:
         os.unlink(os.path.join("/dev/shm", f))
@@ -330,7 +338,8 @@ def main(argv=None) -> dict:
         for g in groups:
             g.stop()
         llm.collective_rpc("shutdown_weight_transfer_engine")
-        llm.llm_engine.engine_core.shutdown()  # now, not at interpreter exit: the check below needs it
+        # Now, not at interpreter exit (the check below needs it), with time to exit cleanly (see the top).
+        llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_GRACE_S)
         summary["vllm_shm_removed"] = _remove_vllm_shm(idents) if os.path.isdir("/dev/shm") else []
         shutil.rmtree(model_dir)
         os.unlink(train_path)

@@ -10,8 +10,10 @@ import time
 
 import pytest
 
+import tritonreshard.apps.driver as driver_mod
 from tritonreshard import PeerDiedError
-from tritonreshard.apps.driver import Driver, RankFailed, one_line, wait_key
+from tritonreshard.apps.driver import (MEMORY_ENV, Driver, RankFailed, available_memory, memory_shortage, one_line,
+                                       sigkill_cause, wait_key)
 
 pytestmark = pytest.mark.slow
 
@@ -80,9 +82,48 @@ def test_killed_rank_is_named():
         drv.start()
         with pytest.raises(RankFailed) as exc:
             drv.wait(lambda: False, "nothing")
-        assert str(exc.value).startswith("rank 0 (worker 0) exited with code -9: killed by SIGKILL")
+        # The rank killed itself (no OOM kill counted): the report says SIGKILL and what it knows.
+        assert str(exc.value).startswith("rank 0 (worker 0) exited with code -9: killed by SIGKILL: ")
         stopped = drv.stop()
         assert stopped == [1] and drv.alive() == []
+
+
+def test_killed_rank_with_an_oom_kill_counted_is_likely_out_of_memory(monkeypatch):
+    """The cgroup's (or the machine's) OOM-kill counter rose while the rank ran: the report says so."""
+    counts = iter([{"the cgroup's oom_kill count (/sys/fs/cgroup/x)": 3}])
+    monkeypatch.setattr(driver_mod, "oom_kill_counts",
+                        lambda: next(counts, {"the cgroup's oom_kill count (/sys/fs/cgroup/x)": 4}))
+    monkeypatch.setattr(driver_mod, "_kernel_log", lambda: None)  # dmesg: not permitted
+    with Driver("t", 2, _target, ("kill",), timeout=120, role=_role) as drv:
+        drv.start()
+        with pytest.raises(RankFailed) as exc:
+            drv.wait(lambda: False, "nothing")
+        assert str(exc.value) == ("rank 0 (worker 0) exited with code -9: killed by SIGKILL: likely out of memory "
+                                  "(the cgroup's oom_kill count (/sys/fs/cgroup/x) rose by 1 during the run)")
+        drv.stop()
+
+
+def test_sigkill_cause_says_what_the_evidence_allows():
+    log = ("[ 7.1] eth0: link up\n"
+           "[ 132.6] Out of memory: Killed process 4242 (python3) total-vm:9000kB, anon-rss:8000kB, file-rss:0kB\n")
+    assert sigkill_cause(4242, {}, {}, log) == ": out of memory (kernel log: Out of memory: Killed process 4242 (python3))"
+    assert sigkill_cause(424, {}, {}, log).startswith(": not by the out-of-memory killer")  # 424 is not 4242
+    machine = "the machine's oom_kill count (/proc/vmstat)"
+    assert sigkill_cause(1, {machine: 0}, {machine: 2}, None) == \
+        f": likely out of memory ({machine} rose by 2 during the run)"
+    assert sigkill_cause(1, {}, {}, None).startswith(": probably out of memory (the usual sender")
+    assert sigkill_cause(1, {machine: 5}, {machine: 5}, "").startswith(": not by the out-of-memory killer")
+
+
+def test_available_memory_reads_the_machine_or_the_override(monkeypatch):
+    monkeypatch.delenv(MEMORY_ENV, raising=False)
+    avail, how = available_memory()
+    assert avail > 0 and ("MemAvailable" in how or "cgroup" in how)
+    monkeypatch.setenv(MEMORY_ENV, str(1 << 30))
+    assert available_memory() == (1 << 30, f"${MEMORY_ENV}")
+    assert memory_shortage(900 << 20) is None  # fits with 10% to spare
+    assert memory_shortage(1000 << 20) == (f"1.0 GiB is available (${MEMORY_ENV}; the check leaves 10% of it to "
+                                           f"the rest of the machine)")
 
 
 DRIVER_SCRIPT = textwrap.dedent("""

@@ -101,3 +101,40 @@ def test_parse_size_and_model():
         assert abs(total - cfg.size) <= 2 * 4096, size   # within an embedding row
     cfg = bench.BenchConfig(size=bench.parse_size("16MiB"), tensors=10_000)
     assert len(build_model(cfg)) == 10_000
+
+
+def test_bench_refuses_what_does_not_fit_before_starting_anything(tmp_path):
+    """The estimate is checked before any process starts: a refusal names the estimate and its parts,
+    what is available and a --size that fits (the available memory comes from the override)."""
+    script = tmp_path / "run_bench.py"
+    script.write_text(RUNNER)
+    env = dict(os.environ, TRITONRESHARD_MEMORY_AVAILABLE=str(6 << 30))
+    out = subprocess.run([sys.executable, str(script), "--layout", "cols-replicas"], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert out.returncode == 2, out.stderr
+    err = out.stderr.strip()
+    assert err.startswith("tritonreshard bench: not enough memory: --layout cols-replicas --size 1GiB needs about ")
+    assert "6.0 GiB is available ($TRITONRESHARD_MEMORY_AVAILABLE" in err
+    assert "Try --size 128MiB" in err and "engine buffer sets 2.0 GiB" in err and "p2p receive staging" in err
+    assert "refit" not in err  # no progress bar: nothing started
+    assert len(err.splitlines()) == 1
+
+
+def test_memory_estimate_counts_what_the_ranks_allocate():
+    from tritonreshard.apps import bench
+    from tritonreshard.apps.bench.memory import PROCESS_BYTES, estimate, refusal
+    cfg = bench.BenchConfig(size=64 << 20, layout="cols-replicas")
+    est = estimate(cfg)
+    inf = est.ranks[cfg.inference_ranks[0]]
+    # Every inference rank holds the whole model: 2 engine sets (shadow), one set per baseline, and
+    # p2p receives every column block into a temporary (a column slice is not contiguous).
+    model = sum(2 * t.shape[0] * (t.shape[1] if len(t.shape) > 1 else 1) for t in bench.model.build_model(cfg))
+    assert inf["engine buffer sets"] == 2 * model and inf["baseline destination sets"] == 2 * model
+    assert inf["p2p receive staging"] <= model and inf["process"] == PROCESS_BYTES
+    light = estimate(bench.BenchConfig(size=64 << 20, layout="cols-replicas", mode="inplace",
+                                       methods=("memcpy", "tritonreshard")))
+    assert "baseline destination sets" not in light.ranks[cfg.inference_ranks[0]]
+    assert light.ranks[cfg.inference_ranks[0]]["engine buffer sets"] == model
+    assert light.total < est.total
+    assert refusal(cfg, available=(1 << 40, "plenty")) is None
+    assert "Try --size" in refusal(bench.BenchConfig(layout="cols-replicas"), available=(8 << 30, "a test"))

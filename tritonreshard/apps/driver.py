@@ -15,6 +15,12 @@ Which process calls what:
   printing a traceback. Ranks wait on store keys with :func:`wait_key`.
 
 :func:`poll_until` is the one polling loop of the applications (driver and ranks alike).
+
+Memory: an application estimates its peak from what each rank will allocate and calls
+:func:`memory_shortage` before it starts any process (a rank the kernel kills for memory dies
+minutes in, with nothing but a SIGKILL to show). A rank that dies of SIGKILL anyway is reported as
+"out of memory" when the kernel log or an OOM-kill counter (the cgroup's, the machine's) says so,
+and with the out-of-memory killer as its probable cause otherwise (:func:`sigkill_cause`).
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -37,7 +44,8 @@ import torch.multiprocessing as mp
 from tritonreshard import secret_for_children
 
 __all__ = ["Driver", "RankFailed", "RankError", "poll_until", "wait_key", "our_shm_entries",
-           "one_line"]
+           "one_line", "available_memory", "memory_shortage", "oom_kill_counts", "sigkill_cause",
+           "fmt_gib", "MEMORY_ENV"]
 
 SHM_PREFIX = "trs-"  # the engine's named segments; other programs' entries (psm_*, sem.mp-*) are not ours
 
@@ -48,6 +56,122 @@ def our_shm_entries() -> set[str]:
         return {n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIX)}
     except FileNotFoundError:
         return set()
+
+
+# -- memory ------------------------------------------------------------------------------------
+#: Overrides what :func:`available_memory` reads (bytes, a plain integer): for a machine whose
+#: /proc/meminfo or cgroup files do not tell the truth, or a test.
+MEMORY_ENV = "TRITONRESHARD_MEMORY_AVAILABLE"
+_UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a huge number (9223372036854771712)
+
+
+def fmt_gib(n: float) -> str:
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1000 << 20 else f"{n / (1 << 20):.0f} MiB"
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _cgroup_dirs() -> list[tuple[str, str, str, str]]:
+    """(directory, limit file, usage file, version) of this process's memory cgroup and its
+    parents, innermost first; a directory that is not visible here (a container's own namespace
+    shows its cgroup as the root) is skipped."""
+    out = []
+    for line in (_read("/proc/self/cgroup") or "").splitlines():
+        num, ctrl, path = (line.split(":", 2) + ["", ""])[:3]
+        if num == "0" and ctrl == "":
+            base, files = "/sys/fs/cgroup", ("memory.max", "memory.current", "2")
+        elif "memory" in ctrl.split(","):
+            base, files = "/sys/fs/cgroup/memory", ("memory.limit_in_bytes", "memory.usage_in_bytes", "1")
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for k in range(len(parts), -1, -1):
+            d = os.path.join(base, *parts[:k])
+            if os.path.exists(os.path.join(d, files[0])):
+                out.append((d, *files))
+    return out
+
+
+def available_memory() -> tuple[int, str]:
+    """(bytes the applications may still allocate, where the figure comes from): MemAvailable of
+    /proc/meminfo, or less when a memory cgroup of this process has a limit (limit - usage).
+    ``$TRITONRESHARD_MEMORY_AVAILABLE`` (bytes) overrides both."""
+    forced = os.environ.get(MEMORY_ENV)
+    if forced:
+        return int(forced), f"${MEMORY_ENV}"
+    avail, how = None, ""
+    for line in (_read("/proc/meminfo") or "").splitlines():
+        if line.startswith("MemAvailable:"):
+            avail, how = int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"
+    for d, limit_file, usage_file, version in _cgroup_dirs():
+        limit, usage = (_read(os.path.join(d, limit_file)) or "").strip(), _read(os.path.join(d, usage_file))
+        if not limit.isdigit() or int(limit) >= _UNLIMITED or usage is None:
+            continue  # "max" (v2) or the huge v1 number: no limit here
+        room = max(0, int(limit) - int(usage))
+        if avail is None or room < avail:
+            avail, how = room, f"the memory cgroup's limit {fmt_gib(int(limit))} less {fmt_gib(int(usage))} in use"
+    if avail is None:
+        return 1 << 62, "unknown (no /proc/meminfo)"
+    return avail, how
+
+
+def memory_shortage(need: int, *, headroom: float = 0.1, available: tuple[int, str] | None = None) -> str | None:
+    """None when ``need`` bytes fit in what is available less ``headroom`` (a share kept for the
+    rest of the machine), else the part of a refusal that says what is available."""
+    avail, how = available or available_memory()
+    if need <= avail * (1 - headroom):
+        return None
+    return f"{fmt_gib(avail)} is available ({how}; the check leaves {headroom:.0%} of it to the rest of the machine)"
+
+
+def oom_kill_counts() -> dict[str, int]:
+    """OOM kills counted so far: the machine's (``oom_kill`` in /proc/vmstat) and each memory
+    cgroup's of this process (``memory.events`` in v2, ``memory.oom_control`` in v1)."""
+    out = {}
+    for line in (_read("/proc/vmstat") or "").splitlines():
+        if line.startswith("oom_kill "):
+            out["the machine's oom_kill count (/proc/vmstat)"] = int(line.split()[1])
+    for d, _, _, version in _cgroup_dirs():
+        text = _read(os.path.join(d, "memory.events" if version == "2" else "memory.oom_control")) or ""
+        for line in text.splitlines():
+            if line.startswith("oom_kill "):
+                out[f"the cgroup's oom_kill count ({d})"] = int(line.split()[1])
+    return out
+
+
+def _kernel_log() -> str | None:
+    """The kernel log, when this process may read it (``dmesg`` often may not)."""
+    try:
+        out = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def sigkill_cause(pid: int, counts_before: dict[str, int], counts_after: dict[str, int],
+                  kernel_log: str | None) -> str:
+    """Why process ``pid`` died of SIGKILL, as the end of "killed by SIGKILL": the kernel log naming
+    it wins, then an OOM-kill counter that rose while it ran; else what the evidence allows (the
+    driver did not send it: :meth:`Driver.stop` records the ranks it kills)."""
+    for line in (kernel_log or "").splitlines():
+        if re.search(rf"Killed process {pid}\b", line):
+            what = line.split("]", 1)[-1].split(" total-vm")[0].strip()
+            return f": out of memory (kernel log: {what})"
+    rose = [f"{k} rose by {counts_after[k] - counts_before[k]}" for k in counts_after
+            if k in counts_before and counts_after[k] > counts_before[k]]
+    if rose:
+        return f": likely out of memory ({'; '.join(rose)} during the run)"
+    if kernel_log is None and not counts_after:
+        return (": probably out of memory (the usual sender of SIGKILL is the kernel's out-of-memory "
+                "killer; neither the kernel log nor an OOM-kill counter is readable here to confirm it)")
+    return (": not by the out-of-memory killer as far as this machine tells (the kernel log and the "
+            "OOM-kill counters show none); something else sent it")
 
 
 def poll_until(ready: Callable[[], bool], *, timeout: float, what: str, tick: Callable[[], None] | None = None,
@@ -197,6 +321,9 @@ class Driver:
         self.procs: dict[int, object] = {}      # rank -> its current process
         self.exited_at: dict[int, float] = {}  # pid -> wall time the driver saw it exit
         self.closed = False
+        self._oom_before = oom_kill_counts()  # a SIGKILLed rank: did the OOM killer count one meanwhile?
+        self._killed: set[int] = set()        # pids the driver itself SIGKILLed (stop())
+        self._sigkill_causes: dict[int, str] = {}
         _sigterm_exits()
 
     # -- processes ------------------------------------------------------------------------------
@@ -245,6 +372,11 @@ class Driver:
             kill = self._get("fault/kill")
             if kill is not None and kill["pid"] == self.procs[rank].pid:
                 when, detail = kill["time"], detail + f" (--fault {kill['fault']})"
+            elif code == -signal.SIGKILL and self.procs[rank].pid not in self._killed:
+                pid = self.procs[rank].pid
+                if pid not in self._sigkill_causes:  # once: the kernel log and counters do not change back
+                    self._sigkill_causes[pid] = sigkill_cause(pid, self._oom_before, oom_kill_counts(), _kernel_log())
+                detail += self._sigkill_causes[pid]
         else:
             detail = f"exited with code {code}"
         return RankError(rank, code, detail, when)
@@ -297,6 +429,7 @@ class Driver:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
         for p in procs.values():
             if p.is_alive():
+                self._killed.add(p.pid)
                 p.kill()
                 p.join(timeout=5)
         self.exitcodes()

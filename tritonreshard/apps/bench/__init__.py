@@ -17,8 +17,9 @@ size, the embedding absorbs the rest) from trainer processes to inference proces
 Methods, all on the same bytes in one run (destination bytes = the sum of every inference rank's
 local shards):
 
-* ``memcpy``: the driver process copies that many bytes in one ``copy_`` of a big buffer (all cores,
-  torch's threads): the machine's speed of light.
+* ``memcpy``: the driver process copies that many bytes (all cores, torch's threads), in ``copy_``
+  calls of at most 256 MiB (far beyond any cache, and the driver does not hold twice the bytes a
+  refit writes): the machine's speed of light.
 * ``tritonreshard``: ``RefitEndpoint``: trainers ``publish()``, every inference rank ``pull()``s.
 * ``p2p``: ``torch.distributed.batch_isend_irecv`` over the same plan's ops (gloo on CPU, NCCL on
   GPU): sources send each op's slice (packed when not contiguous), destinations receive into a
@@ -40,6 +41,11 @@ version, with the top exponent bit clear (finite values). Every refit changes ev
 the timed refits each inference rank checks its shards bit for bit: a stale, misplaced or unwritten
 element fails ``verified``.
 
+Memory: before any process starts, :func:`.memory.estimate` adds up what every rank will allocate
+(arenas, the engine's buffer sets, each baseline's destination set and staging, the driver's copy
+buffers, the processes themselves) and ``tritonreshard bench`` refuses a run that would not fit,
+naming the estimate, what is available and a ``--size`` that fits.
+
 Processes: the shared driver (:mod:`tritonreshard.apps.driver`) hosts a TCPStore and spawns one
 process per rank (``torch.set_num_threads(1)``); ranks run commands from the store
 (:class:`BenchSession`, also used by ``bench/test_bench_refit.py``) so one set-up serves many
@@ -48,8 +54,8 @@ measurements. Entry points for ``tritonreshard bench``: :func:`add_arguments` an
 Modules, one job each: :mod:`.cli` (options, checks, :func:`run`), :mod:`.config` (:class:`BenchConfig`,
 ``--size``), :mod:`.model` (the model and its layouts), :mod:`.provenance` (the bits every element
 holds), :mod:`.baselines` (p2p and gather_broadcast), :mod:`.rank` (one rank's set-up and command
-loop), :mod:`.session` (:class:`BenchSession`, memcpy) and :mod:`.report` (the JSON object and the
-table).
+loop), :mod:`.session` (:class:`BenchSession`, memcpy), :mod:`.memory` (the peak estimate and the
+refusal) and :mod:`.report` (the JSON object and the table).
 """
 from .cli import add_arguments, run
 from .config import BenchConfig, parse_size

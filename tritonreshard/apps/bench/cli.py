@@ -13,6 +13,7 @@ from tritonreshard.planning import fmt_bytes
 
 from ..driver import RankFailed
 from .config import LAYOUTS, METHODS, WORKER_METHODS, BenchConfig, parse_size
+from .memory import refusal
 from .report import measure, table
 from .session import BenchSession
 
@@ -57,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def _config(args) -> BenchConfig:
     return BenchConfig(size=parse_size(args.size), layout=args.layout, trainers=args.trainers,
                        inference=args.inference, tensors=args.tensors, backend=args.backend or "auto",
-                       device=args.device, mode=args.mode, timeout=args.timeout, hosts=args.hosts)
+                       device=args.device, mode=args.mode, timeout=args.timeout, hosts=args.hosts,
+                       methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,17 +69,19 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"tritonreshard bench: {exc}", file=sys.stderr)
         return 2
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    methods = list(cfg.methods)
     problems = cfg.problems()
-    bad = [m for m in methods if m not in METHODS]
-    if bad:
-        problems.append(f"--methods has unknown {bad}; choose from {','.join(METHODS)}")
     if args.repeats < 1 or args.warmup < 0:
         problems.append(f"--repeats={args.repeats} must be >= 1 and --warmup={args.warmup} >= 0")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         problems.append("--device=cuda but torch.cuda.is_available() is False")
     if problems:
         print("tritonreshard bench: invalid arguments:\n  - " + "\n  - ".join(problems), file=sys.stderr)
+        return 2
+    # Before any process starts: a rank the kernel kills for memory dies minutes in, with a bare SIGKILL.
+    short = refusal(cfg)
+    if short:
+        print(f"tritonreshard bench: not enough memory: {short}", file=sys.stderr)
         return 2
 
     total = len(methods) * args.repeats + len([m for m in methods if m in WORKER_METHODS]) * args.warmup

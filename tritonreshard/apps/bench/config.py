@@ -42,6 +42,13 @@ class BenchConfig:
     mode: str = "shadow"
     timeout: float = 600.0
     hosts: int = 1
+    #: the methods a session will run; the ranks set up (and allocate for) only these
+    methods: tuple[str, ...] = METHODS
+
+    @property
+    def worker_methods(self) -> tuple[str, ...]:
+        """The methods the spawned ranks run (memcpy is the driver's)."""
+        return tuple(m for m in self.methods if m in WORKER_METHODS)
 
     @property
     def num_trainers(self) -> int:
@@ -75,6 +82,9 @@ class BenchConfig:
         p = []
         if self.layout not in LAYOUTS:
             p.append(f"--layout={self.layout!r} must be one of {', '.join(LAYOUTS)}")
+        bad = [m for m in self.methods if m not in METHODS]
+        if bad or not self.methods:
+            p.append(f"--methods={','.join(self.methods)!r}: choose one or more of {','.join(METHODS)}")
         if self.size < 1 << 16:
             p.append(f"--size={self.size} bytes is too small (at least 64 KiB)")
         if self.num_trainers < 1 or self.inference < 1:

@@ -25,7 +25,7 @@ from ..driver import wait_key
 from .baselines import P2P, GatherBroadcast, bcast_set, gather_set
 from .config import BenchConfig
 from .model import build_model, layouts
-from .provenance import hash_bits, key16
+from .provenance import check_bits, fill_bits, key16
 
 __all__ = ["Rank", "rank_main"]
 
@@ -58,21 +58,25 @@ class Rank:
         self.src_layouts, self.dst_layouts = layouts(cfg, self.model)
         self.is_src = rank in cfg.trainer_ranks
         self.is_dst = rank in cfg.inference_ranks
+        self.methods = cfg.worker_methods
         # Every rank creates every subgroup, in the same order (new_group is collective).
         groups = {}
-        for t in self.model:
-            s, d = self.src_layouts[t.name], self.dst_layouts[t.name]
-            for ranks in (gather_set(s), bcast_set(s, d)):
-                if len(ranks) > 1 and ranks not in groups:
-                    groups[ranks] = dist.new_group(list(ranks))
+        if "gather_broadcast" in self.methods:
+            for t in self.model:
+                s, d = self.src_layouts[t.name], self.dst_layouts[t.name]
+                for ranks in (gather_set(s), bcast_set(s, d)):
+                    if len(ranks) > 1 and ranks not in groups:
+                        groups[ranks] = dist.new_group(list(ranks))
 
-        cache = {}
-        self.src_base = {t.name: hash_bits(self.src_layouts[t.name], rank, t.name, self.device, cache)
-                         for t in self.model} if self.is_src else {}
-        self.dst_base = {t.name: hash_bits(self.dst_layouts[t.name], rank, t.name, self.device, cache)
-                         for t in self.model} if self.is_dst else {}
-        del cache
-        initial = {n: b.view(torch.bfloat16).clone() for n, b in self.src_base.items()} if self.is_src else None
+        # The trainers' version-0 bits go straight into the arena (the endpoint copies them in
+        # once); from then on each refit moves the arena to the next version in place.
+        initial = None
+        if self.is_src:
+            initial = {}
+            for t in self.model:
+                lay = self.src_layouts[t.name]
+                initial[t.name] = torch.empty(lay.local_shape(rank), dtype=torch.bfloat16, device=self.device)
+                fill_bits(initial[t.name], lay, rank, t.name)
         self.ep = RefitEndpoint(rank=rank, world_size=cfg.world_size, store=dist.PrefixStore("refit", store),
                                 src_tensors=initial, src_layouts=self.src_layouts if self.is_src else None,
                                 dst_layouts=self.dst_layouts if self.is_dst else None, mode=cfg.mode,
@@ -84,10 +88,12 @@ class Rank:
         # method's result can be verified after the interleaved rounds.
         self.bufs = {m: {t.name: torch.zeros(self.dst_layouts[t.name].local_shape(rank), dtype=torch.bfloat16,
                                              device=self.device) for t in self.model} if self.is_dst else {}
-                     for m in ("p2p", "gather_broadcast")}
-        self.p2p = P2P(self.plan, rank, self.src, self.bufs["p2p"], self.comm_device)
+                     for m in ("p2p", "gather_broadcast") if m in self.methods}
+        self.p2p = P2P(self.plan, rank, self.src, self.bufs["p2p"], self.comm_device) \
+            if "p2p" in self.methods else None
         self.gb = GatherBroadcast(self.model, self.src_layouts, self.dst_layouts, rank, self.src,
-                                   self.bufs["gather_broadcast"], groups, self.comm_device)
+                                  self.bufs["gather_broadcast"], groups, self.comm_device) \
+            if "gather_broadcast" in self.methods else None
         self.version = 0
         self.last = {}
         self.last_pull_max = self.last_coordination = 0.0
@@ -101,13 +107,16 @@ class Rank:
 
     def refit(self, method: str) -> float:
         """One timed refit by ``method`` (collective: every rank calls it). Returns seconds."""
+        if method not in self.methods:
+            raise ValueError(f"method {method!r} was not set up (BenchConfig.methods={self.cfg.methods})")
         self.version += 1
-        key = key16(self.version)
+        # The arena holds version - 1 (only this rank writes it): XOR moves every element to version.
+        delta = key16(self.version - 1) ^ key16(self.version)
         if self.is_src:
             if self.ep.published:
                 self.ep.fence()  # readers of the previous version are done with the arena
-            for name, base in self.src_base.items():
-                torch.bitwise_xor(base, key, out=self.src[name].view(torch.int16))
+            for name in self.src:
+                self.src[name].view(torch.int16).bitwise_xor_(delta)
         self._sync()
         self._barrier()
         t0 = time.monotonic()
@@ -139,16 +148,20 @@ class Rank:
         self.last_coordination = seconds - max(float(t[3]) for t in times) if method == "tritonreshard" else 0.0
         return seconds
 
-    def verify(self, method: str) -> bool:
-        """Every element of this rank's destination shards equals the last refit's version, bit for bit."""
+    def verify(self, methods) -> dict[str, bool]:
+        """For each of ``methods``: every element of this rank's destination shards equals the last
+        refit of that method, bit for bit (one pass of the hash serves every method)."""
         if not self.is_dst:
-            return True
-        if method not in self.last:
-            return False
-        tensors = self.ep.tensors if method == "tritonreshard" else self.bufs[method]
-        key = key16(self.last[method])
-        return all(torch.equal(tensors[n].view(torch.int16), torch.bitwise_xor(base, key))
-                   for n, base in self.dst_base.items())
+            return {m: True for m in methods}
+        ok = {m: m in self.last for m in methods}
+        checked = [m for m in methods if ok[m]]
+        sets = {m: self.ep.tensors if m == "tritonreshard" else self.bufs[m] for m in checked}
+        keys = [key16(self.last[m]) for m in checked]
+        for t in self.model:
+            res = check_bits([sets[m][t.name] for m in checked], keys, self.dst_layouts[t.name], self.rank, t.name)
+            for m, good in zip(checked, res):
+                ok[m] = ok[m] and good
+        return ok
 
     def stats(self) -> dict:
         """Measured after refits: the most extra memory one of this rank's pulls allocated."""
@@ -208,10 +221,12 @@ def _refits(r: Rank, cmd: dict, bstore) -> dict:
             bstore.add("progress", 1)
     result = {"seconds": secs, "pull_seconds_max": pulls, "coordination_seconds": coords}
     if cmd.get("verify"):
+        methods = cmd.get("verify_methods") or [cmd["method"]]
         oks = [None] * world
-        dist.all_gather_object(oks, r.verify(cmd["method"]), group=r.cpu_group)
-        result["verified"] = all(oks)
-        result["verified_ranks"] = [i for i, ok in enumerate(oks) if not ok]
+        dist.all_gather_object(oks, r.verify(methods), group=r.cpu_group)
+        result["verified_methods"] = {m: all(ok[m] for ok in oks) for m in methods}
+        result["verified"] = all(result["verified_methods"].values())
+        result["verified_ranks"] = [i for i, ok in enumerate(oks) if not all(ok.values())]
     if cmd.get("stats"):
         stats = [None] * world
         dist.all_gather_object(stats, r.stats(), group=r.cpu_group)

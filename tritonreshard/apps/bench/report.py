@@ -41,11 +41,10 @@ def measure(session: BenchSession, methods, repeats: int, warmup: int) -> dict:
             if m == "tritonreshard":
                 pulls += r["pull_seconds_max"]
                 coords += r["coordination_seconds"]
-    results = {}
-    for m in methods:
-        results[m] = _result(secs[m], nbytes)
-        if m in WORKER_METHODS:
-            results[m]["verified"] = session.verify(m)
+    results = {m: _result(secs[m], nbytes) for m in methods}
+    if workers:
+        for m, ok in session.verify_all(workers).items():
+            results[m]["verified"] = ok
     if "memcpy" in results:
         results["memcpy"]["threads"] = torch.get_num_threads() if cfg.device == "cpu" else None
         if cfg.device == "cpu":

@@ -13,16 +13,23 @@ from tritonreshard.planning import plan_reshard
 
 from ..driver import Driver
 from .baselines import bcast_set, gather_set
-from .config import WORKER_METHODS, BenchConfig
+from .config import BenchConfig
 from .model import build_model, layouts
 from .rank import rank_main
 
-__all__ = ["BenchSession", "memcpy_seconds"]
+__all__ = ["BenchSession", "memcpy_seconds", "MEMCPY_CHUNK"]
+
+
+#: The most bytes one ``copy_`` of :func:`memcpy_seconds` moves: far beyond any cache (so the copy is
+#: bandwidth-bound as a whole-buffer copy is), without the driver holding twice the bytes a refit
+#: writes (8 GiB for cols-replicas at 1 GiB).
+MEMCPY_CHUNK = 256 << 20
 
 
 def memcpy_seconds(nbytes: int, repeats: int, warmup: int = 1, device: str = "cpu",
                    threads: int | None = None, buffers=None) -> list[float]:
-    """Seconds of ``dst.copy_(src)`` of ``nbytes`` (pre-faulted buffers) on ``device``, ``repeats`` times.
+    """Seconds to copy ``nbytes`` on ``device`` (pre-faulted buffers), ``repeats`` times: one
+    ``dst.copy_(src)`` of ``min(nbytes, MEMCPY_CHUNK)`` bytes, repeated until ``nbytes`` are copied.
     ``threads``: torch intra-op threads for the CPU copy (default: torch's, i.e. all cores);
     ``buffers``: a ``(src, dst)`` pair to reuse (from an earlier call's set-up)."""
     old = torch.get_num_threads()
@@ -31,12 +38,15 @@ def memcpy_seconds(nbytes: int, repeats: int, warmup: int = 1, device: str = "cp
     try:
         dev = torch.device(device)
         src, dst = buffers if buffers is not None else _memcpy_buffers(nbytes, dev)
+        chunk = src.numel()
+        pieces = [(0, chunk)] * (nbytes // chunk) + ([(0, nbytes % chunk)] if nbytes % chunk else [])
         sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
         out = []
         for k in range(warmup + repeats):
             sync()
             t0 = time.monotonic()
-            dst.copy_(src)
+            for lo, hi in pieces:
+                dst[lo:hi].copy_(src[lo:hi])
             sync()
             if k >= warmup:
                 out.append(time.monotonic() - t0)
@@ -46,8 +56,9 @@ def memcpy_seconds(nbytes: int, repeats: int, warmup: int = 1, device: str = "cp
 
 
 def _memcpy_buffers(nbytes: int, device):
-    return (torch.ones(nbytes, dtype=torch.uint8, device=device),   # filled: pages are faulted in
-            torch.zeros(nbytes, dtype=torch.uint8, device=device))
+    n = min(nbytes, MEMCPY_CHUNK)
+    return (torch.ones(n, dtype=torch.uint8, device=device),   # filled: pages are faulted in
+            torch.zeros(n, dtype=torch.uint8, device=device))
 
 
 class BenchSession:
@@ -111,12 +122,19 @@ class BenchSession:
     # -- measurements ------------------------------------------------------------------------
     def refits(self, method: str, count: int = 1, verify: bool = False) -> dict:
         """Runs ``count`` refits by ``method``; returns ``{"seconds": [...], "verified": bool?}``."""
-        if method not in WORKER_METHODS:
-            raise ValueError(f"method={method!r} must be one of {WORKER_METHODS}")
+        if method not in self.cfg.worker_methods:
+            raise ValueError(f"method={method!r} must be one of the configured {self.cfg.worker_methods}")
         return self._command({"op": "refit", "method": method, "count": int(count), "verify": bool(verify)})
 
     def verify(self, method: str) -> bool:
-        return bool(self._command({"op": "refit", "method": method, "count": 0, "verify": True})["verified"])
+        """Whether every inference rank holds ``method``'s last refit, bit for bit."""
+        return self.verify_all([method])[method]
+
+    def verify_all(self, methods) -> dict[str, bool]:
+        """:meth:`verify` of each of ``methods``, in one pass over the destination shards."""
+        methods = list(methods)
+        cmd = {"op": "refit", "method": methods[0], "count": 0, "verify": True, "verify_methods": methods}
+        return {m: bool(ok) for m, ok in self._command(cmd)["verified_methods"].items()}
 
     def memcpy(self, repeats: int, warmup: int = 1, threads: int | None = None) -> list[float]:
         """The driver copies ``dst_bytes`` (buffers allocated and faulted in once per session)."""

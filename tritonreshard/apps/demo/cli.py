@@ -10,6 +10,7 @@ import tempfile
 
 import torch
 
+from ..driver import fmt_gib, memory_shortage
 from ..viz import check_figure_path
 from .config import RunConfig
 from .driver import drive
@@ -17,7 +18,7 @@ from .faults import parse_fault
 from .policy import PolicyConfig
 from .report import report
 
-__all__ = ["add_arguments", "validate", "run"]
+__all__ = ["add_arguments", "validate", "run", "peak_memory", "memory_refusal"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -108,11 +109,39 @@ def validate(args: argparse.Namespace) -> list[str]:
     return problems
 
 
+#: Peak PSS of one process, measured (sum over a run's processes of their peak
+#: ``/proc/<pid>/smaps_rollup`` PSS, CPU, torch 2.13: 1.5 GiB for 2 trainers + 4 inference ranks +
+#: the driver) and rounded up: the policy is tiny, so the processes themselves are the cost.
+TRAINER_BYTES, INFERENCE_BYTES, DRIVER_BYTES = 300 << 20, 224 << 20, 320 << 20
+
+
+def peak_memory(trainers: int, inference: int) -> int:
+    """The demo's estimated peak memory (bytes) with ``trainers`` and ``inference`` processes."""
+    return trainers * TRAINER_BYTES + inference * INFERENCE_BYTES + DRIVER_BYTES
+
+
+def memory_refusal(args: argparse.Namespace, available=None) -> str | None:
+    """None when the demo's processes fit in the memory available now, else the refusal."""
+    need = peak_memory(args.trainers, args.inference)
+    short = memory_shortage(need, available=available)
+    if short is None:
+        return None
+    least = peak_memory(1, 1)
+    return (f"{args.trainers + args.inference} processes ({args.trainers} trainers x {fmt_gib(TRAINER_BYTES)}, "
+            f"{args.inference} inference x {fmt_gib(INFERENCE_BYTES)}, the driver {fmt_gib(DRIVER_BYTES)}) need "
+            f"about {fmt_gib(need)} at their peak, and {short}. The fewest, --trainers 1 --inference 1, need "
+            f"about {fmt_gib(least)}.")
+
+
 def run(args: argparse.Namespace) -> int:
     """Runs the demo; returns the process exit code (0 = ran, refit and verified every version)."""
     problems = validate(args)
     if problems:
         print("tritonreshard demo: invalid arguments:\n  - " + "\n  - ".join(problems), file=sys.stderr)
+        return 2
+    short = memory_refusal(args)  # before any process starts (a rank killed for memory says only SIGKILL)
+    if short:
+        print(f"tritonreshard demo: not enough memory: {short}", file=sys.stderr)
         return 2
 
     world = args.trainers + args.inference

@@ -50,7 +50,7 @@ def drive(rc: RunConfig) -> RunOutcome:
     drv = Driver("demo", world, rank_main, (rc,), timeout=rc.timeout, prefix="demo", role=rc.role)
     started = time.perf_counter()
     bar = tqdm(total=rc.steps, desc="refit demo", unit="step", file=sys.stderr, dynamic_ncols=True)
-    progress = _Progress(drv.pstore, world, bar)
+    progress = _Progress(drv.pstore, rc, bar, drv.alive)
     failure = None            # RankFailed / TimeoutError that ended the run
     recoveries = []           # one dict per trainer-group restart
     terminated: list[int] = []
@@ -100,28 +100,51 @@ def drive(rc: RunConfig) -> RunOutcome:
 
 
 class _Progress:
-    """The progress bar's tick: the phase before step 1, then reward, version and refit time."""
+    """The progress bar's tick: the phase before step 1; then per trainer step the reward, the
+    version the trainers published (``trained``), the version the inference group serves
+    (``served``) and the last refit's time; after the last step, what is left: the last refits, the
+    last probes, then the ranks stopping (``alive()``: the ranks still running)."""
 
-    def __init__(self, dstore, world: int, bar):
-        self.dstore, self.world, self.bar = dstore, world, bar
-        self.steps, self.phase = 0, None
+    def __init__(self, dstore, rc: RunConfig, bar, alive):
+        self.dstore, self.rc, self.bar, self.alive = dstore, rc, bar, alive
+        self.steps, self.refits, self.fields, self.shown = 0, 0, {}, None
+
+    def _show(self, status: str = "", new_steps: int = 0) -> None:
+        text = "; ".join(p for p in (", ".join(f"{k}={v}" for k, v in self.fields.items()), status) if p)
+        if text != self.shown:
+            self.shown = text
+            self.bar.set_postfix_str(text, refresh=not new_steps)
+        if new_steps:
+            self.bar.update(new_steps)  # one refresh: "60/60" shows with its step's "trained=v61"
 
     def __call__(self) -> None:
-        dstore, bar = self.dstore, self.bar
-        phase = _phase(dstore, self.world)
-        if phase is not None and phase != self.phase:
-            self.phase = phase
-            bar.set_postfix_str(phase)
-        done = int(dstore.add("steps_done", 0))
+        dstore, rc = self.dstore, self.rc
+        phase = _phase(dstore, rc.world_size)
+        if phase is not None:
+            self._show(phase)
+            return
+        done, before = int(dstore.add("steps_done", 0)), self.steps
         while self.steps < done and dstore.check([f"step/{self.steps + 1}"]):
             self.steps += 1
             m = json.loads(dstore.get(f"step/{self.steps}"))
-            post = {"reward": f"{m['reward']:.3f}", "version": m["version"]}
-            refits = int(dstore.add("refits_done", 0))
-            if refits:
-                post["refit_ms"] = f"{json.loads(dstore.get(f'refit/{refits}'))['pull_ms']:.1f}"
-            bar.set_postfix(post)
-            bar.update(1)
+            self.fields.update(reward=f"{m['reward']:.3f}", trained=f"v{m['version']}")
+        new = self.steps - before
+        refits = int(dstore.add("refits_done", 0))
+        if refits > self.refits:
+            self.refits = refits
+            r = json.loads(dstore.get(f"refit/{refits}"))
+            self.fields.update(served=f"v{r['version']}", refit_ms=f"{r['pull_ms']:.1f}")
+        if self.steps < rc.steps:
+            self._show(new_steps=new)
+        # Every step is done and the bar is full, but the run is not over: say what it waits for.
+        elif dstore.check(["inference_summary"]):
+            ok = json.loads(dstore.get("inference_summary"))["verified"]
+            self._show(f"{'verified' if ok else 'NOT verified'}; stopping ranks: {len(self.alive())}/"
+                       f"{rc.world_size} still running", new)
+        elif refits < rc.steps:
+            self._show(f"inference installs the last version (v{rc.steps + 1})", new)
+        else:
+            self._show("checking the last probes", new)
 
 
 def _phase(dstore, world: int) -> str | None:

@@ -171,13 +171,27 @@ def _plot(path: str, steps, refits, args) -> None:
                   f"({args.mode})", fontsize=10)
     # Refit i installs version i+1, the weights trainer step i produced.
     rx = [r["version"] - 1 for r in refits]
-    ax1.plot(rx, [r["pull_ms"] for r in refits], marker=".", label="pull (background in shadow mode)")
-    ax1.plot(rx, [r["stall_ms"] for r in refits], marker=".", label="generation stall")
+    pulls = [r["pull_ms"] for r in refits]
+    stalls = [r["stall_ms"] for r in refits]
+    # Log scale: one slow refit (a busy machine, 100+ ms) on a linear axis flattens the usual 1-5 ms
+    # pulls and the sub-millisecond stalls into the floor. A zero (nothing measurable) is drawn at
+    # the floor of the axis rather than dropped.
+    floor = min([v for v in pulls + stalls if v > 0], default=1e-3) / 2
+    ax1.plot(rx, [max(v, floor) for v in pulls], marker=".", label="pull (background in shadow mode)")
+    ax1.plot(rx, [max(v, floor) for v in stalls], marker=".", label="generation stall")
+    ax1.set_yscale("log")
+    if pulls:
+        med = statistics.median(pulls)
+        ax1.axhline(med, color="C0", lw=0.8, ls="--", label=f"median pull {med:.2f} ms")
+        top = max(range(len(pulls)), key=pulls.__getitem__)
+        ax1.annotate(f"max {pulls[top]:.1f} ms", (rx[top], pulls[top]), textcoords="offset points",
+                     xytext=(0, 6), ha="center", fontsize=8, color="C0")
+        ax1.set_ylim(top=max(pulls + stalls) * 30)  # room for the annotation and the legend
     ax1.set_xlabel("trainer step")
     ax1.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax1.set_ylabel("refit time per step (ms)")
+    ax1.set_ylabel("refit time per step (ms, log scale)")
     ax1.grid(alpha=0.3)
-    ax1.legend(fontsize=8, loc="upper right")
+    ax1.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
