@@ -40,7 +40,7 @@ def _rank(rank, store, fsdp_port):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{fsdp_port}", rank=rank,
                                 world_size=len(TRAINERS))
         try:
-            from tritonreshard import _fsdp
+            from tritonreshard.engine import fsdp as _fsdp
 
             partial = _model()
             fully_shard(partial[0])  # 2.weight / 2.bias stay plain tensors: named, before anything moves
@@ -100,6 +100,6 @@ def test_fully_shard_model_refits_exactly_and_keeps_training_on_the_arena():
 
 
 def test_fsdp2_source_rejects_plain_modules_clearly():
-    from tritonreshard import _fsdp
+    from tritonreshard.engine import fsdp as _fsdp
 
     assert not _fsdp.is_fsdp2(torch.nn.Linear(2, 2))

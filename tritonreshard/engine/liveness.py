@@ -68,6 +68,7 @@ class Liveness:
         self._thread: threading.Thread | None = None
         # Local peers' pidfds: readable once the process exited. None where the platform has none.
         self._exits: dict[int, select.poll | None] = {}
+        self._poll_lock = threading.Lock()
         self._fds: list[int] = []
         for r, m in members.items():
             if r != rank and m.host == host:
@@ -91,9 +92,11 @@ class Liveness:
 
     def _exited(self, peer: int, pid: int) -> str | None:
         """``"died"`` / ``"died (zombie)"`` when the local ``peer`` exited, else None."""
-        poll = self._exits.get(peer)
+        with self._poll_lock:  # a poll object may not be polled by two threads at once, nor closed meanwhile
+            poll = self._exits.get(peer)
+            exited = poll is not None and any(ev & select.POLLIN for _, ev in poll.poll(0))
         if poll is not None:
-            if not poll.poll(0):
+            if not exited:
                 return None
             state = proc_state(pid)  # once, for the message: a zombie waits for its parent
             return "died (zombie)" if state == "Z" else "died"
@@ -205,10 +208,11 @@ class Liveness:
                 pass
         self._beat.clear()
         self._watch.clear()
-        self._exits.clear()
-        for fd in self._fds:
-            os.close(fd)
-        self._fds = []
+        with self._poll_lock:
+            self._exits.clear()
+            for fd in self._fds:
+                os.close(fd)
+            self._fds = []
 
     def outlive_store_users(self, users, timeout: float) -> None:
         """The store's host: return once each of ``users`` (ranks that still read the store for
