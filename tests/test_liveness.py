@@ -26,12 +26,12 @@ def test_a_local_peer_is_dead_once_it_exited_even_unreaped_and_from_many_threads
 
         def ask():
             try:
-                for _ in range(200):
+                for _ in range(3000):
                     answers.append(live.dead_reason(1))
             except Exception as exc:  # noqa: BLE001 - any error here is the failure under test
                 errors.append(exc)
 
-        threads = [threading.Thread(target=ask) for _ in range(8)]
+        threads = [threading.Thread(target=ask) for _ in range(16)]
         for t in threads:
             t.start()
         for t in threads:
