@@ -204,6 +204,11 @@ class Subscriber:
         for b, c in sources.remote.items():
             group.liveness.beat_into(c)
             group.liveness.watch(b.owner, c)
+        # What every pull reads and checks, derived once: the sources' control blocks by label, the
+        # ones another process owns (they can die or abort), and their owners.
+        self._controls = {_label(b): c for b, c in sources.controls.items()}
+        self._remote = list(sources.remote.values())
+        self._owners = sorted({b.owner for b in sources.remote})
         self._thread = None
         self._target = None
         self._result = None
@@ -229,18 +234,16 @@ class Subscriber:
     # ------------------------------------------------------------------ pulling
     def available_version(self) -> int:
         """The newest version every source of this rank has published."""
-        versions = [c.published_version for c in self.sources.controls.values()]
+        versions = [c.published_version for c in self._controls.values()]
         return min(versions) if versions else 0
 
     def _pull_into(self, slot: int, version: int, timeout: float, cancel=None, ready=None) -> PullStats:
         t0 = time.perf_counter()
-        sources, group = self.sources, self.group
-        controls, remote = sources.controls, sources.remote
-        owners = sorted({b.owner for b in remote})
+        sources, group, controls, owners = self.sources, self.group, self._controls, self._owners
         table = self._tables[slot]
 
         def published():
-            return {_label(b): c.published_version for b, c in controls.items()}
+            return {s: c.published_version for s, c in controls.items()}
 
         def doorbell():  # sleep on the first source that is behind
             for c in controls.values():
@@ -249,8 +252,8 @@ class Subscriber:
             return None
 
         group.wait(lambda: all(c.published_version >= version for c in controls.values()),
-                   f"sources {[_label(b) for b in controls]} to publish version {version}", timeout,
-                   peers=owners, controls=list(remote.values()), doorbell=doorbell,
+                   f"sources {list(controls)} to publish version {version}", timeout,
+                   peers=owners, controls=self._remote, doorbell=doorbell,
                    status=lambda: f"published: {published()}", cancel=cancel)
         ahead = {s: v for s, v in published().items() if v != version}
         if ahead:
