@@ -1,4 +1,4 @@
-"""Recipes: Hugging Face (transformers 5) training parameters -> vLLM tensor-parallel parameters.
+"""Hugging Face (transformers 5) training parameters -> vLLM tensor-parallel parameters.
 
 Pure Python planning (no transformers or vLLM import): a recipe reads a ``transformers`` config's
 fields and returns the source layouts (FSDP rows of the HF parameters over the trainer ranks), the
@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from .layout import Layout, Part, Replicate, Shard
-from .planning import Plan, plan_reshard
+from ..layout import Layout, Part, Replicate, Shard
+from ..planning import Plan, plan_reshard
 
 __all__ = ["hf_to_vllm", "RecipeSpec", "Family", "FAMILIES", "pad_vocab_size"]
 

@@ -1,0 +1,10 @@
+"""Recipes: the layouts and parts of a refit between a trainer's parameters and vLLM's.
+
+Pure Python planning (no transformers or vLLM import). One module per source family:
+
+* :mod:`~tritonreshard.recipes.hf`: Hugging Face parameters under FSDP (``hf_to_vllm``), and the
+  vLLM destination side every recipe shares.
+"""
+from .hf import FAMILIES, Family, RecipeSpec, hf_to_vllm, pad_vocab_size
+
+__all__ = ["hf_to_vllm", "RecipeSpec", "Family", "FAMILIES", "pad_vocab_size"]
