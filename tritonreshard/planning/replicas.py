@@ -27,7 +27,8 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["KNOBS", "Knobs", "Loads", "Piece", "cut_runs", "group_replicas", "share", "split_axis", "spread"]
+__all__ = ["KNOBS", "Knobs", "Loads", "Piece", "cut_runs", "group_replicas", "rotation", "share", "split_axis",
+           "spread"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,20 @@ def split_axis(extents: Sequence[int]) -> int | None:
     """The dim a box is cut along: its outermost dim of extent > 1 (None: one element). A contiguous
     box cut there stays contiguous, in every part."""
     return next((d for d, n in enumerate(extents) if n > 1), None)
+
+
+def rotation(n: int, k: int) -> int:
+    """The sum of ``n``'s base-``k`` digits: a turn for :func:`share` from a position ``n``. Numbers
+    that differ in one base-``k`` digit get different turns mod ``k``, so positions that step by a
+    power of ``k`` (the same TP rank in consecutive replicas, ``tp`` apart) still rotate, and any
+    ``k**m`` consecutive positions take every turn mod ``k`` equally often."""
+    if k < 2:
+        return 0
+    total = 0
+    while n:
+        n, digit = divmod(n, k)
+        total += digit
+    return total
 
 
 def share(replicas: Sequence[int], nbytes: int, extent: int, turn: int,

@@ -549,7 +549,8 @@ def _plan_cached(src_items: tuple[tuple[str, Layout], ...], dst_items: tuple[tup
                              # own reads are above)
                              (row for row in _src_rows(s_geo, d_geo, box, start, rank) if row[0] != rank))
             for row in rows:
-                for op in _emit(row, name, src_name, base + pos[row[0]] + row[1] + row[3], s_isz, knobs):
+                turn = replicas.rotation(base + pos[row[0]], len(row[2])) + row[1] + row[3]
+                for op in _emit(row, name, src_name, turn, s_isz, knobs):
                     if rank is None or op.dst_rank == rank or op.src_rank == rank:
                         ops.append(op)
 
