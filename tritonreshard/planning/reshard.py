@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from itertools import chain, product
+from operator import itemgetter
 
 from ..layout import Layout, Part, Segment, segments_by_mesh_index
 from . import replicas
@@ -457,7 +458,10 @@ def _rows(dst_rank: int, d_segs: tuple, g_idx: int, s_segs: tuple, group: tuple[
     for ordinal, dims in enumerate(product(*per_dim)):
         template = None
         if len(group) == 1 or dst_rank in group:
-            template = (dst_rank if dst_rank in group else group[0], *_op_fields(dims))
+            src_rank = dst_rank if dst_rank in group else group[0]
+            fields = _op_fields(dims)
+            # The op's fields and its sort key, made once per geometry (layers repeat them).
+            template = (src_rank, *fields, (dst_rank, tuple(d.start for d in fields[1]), src_rank))
         rows.append((dst_rank, g_idx, group, ordinal, dims, math.prod(p[2] for p in dims), template))
     return rows
 
@@ -496,7 +500,7 @@ def _emit(row: _Row, name: str, src_name: str, turn: int, s_isz: int, knobs: rep
     other pieces' choices, so any rank derives the choice for any piece on its own."""
     dst_rank, g_idx, group, ordinal, dims, numel, template = row
     if template is not None:
-        src_rank, ss, ds, g = template
+        src_rank, ss, ds, g, _ = template
         return [TransferOp(name, src_rank, dst_rank, ss, ds, g, src_name)]
     axis = replicas.split_axis([p[2] for p in dims])
     shares = replicas.share(group, numel * s_isz, 1 if axis is None else dims[axis][2], turn, knobs)
@@ -518,6 +522,18 @@ def _fill_pieces(d_geo: tuple, box: tuple) -> tuple:
     return tuple(rows)
 
 
+_first = itemgetter(0)
+_OP_FIELDS = ("name", "src_rank", "dst_rank", "src_slices", "dst_slices", "global_index", "src_name")
+
+
+def _new_op(*values) -> TransferOp:
+    """``TransferOp(*values)`` without the frozen dataclass's per-field ``__setattr__`` (a third of
+    a big plan's time); the values are the planner's own, already checked."""
+    op = object.__new__(TransferOp)
+    object.__setattr__(op, "__dict__", dict(zip(_OP_FIELDS, values)))
+    return op
+
+
 @lru_cache(maxsize=128)
 def _plan_cached(src_items: tuple[tuple[str, Layout], ...], dst_items: tuple[tuple[str, Layout], ...],
                  parts_items: tuple = (), knobs: replicas.Knobs = replicas.KNOBS, rank: int | None = None) -> Plan:
@@ -526,6 +542,9 @@ def _plan_cached(src_items: tuple[tuple[str, Layout], ...], dst_items: tuple[tup
     fills: list[FillOp] = []
 
     for t_idx, (name, d_lay) in enumerate(dst_items):
+        # Names come in order (dst_items is sorted): sort each name's ops on their own, by
+        # (dst_rank, dst start, src_rank), with keys made once per op (a big plan's hot loop).
+        block: list[tuple[tuple, TransferOp]] = []
         d_geo = _geometry(d_lay)
         n_dst = len(d_lay.ranks)
         pos = _positions(d_lay.ranks)
@@ -549,12 +568,19 @@ def _plan_cached(src_items: tuple[tuple[str, Layout], ...], dst_items: tuple[tup
                              # own reads are above)
                              (row for row in _src_rows(s_geo, d_geo, box, start, rank) if row[0] != rank))
             for row in rows:
+                template = row[6]
+                if template is not None:   # the source is fixed: the hot path of a big plan
+                    if rank is None or template[0] == rank or row[0] == rank:
+                        block.append((template[4], _new_op(name, template[0], row[0], template[1], template[2],
+                                                           template[3], src_name)))
+                    continue
                 turn = replicas.rotation(base + pos[row[0]], len(row[2])) + row[1] + row[3]
                 for op in _emit(row, name, src_name, turn, s_isz, knobs):
                     if rank is None or op.dst_rank == rank or op.src_rank == rank:
-                        ops.append(op)
+                        block.append(((op.dst_rank, tuple([s.start for s in op.dst_slices]), op.src_rank), op))
+        block.sort(key=_first)
+        ops += [op for _, op in block]
 
-    ops.sort(key=lambda op: (op.name, op.dst_rank, tuple(s.start for s in op.dst_slices), op.src_rank))
     fills.sort(key=lambda f: (f.name, f.dst_rank, tuple(s.start for s in f.dst_slices)))
     resolved_parts = {name: tuple(Part(sn, box, st if sn is not None else None) for sn, box, st in rs)
                       for name, rs in parts.items()}
