@@ -284,3 +284,60 @@ def test_two_replicas_refit_bit_exact_through_the_engine(hosts):
         spec = _llama(tp, k)
         model = sum(lay.numel * lay.itemsize for lay in spec.src.values())
         assert sum(out[r]["cross_host_bytes"] for r in range(2, world)) == model
+
+
+# ---------------------------------------------------------------------- traffic model and the CLI
+@pytest.mark.parametrize("hosts", [None, {0: "a", 1: "a", 2: "b", 3: "b", 4: "c", 5: "c"},
+                                   {0: "a", 1: "b", 2: "b", 3: "b", 4: "c", 5: "c"}])
+def test_traffic_model_matches_the_plan_and_the_host_plan(hosts):
+    """Where the whole plan can be made, the model's bytes are the plan's (one host) and the host
+    plan's (each host's ingress, each sender's cross-host bytes)."""
+    spec = _llama(2, 2)
+    plan = spec.plan()
+    t = trs.planning.refit_traffic(spec.src, spec.dst, spec.parts, hosts)
+    host_of = hosts or {r: "h" for r in range(6)}
+    hp = plan_hosts(plan, host_of)
+    assert t.in_within == {r: b for r, b in plan.stats.recv_bytes.items()}
+    ingress = {}
+    for x in hp.transfers:
+        ingress[host_of[x.receiver]] = ingress.get(host_of[x.receiver], 0) + x.nbytes
+    assert {h: b for h, b in t.host_ingress.items() if b} == ingress
+    assert {r: b for r, b in t.out_across.items() if b} == \
+        {r: sum(x.nbytes for x in hp.transfers if x.src_rank == r) for r in {x.src_rank for x in hp.transfers}}
+    assert sum(t.in_across.values()) == hp.cross_host_bytes
+    if hosts is None:
+        assert t.out_within == plan.stats.send_bytes
+        assert t.pieces == {r: len(plan.ops_for_dst(r)) + len(plan.ops_for_src(r)) for r in range(6)}
+
+
+def _config_of(fields):
+    from types import SimpleNamespace
+    return SimpleNamespace(**fields)
+
+
+def test_plan_model_mode_prints_the_lower_bound_and_says_it_is_a_model(tmp_path, capsys):
+    from tritonreshard.apps.cli import main
+    cfg = {"model_type": "llama", "vocab_size": 100, "hidden_size": 32, "intermediate_size": 48,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
+    path = tmp_path / "config.json"
+    path.write_text(__import__("json").dumps(cfg))
+    argv = ["plan", "--model", str(path), "--trainers", "2", "--tp", "2", "--replicas", "2", "--hosts-of", "2",
+            "--link", "h100-nvlink,ib-400g"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "MODEL, not a measurement" in out and "FSDP-2 trainers -> 2 replica(s) x TP-2" in out
+    # Trainers on host0, each replica on its own host: each receives the model once, over IB.
+    spec = trs.recipes.hf_to_vllm(_config_of(cfg), tp=2, trainer_ranks=[0, 1], inference_ranks=[2, 3, 4, 5],
+                                  dtype=torch.bfloat16, src_dtype=torch.bfloat16)
+    model = sum(lay.numel * 2 for lay in spec.src.values())
+    t = trs.planning.refit_traffic(spec.src, spec.dst, spec.parts, {r: f"host{r // 2}" for r in range(6)})
+    busiest = max(max(t.out_across.values()), max(t.in_across.values()))
+    assert t.host_ingress == {"host1": model, "host2": model}
+    assert f"lower bound of one refit: {busiest / 50e9:.3f} s" in out and "ib-400g, 50 GB/s" in out
+    links = tmp_path / "links.json"
+    links.write_text('{"within": {"name": "fast", "GBps": 1000}, "across": {"name": "slow", "GBps": 1}}')
+    assert main(argv[:-1] + [str(links)]) == 0
+    assert f"lower bound of one refit: {busiest / 1e9:.3f} s" in capsys.readouterr().out
+    assert main(["plan", "--model", str(path), "--trainers", "0", "--tp", "3", "--link", "warp-drive"]) == 2
+    err = capsys.readouterr().err
+    assert "--trainers must be a positive int, got 0" in err

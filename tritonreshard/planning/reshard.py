@@ -29,7 +29,7 @@ from . import replicas
 from .checks import check_inputs
 from .text import fmt_bytes, fmt_global, fmt_slices, render_table
 
-__all__ = ["TransferOp", "FillOp", "Plan", "PlanStats", "plan_reshard"]
+__all__ = ["TransferOp", "FillOp", "Plan", "PlanStats", "plan_reshard", "source_pieces"]
 
 
 class _DstBox:
@@ -585,3 +585,38 @@ def _plan_cached(src_items: tuple[tuple[str, Layout], ...], dst_items: tuple[tup
     resolved_parts = {name: tuple(Part(sn, box, st if sn is not None else None) for sn, box, st in rs)
                       for name, rs in parts.items()}
     return Plan(src, dst, tuple(ops), tuple(fills), resolved_parts, rank=rank)
+
+
+def source_pieces(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout],
+                  parts: Mapping[str, "list[Part]"] | None = None) -> list[tuple[int, tuple]]:
+    """The whole plan's pieces without making its ops: byte and op accounting at a scale where the
+    whole plan would not fit (millions of ops).
+
+    Returns ``[(count, pieces), ...]``: ``count`` source tensors are read exactly alike (same
+    layout and dtype, read by destinations of the same layouts, dtypes and parts: a model's layers),
+    each through ``pieces``, rows of ``(replicas, dst_rank, src_box, numel, src_itemsize,
+    dst_itemsize)``. ``replicas`` are the source ranks that may serve the piece (one when the plan
+    has no choice; :func:`plan_reshard` then spreads it over them, in parts); ``src_box`` is the
+    piece's box in the source rank's local shard (``((start, stop), ...)`` per dim). Checked like
+    :func:`plan_reshard` (one ``ValueError`` listing every problem)."""
+    resolved = check_inputs(src_layouts, dst_layouts, parts)
+    readers: dict[str, list[tuple]] = defaultdict(list)
+    for name, d_lay in sorted(dst_layouts.items()):
+        for src_name, box, start in resolved.get(name, ((name, None, None),)):
+            if src_name is not None:
+                readers[src_name].append((_geometry(d_lay), d_lay.itemsize, box, start))
+    classes: dict[tuple, int] = defaultdict(int)
+    for src_name, jobs in readers.items():
+        s_lay = src_layouts[src_name]
+        classes[(_geometry(s_lay), s_lay.itemsize, tuple(jobs))] += 1
+    out = []
+    for (s_geo, s_isz, jobs), count in classes.items():
+        rows = []
+        for d_geo, d_isz, box, start in jobs:
+            for dst_rank in d_geo[2]:
+                for _, _, group, _, dims, numel, template in _dst_rows(s_geo, d_geo, box, start, dst_rank):
+                    src_box = tuple((s, s + n) for s, _, n, _ in dims)
+                    rows.append(((template[0],) if template is not None else group, dst_rank, src_box, numel,
+                                 s_isz, d_isz))
+        out.append((count, tuple(rows)))
+    return out
