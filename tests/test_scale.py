@@ -341,3 +341,44 @@ def test_plan_model_mode_prints_the_lower_bound_and_says_it_is_a_model(tmp_path,
     assert main(["plan", "--model", str(path), "--trainers", "0", "--tp", "3", "--link", "warp-drive"]) == 2
     err = capsys.readouterr().err
     assert "--trainers must be a positive int, got 0" in err
+
+
+# ------------------------------------------------------------------------------- bench --replicas
+def test_bench_replicas_trainer_egress_once_per_replica_and_once_per_host(tmp_path):
+    """``tritonreshard bench --layout fsdp-tp --replicas 2``: on one host the trainers serve each
+    replica once (the plan's reads: twice the model); with both replicas on one other host
+    (``--hosts 2``) the engine's route sends the model into that host once, and the replicas fan it
+    out there."""
+    import json
+    import subprocess
+    import sys
+    from tritonreshard.apps.bench.config import BenchConfig
+    from tritonreshard.apps.bench.model import build_model, layouts
+
+    cfg = BenchConfig(size=1 << 20, layout="fsdp-tp", trainers=2, inference=4, replicas=2)
+    src, dst = layouts(cfg, build_model(cfg))
+    model = sum(lay.numel * lay.itemsize for lay in src.values())
+    # On one host every rank reads the trainers' arenas itself: each replica reads the model once,
+    # plus, for the tensors replicated within TP (norms), one more copy per extra TP rank.
+    norms = sum(lay.numel * lay.itemsize for n, lay in dst.items() if lay.placements == (Replicate(), Replicate()))
+    assert 0 < norms < model / 100
+    assert sum(trs.plan_reshard(src, dst).stats.send_bytes.values()) == 2 * (model + norms)
+    assert dst["embed.weight"].mesh == ((2, 3), (4, 5))
+    assert "--inference=4 is not a multiple of --replicas=3" in " ".join(
+        BenchConfig(layout="fsdp-tp", replicas=3).problems())
+    assert "--replicas=2 needs a TP layout" in " ".join(BenchConfig(layout="cols-replicas", replicas=2).problems())
+
+    script = tmp_path / "run_bench.py"   # a file, not -c: spawned ranks re-import the main module
+    script.write_text("import argparse, sys, tritonreshard.apps.bench as b\n"
+                      "if __name__ == '__main__':\n"
+                      "    p = argparse.ArgumentParser(); b.add_arguments(p)\n"
+                      "    raise SystemExit(b.run(p.parse_args(sys.argv[1:])))\n")
+    out = subprocess.run([sys.executable, str(script), "--layout", "fsdp-tp", "--replicas", "2", "--hosts", "2",
+                          "--size", "1MiB", "--methods", "tritonreshard", "--repeats", "2", "--warmup", "1",
+                          "--json"], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-4000:]
+    data = json.loads(out.stdout.strip().splitlines()[-1])
+    ours = data["results"]["tritonreshard"]
+    assert ours["verified"] is True and data["replicas"] == 2 and data["model_bytes"] == model
+    assert ours["trainer_egress_bytes"] == ours["cross_host_bytes"] == model
+    assert "trainers' egress per refit: 1023.8 KiB for 2 inference replica(s)" in out.stdout
