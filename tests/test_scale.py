@@ -382,3 +382,17 @@ def test_bench_replicas_trainer_egress_once_per_replica_and_once_per_host(tmp_pa
     assert ours["verified"] is True and data["replicas"] == 2 and data["model_bytes"] == model
     assert ours["trainer_egress_bytes"] == ours["cross_host_bytes"] == model
     assert "trainers' egress per refit: 1023.8 KiB for 2 inference replica(s)" in out.stdout
+
+
+def test_vllm_init_info_names_the_replica_and_checks_it():
+    """Each engine (one per replica) gets the same ranks and its own ``replica``; its workers join as
+    ``inference_ranks[replica * tp + tp rank]`` (checked against vLLM's TP size in the worker)."""
+    from tritonreshard.vllm import init_info
+
+    infos = [init_info(store="127.0.0.1:9", trainer_ranks=[0, 1], inference_ranks=[2, 3, 4, 5], replica=i)
+             for i in range(2)]
+    assert [i["replica"] for i in infos] == [0, 1] and infos[0]["inference_ranks"] == [2, 3, 4, 5]
+    with pytest.raises(ValueError) as e:
+        init_info(store="nohost", trainer_ranks=[0, 1], inference_ranks=[2, 3], replica=2)
+    assert "replica=2 must be an int in [0, number of replicas)" in str(e.value)
+    assert "store must be 'host:port'" in str(e.value)

@@ -8,6 +8,13 @@ rank's local shard (nothing gathered, nothing staged).
 Cost grows with tensors x overlapping (src, dst) rank pairs, never with elements: per tensor dim a
 rank holds a few segments (one per block), and intersections are computed on segments.
 
+Per-rank plans (``plan_reshard(..., rank=r)``): exactly the whole plan's ops with source or
+destination ``r``, computed from ``r``'s own pieces only (what it reads as a destination, what its
+replica set serves as a source), so the cost grows with ``r``'s work, not the world. This works
+because a piece's replica choice (:func:`.replicas.share`) depends only on the piece's place in the
+plan, never on the other pieces. Overlap pieces are cached per (source geometry, destination
+geometry, rank): a model's layers repeat a few geometries.
+
 A destination may be built from other sources than its namesake (``parts=``): each
 :class:`~tritonreshard.layout.Part` maps a box of the destination's global index to a box of a source
 tensor, or marks it as padding. The planner clips the destination ranks' segments to the box and
