@@ -39,10 +39,11 @@ class Knobs:
     ``min_split_bytes``: a piece is cut only into parts of about this many bytes or more. A cut
     costs one more part: a descriptor region for a copy, a message for a cross-host box. 4 KiB is
     one tile of the gather kernels (``kernels.ROWS_TILE_BYTES``): a smaller part costs a tile's
-    fixed work while carrying less, so it removes less imbalance than it costs. Above that, a cut
-    is cheap because both balancers cut only where balance demands it (a piece that would push its
-    replica past the slack, or a box at the end of a receiver's run): at most ``replicas - 1``
-    extra parts per piece and ``receivers - 1`` extra messages per host, whatever the value.
+    fixed work while carrying less, so it removes less imbalance than it costs. Cuts stay bounded
+    whatever the value: :func:`share` cuts a piece into at most ``replicas`` parts (it cannot see the
+    other pieces, so a piece of at least two parts' bytes is always cut), :func:`spread` and
+    :func:`cut_runs` cut only where balance demands it (a piece that would push its replica past the
+    slack, or a box at the end of a receiver's run): at most ``receivers - 1`` extra messages per host.
 
     ``slack``: (:func:`share`) a piece is cut into as few parts as keep each part within ``slack``
     times its replica's fair share of the piece. (:func:`spread`, :func:`cut_runs`) a whole piece
