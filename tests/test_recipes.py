@@ -200,7 +200,7 @@ def test_unknown_architecture_and_impossible_tp_report_everything():
     bert = transformers.BertConfig()
     with pytest.raises(ValueError, match=r"model_type='bert' has no recipe; known: \['llama'"):
         trs.recipes.hf_to_vllm(bert, tp=2, trainer_ranks=TRAINERS, inference_ranks=[2, 3])
-    with pytest.raises(ValueError, match="inference_ranks has 3 ranks but tp=2"):
+    with pytest.raises(ValueError, match="inference_ranks has 3 ranks, not a multiple of tp=2"):
         trs.recipes.hf_to_vllm(config, tp=2, trainer_ranks=TRAINERS, inference_ranks=[2, 3, 4])
     with pytest.raises(ValueError, match="num_experts=4 is not divisible by tp=8|tp=8 is greater than num_experts=4"):
         trs.recipes.hf_to_vllm(_configs()["qwen3_moe"], tp=8, trainer_ranks=TRAINERS,

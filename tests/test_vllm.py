@@ -158,7 +158,7 @@ def test_vllm_engine_refit_end_to_end():
     assert summary["recovered"] is True
     assert len(summary["reload_weights_ms"]) == 3
     assert summary["bad_init_error"].startswith("tritonreshard init_weight_transfer_engine failed"), summary
-    assert "hf_to_vllm: inference_ranks has 1 ranks but tp=2" in summary["bad_init_error"]
+    assert "hf_to_vllm: inference_ranks has 1 ranks, not a multiple of tp=2" in summary["bad_init_error"]
     # Each worker pulls exactly its own TP shards of vLLM's parameters (recipe names and shapes),
     # never vLLM's zero vocab padding: 1000 rows padded to 1024, TP rank 1 holds the 24 padding rows
     # of embed_tokens and lm_head. (The interim hand layouts pulled the whole 1000-row matrices.)

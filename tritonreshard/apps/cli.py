@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 
 from tritonreshard.layout import MAX_RANKS, Layout, Replicate, Shard
-from tritonreshard.planning import plan_reshard
+from tritonreshard.planning import fmt_bytes, plan_reshard, refit_traffic
+from tritonreshard.recipes import hf_to_vllm
 
 from . import bench, demo
 from .viz import check_figure_path, draw_plan
@@ -77,6 +80,8 @@ def parse_layout_spec(spec: str, shape, dtype, first_default: int = 0, what: str
 
 
 def _cmd_plan(args) -> int:
+    if args.model:
+        return _cmd_model_plan(args)
     shape = _parse_dims(args.shape, "--shape")
     src_dtype = DTYPES[args.src_dtype or args.dtype]
     dst_dtype = DTYPES[args.dst_dtype or args.dtype]
@@ -100,6 +105,112 @@ def _cmd_plan(args) -> int:
     return 0
 
 
+#: Nominal peak bandwidth per GPU and per direction, in GB/s (1e9 B/s), from the vendors' datasheets:
+#: NVLink figures are the datasheets' bidirectional totals halved, IB the port's line rate / 8.
+#:  * h100-nvlink, h200-nvlink: NVLink 4, "900 GB/s" (NVIDIA H100 / H200 SXM datasheets);
+#:  * h800-nvlink: "400 GB/s" (NVIDIA H800 SXM datasheet);
+#:  * gb200-nvlink: NVLink 5, "1.8 TB/s" per GPU (NVIDIA GB200 NVL72 datasheet);
+#:  * ib-400g: one NDR 400 Gb/s port per GPU (ConnectX-7; DGX H100's compute fabric);
+#:  * ib-800g: one XDR 800 Gb/s port per GPU (ConnectX-8).
+#: Peaks, not what a copy reaches: a model's lower bound, never a measurement.
+LINKS = {"h100-nvlink": 450.0, "h200-nvlink": 450.0, "h800-nvlink": 200.0, "gb200-nvlink": 900.0,
+         "ib-400g": 50.0, "ib-800g": 100.0}
+
+MODEL_HELP = """Model mode (--model): the refit of a Hugging Face config's model, FSDP trainers -> replicas x TP,
+modelled per rank without making the whole plan. Trainers are ranks 0..T-1, inference ranks follow;
+--hosts-of N puts N consecutive ranks on each host (default: one host). --link names the link
+within a host and, after a comma, between hosts (presets: %s), or a JSON file
+{"within": {"name": ..., "GBps": ...}, "across": {"name": ..., "GBps": ...}}.
+  tritonreshard plan --model config.json --trainers 64 --tp 8 --replicas 8 --hosts-of 8 --link h200-nvlink,ib-400g
+""" % ", ".join(f"{k} {v:g} GB/s" for k, v in LINKS.items())
+
+
+def _links(text: str) -> dict[str, tuple[str, float]]:
+    """``--link``: ``{"within": (name, GB/s), "across": (name, GB/s)}``."""
+    if text.endswith(".json"):
+        with open(text) as f:
+            raw = json.load(f)
+        out = {}
+        for kind in ("within", "across"):
+            entry = raw.get(kind, raw.get("within")) if isinstance(raw, dict) else None
+            if not isinstance(entry, dict) or not isinstance(entry.get("GBps"), (int, float)) or entry["GBps"] <= 0:
+                raise ValueError(f"--link {text}: needs {{\"{kind}\": {{\"name\": ..., \"GBps\": > 0}}}}, got {entry!r}")
+            out[kind] = (str(entry.get("name", kind)), float(entry["GBps"]))
+        return out
+    names = [n.strip() for n in text.split(",")]
+    bad = [n for n in names if n not in LINKS]
+    if bad or not 1 <= len(names) <= 2:
+        raise ValueError(f"--link={text!r}: one or two of {sorted(LINKS)} (within[,across]) or a .json file")
+    within = names[0]
+    across = names[-1]
+    return {"within": (within, LINKS[within]), "across": (across, LINKS[across])}
+
+
+def _cmd_model_plan(args) -> int:
+    problems = []
+    for flag in ("trainers", "tp", "replicas"):
+        v = getattr(args, flag)
+        if v is None or v < 1:
+            problems.append(f"--{flag} must be a positive int, got {v}")
+    if args.hosts_of is not None and args.hosts_of < 1:
+        problems.append(f"--hosts-of must be a positive int, got {args.hosts_of}")
+    if problems:
+        raise ValueError("; ".join(problems))
+    links = _links(args.link)
+    with open(args.model) as f:
+        cfg = SimpleNamespace(**json.load(f))
+    dtype = DTYPES[args.dst_dtype or "bf16"]
+    src_dtype = DTYPES[args.src_dtype or "bf16"]
+    T, n_inf = args.trainers, args.replicas * args.tp
+    trainers, inference = list(range(T)), list(range(T, T + n_inf))
+    t0 = time.process_time()
+    spec = hf_to_vllm(cfg, tp=args.tp, trainer_ranks=trainers, inference_ranks=inference, dtype=dtype,
+                      src_dtype=src_dtype)
+    t1 = time.process_time()
+    plans = {r: spec.plan(rank=r) for r in (trainers[0], inference[0])}
+    t2 = time.process_time()
+    hosts = ({r: f"host{r // args.hosts_of}" for r in range(T + n_inf)} if args.hosts_of
+             else {r: "host0" for r in range(T + n_inf)})
+    traffic = refit_traffic(spec.src, spec.dst, spec.parts, hosts)
+    t3 = time.process_time()
+    model_bytes = sum(lay.numel * lay.itemsize for lay in spec.src.values())
+    n_hosts = len(set(hosts.values()))
+    print(f"MODEL, not a measurement: {cfg.model_type} from {args.model} ({fmt_bytes(model_bytes)} in "
+          f"{src_dtype}), FSDP-{T} trainers -> {args.replicas} replica(s) x TP-{args.tp} ({dtype}), "
+          f"{n_hosts} host(s){f' of {args.hosts_of} ranks' if args.hosts_of else ''}")
+    print(f"links (nominal peaks per GPU and direction): within a host {links['within'][0]} "
+          f"{links['within'][1]:g} GB/s, across hosts {links['across'][0]} {links['across'][1]:g} GB/s")
+    print(f"planning (this machine, CPU s): recipe {t1 - t0:.3f} s; trainer rank {trainers[0]}'s plan and "
+          f"inference rank {inference[0]}'s plan {t2 - t1:.3f} s together ({len(plans[trainers[0]].ops):,} and "
+          f"{len(plans[inference[0]].ops):,} ops); this traffic model {t3 - t2:.3f} s")
+    rows, worst = [], (0.0, "", -1, 0)
+    for r in trainers + inference:
+        cells = {"out within": traffic.out_within.get(r, 0), "in within": traffic.in_within.get(r, 0),
+                 "out across": traffic.out_across.get(r, 0), "in across": traffic.in_across.get(r, 0)}
+        for what, b in cells.items():
+            name, gbps = links["within" if "within" in what else "across"]
+            t = b / (gbps * 1e9)
+            if t > worst[0]:
+                worst = (t, f"{what} ({name}, {gbps:g} GB/s)", r, b)
+        rows.append((r, hosts[r], "trainer" if r < T else f"replica {(r - T) // args.tp} TP {(r - T) % args.tp}",
+                     cells, traffic.pieces.get(r, 0)))
+    shown = rows if args.all_ops else [row for row in rows if row[0] in (0, T - 1, T, T + args.tp - 1, T + n_inf - 1)]
+    print(f"{'rank':>5} {'host':>7} {'role':<16} {'out within':>11} {'in within':>11} {'out across':>11} "
+          f"{'in across':>11} {'ops':>9}")
+    for r, h, role, cells, ops in shown:
+        print(f"{r:>5} {h:>7} {role:<16} " + " ".join(f"{fmt_bytes(b):>11}" for b in cells.values()) + f" {ops:>9,}")
+    if not args.all_ops:
+        print(f"  ({len(rows) - len(shown)} more ranks: --all-ops prints every rank)")
+    ingress = [b for b in traffic.host_ingress.values() if b]
+    if ingress:
+        print(f"{len(ingress)} host(s) receive from other hosts: {fmt_bytes(min(ingress))} to {fmt_bytes(max(ingress))} "
+              f"each ({min(ingress) / model_bytes:.2f}x to {max(ingress) / model_bytes:.2f}x the model)")
+    t, what, r, b = worst
+    print(f"lower bound of one refit: {t:.3f} s: rank {r}'s {what} carries {fmt_bytes(b)} "
+          f"(the busiest link; every other link needs less time, and links are assumed to run at once)")
+    return 0
+
+
 def plain(doc: str | None) -> str | None:
     """A docstring's first paragraph as help text: reST markup (````x````, ``:func:`x```) removed."""
     if not doc:
@@ -114,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plan", help="print (and draw) the plan between two layouts",
-                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=SPEC_HELP)
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=SPEC_HELP + "\n" + MODEL_HELP)
     p.add_argument("--shape", default="8x8", help="global tensor shape, e.g. 8x8 (default 8x8)")
     p.add_argument("--src", default="2:S(0)", help="source layout spec (default '2:S(0)')")
     p.add_argument("--dst", default="4:S(1)", help="destination layout spec (default '4:S(1)')")
@@ -125,6 +236,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default="w", help="tensor name shown in the plan")
     p.add_argument("--all-ops", action="store_true", help="print every op (default: first 64)")
     p.add_argument("--png", metavar="FILE", help="draw the plan to FILE")
+    p.add_argument("--model", metavar="CONFIG.json", help="model mode: a Hugging Face config.json (see below)")
+    p.add_argument("--trainers", type=int, default=8, help="model mode: FSDP trainer ranks (default 8)")
+    p.add_argument("--tp", type=int, default=8, help="model mode: vLLM tensor-parallel size (default 8)")
+    p.add_argument("--replicas", type=int, default=1, help="model mode: vLLM replicas of TP (default 1)")
+    p.add_argument("--hosts-of", type=int, metavar="N", help="model mode: N consecutive ranks per host")
+    p.add_argument("--link", default="h200-nvlink,ib-400g",
+                   help="model mode: within[,across] link presets or a .json (default h200-nvlink,ib-400g)")
     p.set_defaults(func=_cmd_plan)
 
     # The demo and the benchmark own their flags and their help text.

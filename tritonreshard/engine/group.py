@@ -18,11 +18,12 @@ with different identities never share memory: their bytes cross through the rela
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 
@@ -43,7 +44,7 @@ from ..layout import Layout
 from ..planning import Plan, plan_reshard
 from ..transport import STATE_ABORT
 
-__all__ = ["Group", "Member", "host_identity", "connect",
+__all__ = ["Group", "Member", "host_identity", "connect", "inputs_digest",
            "HOST_ENV"]
 
 HOST_ENV = "TRITONRESHARD_HOST"
@@ -67,6 +68,11 @@ class Member:
     problems: tuple[str, ...] = ()
     #: Destination side: ``{dst name: (Part, ...)}`` (``plan_reshard``'s ``parts=``); ``{}`` for none.
     dst_parts: dict | None = None
+    #: Filled in by :meth:`Group.join`: the group size this rank was given and the digests of the
+    #: planning inputs it brings (:func:`inputs_digest`; "" for a side it does not hold).
+    world_size: int = 0
+    src_digest: str = ""
+    dst_digest: str = ""
 
     def __repr__(self):
         roles = [r for r, on in (("trainer", self.src_layouts is not None),
@@ -99,6 +105,22 @@ def connect(store, *, rank: int, world_size: int, timeout: float, host_store: bo
     return rdv.connect_store(store, world_size=world_size, is_master=hosts, timeout=timeout), hosts
 
 
+def inputs_digest(layouts: dict | None, parts: dict | None = None) -> str:
+    """A digest of one side's planning inputs (layouts, and parts on the destination side): equal
+    digests mean equal inputs, so ranks that each plan only their own part of the group's plan
+    (``plan_reshard(..., rank=)``) provably plan from the same inputs. "" for a side not held.
+    ``repr`` of a Layout / Part is exact (shape, mesh, placements, dtype)."""
+    if layouts is None:
+        return ""
+    h = hashlib.sha256()
+    for name in sorted(layouts):
+        h.update(f"{name!r}={layouts[name]!r};".encode())
+    for name in sorted(parts or {}):
+        p = parts[name]
+        h.update(f"parts {name!r}={tuple(p) if isinstance(p, list) else p!r};".encode())
+    return h.hexdigest()
+
+
 def _desc(layout) -> str:
     return "missing" if layout is None else str(layout) + f" {tuple(layout.shape)} {layout.dtype}"
 
@@ -121,14 +143,23 @@ def _disagreements(holders: list[Member], get, label: str, describe, rule: str) 
     return out
 
 
-def validate_members(members: list[Member], world_size: int) -> Plan:
+def validate_members(members: list[Member], world_size: int, rank: int | None = None) -> Plan:
     """The group's plan from every rank's :class:`Member`; raises one ``ValueError`` listing every
     problem (each rank computes the same, so every rank raises the same).
 
     The destination side's ``dst_parts`` (recipes: q/k/v -> qkv, padded vocab, ...) go into
     ``plan_reshard`` with the layouts, so every rank derives the same plan; inference ranks that
-    disagree on them are rejected like ranks that disagree on layouts."""
+    disagree on them are rejected like ranks that disagree on layouts.
+
+    Ranks agree when their digests (:func:`inputs_digest`) and group sizes agree; only then is
+    the plan made. With ``rank`` and every member on one host, it is ``rank``'s plan only
+    (``plan_reshard(..., rank=)``: the ops it reads and serves), since that is all its route needs;
+    a group on several hosts plans whole (the host planner splits the whole plan by host)."""
     problems = [f"rank {m.rank}: {p}" for m in members for p in m.problems]
+    sizes = {m.rank: m.world_size for m in members if m.world_size != world_size}
+    if sizes:
+        problems.append(f"rank(s) {sorted(sizes)} joined with world_size {sorted(set(sizes.values()))} but "
+                        f"this group has {world_size} ranks: every rank must pass the same world_size")
     layouts = {}
     parts = None
     for side in ("src", "dst"):
@@ -138,12 +169,19 @@ def validate_members(members: list[Member], world_size: int) -> Plan:
             problems.append(f"no rank joined with {side}_layouts (no {role} side)")
             continue
         ref_layouts = getattr(holders[0], f"{side}_layouts")
-        problems += _disagreements(holders, lambda m: getattr(m, f"{side}_layouts"), f"{side}_layouts",
-                                   _desc, f"every {role} rank must pass the same layouts")
         if side == "dst":
-            problems += _disagreements(holders, lambda m: m.dst_parts, "parts", _parts_desc,
-                                       "every inference rank must pass the same parts")
             parts = holders[0].dst_parts or {}
+        ref_digest = getattr(holders[0], f"{side}_digest")
+        odd = [m for m in holders if getattr(m, f"{side}_digest") != ref_digest]
+        if odd:  # say what differs, naming the layouts or parts (the digests alone say that something does)
+            found = _disagreements([holders[0], *odd], lambda m: getattr(m, f"{side}_layouts"), f"{side}_layouts",
+                                   _desc, f"every {role} rank must pass the same layouts")
+            if side == "dst":
+                found += _disagreements([holders[0], *odd], lambda m: m.dst_parts, "parts", _parts_desc,
+                                        "every inference rank must pass the same parts")
+            problems += found or [f"rank(s) {[m.rank for m in odd]} joined with {side} inputs of another digest "
+                                  f"than rank {holders[0].rank}'s ({ref_digest[:12]}): every {role} rank must "
+                                  f"pass the same layouts and parts"]
         ranks = {m.rank for m in holders}
         for name, lay in ref_layouts.items():
             if isinstance(lay, Layout):
@@ -153,16 +191,18 @@ def validate_members(members: list[Member], world_size: int) -> Plan:
                                     f"{missing}, which did not join as {role} ranks")
         layouts[side] = ref_layouts
     plan = None
+    one_host = len({m.host for m in members}) == 1
     if not problems:
         try:
-            plan = plan_reshard(layouts["src"], layouts["dst"], parts or None)
+            plan = plan_reshard(layouts["src"], layouts["dst"], parts or None,
+                                rank=rank if one_host else None)
         except (ValueError, TypeError) as exc:
             problems.append(str(exc))
     if problems:
         raise ValueError(f"refit group {world_size} ranks: {len(problems)} problem(s), "
                          f"nothing was moved:\n  - " + "\n  - ".join(problems))
     host = {m.rank: m.host for m in members}
-    if any(host[op.src_rank] != host[op.dst_rank] for op in plan.ops):
+    if not one_host and any(host[op.src_rank] != host[op.dst_rank] for op in plan.ops):
         # One point-to-point process group carries the cross-host bytes: gloo or NCCL, not both.
         kinds = {m.rank: m.device.split(":")[0] for m in members}
         if len(set(kinds.values())) > 1:  # every rank sees the same, so every rank raises
@@ -203,13 +243,17 @@ class Group:
 
     # ------------------------------------------------------------------ set-up
     def join(self, member: Member) -> Plan:
-        """Phase 1: gather every rank's :class:`Member`, validate, return the plan (same everywhere)."""
+        """Phase 1: gather every rank's :class:`Member`, validate, return this rank's plan (see
+        :func:`validate_members`; every rank raises the same ValueError)."""
+        member = replace(member, world_size=self.world_size,
+                         src_digest=inputs_digest(member.src_layouts),
+                         dst_digest=inputs_digest(member.dst_layouts, member.dst_parts))
         members = rdv.all_gather_obj(self.store, "hello", self.rank, self.world_size, member,
                                      timeout=self.timeout)
         self.members = {m.rank: m for m in members}
         rdv.publish(self.store, f"hello-read/{self.rank}", True)
         try:
-            plan = validate_members(members, self.world_size)
+            plan = validate_members(members, self.world_size, self.rank)
         except (ValueError, NotImplementedError):
             self._outlive_store_readers("hello-read")  # so every rank reads the hellos and raises too
             raise

@@ -5,9 +5,12 @@ derives the same choices.
 
 * :func:`group_replicas`: source ranks holding identical regions of a tensor are replicas; any of
   them can serve a read of those regions.
-* :func:`spread`: which replica serves each piece. The reshard planner spreads a destination's
-  reads over source replicas; the host planner spreads a host's cross-host boxes over the sender
-  replicas off that host. Biggest pieces first, each to its least-loaded replica, water-filled over
+* :func:`share`: which replica(s) serve one piece, from the piece alone (its size and a ``turn``
+  the caller derives from the piece's place in the plan). The reshard planner spreads a
+  destination's reads over source replicas with it, so that any rank derives any piece's choice
+  without planning the other pieces (per-rank planning).
+* :func:`spread`: which replica serves each piece, balancing the pieces against each other. The
+  host planner spreads a host's cross-host boxes over the sender replicas off that host. Biggest pieces first, each to its least-loaded replica, water-filled over
   several replicas only where one would carry clearly more than its share.
 * :func:`cut_runs`: how an ordered list of boxes is cut into one consecutive run per receiver of
   about equal bytes (the host planner's receivers), so neighbours stay together.
@@ -19,11 +22,13 @@ on it), so replacing ``KNOBS`` changes both planners at once.
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["KNOBS", "Knobs", "Loads", "Piece", "cut_runs", "group_replicas", "split_axis", "spread"]
+__all__ = ["KNOBS", "Knobs", "Loads", "Piece", "cut_runs", "group_replicas", "rotation", "share", "split_axis",
+           "spread"]
 
 
 @dataclass(frozen=True)
@@ -34,12 +39,15 @@ class Knobs:
     ``min_split_bytes``: a piece is cut only into parts of about this many bytes or more. A cut
     costs one more part: a descriptor region for a copy, a message for a cross-host box. 4 KiB is
     one tile of the gather kernels (``kernels.ROWS_TILE_BYTES``): a smaller part costs a tile's
-    fixed work while carrying less, so it removes less imbalance than it costs. Above that, a cut
-    is cheap because both balancers cut only where balance demands it (a piece that would push its
-    replica past the slack, or a box at the end of a receiver's run): at most ``replicas - 1``
-    extra parts per piece and ``receivers - 1`` extra messages per host, whatever the value.
+    fixed work while carrying less, so it removes less imbalance than it costs. Cuts stay bounded
+    whatever the value: :func:`share` cuts a piece into at most ``replicas`` parts (it cannot see the
+    other pieces, so a piece of at least two parts' bytes is always cut), :func:`spread` and
+    :func:`cut_runs` cut only where balance demands it (a piece that would push its replica past the
+    slack, or a box at the end of a receiver's run): at most ``receivers - 1`` extra messages per host.
 
-    ``slack``: a whole piece is kept whole while its bin (a replica's reads or sends, a receiver's
+    ``slack``: (:func:`share`) a piece is cut into as few parts as keep each part within ``slack``
+    times its replica's fair share of the piece. (:func:`spread`, :func:`cut_runs`) a whole piece
+    is kept whole while its bin (a replica's reads or sends, a receiver's
     run) stays within this factor of its fair share. 1.05 accepts a slowest link 5% busier than
     perfect to save a cut, and leaves room inside the 10-25% balance the tests demand for the
     rounding of cuts to whole units.
@@ -75,6 +83,45 @@ def split_axis(extents: Sequence[int]) -> int | None:
     """The dim a box is cut along: its outermost dim of extent > 1 (None: one element). A contiguous
     box cut there stays contiguous, in every part."""
     return next((d for d, n in enumerate(extents) if n > 1), None)
+
+
+def rotation(n: int, k: int) -> int:
+    """The sum of ``n``'s base-``k`` digits: a turn for :func:`share` from a position ``n``. Numbers
+    that differ in one base-``k`` digit get different turns mod ``k``, so positions that step by a
+    power of ``k`` (the same TP rank in consecutive replicas, ``tp`` apart) still rotate, and any
+    ``k**m`` consecutive positions take every turn mod ``k`` equally often."""
+    if k < 2:
+        return 0
+    total = 0
+    while n:
+        n, digit = divmod(n, k)
+        total += digit
+    return total
+
+
+def share(replicas: Sequence[int], nbytes: int, extent: int, turn: int,
+          knobs: Knobs | None = None) -> tuple[tuple[int, int], ...]:
+    """Which of ``replicas`` serve a piece of ``nbytes`` bytes cuttable into ``extent`` equal units,
+    decided from the piece alone.
+
+    The piece is cut into ``n`` near-equal consecutive parts, the fewest that keep each part within
+    ``knobs.slack`` times the fair share ``nbytes / len(replicas)`` (``ceil(k / slack)``), but no
+    more than ``extent`` parts nor parts under ``knobs.min_split_bytes`` (a small piece stays
+    whole). Part ``i`` goes to ``replicas[(turn + i) % k]``: consecutive turns rotate over the
+    replicas, so pieces the caller numbers consecutively (a destination rank's pieces, the
+    destination ranks of a tensor, the tensors) land on different replicas.
+
+    Returns ``((replica, units), ...)``, units summing to ``extent``.
+
+    The balance this buys, with no information about other pieces: a piece of ``n >= 2`` parts
+    loads each replica with at most one unit over its share; whole pieces rotate, so ``m`` pieces of
+    one size numbered by consecutive turns land at most ``ceil(m / k)`` on any replica.
+    """
+    knobs = KNOBS if knobs is None else knobs
+    k = len(replicas)
+    n = max(1, min(k, extent, nbytes // knobs.min_split_bytes, math.ceil(k / knobs.slack)))
+    base, extra = divmod(extent, n)
+    return tuple((replicas[(turn + i) % k], base + (i < extra)) for i in range(n))
 
 
 class Loads:

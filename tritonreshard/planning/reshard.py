@@ -8,6 +8,13 @@ rank's local shard (nothing gathered, nothing staged).
 Cost grows with tensors x overlapping (src, dst) rank pairs, never with elements: per tensor dim a
 rank holds a few segments (one per block), and intersections are computed on segments.
 
+Per-rank plans (``plan_reshard(..., rank=r)``): exactly the whole plan's ops with source or
+destination ``r``, computed from ``r``'s own pieces only (what it reads as a destination, what its
+replica set serves as a source), so the cost grows with ``r``'s work, not the world. This works
+because a piece's replica choice (:func:`.replicas.share`) depends only on the piece's place in the
+plan, never on the other pieces. Overlap pieces are cached per (source geometry, destination
+geometry, rank): a model's layers repeat a few geometries.
+
 A destination may be built from other sources than its namesake (``parts=``): each
 :class:`~tritonreshard.layout.Part` maps a box of the destination's global index to a box of a source
 tensor, or marks it as padding. The planner clips the destination ranks' segments to the box and
@@ -22,13 +29,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from itertools import chain, product
+from operator import itemgetter
 
 from ..layout import Layout, Part, Segment, segments_by_mesh_index
 from . import replicas
 from .checks import check_inputs
 from .text import fmt_bytes, fmt_global, fmt_slices, render_table
 
-__all__ = ["TransferOp", "FillOp", "Plan", "PlanStats", "plan_reshard"]
+__all__ = ["TransferOp", "FillOp", "Plan", "PlanStats", "plan_reshard", "source_pieces"]
 
 
 class _DstBox:
@@ -189,11 +197,16 @@ class Plan:
     parts it was derived from.
 
     ``str(plan)`` is a readable table (ops, the byte matrix between ranks, per-rank totals).
+
+    ``rank``: None for the whole plan; else this is rank ``rank``'s plan (``plan_reshard(...,
+    rank=)``): its ``ops`` are exactly the whole plan's ops whose source or destination is ``rank``
+    (in the same order), its ``fills`` those of ``rank``'s destinations, and ``stats`` count only them.
     """
 
     def __init__(self, src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout],
                  ops: tuple[TransferOp, ...], fills: tuple[FillOp, ...] = (),
-                 parts: Mapping[str, tuple[Part, ...]] | None = None):
+                 parts: Mapping[str, tuple[Part, ...]] | None = None, rank: int | None = None):
+        self.rank = rank
         self._src = dict(src_layouts)
         self._dst = dict(dst_layouts)
         self._ops = ops
@@ -304,7 +317,8 @@ class Plan:
             extra += f", {len(self._parts)} built from parts"
         if self._fills:
             extra += f", {len(self._fills)} zero fills ({fmt_bytes(st.fill_bytes)})"
-        return (f"Plan: {len(self.names)} tensor(s), {st.num_ops} ops, {fmt_bytes(st.total_bytes)} to "
+        whose = "" if self.rank is None else f" (rank {self.rank}'s part)"
+        return (f"Plan{whose}: {len(self.names)} tensor(s), {st.num_ops} ops, {fmt_bytes(st.total_bytes)} to "
                 f"{len(self.dst_ranks)} destination rank(s) from {len(self.src_ranks)} source rank(s) "
                 f"({fmt_bytes(st.local_bytes)} local, {fmt_bytes(st.remote_bytes)} remote{extra})")
 
@@ -354,7 +368,7 @@ class Plan:
 
 
 def plan_reshard(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout],
-                 parts: Mapping[str, "list[Part]"] | None = None) -> Plan:
+                 parts: Mapping[str, "list[Part]"] | None = None, *, rank: int | None = None) -> Plan:
     """Plan moving every tensor of ``dst_layouts`` from the source layouts.
 
     Args:
@@ -367,22 +381,30 @@ def plan_reshard(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, La
             and the source tensor (of any name) or zero padding each comes from. The parts must tile
             the destination exactly. This builds fused tensors (q/k/v -> qkv, gate/up -> gate_up),
             replicated pieces (one source box feeding several boxes) and padded dims.
+        rank: None (default) for the whole plan; a rank for that rank's plan only: the ops it
+            executes as a destination (its reads) and serves as a source (what it must fence), and
+            its destinations' fills, exactly as the whole plan has them. Its cost grows with that
+            rank's own work (the pieces it reads or serves), not with the number of ranks.
 
     Returns a :class:`Plan` whose ops and fills write each element of each destination rank's local
     shard exactly once. Meshes may be disjoint or overlap: a destination rank that holds the data as
-    a source copies locally. Reads from replicated sources are spread over the replicas.
-    Deterministic and cached: the same inputs give the same plan on every rank.
+    a source copies locally. Reads from replicated sources are spread over the replicas
+    (:func:`.replicas.share`: each piece's choice follows from its own place in the plan, so a
+    rank's plan needs no other rank's pieces). Deterministic and cached: the same inputs give the
+    same plan on every rank.
 
     Raises ``ValueError`` listing every problem (missing source, shape mismatch, unsupported dtype
     pair, a part out of bounds, a hole or an overlap in a destination, naming the tensor and the
     range) before anything moves; ``TypeError`` for values that are not Layouts / Parts.
     """
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+        raise ValueError(f"plan_reshard: rank={rank!r} must be None (the whole plan) or a rank >= 0")
     resolved = check_inputs(src_layouts, dst_layouts, parts)
     used = set(n for n in dst_layouts if n not in resolved)
     used.update(p[0] for rs in resolved.values() for p in rs if p[0] is not None)
     needed = tuple(sorted((n, src_layouts[n]) for n in used))
     return _plan_cached(needed, tuple(sorted(dst_layouts.items())), tuple(sorted(resolved.items())),
-                        replicas.KNOBS)
+                        replicas.KNOBS, rank)
 
 
 def _geometry(layout: Layout) -> tuple:
@@ -390,9 +412,22 @@ def _geometry(layout: Layout) -> tuple:
     return (layout.shape, layout.mesh_shape, layout.ranks, layout.placements)
 
 
+@lru_cache(maxsize=1024)
 def _segments_of(geometry: tuple) -> dict:
     shape, mesh_shape, ranks, placements = geometry
     return dict(zip(ranks, segments_by_mesh_index(shape, mesh_shape, placements)))
+
+
+@lru_cache(maxsize=1024)
+def _positions(ranks: tuple[int, ...]) -> dict[int, int]:
+    return {r: i for i, r in enumerate(ranks)}
+
+
+@lru_cache(maxsize=1024)
+def _source_groups(s_geo: tuple) -> tuple[tuple, dict[int, int]]:
+    """The source's replica sets ``((regions, ranks), ...)`` and ``{rank: index of its set}``."""
+    items = tuple(replicas.group_replicas(_segments_of(s_geo)).items())
+    return items, {r: i for i, (_, group) in enumerate(items) for r in group}
 
 
 def _clip(segs: tuple[Segment, ...], lo: int, hi: int, delta: int) -> tuple[Segment, ...]:
@@ -406,37 +441,80 @@ def _clip(segs: tuple[Segment, ...], lo: int, hi: int, delta: int) -> tuple[Segm
     return tuple(out)
 
 
-@lru_cache(maxsize=1024)
-def _pair_pieces(s_geo: tuple, d_geo: tuple, box: tuple | None = None, src_start: tuple | None = None) -> tuple:
-    """The overlap pieces of one (source layout, destination layout) pair, independent of the
-    tensor's name and dtype, so the layers of a model that repeat a geometry share the work.
-    With ``box``, only the destination's global box is filled, from the source box at ``src_start``.
+def _dst_segments(d_geo: tuple, box: tuple | None, src_start: tuple | None, dst_rank: int) -> tuple:
+    """``dst_rank``'s segments, clipped to the destination ``box`` and shifted to the source box."""
+    segs = _segments_of(d_geo)[dst_rank]
+    if box is None:
+        return segs
+    return tuple(_clip(s, lo, hi, st - lo) for s, (lo, hi), st in zip(segs, box, src_start))
 
-    Returns ``(dst_rank, replicas, dims, numel, template)`` rows; ``template`` is
-    ``(src_rank, src_slices, dst_slices, global_index)`` when the source is fixed (one replica, or
-    the destination holds the data itself) and None when replicas must be balanced.
-    """
-    s_segments, d_segments = _segments_of(s_geo), _segments_of(d_geo)
-    if box is not None:
-        d_segments = {r: tuple(_clip(segs, lo, hi, st - lo) for segs, (lo, hi), st in zip(dsegs, box, src_start))
-                      for r, dsegs in d_segments.items()}
-    groups = replicas.group_replicas(s_segments)
+
+# One piece of a (source layout, destination layout) pair, independent of the tensor's name and
+# dtype (a model's layers repeat a geometry): (dst_rank, replica set index, replica set, ordinal in
+# the set's pieces for this dst_rank, dims, numel, template). ``template`` is ``(src_rank,
+# src_slices, dst_slices, global_index)`` when the source is fixed (one replica, or the destination
+# holds the data itself) and None when :func:`.replicas.share` picks the replicas.
+_Row = tuple
+
+
+def _rows(dst_rank: int, d_segs: tuple, g_idx: int, s_segs: tuple, group: tuple[int, ...]) -> list[_Row]:
+    per_dim = [_intersect_dim(s, d) for s, d in zip(s_segs, d_segs)]
+    if not all(per_dim):
+        return []
     rows = []
+    for ordinal, dims in enumerate(product(*per_dim)):
+        template = None
+        if len(group) == 1 or dst_rank in group:
+            src_rank = dst_rank if dst_rank in group else group[0]
+            fields = _op_fields(dims)
+            # The op's fields and its sort key, made once per geometry (layers repeat them).
+            template = (src_rank, *fields, (dst_rank, tuple(d.start for d in fields[1]), src_rank))
+        rows.append((dst_rank, g_idx, group, ordinal, dims, math.prod(p[2] for p in dims), template))
+    return rows
+
+
+@lru_cache(maxsize=1 << 14)
+def _dst_rows(s_geo: tuple, d_geo: tuple, box: tuple | None, src_start: tuple | None, dst_rank: int) -> tuple:
+    """The pieces ``dst_rank`` reads, from every replica set of the source."""
+    d_segs = _dst_segments(d_geo, box, src_start, dst_rank)
+    if not all(d_segs):
+        return ()
+    groups, _ = _source_groups(s_geo)
+    return tuple(row for g_idx, (s_segs, group) in enumerate(groups)
+                 for row in _rows(dst_rank, d_segs, g_idx, s_segs, group))
+
+
+@lru_cache(maxsize=1 << 14)
+def _src_rows(s_geo: tuple, d_geo: tuple, box: tuple | None, src_start: tuple | None, src_rank: int) -> tuple:
+    """The pieces every destination rank reads from ``src_rank``'s replica set (the rank may serve
+    only some of them: :func:`_emit` decides)."""
+    groups, of_rank = _source_groups(s_geo)
+    g_idx = of_rank.get(src_rank)
+    if g_idx is None:   # an empty shard: nothing to read
+        return ()
+    s_segs, group = groups[g_idx]
+    out = []
     for dst_rank in d_geo[2]:
-        d_segs = d_segments[dst_rank]
-        if not all(d_segs):
-            continue
-        for s_segs, group in groups.items():
-            per_dim = [_intersect_dim(s, d) for s, d in zip(s_segs, d_segs)]
-            if not all(per_dim):
-                continue
-            for dims in product(*per_dim):
-                numel = math.prod(p[2] for p in dims)
-                template = None
-                if len(group) == 1 or dst_rank in group:
-                    template = (dst_rank if dst_rank in group else group[0], *_op_fields(dims))
-                rows.append((dst_rank, group, dims, numel, template))
-    return tuple(rows)
+        d_segs = _dst_segments(d_geo, box, src_start, dst_rank)
+        if all(d_segs):
+            out += _rows(dst_rank, d_segs, g_idx, s_segs, group)
+    return tuple(out)
+
+
+def _emit(row: _Row, name: str, src_name: str, turn: int, s_isz: int, knobs: replicas.Knobs) -> list[TransferOp]:
+    """The op(s) of one piece. ``turn`` rotates which replica of a set serves it; it is derived from
+    the piece's place in the plan (tensor, part, destination rank, replica set, ordinal), never from
+    other pieces' choices, so any rank derives the choice for any piece on its own."""
+    dst_rank, g_idx, group, ordinal, dims, numel, template = row
+    if template is not None:
+        src_rank, ss, ds, g, _ = template
+        return [TransferOp(name, src_rank, dst_rank, ss, ds, g, src_name)]
+    axis = replicas.split_axis([p[2] for p in dims])
+    shares = replicas.share(group, numel * s_isz, 1 if axis is None else dims[axis][2], turn, knobs)
+    if len(shares) == 1:
+        return [_make_op(name, shares[0][0], dst_rank, dims, src_name)]
+    return [_make_op(name, src_rank, dst_rank, part, src_name)
+            for (src_rank, _), part in zip(shares, _split(dims, [u for _, u in shares]))]
 
 
 @lru_cache(maxsize=1024)
@@ -451,49 +529,101 @@ def _fill_pieces(d_geo: tuple, box: tuple) -> tuple:
     return tuple(rows)
 
 
+_first = itemgetter(0)
+_OP_FIELDS = ("name", "src_rank", "dst_rank", "src_slices", "dst_slices", "global_index", "src_name")
+
+
+def _new_op(*values) -> TransferOp:
+    """``TransferOp(*values)`` without the frozen dataclass's per-field ``__setattr__`` (a third of
+    a big plan's time); the values are the planner's own, already checked."""
+    op = object.__new__(TransferOp)
+    object.__setattr__(op, "__dict__", dict(zip(_OP_FIELDS, values)))
+    return op
+
+
 @lru_cache(maxsize=128)
 def _plan_cached(src_items: tuple[tuple[str, Layout], ...], dst_items: tuple[tuple[str, Layout], ...],
-                 parts_items: tuple = (), knobs: replicas.Knobs = replicas.KNOBS) -> Plan:
+                 parts_items: tuple = (), knobs: replicas.Knobs = replicas.KNOBS, rank: int | None = None) -> Plan:
     src, dst, parts = dict(src_items), dict(dst_items), dict(parts_items)
     ops: list[TransferOp] = []
     fills: list[FillOp] = []
-    # Remote pieces with several candidate replicas, spread after all fixed reads are counted.
-    pending: list[tuple[str, str, int, tuple[_DimPiece, ...]]] = []
-    pieces: list[replicas.Piece] = []
-    reads = replicas.Loads()   # source bytes each source rank serves
 
-    for name, d_lay in dst_items:
+    for t_idx, (name, d_lay) in enumerate(dst_items):
+        # Names come in order (dst_items is sorted): sort each name's ops on their own, by
+        # (dst_rank, dst start, src_rank), with keys made once per op (a big plan's hot loop).
+        block: list[tuple[tuple, TransferOp]] = []
         d_geo = _geometry(d_lay)
+        n_dst = len(d_lay.ranks)
+        pos = _positions(d_lay.ranks)
         jobs = parts.get(name)
         if jobs is None:
             jobs = ((name, None, None),)
-        for src_name, box, start in jobs:
+        for j_idx, (src_name, box, start) in enumerate(jobs):
             if src_name is None:
                 for dst_rank, ds, g in _fill_pieces(d_geo, box):
-                    fills.append(FillOp(name, dst_rank, ds, g))
+                    if rank is None or dst_rank == rank:
+                        fills.append(FillOp(name, dst_rank, ds, g))
                 continue
             s_lay = src[src_name]
-            s_isz = s_lay.itemsize
-            for dst_rank, group, dims, numel, template in _pair_pieces(_geometry(s_lay), d_geo, box, start):
-                if template is not None:
-                    src_rank, ss, ds, g = template
-                    ops.append(TransferOp(name, src_rank, dst_rank, ss, ds, g, src_name))
-                    reads.add(src_rank, numel * s_isz)
-                else:
-                    axis = replicas.split_axis([p[2] for p in dims])
-                    pending.append((name, src_name, dst_rank, dims))
-                    pieces.append(replicas.Piece(group, numel * s_isz, 1 if axis is None else dims[axis][2],
-                                                 (name, src_name, dst_rank, tuple(p[1] for p in dims))))
+            s_geo, s_isz = _geometry(s_lay), s_lay.itemsize
+            base = (t_idx + j_idx) * n_dst
+            if rank is None:
+                rows = chain.from_iterable(_dst_rows(s_geo, d_geo, box, start, d) for d in d_lay.ranks)
+            else:
+                rows = chain(_dst_rows(s_geo, d_geo, box, start, rank) if rank in pos else (),
+                             # the rank as a source: pieces for other destination ranks only (its
+                             # own reads are above)
+                             (row for row in _src_rows(s_geo, d_geo, box, start, rank) if row[0] != rank))
+            for row in rows:
+                template = row[6]
+                if template is not None:   # the source is fixed: the hot path of a big plan
+                    if rank is None or template[0] == rank or row[0] == rank:
+                        block.append((template[4], _new_op(name, template[0], row[0], template[1], template[2],
+                                                           template[3], src_name)))
+                    continue
+                turn = replicas.rotation(base + pos[row[0]], len(row[2])) + row[1] + row[3]
+                for op in _emit(row, name, src_name, turn, s_isz, knobs):
+                    if rank is None or op.dst_rank == rank or op.src_rank == rank:
+                        block.append(((op.dst_rank, tuple([s.start for s in op.dst_slices]), op.src_rank), op))
+        block.sort(key=_first)
+        ops += [op for _, op in block]
 
-    for (name, src_name, dst_rank, dims), shares in zip(pending, replicas.spread(pieces, reads, knobs)):
-        if len(shares) == 1:
-            ops.append(_make_op(name, shares[0][0], dst_rank, dims, src_name))
-            continue
-        for (src_rank, _), part in zip(shares, _split(dims, [u for _, u in shares])):
-            ops.append(_make_op(name, src_rank, dst_rank, part, src_name))
-
-    ops.sort(key=lambda op: (op.name, op.dst_rank, tuple(s.start for s in op.dst_slices), op.src_rank))
     fills.sort(key=lambda f: (f.name, f.dst_rank, tuple(s.start for s in f.dst_slices)))
     resolved_parts = {name: tuple(Part(sn, box, st if sn is not None else None) for sn, box, st in rs)
                       for name, rs in parts.items()}
-    return Plan(src, dst, tuple(ops), tuple(fills), resolved_parts)
+    return Plan(src, dst, tuple(ops), tuple(fills), resolved_parts, rank=rank)
+
+
+def source_pieces(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout],
+                  parts: Mapping[str, "list[Part]"] | None = None) -> list[tuple[int, tuple]]:
+    """The whole plan's pieces without making its ops: byte and op accounting at a scale where the
+    whole plan would not fit (millions of ops).
+
+    Returns ``[(count, pieces), ...]``: ``count`` source tensors are read exactly alike (same
+    layout and dtype, read by destinations of the same layouts, dtypes and parts: a model's layers),
+    each through ``pieces``, rows of ``(replicas, dst_rank, src_box, numel, src_itemsize,
+    dst_itemsize)``. ``replicas`` are the source ranks that may serve the piece (one when the plan
+    has no choice; :func:`plan_reshard` then spreads it over them, in parts); ``src_box`` is the
+    piece's box in the source rank's local shard (``((start, stop), ...)`` per dim). Checked like
+    :func:`plan_reshard` (one ``ValueError`` listing every problem)."""
+    resolved = check_inputs(src_layouts, dst_layouts, parts)
+    readers: dict[str, list[tuple]] = defaultdict(list)
+    for name, d_lay in sorted(dst_layouts.items()):
+        for src_name, box, start in resolved.get(name, ((name, None, None),)):
+            if src_name is not None:
+                readers[src_name].append((_geometry(d_lay), d_lay.itemsize, box, start))
+    classes: dict[tuple, int] = defaultdict(int)
+    for src_name, jobs in readers.items():
+        s_lay = src_layouts[src_name]
+        classes[(_geometry(s_lay), s_lay.itemsize, tuple(jobs))] += 1
+    out = []
+    for (s_geo, s_isz, jobs), count in classes.items():
+        rows = []
+        for d_geo, d_isz, box, start in jobs:
+            for dst_rank in d_geo[2]:
+                for _, _, group, _, dims, numel, template in _dst_rows(s_geo, d_geo, box, start, dst_rank):
+                    src_box = tuple((s, s + n) for s, _, n, _ in dims)
+                    rows.append(((template[0],) if template is not None else group, dst_rank, src_box, numel,
+                                 s_isz, d_isz))
+        out.append((count, tuple(rows)))
+    return out

@@ -82,8 +82,9 @@ class RecipeSpec:
     dst: dict[str, Layout] = field(repr=False)
     parts: dict[str, tuple[Part, ...]] = field(repr=False)
 
-    def plan(self) -> Plan:
-        return plan_reshard(self.src, self.dst, self.parts)
+    def plan(self, rank: int | None = None) -> Plan:
+        """The whole plan, or with ``rank`` that rank's part of it (``plan_reshard(..., rank=)``)."""
+        return plan_reshard(self.src, self.dst, self.parts, rank=rank)
 
 
 def _flag(value: bool | str, config: Any) -> bool:
@@ -106,9 +107,12 @@ def hf_to_vllm(config: Any, tp: int, trainer_ranks, inference_ranks, dtype: torc
     Args:
         config: a ``transformers`` config (``LlamaConfig``, ``MistralConfig``, ``Qwen2Config``,
             ``Qwen3Config``, ``Qwen3MoeConfig``) or any object with the same fields.
-        tp: vLLM's tensor-parallel size; ``len(inference_ranks)`` must equal it.
+        tp: vLLM's tensor-parallel size; ``len(inference_ranks)`` must be a multiple of it.
         trainer_ranks: global ranks of the trainers (FSDP rows, ``Shard(0)``), or their count.
-        inference_ranks: global ranks of TP ranks 0..tp-1, in TP order, or their count.
+        inference_ranks: global ranks of ``k * tp`` inference ranks (or their count): ``k`` replicas
+            of TP-``tp`` (vLLM data parallel), in order. ``inference_ranks[i]`` is TP rank ``i % tp``
+            of replica ``i // tp`` and holds exactly what a single TP group's rank ``i % tp`` holds:
+            the destinations are laid out on a ``(k, tp)`` mesh, ``Replicate`` over the replicas.
         dtype: vLLM's parameter dtype. ``src_dtype``: the trainer's parameter dtype.
         expert_parallel: MoE experts split over the ranks (vLLM's ``enable_expert_parallel``).
 
@@ -125,8 +129,9 @@ def hf_to_vllm(config: Any, tp: int, trainer_ranks, inference_ranks, dtype: torc
         tp = 0
     src_ranks = _ranks(trainer_ranks, "trainer_ranks", problems)
     dst_ranks = _ranks(inference_ranks, "inference_ranks", problems)
-    if tp and dst_ranks and len(dst_ranks) != tp:
-        problems.append(f"inference_ranks has {len(dst_ranks)} ranks but tp={tp}")
+    if tp and dst_ranks and len(dst_ranks) % tp:
+        problems.append(f"inference_ranks has {len(dst_ranks)} ranks, not a multiple of tp={tp} "
+                        f"(k replicas of TP-{tp} take k * {tp} ranks)")
     if fam is None or problems:
         raise ValueError("hf_to_vllm: " + "; ".join(problems))
 
@@ -181,8 +186,16 @@ def hf_to_vllm(config: Any, tp: int, trainer_ranks, inference_ranks, dtype: torc
     def source(name, shape):
         src[name] = Layout(shape, src_ranks, [Shard(0)], src_dtype)
 
+    # k replicas of TP-tp: a (k, tp) mesh, each replica a full copy of one TP group's shards (one
+    # replica keeps the 1-D mesh it always had).
+    replicas = len(dst_ranks) // tp
+    dst_mesh = [list(dst_ranks[i:i + tp]) for i in range(0, len(dst_ranks), tp)]
+
     def target(name, shape, placement, plist=None):
-        dst[name] = Layout(shape, dst_ranks, [placement], dtype)
+        if replicas == 1:
+            dst[name] = Layout(shape, dst_ranks, [placement], dtype)
+        else:
+            dst[name] = Layout(shape, dst_mesh, [Replicate(), placement], dtype)
         if plist is not None:
             parts[name] = tuple(plist)
 

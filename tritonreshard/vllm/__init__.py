@@ -19,6 +19,16 @@ trainer process; the RL script drives vLLM's four phases::
     llm.collective_rpc("finish_weight_update")
     llm.reset_prefix_cache()                       # cached KV was computed with the old weights
 
+Several engines (vLLM replicas, data parallel) join one refit group: pass ``k * tp`` inference
+ranks (``inference_ranks[i]`` is TP rank ``i % tp`` of replica ``i // tp``) to every trainer and to
+every engine's ``init_info``, and ``replica=i`` to engine ``i``'s. Each engine pulls and applies a
+version on its own schedule (its own ``start_weight_update`` / ``update_weights`` /
+``finish_weight_update``), so a slow replica holds back no other replica, only the trainers: a
+trainer's ``fence()`` returns once every rank that reads its arena, in every replica, has read the
+version it published (acked its copy), and only then may the trainer overwrite its arena. A replica
+that skips a version reads the next one; one that is still reading version v when the trainers
+want to publish v + 1 makes them wait at ``fence()``.
+
 Importing this package does not import vLLM.
 """
 from __future__ import annotations
@@ -87,13 +97,17 @@ class WorkerExtension:
 
 
 def init_info(*, store: str, trainer_ranks, inference_ranks, src_dtype: str = "float32", group: str = "vllm",
-              timeout: float = 60.0, peer_timeout: float = 10.0) -> dict:
+              timeout: float = 60.0, peer_timeout: float = 10.0, replica: int = 0) -> dict:
     """The plain dict to pass to ``init_weight_transfer_engine``. ``store``: ``"host:port"`` of the
-    refit group's TCPStore (trainer rank 0 hosts it); ``inference_ranks[t]`` is vLLM TP rank ``t``'s
-    global rank in the refit group; ``src_dtype``: the trainers' parameter dtype. Each worker derives
-    its layouts from the served model's config with ``trs.recipes.hf_to_vllm``."""
+    refit group's TCPStore (trainer rank 0 hosts it); ``inference_ranks``: the global ranks of every
+    replica's TP ranks in the refit group, replica after replica (``inference_ranks[i]`` is TP rank
+    ``i % tp`` of replica ``i // tp``); ``replica``: which replica this engine is (its workers join as
+    ``inference_ranks[replica * tp + tp rank]``); ``src_dtype``: the trainers' parameter dtype. Each
+    worker derives its layouts from the served model's config with ``trs.recipes.hf_to_vllm``."""
     problems = []
     trainer_ranks, inference_ranks = [int(r) for r in trainer_ranks], [int(r) for r in inference_ranks]
+    if isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < max(1, len(inference_ranks)):
+        problems.append(f"replica={replica!r} must be an int in [0, number of replicas)")
     if set(trainer_ranks) & set(inference_ranks):
         problems.append(f"trainer_ranks={trainer_ranks} and inference_ranks={inference_ranks} overlap")
     if not isinstance(store, str) or ":" not in store:
@@ -104,7 +118,7 @@ def init_info(*, store: str, trainer_ranks, inference_ranks, src_dtype: str = "f
         raise ValueError("init_info: " + "; ".join(problems))
     return {"store": store, "trainer_ranks": trainer_ranks, "inference_ranks": inference_ranks,
             "src_dtype": src_dtype, "group": group,
-            "timeout": float(timeout), "peer_timeout": float(peer_timeout)}
+            "timeout": float(timeout), "peer_timeout": float(peer_timeout), "replica": replica}
 
 
 class Trainer(RefitTrainer):

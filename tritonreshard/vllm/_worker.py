@@ -55,6 +55,7 @@ class TritonreshardInitInfo(WeightTransferInitInfo):
     group: str = "vllm"
     timeout: float = 60.0
     peer_timeout: float = 10.0
+    replica: int = 0   # which replica (engine) these workers are: inference_ranks[replica * tp + tp rank]
 
 
 @dataclass
@@ -165,14 +166,19 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         self.spec = recipes.hf_to_vllm(self.model_config.hf_config, tp=tp, trainer_ranks=init_info.trainer_ranks,
                                        inference_ranks=init_info.inference_ranks, dtype=self.model_config.dtype,
                                        src_dtype=SRC_DTYPES[init_info.src_dtype])
-        self.rank = init_info.inference_ranks[self.tp_rank]  # hf_to_vllm checked there is one per TP rank
+        replicas = len(init_info.inference_ranks) // tp   # hf_to_vllm checked k * tp ranks
+        if not 0 <= init_info.replica < replicas:
+            raise ValueError(f"tritonreshard init_weight_transfer_engine: init_info replica={init_info.replica} "
+                             f"but inference_ranks holds {replicas} replica(s) of TP-{tp}")
+        self.replica = init_info.replica
+        self.rank = init_info.inference_ranks[init_info.replica * tp + self.tp_rank]
         moe = sorted(n for n in self.spec.dst if ".experts." in n)
         if moe:  # refits land, but vLLM 0.32 (CPU) then generates differently from transformers: refuse
             raise ValueError(f"tritonreshard: {self.spec.model_type!r} MoE experts ({moe[0]}, ...) cannot be "
                              f"refitted through this backend yet")
         self._check_model()
         self._timeout = float(init_info.timeout)
-        world = len(init_info.trainer_ranks) + tp
+        world = len(init_info.trainer_ranks) + len(init_info.inference_ranks)
         self._sub = RefitInference.from_recipe(self.spec, rank=self.rank, world_size=world, store=init_info.store,
                                                mode="shadow", device=self.device, timeout=init_info.timeout,
                                                peer_timeout=init_info.peer_timeout, group=init_info.group)

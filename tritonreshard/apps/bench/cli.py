@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help=f"comma-separated subset of {','.join(METHODS)} (default: all)")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds for set-up and for each command's refits; also bounds every wait")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="inference replicas (vLLM data parallel): --inference ranks form this many TP "
+                             "groups, in order (fsdp-tp, replicated-sources; default 1)")
     parser.add_argument("--hosts", type=int, default=1,
                         help="simulate N hosts on this machine (a TRITONRESHARD_HOST per rank): trainers on "
                              "host 0, inference ranks spread over hosts 1..N-1; the JSON adds cross_host_bytes "
@@ -59,6 +62,7 @@ def _config(args) -> BenchConfig:
     return BenchConfig(size=parse_size(args.size), layout=args.layout, trainers=args.trainers,
                        inference=args.inference, tensors=args.tensors, backend=args.backend or "auto",
                        device=args.device, mode=args.mode, timeout=args.timeout, hosts=args.hosts,
+                       replicas=args.replicas,
                        methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()))
 
 

@@ -42,6 +42,9 @@ class BenchConfig:
     mode: str = "shadow"
     timeout: float = 600.0
     hosts: int = 1
+    #: inference replicas (vLLM data parallel): the inference ranks are ``replicas`` TP groups of
+    #: ``inference // replicas`` ranks each, in order (TP layouts only)
+    replicas: int = 1
     #: the methods a session will run; the ranks set up (and allocate for) only these
     methods: tuple[str, ...] = METHODS
 
@@ -100,6 +103,14 @@ class BenchConfig:
             p.append(f"--backend={self.backend!r} must be torch or triton")
         if self.device not in ("cpu", "cuda"):
             p.append(f"--device={self.device!r} must be cpu or cuda")
+        if not isinstance(self.replicas, int) or self.replicas < 1:
+            p.append(f"--replicas={self.replicas!r} must be an int >= 1")
+        elif self.replicas > 1 and self.layout not in ("fsdp-tp", "replicated-sources"):
+            p.append(f"--replicas={self.replicas} needs a TP layout (fsdp-tp, replicated-sources), got "
+                     f"--layout={self.layout}")
+        elif self.inference % self.replicas:
+            p.append(f"--inference={self.inference} is not a multiple of --replicas={self.replicas} "
+                     f"(each replica is a TP group of inference // replicas ranks)")
         if not isinstance(self.hosts, int) or self.hosts < 1:
             p.append(f"--hosts={self.hosts!r} must be an int >= 1")
         elif self.hosts > 1 and self.layout == "colocated":

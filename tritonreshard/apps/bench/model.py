@@ -85,17 +85,26 @@ def layouts(cfg: BenchConfig, model: list[TensorSpec]) -> tuple[dict[str, Layout
     bf16 = torch.bfloat16
     tr, inf = list(cfg.trainer_ranks), list(cfg.inference_ranks)
     src, dst = {}, {}
+    tp = len(inf) // cfg.replicas
+
+    def tp_layout(t: TensorSpec) -> Layout:
+        """TP over the inference ranks; with replicas, a (replicas, tp) mesh replicated over dim 0."""
+        if cfg.replicas == 1:
+            return Layout(t.shape, inf, [_tp_placement(t)], bf16)
+        mesh = [inf[i:i + tp] for i in range(0, len(inf), tp)]
+        return Layout(t.shape, mesh, [Replicate(), _tp_placement(t)], bf16)
+
     for t in model:
         if cfg.layout in ("fsdp-tp", "colocated"):
             src[t.name] = Layout(t.shape, tr, [Shard(0)], bf16)
-            dst[t.name] = Layout(t.shape, inf, [_tp_placement(t)], bf16)
+            dst[t.name] = tp_layout(t)
         elif cfg.layout == "cols-replicas":
             src[t.name] = Layout(t.shape, tr, [Shard(len(t.shape) - 1)], bf16)
             dst[t.name] = Layout(t.shape, inf, [Replicate()], bf16)
         elif cfg.layout == "replicated-sources":
             half = len(tr) // 2
             src[t.name] = Layout(t.shape, [tr[:half], tr[half:]], [Replicate(), Shard(0)], bf16)
-            dst[t.name] = Layout(t.shape, inf, [_tp_placement(t)], bf16)
+            dst[t.name] = tp_layout(t)
         else:
             raise ValueError(f"unknown layout {cfg.layout!r}")
     return src, dst

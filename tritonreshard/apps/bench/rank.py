@@ -166,7 +166,18 @@ class Rank:
     def stats(self) -> dict:
         """Measured after refits: the most extra memory one of this rank's pulls allocated."""
         return {"rank": self.rank, "staging_bytes": int(self.ep.stats.staging_bytes),
-                "cross_host_bytes": int(self.ep.stats.cross_host_bytes)}
+                "cross_host_bytes": int(self.ep.stats.cross_host_bytes), "egress_bytes": self._egress()}
+
+    def _egress(self) -> int:
+        """Source bytes this trainer serves per refit, as its route moves them: read from its arena
+        by ranks of its host, plus what it sends to other hosts (once per host, not per reader)."""
+        if not self.is_src:
+            return 0
+        route, src = self.ep.route, self.src_layouts
+        local = (route.host_plan.local_ops if route.spans_hosts else self.plan.ops_for_src(self.rank))
+        read = sum(op.numel * src[op.src_name].itemsize for op in local
+                   if op.src_rank == self.rank and op.dst_rank != self.rank)
+        return int(read + sum(t.nbytes for t in route.sends))
 
     def info(self) -> dict:
         return {"rank": self.rank,

@@ -58,6 +58,7 @@ def measure(session: BenchSession, methods, repeats: int, warmup: int) -> dict:
     if "tritonreshard" in results:
         results["tritonreshard"]["staging_bytes"] = session.staging_bytes()
         results["tritonreshard"]["cross_host_bytes"] = session.cross_host_bytes()
+        results["tritonreshard"]["trainer_egress_bytes"] = session.trainer_egress_bytes()
     for m, b in session.baseline_cross_host_bytes().items():
         if m in results:
             results[m]["cross_host_bytes"] = b
@@ -82,6 +83,7 @@ def measure(session: BenchSession, methods, repeats: int, warmup: int) -> dict:
         "mode": cfg.mode, "backend": session.rank_info[-1]["backend"], "baseline_transport": transport,
         "model_bytes": session.model_bytes, "tensors": len(session.model), "plan_ops": session.plan_ops,
         "repeats": repeats, "warmup": warmup, "processes": cfg.world_size, "hosts": cfg.hosts,
+        "replicas": cfg.replicas,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                     "python": platform.python_version(),
                     "gpu": torch.cuda.get_device_name(0) if cfg.device == "cuda" else None},
@@ -117,6 +119,11 @@ def table(out: dict) -> str:
                      f"{ours['descriptors']} descriptors "
                      f"over the inference ranks" + (f", overhead beyond memcpy {ours['overhead_per_tensor_us']:.1f} "
                                                     f"us per tensor" if "overhead_per_tensor_us" in ours else ""))
+    if ours and "trainer_egress_bytes" in ours:
+        k = out.get("replicas", 1)
+        lines.append(f"trainers' egress per refit: {fmt_bytes(ours['trainer_egress_bytes'])} for {k} inference "
+                     f"replica(s), {fmt_bytes(ours['trainer_egress_bytes'] / k)} per replica "
+                     f"(model {fmt_bytes(out['model_bytes'])})")
     if out.get("hosts", 1) > 1:
         cross = ", ".join(f"{m} {fmt_bytes(res[m]['cross_host_bytes'])}" for m in METHODS
                           if "cross_host_bytes" in res.get(m, {}))

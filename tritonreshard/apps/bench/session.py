@@ -156,6 +156,12 @@ class BenchSession:
         stats = self._command({"op": "refit", "method": "tritonreshard", "count": 0, "stats": True})["stats"]
         return sum(s["cross_host_bytes"] for s in stats)
 
+    def trainer_egress_bytes(self) -> int:
+        """The engine's route: source bytes the trainers serve per refit (read from their arenas on
+        their host, or sent to another host once per host)."""
+        stats = self._command({"op": "refit", "method": "tritonreshard", "count": 0, "stats": True})["stats"]
+        return sum(s["egress_bytes"] for s in stats)
+
     def baseline_cross_host_bytes(self) -> dict:
         """Bytes per refit the baselines move between hosts with the same placement: ``p2p`` sends
         every destination rank's own slices; ``gather_broadcast`` broadcasts each full tensor to

@@ -1,0 +1,102 @@
+"""Planning at frontier scale: how long one rank takes to plan its part of a refit, and its peak memory.
+
+A benchmark script, not a test (``python bench/plan_scale.py``): each measurement runs in a fresh
+process, so every cache is cold, and prints one row. The model is a config's sizes (default: the
+published Qwen3-235B-A22B, ``bench/configs/qwen3-235b-a22b.json``), FSDP trainers (``Shard(0)``,
+bf16 here) -> ``replicas`` x TP inference ranks (bf16), through ``hf_to_vllm``.
+
+Per row:
+
+Times are the process's CPU seconds (``time.process_time``): this machine's 2 cores are shared, and
+wall time under load measures the neighbours more than the planner.
+
+* ``recipe s``: building the layouts (``hf_to_vllm``), every rank does it once;
+* ``plan s``: ``spec.plan(rank=r)`` (``--what dst|src``: the first inference rank, the first trainer),
+  or the whole plan (``--what whole``: what every rank computed before per-rank planning);
+* ``ops``: the plan's ops; ``RSS MB``: the process's peak resident set (``ru_maxrss``) after
+  planning, torch and the library imported included, and ``+MB`` the growth over the peak before
+  the recipe was built.
+
+``--all`` runs the figures reported in the README (one subprocess each).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_CONFIG = HERE / "configs" / "qwen3-235b-a22b.json"
+
+
+def measure(config: Path, trainers: int, tp: int, replicas: int, what: str) -> dict:
+    """One measurement in this process (call it in a fresh one: caches must be cold)."""
+    import torch
+    import tritonreshard as trs
+
+    cfg = SimpleNamespace(**json.loads(config.read_text()))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.process_time()
+    # Trainers are ranks 0..trainers-1, the inference ranks follow (disjoint meshes).
+    spec = trs.recipes.hf_to_vllm(cfg, tp=tp, trainer_ranks=list(range(trainers)),
+                                  inference_ranks=list(range(trainers, trainers + replicas * tp)),
+                                  dtype=torch.bfloat16, src_dtype=torch.bfloat16)
+    t1 = time.process_time()
+    rank = {"dst": trainers, "src": 0, "whole": None}[what]
+    t2 = time.process_time()
+    plan = spec.plan() if rank is None else spec.plan(rank=rank)   # plan(): also the code before rank=
+    t3 = time.process_time()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"model": cfg.model_type, "trainers": trainers, "tp": tp, "replicas": replicas, "what": what,
+            "rank": rank, "recipe_s": round(t1 - t0, 3), "plan_s": round(t3 - t2, 3), "ops": len(plan.ops),
+            "rss_mb": round(peak / 1024), "rss_growth_mb": round((peak - before) / 1024)}
+
+
+def run_fresh(config: Path, trainers: int, tp: int, replicas: int, what: str) -> dict:
+    """:func:`measure` in a new interpreter (cold caches, its own peak RSS)."""
+    cmd = [sys.executable, __file__, "--config", str(config), "--trainers", str(trainers), "--tp", str(tp),
+           "--replicas", str(replicas), "--what", what, "--json"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=os.environ.copy())
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _row(m: dict) -> str:
+    who = {"dst": f"inference rank {m['rank']}", "src": f"trainer rank {m['rank']}", "whole": "whole plan"}[m["what"]]
+    return (f"{m['model']:<10} FSDP-{m['trainers']:<3} -> {m['replicas']:>2} x TP-{m['tp']:<2} {who:<20} "
+            f"recipe {m['recipe_s']:6.3f} s  plan {m['plan_s']:6.3f} s CPU  {m['ops']:>9,} ops  "
+            f"peak RSS {m['rss_mb']:>5} MB (+{m['rss_growth_mb']} MB)")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    ap.add_argument("--trainers", type=int, default=64)
+    ap.add_argument("--tp", type=int, default=8)
+    ap.add_argument("--replicas", type=int, default=8)
+    ap.add_argument("--what", choices=["dst", "src", "whole"], default="dst")
+    ap.add_argument("--json", action="store_true", help="measure here and print one JSON line")
+    ap.add_argument("--all", action="store_true", help="the README's figures, each in a fresh process")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="fresh processes per row; the fastest is shown (the machine is shared)")
+    args = ap.parse_args(argv)
+    if args.json:
+        print(json.dumps(measure(args.config, args.trainers, args.tp, args.replicas, args.what)))
+        return
+    runs = ([(64, 8, 8, "dst"), (64, 8, 8, "src"), (64, 8, 16, "dst"), (64, 8, 16, "src"),
+             (64, 8, 1, "whole"), (8, 8, 1, "whole")] if args.all
+            else [(args.trainers, args.tp, args.replicas, args.what)])
+    print(f"Planning cost on this machine (cold caches: a fresh process per run, fastest of {args.repeat}):")
+    for trainers, tp, replicas, what in runs:
+        best = min((run_fresh(args.config, trainers, tp, replicas, what) for _ in range(args.repeat)),
+                   key=lambda m: m["plan_s"])
+        print(_row(best), flush=True)
+
+
+if __name__ == "__main__":
+    main()
