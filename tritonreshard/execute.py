@@ -17,7 +17,8 @@ __all__ = ["execute_local", "check_shard", "writable_problem"]
 
 _BACKENDS = ("auto", "triton", "torch")
 _CACHE_SIZE = 16
-_table_cache: "OrderedDict[tuple, tuple]" = OrderedDict()  # (DescriptorTable, QuantizeTable | None)
+_table_cache: "OrderedDict[tuple, DescriptorTable]" = OrderedDict()
+_quant_tables: "dict[tuple, QuantizeTable]" = {}  # a quantized plan's second table, evicted with its key
 
 
 def _sig(t: torch.Tensor) -> tuple:
@@ -174,23 +175,27 @@ def execute_local(plan, src_shards, out=None, backend: str = "auto") -> dict[int
     key = (plan,
            tuple(_sig(src_shards[r][n]) for r, n in src_req),
            tuple(_sig(out[r][n]) for r, n in dst_req))
-    tables = _table_cache.get(key)
-    if tables is None:
+    table, qtable = _table_cache.get(key), _quant_tables.get(key)
+    if table is None:
         quant = getattr(plan, "quant", None) or {}
         src = lambda op: src_shards[op.src_rank][op.src_name]  # noqa: E731
         dst = lambda op: out[op.dst_rank][op.name]  # noqa: E731
-        tables = (DescriptorTable.build([op for op in plan.ops if op.name not in quant], src=src, dst=dst),
-                  QuantizeTable.build([op for op in plan.ops if op.name in quant], quant, src=src, dst=dst,
-                                      scale=lambda r, n: out[r][n]) if quant else None)
+        table = DescriptorTable.build([op for op in plan.ops if op.name not in quant], src=src, dst=dst)
+        if quant:
+            qtable = QuantizeTable.build([op for op in plan.ops if op.name in quant], quant, src=src, dst=dst,
+                                         scale=lambda r, n: out[r][n])
         if cacheable:  # (the table references its tensors, so the cache keeps them alive)
-            _table_cache[key] = tables
+            _table_cache[key] = table
+            if qtable is not None:
+                _quant_tables[key] = qtable
             if len(_table_cache) > _CACHE_SIZE:
-                _table_cache.popitem(last=False)
+                old, _ = _table_cache.popitem(last=False)
+                _quant_tables.pop(old, None)
     else:
         _table_cache.move_to_end(key)
-    for table in tables:
-        if table is not None:
-            table.run(backend)
+    table.run(backend)
+    if qtable is not None:
+        qtable.run(backend)
     for f in plan.fills:  # padding (e.g. vocab rows past the real vocab): no op writes it
         out[f.dst_rank][f.name][f.dst_slices].zero_()
     return result

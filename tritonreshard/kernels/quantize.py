@@ -219,8 +219,8 @@ def quantize_blocks_kernel(
             s = sb.to(tl.float32, bitcast=True)
         inv = tl.math.div_rn(1.0, s)
     else:
-        inv = tl.math.div_rn(1.0, amax) * 448.0
-        inv = tl.where((amax == 0.0) | (amax == float("inf")), 1.0, inv)
+        special = (amax == 0.0) | (amax == float("inf"))  # NeMo-RL gives these blocks 1.0
+        inv = tl.where(special, 1.0, tl.math.div_rn(1.0, tl.where(special, 1.0, amax)) * 448.0)
         s = tl.math.div_rn(1.0, inv)
     y = x * inv
     if HW_CVT:
