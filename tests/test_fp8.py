@@ -102,6 +102,25 @@ def test_kernel_conversion_is_exact_on_every_probe_value(backend):
     assert torch.equal(_bits(got["w"]), _bits(full.to(FP8)))
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("placement", [Shard(0), Shard(1)])
+def test_ragged_unaligned_blocks_from_row_and_column_shards(backend, placement):
+    """300 x 260 bf16: short last blocks (zero padding), rows of 520 bytes (no 128-bit path), and
+    with Shard(1) sources every block is assembled from column pieces that start inside it."""
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(300, 260, generator=g) * 0.1).bfloat16()
+    x[:128, :128] = 0
+    x[5, 5] = -0.0
+    for ue8m0, rule in ((False, "deepgemm"), (True, "deepgemm"), (False, "nemo_rl")):
+        plan, d = _one_block_plan(300, 260, ue8m0=ue8m0, scale_rule=rule)
+        src = dict(plan.src_layouts)
+        src["w"] = Layout((300, 260), [0, 1, 2], [placement], torch.bfloat16)
+        plan = plan_quantized(src, plan.dst_layouts, None, plan.quant)
+        got = _run(plan, {"w": x}, backend)[d]
+        q, s = per_block_cast_to_fp8(x, ue8m0=ue8m0, scale_rule=rule)
+        assert torch.equal(_bits(got["w"]), _bits(q)) and torch.equal(got["s"], s), (ue8m0, rule)
+
+
 def test_reference_matches_vllm_per_block_cast_to_fp8():
     deep_gemm = pytest.importorskip("vllm.utils.deep_gemm")
     vllm_cast = getattr(deep_gemm.per_block_cast_to_fp8, "_torchdynamo_orig_callable",

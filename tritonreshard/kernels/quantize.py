@@ -50,10 +50,10 @@ AMAX_FLOOR = 1e-4
 #: Source dtypes the quantizer reads (its launches are keyed by them).
 QUANT_VARIANTS = tuple(CASTABLE_DTYPES)
 BFIELDS = 8  # blocks table: dst_addr, ds_row, n_rows, n_cols, scale_addr, piece0, npieces, flags
-PFIELDS = 8  # pieces table: src_addr, r0, r1, c0, c1, ss_row, ss_col, flags
+PFIELDS = 8  # pieces table: src_addr, r0, r1, c0, c1, ss_row, ss_col (always 1), flags
 FLAG_ALIGNED = 1
 _ALIGN = 16
-_NUM_WARPS = 8  # a 128x128 fp32 tile is 64 registers a thread at 8 warps (no spills, see the compile gate)
+_NUM_WARPS = 16  # the 128x128 tile at 16 warps: 89 registers (bf16), 121 (fp32), no spills (8 warps spill)
 _SRC_T = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 _RULE = {"deepgemm": 0, "nemo_rl": 1}
 
@@ -180,9 +180,11 @@ def quantize_blocks_kernel(
     bflags = tl.load(d + 7).to(tl.int32)
     rows = tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
-    # The block, zero-padded like the reference; each source box overwrites its own rectangle (a
-    # select, not an add: -0.0 must stay -0.0).
-    x = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
+    # The block, zero-padded like the reference, held in the source dtype (exact; half the registers
+    # of fp32 for 16-bit sources); each source box overwrites its own rectangle (a select, not an add:
+    # -0.0 must stay -0.0). Columns are contiguous in every box (the builder checked): one pointer
+    # per row, and the compiler addresses a row's elements by immediate offsets.
+    x = tl.full([BLOCK_N, BLOCK_K], 0.0, SRC_T)
     for p in range(piece0, piece0 + npieces):
         e = pieces_ptr + p * PFIELDS
         src_addr = tl.load(e + 0)
@@ -191,23 +193,20 @@ def quantize_blocks_kernel(
         c0 = tl.load(e + 3).to(tl.int32)
         c1 = tl.load(e + 4).to(tl.int32)
         ss_row = tl.load(e + 5)
-        ss_col = tl.load(e + 6)
         pflags = tl.load(e + 7).to(tl.int32)
         row_in = (rows >= r0) & (rows < r1)
         rr = tl.where(row_in, rows - r0, 0).to(tl.int64)
-        base = src_addr.to(tl.pointer_type(SRC_T))
+        # element (row, c0) of the box is src_addr; the pointer of column 0 is c0 elements before
+        row_ptr = src_addr.to(tl.pointer_type(SRC_T)) + rr * ss_row - c0
         if (pflags & 1) != 0:
-            # c0 == 0, unit column stride, 16-byte aligned rows, c1 a whole number of vectors (the
-            # builder checked): per-row pointers + contiguous columns give 128-bit loads
-            row_ptr = tl.multiple_of(base + rr * ss_row, 16)
+            # c0 == 0, 16-byte aligned rows, c1 a whole number of vectors: 128-bit loads
             m = row_in[:, None] & (cols < (c1 // VEC) * VEC)[None, :]
-            v = tl.load(row_ptr[:, None] + cols[None, :], mask=m, other=0.0)
+            v = tl.load(tl.multiple_of(row_ptr, 16)[:, None] + cols[None, :], mask=m, other=0.0)
         else:
-            col_in = (cols >= c0) & (cols < c1)
-            cc = tl.where(col_in, cols - c0, 0).to(tl.int64)
-            m = row_in[:, None] & col_in[None, :]
-            v = tl.load(base + (rr * ss_row)[:, None] + (cc * ss_col)[None, :], mask=m, other=0.0)
-        x = tl.where(m, v.to(tl.float32), x)
+            m = row_in[:, None] & ((cols >= c0) & (cols < c1))[None, :]
+            v = tl.load(row_ptr[:, None] + cols[None, :], mask=m, other=0.0)
+        x = tl.where(m, v, x)
+    x = x.to(tl.float32)
     # tl.max is a @jit helper the interpreted twin cannot call; tl.reduce with tl.max's own combine
     # function is the same reduction compiled, and the interpreter's numpy fast path interpreted
     amax = tl.reduce(tl.reduce(tl.abs(x), 1, tl.standard._elementwise_max), 0, tl.standard._elementwise_max)
@@ -355,6 +354,10 @@ class QuantizeTable:
             if tuple(sv.shape) != tuple(op.shape):
                 problems.append(f"{where}: source slice {tuple(sv.shape)}, op says {tuple(op.shape)}")
                 continue
+            if sv.shape[-1] > 1 and sv.stride(-1) != 1:
+                # the kernel reads a box's rows as contiguous runs (one pointer a row: no spills)
+                problems.append(f"{where}: source columns have stride {sv.stride(-1)}; quantized sources "
+                                f"need contiguous rows (stride 1)")
             jobs[key].pieces.append((tuple(op.dst_slices), sv))
         for j in jobs.values():
             cover = sum(sv.numel() for _, sv in j.pieces)
