@@ -580,3 +580,15 @@ def test_vllm_fp8_engine_refit_equals_a_checkpoint_load(tmp_path):
     assert sorted(refitted) == sorted(loaded)
     differ = [n for n in loaded if not torch.equal(refitted[n], loaded[n])]
     assert differ == [], differ
+
+
+def test_bench_quantize_runs_the_three_methods_and_verifies():
+    """``tritonreshard bench --quantize``: the three methods measured on the same bytes, the fused
+    result equal bit for bit to bf16 refit + torch quantize (no speed assertion: machines are noisy)."""
+    from tritonreshard.apps.bench.fp8 import run_fp8, table
+
+    out = run_fp8(8 << 20, trainers=3, inference=2, repeats=1, warmup=0)
+    assert out["verified"] is True and out["layers"] >= 1
+    assert set(out["results"]) == {"bf16", "fp8_fused", "bf16_then_quantize"}
+    assert all(r["seconds"] > 0 for r in out["results"].values())
+    assert "verified: True" in table(out)

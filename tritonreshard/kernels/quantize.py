@@ -430,6 +430,7 @@ class QuantizeTable:
             *lead, n, k = j.weight.shape
             kp = -(-k // bk) * bk
             scratch = torch.zeros((bn, kp), dtype=torch.float32, device=self.device)
+            work = torch.empty((bn, kp), dtype=torch.float32, device=self.device)
             steps = []
             for li in np.ndindex(*lead):
                 mine = [(ds, sv[tuple(i - d.start for i, d in zip(li, ds[:-2]))] if lead else sv)
@@ -442,25 +443,28 @@ class QuantizeTable:
                             copies.append((scratch[ra - a:rz - a, ds[-1].start:ds[-1].stop],
                                            sv[ra - ds[-2].start:rz - ds[-2].start]))
                     steps.append((tuple(li), si, (a, z), copies))
-            out.append((j, scratch, steps))
+            out.append((j, scratch, work, steps))
         return out
 
     def _run_torch(self) -> None:
         if self._rows is None:
             self._rows = self._build_rows()
-        for j, scratch, steps in self._rows:
+        for j, scratch, work, steps in self._rows:
             bn, bk = j.q.block
             k = j.weight.shape[-1]
             kb = scratch.shape[1] // bk
+            v, w = scratch.view(bn, kb, bk), work.view(bn, kb, bk)
             for li, si, (a, z), copies in steps:
                 if z - a < bn:
                     scratch.zero_()  # a short block: the rest is the reference's zero padding
                 for sv_dst, sv_src in copies:
                     sv_dst.copy_(sv_src)
-                v = scratch.view(bn, kb, bk)
-                s, inv = _scales(v.abs().amax(dim=(0, 2)), j.q.ue8m0, j.q.scale_rule)
-                q = _to_e4m3(v * inv[None, :, None]).view(bn, kb * bk)
-                j.weight[li][a:z].copy_(q[:z - a, :k])
+                torch.abs(v, out=w)
+                s, inv = _scales(w.amax(dim=2).amax(dim=0), j.q.ue8m0, j.q.scale_rule)
+                torch.mul(v, inv[None, :, None], out=w)
+                # the clamp makes torch's round-to-nearest-even cast saturate (cvt.rn.satfinite)
+                work.clamp_(-E4M3_MAX, E4M3_MAX)
+                j.weight[li][a:z].copy_(work[:z - a, :k])
                 j.scale[li][si].copy_(s)
 
     def run(self, backend: str = "triton") -> None:

@@ -52,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "host 0, inference ranks spread over hosts 1..N-1; the JSON adds cross_host_bytes "
                              "per method (default 1: every rank on this host)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
+    parser.add_argument("--quantize", choices=("fp8-block", "fp8-block-ue8m0"), default=None,
+                        help="instead: the fused FP8 refit vs the bf16 refit vs bf16 refit + torch quantize, "
+                             "in this process (see tritonreshard.apps.bench.fp8)")
     return parser
 
 
@@ -64,6 +67,10 @@ def _config(args) -> BenchConfig:
 
 def run(args: argparse.Namespace) -> int:
     """Runs the bench; returns the exit code (0: measured and every method verified)."""
+    if args.quantize:
+        from .fp8 import run_cli
+
+        return run_cli(args)
     try:
         cfg = _config(args)
     except ValueError as exc:
