@@ -350,7 +350,18 @@ CASES = [("llama", 1, "fp8", "triton"), ("llama", 2, "fp8", "torch"), ("llama", 
 
 @pytest.mark.parametrize("model,tp,mode,backend", CASES)
 def test_refit_quantizes_bit_exact_to_the_reference(model, tp, mode, backend):
-    spec = _spec(_CONFIG[model], tp, mode)
+    _check_refit(_spec(_CONFIG[model], tp, mode), mode, backend)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_expert_parallel_refit_quantizes_bit_exact(backend):
+    spec = _spec(_qwen3_moe(), 2, "fp8", expert_parallel=True)
+    assert spec.dst["model.layers.0.mlp.experts.routed_experts.w13_weight_scale_inv"].local_shape(3) == (2, 8, 2)
+    _check_refit(spec, "fp8", backend)
+
+
+def _check_refit(spec, mode, backend):
+    tp = spec.tp
     plan = spec.plan()
     # the trainers' boundaries fall inside blocks: some block is read from two trainers
     q_ops = [op for op in plan.ops if op.name.endswith("qkv_proj.weight") and op.src_name.endswith("q_proj.weight")]
