@@ -603,3 +603,26 @@ def test_bench_quantize_runs_the_three_methods_and_verifies():
     assert set(out["results"]) == {"bf16", "fp8_fused", "bf16_then_quantize"}
     assert all(r["seconds"] > 0 for r in out["results"].values())
     assert "verified: True" in table(out)
+
+
+def test_group_refuses_disagreeing_quantization_and_cross_host_fp8():
+    """What every rank derives from the members' hellos: inference ranks must agree on ``quant``
+    (one ValueError naming it), and FP8 destinations read across hosts are refused, before any
+    arena is exchanged."""
+    from tritonreshard.engine.group import Member, validate_members
+
+    spec = _spec(_llama(), 2)
+    trainers = [Member(r, 100 + r, "h0", "cpu", src_layouts=dict(spec.src)) for r in TRAINERS]
+
+    def inference(rank, quant, host="h0"):
+        return Member(rank, 100 + rank, host, "cpu", dst_layouts=dict(spec.dst), dst_parts=dict(spec.parts),
+                      dst_quant=quant)
+
+    plan = validate_members(trainers + [inference(3, spec.quant), inference(4, spec.quant)], 5)
+    assert isinstance(plan, QuantizedPlan) and plan.quant == spec.quant
+    with pytest.raises(ValueError, match="every inference rank must pass the same quantization"):
+        validate_members(trainers + [inference(3, spec.quant), inference(4, {})], 5)
+    with pytest.raises(ValueError, match="float8_e4m3fn destination|cannot be produced"):
+        validate_members(trainers + [inference(3, {}), inference(4, {})], 5)  # FP8 layouts without quant
+    with pytest.raises(NotImplementedError, match="across hosts"):
+        validate_members(trainers + [inference(3, spec.quant, "h1"), inference(4, spec.quant, "h1")], 5)

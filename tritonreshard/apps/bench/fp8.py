@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 
 import torch
@@ -150,6 +151,9 @@ def table(out: dict) -> str:
 def run_cli(args) -> int:
     from .config import parse_size
 
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("tritonreshard bench: --device=cuda but torch.cuda.is_available() is False", file=sys.stderr)
+        return 2
     out = run_fp8(parse_size(args.size), trainers=args.trainers or 3, inference=args.inference,
                   device=args.device, backend=args.backend, repeats=args.repeats, warmup=args.warmup,
                   quantization=args.quantize)
