@@ -13,6 +13,7 @@ from tritonreshard.planning import fmt_bytes
 
 from ..driver import RankFailed
 from .config import LAYOUTS, METHODS, WORKER_METHODS, BenchConfig, parse_size
+from .fp8 import run_cli as run_fp8_cli
 from .memory import refusal
 from .report import measure, table
 from .session import BenchSession
@@ -68,9 +69,7 @@ def _config(args) -> BenchConfig:
 def run(args: argparse.Namespace) -> int:
     """Runs the bench; returns the exit code (0: measured and every method verified)."""
     if args.quantize:
-        from .fp8 import run_cli
-
-        return run_cli(args)
+        return run_fp8_cli(args)
     try:
         cfg = _config(args)
     except ValueError as exc:

@@ -28,6 +28,7 @@ import torch
 
 from ... import execute_local, recipes
 from ...kernels import DescriptorTable, QuantizeTable, per_block_cast_to_fp8
+from .config import parse_size
 
 __all__ = ["fp8_config", "run_fp8"]
 
@@ -39,7 +40,7 @@ _SMALL = dict(hidden_size=512, num_attention_heads=4, num_key_value_heads=2, hea
 
 def fp8_config(size: int):
     """A transformers ``LlamaConfig`` of about ``size`` bytes of bf16 (at least one layer)."""
-    import transformers
+    import transformers  # lazy: heavy, and only this bench mode needs it
 
     shape = _LAYER if size >= 64 << 20 else _SMALL
     h, i, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
@@ -149,8 +150,6 @@ def table(out: dict) -> str:
 
 
 def run_cli(args) -> int:
-    from .config import parse_size
-
     if args.device == "cuda" and not torch.cuda.is_available():
         print("tritonreshard bench: --device=cuda but torch.cuda.is_available() is False", file=sys.stderr)
         return 2
