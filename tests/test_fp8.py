@@ -414,7 +414,10 @@ def test_quantize_table_refuses_partial_blocks_and_wrong_tensors():
 # ------------------------------------------------------------------------------------------- engine
 
 
-def _engine_worker(rank, world, port, tp, modes, versions):
+def _engine_worker(rank, world, port, tp, modes, versions, hosts):
+    import os
+
+    os.environ["TRITONRESHARD_HOST"] = hosts[rank]  # simulated hosts: no memory mapped across them
     torch.set_num_threads(1)
     spec = _spec(_llama(), tp)
     plan = spec.plan()
@@ -451,6 +454,7 @@ def _engine_worker(rank, world, port, tp, modes, versions):
             assert torch.equal(tensors["model.norm.weight"], full["model.norm.weight"])
             report["checked"] += 1
             report["staging"], report["backend"] = ep.buffers.staging_bytes, backend
+            report["relay_reads"] = sum(r.buffer.kind == "relay" for r in ep.route.reads)
         if rank in plan.src_ranks:
             ep.fence()
     return report
@@ -458,14 +462,18 @@ def _engine_worker(rank, world, port, tp, modes, versions):
 
 @pytest.mark.timeout(300)
 def test_engine_refits_fp8_across_processes():
-    """3 trainers, 2 TP ranks: one pulls in shadow mode with the torch backend, the other in place
-    with the Triton kernel (interpreted), over 2 versions."""
+    """3 trainers, 2 TP ranks over 2 versions: rank 3 on the trainers' host pulls in shadow mode with
+    the torch backend; rank 4, on another (simulated) host, in place with the Triton kernel
+    (interpreted): its blocks cross hosts as boxes into rank 4's relay buffer (bf16), and are
+    quantized from there."""
     tp = 2
     world = len(TRAINERS) + tp
     modes = [("shadow", "torch"), ("inplace", "triton")]
-    out = run_ranks(_engine_worker, world, (world, free_port(), tp, modes, 2), timeout=240)
+    hosts = ["h0", "h0", "h0", "h0", "h1"]
+    out = run_ranks(_engine_worker, world, (world, free_port(), tp, modes, 2, hosts), timeout=240)
     inference = [out[r] for r in range(len(TRAINERS), world)]
     assert all(rep["checked"] == 2 for rep in inference)
+    assert inference[0]["relay_reads"] == 0 and inference[1]["relay_reads"] > 0  # rank 4 read across hosts
     # the kernel keeps each block in registers: its pulls allocate nothing (interpreted on CPU)
     assert [rep["staging"] for rep in inference if rep["backend"] == "triton"] == [0], inference
 
@@ -607,10 +615,9 @@ def test_bench_quantize_runs_the_three_methods_and_verifies():
     assert "verified: True" in table(out)
 
 
-def test_group_refuses_disagreeing_quantization_and_cross_host_fp8():
+def test_group_refuses_disagreeing_quantization():
     """What every rank derives from the members' hellos: inference ranks must agree on ``quant``
-    (one ValueError naming it), and FP8 destinations read across hosts are refused, before any
-    arena is exchanged."""
+    (one ValueError naming it), before any arena is exchanged."""
     from tritonreshard.engine.group import Member, validate_members
 
     spec = _spec(_llama(), 2)
@@ -626,5 +633,3 @@ def test_group_refuses_disagreeing_quantization_and_cross_host_fp8():
         validate_members(trainers + [inference(3, spec.quant), inference(4, {})], 5)
     with pytest.raises(ValueError, match="float8_e4m3fn destination|cannot be produced"):
         validate_members(trainers + [inference(3, {}), inference(4, {})], 5)  # FP8 layouts without quant
-    with pytest.raises(NotImplementedError, match="across hosts"):
-        validate_members(trainers + [inference(3, spec.quant, "h1"), inference(4, spec.quant, "h1")], 5)

@@ -167,10 +167,6 @@ def validate_members(members: list[Member], world_size: int) -> Plan:
         raise ValueError(f"refit group {world_size} ranks: {len(problems)} problem(s), "
                          f"nothing was moved:\n  - " + "\n  - ".join(problems))
     host = {m.rank: m.host for m in members}
-    if quant and any(host[op.src_rank] != host[op.dst_rank] for op in plan.ops if op.name in quant):
-        # relays forward boxes, not whole blocks: a block would be quantized from part of its rows
-        raise NotImplementedError(f"refit group {world_size} ranks: block-FP8 destinations read across "
-                                  f"hosts are not supported yet; nothing was moved")
     if any(host[op.src_rank] != host[op.dst_rank] for op in plan.ops):
         # One point-to-point process group carries the cross-host bytes: gloo or NCCL, not both.
         kinds = {m.rank: m.device.split(":")[0] for m in members}
