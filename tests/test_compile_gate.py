@@ -149,3 +149,58 @@ def test_gate_flags_a_copy_without_128_bit_accesses():
     problems = problems_of("scalar", ("copy", 2), compiled.asm["ptx"], resource_usage(compiled.asm["cubin"]))
     # (the store is scalar too: its mask compares against a run-time n of unknown divisibility)
     assert problems == ["scalar: no 128-bit global ld in the PTX", "scalar: no 128-bit global st in the PTX"]
+
+
+# --------------------------------------------------------------------------------- block-FP8 quantizer
+
+
+def quantize_configurations():
+    """``[(name, launch)]`` for every :func:`kernels.quantize_launch_configs` entry, each launch made by
+    the real table builder (``QuantizeTable`` over a plan whose blocks span two trainers)."""
+    from tritonreshard import Layout, Shard
+    from tritonreshard.planning import BlockQuant, plan_quantized
+
+    out = []
+    for dtype, block, ue8m0, rule in kernels.quantize_launch_configs():
+        src = {"w": Layout((256, 256), [0, 1, 2], [Shard(0)], dtype)}
+        q = BlockQuant("s", (256,), block, ue8m0, rule)
+        dst = {"w": Layout((256, 256), [3], [Shard(0)], torch.float8_e4m3fn),
+               "s": Layout((2, 2), [3], [Shard(0)], torch.float32)}
+        plan = plan_quantized(src, dst, None, {"w": q})
+        shards = {r: torch.zeros(src["w"].local_shape(r), dtype=dtype) for r in range(3)}
+        outs = {"w": torch.empty(256, 256, dtype=torch.float8_e4m3fn), "s": torch.empty(2, 2)}
+        table = kernels.QuantizeTable.build(plan.ops, plan.quant, src=lambda op: shards[op.src_rank],
+                                            dst=lambda op: outs["w"], scale=lambda r, n: outs[n])
+        (launch,) = table.launches
+        out.append((f"quantize-{str(dtype).removeprefix('torch.')}{'-ue8m0' if ue8m0 else ''}-{rule}", launch))
+    return out
+
+
+def _compile_quantize(item):
+    name, launch = item
+    src, options = compile_spec(launch)
+    compiled = triton.compile(src, target=TARGET, options=options.__dict__)
+    return name, compiled.asm["ptx"], resource_usage(compiled.asm["cubin"])
+
+
+def test_quantize_kernel_compiles_for_sm90_fast_and_exact():
+    """Every quantizer configuration: no spills, <= MAX_REGS registers, 128-bit source loads and
+    destination stores, the hardware's round-to-nearest-even saturating fp32 -> e4m3 conversion and
+    IEEE (not approximate) division for the scale."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(_compile_quantize, quantize_configurations()))
+    problems, table = [], []
+    for name, ptx, usage in results:
+        table.append(f"{name:36s} REG {usage['REG']:4d}  STACK {usage['STACK']}")
+        problems += problems_of(name, ("quantize",), ptx, usage)
+        if not re.search(rf"\bld\.global(\.[a-z0-9_]+)*?{_V128}\b", ptx):
+            problems.append(f"{name}: no 128-bit global ld in the PTX")
+        if not re.search(rf"\bst\.global(\.[a-z0-9_]+)*?{_V128}\b", ptx):
+            problems.append(f"{name}: no 128-bit global st in the PTX")
+        if "cvt.rn.satfinite.e4m3x2.f32" not in ptx:
+            problems.append(f"{name}: no cvt.rn.satfinite.e4m3x2.f32 in the PTX")
+        if not re.search(r"\bdiv\.rn\.f32\b", ptx) or re.search(r"\bdiv\.(approx|full)\.f32\b", ptx):
+            problems.append(f"{name}: the scale is not an IEEE division (div.rn.f32)")
+    print("\n".join(table))
+    assert len(results) == len(kernels.quantize_launch_configs())
+    assert not problems, "\n".join(problems)

@@ -11,13 +11,14 @@ from typing import Mapping
 
 import torch
 
-from .kernels import DescriptorTable
+from .kernels import DescriptorTable, QuantizeTable
 
 __all__ = ["execute_local", "check_shard", "writable_problem"]
 
 _BACKENDS = ("auto", "triton", "torch")
 _CACHE_SIZE = 16
 _table_cache: "OrderedDict[tuple, DescriptorTable]" = OrderedDict()
+_quant_tables: "dict[tuple, QuantizeTable]" = {}  # a quantized plan's second table, evicted with its key
 
 
 def _sig(t: torch.Tensor) -> tuple:
@@ -136,6 +137,11 @@ def execute_local(plan, src_shards, out=None, backend: str = "auto") -> dict[int
     device). ``backend``: ``"triton"`` (compiled on CUDA, Triton's interpreter on CPU tensors),
     ``"torch"`` (``copy_`` per op), ``"auto"`` (triton on CUDA, torch on CPU).
 
+    Block-quantized weights (a :class:`~tritonreshard.planning.QuantizedPlan`, e.g. a recipe with
+    ``quantization="fp8-block"``): their ops go to a :class:`~tritonreshard.kernels.QuantizeTable`,
+    which reads each 128x128 block whole from its sources and writes the e4m3 block and its scale
+    in the same pass (the Triton backend interpreted on CPU tensors, like the copies).
+
     Zero fills of the plan (``plan.fills``: padding such as vocab rows past the real vocab) are
     written after the copies. Every input is validated before any data moves; all problems are reported in one ``ValueError``.
     The descriptor table is cached per (plan, tensor addresses/shapes/strides/dtypes), so repeated
@@ -169,17 +175,27 @@ def execute_local(plan, src_shards, out=None, backend: str = "auto") -> dict[int
     key = (plan,
            tuple(_sig(src_shards[r][n]) for r, n in src_req),
            tuple(_sig(out[r][n]) for r, n in dst_req))
-    table = _table_cache.get(key)
+    table, qtable = _table_cache.get(key), _quant_tables.get(key)
     if table is None:
-        table = DescriptorTable.build(plan.ops, src=lambda op: src_shards[op.src_rank][op.src_name],
-                                      dst=lambda op: out[op.dst_rank][op.name])
+        quant = getattr(plan, "quant", None) or {}
+        src = lambda op: src_shards[op.src_rank][op.src_name]  # noqa: E731
+        dst = lambda op: out[op.dst_rank][op.name]  # noqa: E731
+        table = DescriptorTable.build([op for op in plan.ops if op.name not in quant], src=src, dst=dst)
+        if quant:
+            qtable = QuantizeTable.build([op for op in plan.ops if op.name in quant], quant, src=src, dst=dst,
+                                         scale=lambda r, n: out[r][n])
         if cacheable:  # (the table references its tensors, so the cache keeps them alive)
             _table_cache[key] = table
+            if qtable is not None:
+                _quant_tables[key] = qtable
             if len(_table_cache) > _CACHE_SIZE:
-                _table_cache.popitem(last=False)
+                old, _ = _table_cache.popitem(last=False)
+                _quant_tables.pop(old, None)
     else:
         _table_cache.move_to_end(key)
     table.run(backend)
+    if qtable is not None:
+        qtable.run(backend)
     for f in plan.fills:  # padding (e.g. vocab rows past the real vocab): no op writes it
         out[f.dst_rank][f.name][f.dst_slices].zero_()
     return result

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import RefitError
+from ..planning import BlockQuant
 from ..recipes import RecipeSpec
 from . import fsdp as _fsdp
 from .checks import (argument_problems, default_rank, local_destinations, local_parts, local_sources,
@@ -112,6 +113,9 @@ class RefitEndpoint:
             zeroed once when the buffers are set up, never per pull. A recipe gives them:
             ``RefitInference(spec.dst, parts=spec.parts, ...)`` or
             ``RefitInference.from_recipe(spec, ...)``.
+        quant: destination side, optional: ``{weight name: BlockQuant}`` of block-FP8 weights (a
+            recipe's ``spec.quant`` with ``quantization="fp8-block"``): each pull reads every 128x128
+            block whole and writes its FP8 values and scale in the same pass.
         dst_tensors: destination side, optional: tensors to write (e.g. the engine's parameters);
             the serving buffer set in in-place mode, the first of the two sets in shadow mode.
         mode: ``"shadow"`` (pull into a second buffer set, then ``swap``) or ``"inplace"``.
@@ -132,7 +136,7 @@ class RefitEndpoint:
                  mode: str = "shadow", device=None, backend: str = "auto", timeout: float = 60.0,
                  peer_timeout: float = 10.0, group: str = "default", epoch: int = 0,
                  host_store: bool | None = None, start_version: int = 0, sources=Sources,
-                 parts=None):
+                 parts=None, quant=None):
         self._released = True  # until set-up succeeded far enough to need closing (see close())
         rank, world_size = default_rank(rank, world_size)
         # A fully_shard model brings its layouts, and FSDP2 keeps training on the arena (see fsdp).
@@ -158,6 +162,10 @@ class RefitEndpoint:
         problems += dst_problems
         dst_parts, parts_problems = local_parts(parts) if dst_layouts is not None else ({}, [])
         problems += parts_problems
+        if quant is not None and (not isinstance(quant, dict) or not all(
+                isinstance(k, str) and isinstance(v, BlockQuant) for k, v in quant.items())):
+            problems.append(f"quant must be a dict name -> trs.planning.BlockQuant, got {short(quant)}")
+            quant = None
         self.device = dst_device if dst_layouts is not None else (
             next(iter(src_map.values())).device if src_map else torch.device("cpu"))
         self.backend = backend if backend != "auto" else ("triton" if self.device.type == "cuda" else "torch")
@@ -165,7 +173,8 @@ class RefitEndpoint:
         self._member = Member(rank, os.getpid(), host_identity(), str(self.device),
                               dict(src_layouts) if src_layouts is not None else None,
                               dict(dst_layouts) if dst_layouts is not None else None, tuple(problems),
-                              dst_parts if dst_layouts is not None else None)
+                              dst_parts if dst_layouts is not None else None,
+                              dst_quant=dict(quant or {}) if dst_layouts is not None else None)
         self._base_store, self._hosts_store = connect(store, rank=rank, world_size=world_size,
                                                       timeout=self.timeout, host_store=host_store)
         self.arena: SourceArena | None = None
@@ -214,7 +223,8 @@ class RefitEndpoint:
                                self.relay.own() if self.relay else None) if b is not None]
             sources = self._sources(group, route, exported, own={b.buffer: b for b in own}, device=self.device)
             try:
-                self.subscriber = Subscriber(group, route, self.buffers, sources, backend=self.backend)
+                self.subscriber = Subscriber(group, route, self.buffers, sources, backend=self.backend,
+                                             quant=getattr(plan, "quant", None))
             except BaseException:
                 sources.close()
                 raise
@@ -511,7 +521,8 @@ class RefitInference(RefitEndpoint):
     def from_recipe(cls, spec, **kwargs) -> "RefitInference":
         """The inference side of a recipe (``trs.recipes.hf_to_vllm``): vLLM's parameters
         (``spec.dst``) built from the HF ones by ``spec.parts``. Same as
-        ``RefitInference(spec.dst, parts=spec.parts, **kwargs)``; ``tensors=`` may be the engine's
-        parameters (``{vLLM name: tensor}``)."""
+        ``RefitInference(spec.dst, parts=spec.parts, quant=spec.quant, **kwargs)``; ``tensors=`` may be
+        the engine's parameters (``{vLLM name: tensor}``). With ``quantization="fp8-block"`` each pull
+        writes the FP8 weights and their scales (``quant``: see :func:`~tritonreshard.planning.plan_quantized`)."""
         spec = _recipe_spec(spec, "RefitInference.from_recipe")
-        return cls(spec.dst, parts=spec.parts, **kwargs)
+        return cls(spec.dst, parts=spec.parts, quant=getattr(spec, "quant", None) or None, **kwargs)

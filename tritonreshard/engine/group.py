@@ -41,7 +41,7 @@ from . import rendezvous as rdv
 from .liveness import Liveness
 from ..transport import wait as _wait
 from ..layout import Layout
-from ..planning import Plan, plan_reshard
+from ..planning import BlockQuant, Plan, plan_quantized
 from ..transport import STATE_ABORT
 
 __all__ = ["Group", "Member", "host_identity", "connect", "inputs_digest",
@@ -68,6 +68,8 @@ class Member:
     problems: tuple[str, ...] = ()
     #: Destination side: ``{dst name: (Part, ...)}`` (``plan_reshard``'s ``parts=``); ``{}`` for none.
     dst_parts: dict | None = None
+    #: Destination side: ``{weight name: BlockQuant}`` of block-FP8 weights (``plan_quantized``'s ``quant=``).
+    dst_quant: dict | None = None
     #: Filled in by :meth:`Group.join`: the group size this rank was given and the digests of the
     #: planning inputs it brings (:func:`inputs_digest`; "" for a side it does not hold).
     world_size: int = 0
@@ -80,7 +82,7 @@ class Member:
         return f"Member(rank={self.rank}, pid={self.pid}, host={self.host!r}, {'+'.join(roles)}, {self.device})"
 
 
-rdv.register_plain(Member)  # it travels through the store in each rank's hello
+rdv.register_plain(Member, BlockQuant)  # they travel through the store in each rank's hello
 
 
 def connect(store, *, rank: int, world_size: int, timeout: float, host_store: bool | None):
@@ -161,7 +163,7 @@ def validate_members(members: list[Member], world_size: int, rank: int | None = 
         problems.append(f"rank(s) {sorted(sizes)} joined with world_size {sorted(set(sizes.values()))} but "
                         f"this group has {world_size} ranks: every rank must pass the same world_size")
     layouts = {}
-    parts = None
+    parts = quant = None
     for side in ("src", "dst"):
         holders = [m for m in members if getattr(m, f"{side}_layouts") is not None]
         role = "trainer" if side == "src" else "inference"
@@ -182,6 +184,10 @@ def validate_members(members: list[Member], world_size: int, rank: int | None = 
             problems += found or [f"rank(s) {[m.rank for m in odd]} joined with {side} inputs of another digest "
                                   f"than rank {holders[0].rank}'s ({ref_digest[:12]}): every {role} rank must "
                                   f"pass the same layouts and parts"]
+        if side == "dst":
+            problems += _disagreements(holders, lambda m: m.dst_quant, "quant", repr,
+                                       "every inference rank must pass the same quantization")
+            quant = holders[0].dst_quant or {}
         ranks = {m.rank for m in holders}
         for name, lay in ref_layouts.items():
             if isinstance(lay, Layout):
@@ -194,8 +200,8 @@ def validate_members(members: list[Member], world_size: int, rank: int | None = 
     one_host = len({m.host for m in members}) == 1
     if not problems:
         try:
-            plan = plan_reshard(layouts["src"], layouts["dst"], parts or None,
-                                rank=rank if one_host else None)
+            plan = plan_quantized(layouts["src"], layouts["dst"], parts or None, quant or None,
+                                  rank=rank if one_host else None)
         except (ValueError, TypeError) as exc:
             problems.append(str(exc))
     if problems:

@@ -30,7 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import RefitError
-from ..kernels import DescriptorTable
+from ..kernels import DescriptorTable, QuantizeTable
 from ..transport import pack_offsets
 from .group import Group, check_timeout
 from .route import BufferRef, Route, Sources
@@ -194,7 +194,8 @@ class Subscriber:
             (mapped; the subscriber closes them). backend: ``"triton"`` or ``"torch"``.
     """
 
-    def __init__(self, group: Group, route: Route, buffers: ServingBuffers, sources: Sources, *, backend: str):
+    def __init__(self, group: Group, route: Route, buffers: ServingBuffers, sources: Sources, *, backend: str,
+                 quant=None):
         self.group, self.route, self.buffers, self.sources = group, route, buffers, sources
         self.rank, self.backend, self.device = group.rank, backend, buffers.device
         if set(route.fills) != set(buffers.fills):  # the same layouts and parts join every epoch
@@ -227,9 +228,15 @@ class Subscriber:
             return views[key]
 
         by_op = {r.op: r for r in reads}
-        self._tables = [DescriptorTable.build([r.op for r in reads], src=lambda op: src_view(by_op[op]),
-                                              dst=lambda op, b=bufs: b[op.name])
+        quant = quant or {}
+        # Block-FP8 weights (quant) go to a quantize table: each block read whole, quantized in registers.
+        self._tables = [DescriptorTable.build([r.op for r in reads if r.op.name not in quant],
+                                              src=lambda op: src_view(by_op[op]), dst=lambda op, b=bufs: b[op.name])
                         for bufs in buffers.sets]
+        qops = [r.op for r in reads if r.op.name in quant]
+        self._qtables = [QuantizeTable.build(qops, quant, src=lambda op: src_view(by_op[op]),
+                                             dst=lambda op, b=bufs: b[op.name], scale=lambda r, n, b=bufs: b[n])
+                         if qops else None for bufs in buffers.sets]
 
     # ------------------------------------------------------------------ pulling
     def available_version(self) -> int:
@@ -240,7 +247,7 @@ class Subscriber:
     def _pull_into(self, slot: int, version: int, timeout: float, cancel=None, ready=None) -> PullStats:
         t0 = time.perf_counter()
         sources, group, controls, owners = self.sources, self.group, self._controls, self._owners
-        table = self._tables[slot]
+        table, qtable = self._tables[slot], self._qtables[slot]
 
         def published():
             return {s: c.published_version for s, c in controls.items()}
@@ -269,9 +276,13 @@ class Subscriber:
                     self._stream.wait_event(ready)
                 with torch.cuda.stream(self._stream):
                     table.run(self.backend)
+                    if qtable is not None:
+                        qtable.run(self.backend)
                 self._stream.synchronize()  # the ack follows the copy stream's completion
             else:
                 table.run(self.backend)
+                if qtable is not None:
+                    qtable.run(self.backend)
         t2 = time.perf_counter()
         # The copy is only valid if no source changed or died while it ran (a dead trainer's
         # memory stays mapped, but the version it was publishing can no longer be vouched for).
@@ -392,7 +403,10 @@ class Subscriber:
     # ------------------------------------------------------------------ stats and lifetime
     @property
     def bytes_per_refit(self) -> int:
-        return self._tables[0].bytes_written if self._tables else 0
+        if not self._tables:
+            return 0
+        q = self._qtables[0]
+        return self._tables[0].bytes_written + (q.bytes_written if q is not None else 0)
 
     @property
     def num_descriptors(self) -> int:
@@ -419,6 +433,7 @@ class Subscriber:
             self._thread.join(60.0)
             self._thread = None
         self._tables = []
+        self._qtables = []
         if self.sources is not None:
             self.sources.close()
             self.sources = None

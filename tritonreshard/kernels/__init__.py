@@ -4,7 +4,9 @@ Two kernels copy batches of rectangular regions described by tables (raw address
 strides) and convert dtypes on the way: :func:`copy_rows_kernel` (aligned contiguous rows, 128-bit,
 no index math) and :func:`copy_tiles_kernel` (narrow, strided or unaligned regions, 2-D tiles).
 :func:`plan_launches` turns one dtype group's regions into their launches; the tables' format and the
-design are in :mod:`tritonreshard.kernels.gather`. Tables are built by
+design are in :mod:`tritonreshard.kernels.gather`. :mod:`~tritonreshard.kernels.quantize` quantizes to block FP8 in the same pass
+(:func:`quantize_blocks_kernel`, one program per destination block, fed by a
+:class:`QuantizeTable`). Tables are built by
 :class:`~tritonreshard.kernels.descriptors.DescriptorTable` (once per rank, reused every refit).
 
 Compiled or interpreted is decided per launch from the tables' device: CUDA tensors run the compiled
@@ -13,6 +15,8 @@ debugging). Importing this package sets no environment variable, changes nothing
 libraries' Triton kernels and does not initialise CUDA.
 """
 from .descriptors import DescriptorTable, Entry, Region
+from .quantize import (QuantizeLaunch, QuantizeTable, ceil_to_ue8m0, e4m3_from_f32, per_block_cast_to_fp8,
+                       quantize_blocks_kernel, quantize_launch_configs)
 from .gather import (
     ALIGN_BYTES,
     FIELD_NAMES,
@@ -33,6 +37,13 @@ from .gather import (
 )
 
 __all__ = [
+    "QuantizeLaunch",
+    "QuantizeTable",
+    "ceil_to_ue8m0",
+    "e4m3_from_f32",
+    "per_block_cast_to_fp8",
+    "quantize_blocks_kernel",
+    "quantize_launch_configs",
     "DescriptorTable",
     "Entry",
     "Region",

@@ -9,6 +9,7 @@ Modules, bottom up (each imports only those above it in this list):
 * :mod:`.reshard`: ``plan_reshard(src_layouts, dst_layouts, parts=)`` -> :class:`Plan`, a tuple of
   :class:`TransferOp` (one box from one source rank to one destination rank) and :class:`FillOp`
   (zero padding);
+* :mod:`.quant`: block-quantized (FP8) destinations: :class:`BlockQuant`, :func:`plan_quantized`;
 * :mod:`.hosts`: the same plan split by host (:func:`plan_hosts`): each byte a host needs crosses into
   it once, then fans out locally; :func:`refit_traffic`, a model of each rank's bytes per link at a
   scale where the whole plan is too big to make.
@@ -17,9 +18,10 @@ from .dtypes import CASTABLE_DTYPES, castable
 from .hosts import (CrossTransfer, FanoutOp, HostPlan, Message, box_is_contiguous, plan_hosts,
                     plan_messages, RECV_ALIGN, Traffic, refit_traffic)
 from .reshard import FillOp, Plan, PlanStats, TransferOp, plan_reshard, source_pieces
+from .quant import FP8_DTYPE, SCALE_RULES, BlockQuant, QuantizedPlan, plan_quantized
 from .text import fmt_bytes, fmt_global, fmt_slices
 
-__all__ = ["CASTABLE_DTYPES", "CrossTransfer", "FanoutOp", "FillOp", "HostPlan", "Message", "Plan",
-           "PlanStats", "RECV_ALIGN", "Traffic", "TransferOp", "box_is_contiguous", "castable", "fmt_bytes",
-           "fmt_global", "fmt_slices", "plan_hosts", "plan_messages", "plan_reshard", "refit_traffic",
-           "source_pieces"]
+__all__ = ["BlockQuant", "CASTABLE_DTYPES", "CrossTransfer", "FP8_DTYPE", "FanoutOp", "FillOp", "HostPlan",
+           "Message", "Plan", "PlanStats", "QuantizedPlan", "RECV_ALIGN", "SCALE_RULES", "Traffic", "TransferOp",
+           "box_is_contiguous", "castable", "fmt_bytes", "fmt_global", "fmt_slices", "plan_hosts", "plan_messages",
+           "plan_quantized", "plan_reshard", "refit_traffic", "source_pieces"]

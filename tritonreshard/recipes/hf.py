@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from ..layout import Layout, Part, Replicate, Shard
-from ..planning import Plan, plan_reshard
+from ..planning import BlockQuant, Plan, plan_quantized
+from .fp8 import check_quantization, quantize_destinations
 
 __all__ = ["hf_to_vllm", "RecipeSpec", "Family", "FAMILIES", "pad_vocab_size"]
 
@@ -81,10 +82,12 @@ class RecipeSpec:
     src: dict[str, Layout] = field(repr=False)
     dst: dict[str, Layout] = field(repr=False)
     parts: dict[str, tuple[Part, ...]] = field(repr=False)
+    #: ``{weight name: BlockQuant}`` of FP8-block destinations (``quantization=``); empty otherwise.
+    quant: dict[str, BlockQuant] = field(default_factory=dict, repr=False)
 
     def plan(self, rank: int | None = None) -> Plan:
         """The whole plan, or with ``rank`` that rank's part of it (``plan_reshard(..., rank=)``)."""
-        return plan_reshard(self.src, self.dst, self.parts, rank=rank)
+        return plan_quantized(self.src, self.dst, self.parts, self.quant or None, rank=rank)
 
 
 def _flag(value: bool | str, config: Any) -> bool:
@@ -101,7 +104,8 @@ def _ranks(value, what: str, problems: list[str]) -> tuple[int, ...]:
 
 
 def hf_to_vllm(config: Any, tp: int, trainer_ranks, inference_ranks, dtype: torch.dtype = torch.bfloat16,
-               src_dtype: torch.dtype = torch.float32, expert_parallel: bool = False) -> RecipeSpec:
+               src_dtype: torch.dtype = torch.float32, expert_parallel: bool = False,
+               quantization: str | None = None, scale_rule: str = "deepgemm") -> RecipeSpec:
     """The layouts and parts that refit an HF model trained under FSDP into vLLM's TP ranks.
 
     Args:
@@ -115,6 +119,9 @@ def hf_to_vllm(config: Any, tp: int, trainer_ranks, inference_ranks, dtype: torc
             the destinations are laid out on a ``(k, tp)`` mesh, ``Replicate`` over the replicas.
         dtype: vLLM's parameter dtype. ``src_dtype``: the trainer's parameter dtype.
         expert_parallel: MoE experts split over the ranks (vLLM's ``enable_expert_parallel``).
+        quantization: ``None``, ``"fp8-block"`` or ``"fp8-block-ue8m0"``: the linears and experts in
+            vLLM's block-FP8 layout, quantized in the refit's pass (:mod:`tritonreshard.recipes.fp8`).
+        scale_rule: ``"deepgemm"`` (``s = amax / 448``) or ``"nemo_rl"`` (``s = 1 / (448 / amax)``).
 
     Raises ``ValueError`` naming every problem at once: unknown ``model_type``, sizes vLLM cannot
     split over ``tp`` (heads, KV heads, intermediate size, padded vocab, experts).
@@ -132,6 +139,7 @@ def hf_to_vllm(config: Any, tp: int, trainer_ranks, inference_ranks, dtype: torc
     if tp and dst_ranks and len(dst_ranks) % tp:
         problems.append(f"inference_ranks has {len(dst_ranks)} ranks, not a multiple of tp={tp} "
                         f"(k replicas of TP-{tp} take k * {tp} ranks)")
+    problems += check_quantization(quantization, scale_rule)
     if fam is None or problems:
         raise ValueError("hf_to_vllm: " + "; ".join(problems))
 
@@ -269,4 +277,5 @@ def hf_to_vllm(config: Any, tp: int, trainer_ranks, inference_ranks, dtype: torc
     if not tied:
         source("lm_head.weight", (V, H))
         vocab("lm_head.weight", "lm_head.weight")
-    return RecipeSpec(model_type, tp, expert_parallel, src, dst, parts)
+    quant = quantize_destinations(dst, tp, quantization, scale_rule, f"hf_to_vllm: {where}") if quantization else {}
+    return RecipeSpec(model_type, tp, expert_parallel, src, dst, parts, quant)

@@ -68,6 +68,22 @@ class TritonreshardUpdateInfo(WeightTransferUpdateInfo):
     extra: dict = field(default_factory=dict)
 
 
+def _served_quantization(vllm_config) -> str | None:
+    """The recipe's ``quantization=`` for the served model: ``"fp8-block"`` for vLLM's block FP8
+    (``quant_method="fp8"``, ``weight_block_size=[128, 128]``): the workers pull FP8 weights and fp32
+    scales as a checkpoint holds them, and vLLM's ``process_weights_after_loading`` (run by the
+    layerwise reload) makes its kernel layouts from them (CUTLASS, DeepGEMM's E8M0 requant) exactly
+    as after a checkpoint load. ``None`` for an unquantized model; other quantizations are refused."""
+    qc = vllm_config.quant_config
+    if qc is None:
+        return None
+    block = getattr(qc, "weight_block_size", None)
+    if qc.get_name() != "fp8" or list(block or ()) != [128, 128]:
+        raise ValueError(f"tritonreshard: the served model's quantization {qc.get_name()!r} (weight_block_size="
+                         f"{block}) cannot be refitted; supported: none, or fp8 with weight_block_size [128, 128]")
+    return "fp8-block"
+
+
 class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitInfo, TritonreshardUpdateInfo]):
     """vLLM ``WeightTransferEngine`` pulling TP shards through tritonreshard (registered as
     ``"tritonreshard"``). Which process calls what: vLLM calls every method in every worker, driven
@@ -165,7 +181,8 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         self.tp_rank, tp = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         self.spec = recipes.hf_to_vllm(self.model_config.hf_config, tp=tp, trainer_ranks=init_info.trainer_ranks,
                                        inference_ranks=init_info.inference_ranks, dtype=self.model_config.dtype,
-                                       src_dtype=SRC_DTYPES[init_info.src_dtype])
+                                       src_dtype=SRC_DTYPES[init_info.src_dtype],
+                                       quantization=_served_quantization(self.vllm_config))
         replicas = len(init_info.inference_ranks) // tp   # hf_to_vllm checked k * tp ranks
         if not 0 <= init_info.replica < replicas:
             raise ValueError(f"tritonreshard init_weight_transfer_engine: init_info replica={init_info.replica} "

@@ -13,6 +13,7 @@ from tritonreshard.planning import fmt_bytes
 
 from ..driver import RankFailed
 from .config import LAYOUTS, METHODS, WORKER_METHODS, BenchConfig, parse_size
+from .fp8 import run_cli as run_fp8_cli
 from .memory import refusal
 from .report import measure, table
 from .session import BenchSession
@@ -55,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "host 0, inference ranks spread over hosts 1..N-1; the JSON adds cross_host_bytes "
                              "per method (default 1: every rank on this host)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
+    parser.add_argument("--quantize", choices=("fp8-block", "fp8-block-ue8m0"), default=None,
+                        help="instead: the fused FP8 refit vs the bf16 refit vs bf16 refit + torch quantize, "
+                             "in this process (see tritonreshard.apps.bench.fp8)")
     return parser
 
 
@@ -68,6 +72,8 @@ def _config(args) -> BenchConfig:
 
 def run(args: argparse.Namespace) -> int:
     """Runs the bench; returns the exit code (0: measured and every method verified)."""
+    if args.quantize:
+        return run_fp8_cli(args)
     try:
         cfg = _config(args)
     except ValueError as exc:

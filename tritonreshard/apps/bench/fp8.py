@@ -1,0 +1,162 @@
+"""``tritonreshard bench --quantize fp8-block``: the fused FP8 refit against the bf16 refit and against
+"bf16 refit, then quantize with torch" (what RL stacks do today), on the same bytes in one run.
+
+What moves: a Llama-shaped bf16 model of about ``--size`` bytes built by the real recipe
+(``trs.recipes.hf_to_vllm``: hidden 1024, 8 heads of 128, 4 KV heads, intermediate 3072, vocab 8192,
+as many layers as fit; under 64 MiB hidden 512), from ``--trainers`` FSDP ranks (default 3) to ``--inference`` TP ranks
+(default 4), all in this process (:func:`tritonreshard.execute_local`: the copy and quantize work of
+every rank, without the engine's processes around it). Methods, each timed as the median of
+``--repeats`` runs after ``--warmup``:
+
+* ``bf16``: the plain refit (bf16 -> bf16, vLLM's unquantized layout);
+* ``fp8_fused``: the refit into vLLM's block-FP8 layout, each 128x128 block quantized as it is read;
+* ``bf16_then_quantize``: the bf16 refit, then every linear's local shard quantized with torch ops
+  (DeepGEMM's ``per_block_cast_to_fp8`` per logical partition) into the FP8 layout.
+
+``GB/s`` is the bf16 bytes the refit reads from the trainers (the same for all three) over the time.
+``verified``: the fused result equals the refit-then-quantize result bit for bit (weights and scales).
+Backend: ``--backend`` (default: triton on CUDA, torch on CPU; the Triton interpreter is a debugger).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from ... import execute_local, recipes
+from ...kernels import DescriptorTable, QuantizeTable, per_block_cast_to_fp8
+from .config import parse_size
+
+__all__ = ["fp8_config", "run_fp8"]
+
+_LAYER = dict(hidden_size=1024, num_attention_heads=8, num_key_value_heads=4, head_dim=128, intermediate_size=3072,
+              vocab_size=8192)
+_SMALL = dict(hidden_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=128, intermediate_size=1024,
+              vocab_size=1024)  # under 64 MiB (tests): about 6 MiB a layer
+
+
+def fp8_config(size: int):
+    """A transformers ``LlamaConfig`` of about ``size`` bytes of bf16 (at least one layer)."""
+    import transformers  # lazy: heavy, and only this bench mode needs it
+
+    shape = _LAYER if size >= 64 << 20 else _SMALL
+    h, i, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    qkv = (shape["num_attention_heads"] + 2 * shape["num_key_value_heads"]) * shape["head_dim"]
+    per_layer = 2 * (qkv * h + h * h + 3 * h * i + 2 * h)
+    layers = max(1, round((size - 2 * (2 * v * h + h)) / per_layer))
+    return transformers.LlamaConfig(**shape, num_hidden_layers=layers, tie_word_embeddings=False)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn, repeats, warmup, device) -> float:
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run_fp8(size: int, trainers: int = 3, inference: int = 4, device: str = "cpu", backend: str | None = None,
+            repeats: int = 5, warmup: int = 1, quantization: str = "fp8-block") -> dict:
+    """Measure the three methods; returns the figures (see the module doc)."""
+    dev = torch.device(device)
+    backend = backend or ("triton" if dev.type == "cuda" else "torch")
+    config = fp8_config(size)
+    kw = dict(tp=inference, trainer_ranks=list(range(trainers)),
+              inference_ranks=list(range(trainers, trainers + inference)), dtype=torch.bfloat16,
+              src_dtype=torch.bfloat16)
+    plain = recipes.hf_to_vllm(config, **kw)
+    fp8 = recipes.hf_to_vllm(config, **kw, quantization=quantization)
+    p_plain, p_fp8 = plain.plan(), fp8.plan()
+    g = torch.Generator().manual_seed(0)
+    src = {}
+    for name, lay in sorted(plain.src.items()):
+        full = (torch.randn(lay.shape, generator=g) * 0.02).to(torch.bfloat16)
+        for r in lay.ranks:
+            src.setdefault(r, {})[name] = lay.shard(full, r).contiguous().to(dev)
+
+    def alloc(plan):
+        return {r: {n: torch.zeros(lay.local_shape(r), dtype=lay.dtype, device=dev)
+                    for n, lay in plan.dst_layouts.items() if r in lay.ranks} for r in plan.dst_ranks}
+
+    out_bf16, out_fused, out_after = alloc(p_plain), alloc(p_fp8), alloc(p_fp8)
+    for r, tensors in out_after.items():  # the stacks' flow: unquantized tensors are the bf16 refit's
+        tensors.update({n: t for n, t in out_bf16[r].items() if n not in fp8.quant})
+
+    # Tables built once and run every refit, as the engine's inference ranks do (execute_local
+    # would also re-validate every tensor on each call); fills (vocab padding) are zero already.
+    execute_local(p_fp8, src, out=out_fused, backend=backend)  # validates the inputs once
+    get_src = lambda op: src[op.src_rank][op.src_name]  # noqa: E731
+    t_bf16 = DescriptorTable.build(p_plain.ops, src=get_src, dst=lambda op: out_bf16[op.dst_rank][op.name])
+    fused_dst = lambda op: out_fused[op.dst_rank][op.name]  # noqa: E731
+    t_rest = DescriptorTable.build([op for op in p_fp8.ops if op.name not in fp8.quant], src=get_src, dst=fused_dst)
+    t_q = QuantizeTable.build([op for op in p_fp8.ops if op.name in fp8.quant], fp8.quant, src=get_src,
+                              dst=fused_dst, scale=lambda r, n: out_fused[r][n])
+
+    def bf16():
+        t_bf16.run(backend)
+
+    def fused():
+        t_rest.run(backend)
+        t_q.run(backend)
+
+    def then_quantize():
+        bf16()
+        for r, tensors in out_bf16.items():
+            for name, q in fp8.quant.items():
+                w, row = tensors[name], 0
+                qo, so = out_after[r][name], out_after[r][q.scale]
+                srow = 0
+                for n in q.rows:  # each logical partition on its own block grid
+                    qq, ss = per_block_cast_to_fp8(w[..., row:row + n, :], q.block, q.ue8m0, q.scale_rule)
+                    qo[..., row:row + n, :] = qq
+                    so[..., srow:srow + ss.shape[-2], :] = ss
+                    row, srow = row + n, srow + ss.shape[-2]
+
+    read = sum(op.numel for op in p_plain.ops) * 2
+    secs = {"bf16": _time(bf16, repeats, warmup, dev), "fp8_fused": _time(fused, repeats, warmup, dev),
+            "bf16_then_quantize": _time(then_quantize, repeats, warmup, dev)}
+    verified = all(torch.equal(out_fused[r][n].view(torch.uint8) if t.dtype == torch.float8_e4m3fn else out_fused[r][n],
+                               t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t)
+                   for r, ts in out_after.items() for n, t in ts.items())
+    return {"quantize": quantization, "backend": backend, "device": str(dev), "layers": config.num_hidden_layers,
+            "bf16_bytes_read": read, "trainers": trainers, "inference": inference, "repeats": repeats,
+            "results": {m: {"seconds": s, "GBps_bf16_read": read / s / 1e9} for m, s in secs.items()},
+            "fused_vs_bf16": secs["bf16"] / secs["fp8_fused"],
+            "fused_vs_then_quantize": secs["bf16_then_quantize"] / secs["fp8_fused"], "verified": verified}
+
+
+def table(out: dict) -> str:
+    lines = [f"FP8 refit ({out['quantize']}, {out['backend']} on {out['device']}): {out['layers']} layers, "
+             f"{out['bf16_bytes_read'] / 2**20:.0f} MiB of bf16 read, {out['trainers']} trainers -> "
+             f"{out['inference']} TP ranks, median of {out['repeats']}"]
+    for m, r in out["results"].items():
+        lines.append(f"  {m:20s} {r['seconds'] * 1e3:9.1f} ms  {r['GBps_bf16_read']:7.2f} GB/s")
+    lines.append(f"  fused / bf16 refit time: {1 / out['fused_vs_bf16']:.2f}x; refit+quantize / fused: "
+                 f"{out['fused_vs_then_quantize']:.2f}x; verified: {out['verified']}")
+    return "\n".join(lines)
+
+
+def run_cli(args) -> int:
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("tritonreshard bench: --device=cuda but torch.cuda.is_available() is False", file=sys.stderr)
+        return 2
+    out = run_fp8(parse_size(args.size), trainers=args.trainers or 3, inference=args.inference,
+                  device=args.device, backend=args.backend, repeats=args.repeats, warmup=args.warmup,
+                  quantization=args.quantize)
+    print(table(out))
+    if args.json:
+        print(json.dumps(out))
+    return 0 if out["verified"] else 1
