@@ -86,7 +86,7 @@ def test_engine_meets_its_worker_only_through_the_extension():
 
     from tritonreshard.vllm._worker import TritonreshardInitInfo, TritonreshardWeightTransferEngine
 
-    pc = SimpleNamespace(pipeline_parallel_size=1, data_parallel_size=1)
+    pc = SimpleNamespace(pipeline_parallel_size=1, data_parallel_size=1, enable_expert_parallel=False)
     args = (None, SimpleNamespace(parallel_config=pc, model_config=None), torch.device("cpu"), torch.nn.Linear(2, 2))
 
     class LooksLikeAWorker:  # what vLLM's worker has, without the extension
