@@ -30,8 +30,8 @@ def _configs():
         "qwen3_moe": transformers.Qwen3MoeConfig(num_attention_heads=4, num_key_value_heads=2, num_experts=4,
                                                  num_experts_per_tok=2, moe_intermediate_size=16,
                                                  mlp_only_layers=[1], **common),
-        # 6 experts: over 4 EP ranks vLLM places 2, 2, 1, 1 (torch.chunk would give 2, 2, 2, 0); TP 8 > 6
-        "qwen3_moe_6e": transformers.Qwen3MoeConfig(num_attention_heads=8, num_key_value_heads=2, num_experts=6,
+        # 10 experts: over 4 EP ranks vLLM places 3, 3, 2, 2 (torch.chunk would give 3, 3, 3, 1); TP 8
+        "qwen3_moe_10e": transformers.Qwen3MoeConfig(num_attention_heads=8, num_key_value_heads=2, num_experts=10,
                                                     num_experts_per_tok=2, moe_intermediate_size=16,
                                                     mlp_only_layers=[1], **common),
         "deepseek_v3": _deepseek("DeepseekV3Config", q_lora_rank=24),
@@ -57,7 +57,7 @@ def _deepseek(cls, q_lora_rank):
 # mistral 8: 4 replicas per KV head).
 CASES = [("llama", 1), ("llama", 2), ("llama", 4), ("llama_mha", 2), ("llama_bias", 4), ("mistral", 8), ("mistral", 2),
          ("qwen2_tied", 2), ("qwen2_tied", 4), ("qwen3", 2), ("qwen3", 4), ("qwen3_moe", 2), ("qwen3_moe", 4),
-         ("qwen3_moe", 1), ("qwen3_moe_6e", 8), ("deepseek_v3", 1), ("deepseek_v3", 2), ("deepseek_v3", 8),
+         ("qwen3_moe", 1), ("qwen3_moe_10e", 8), ("deepseek_v3", 1), ("deepseek_v3", 2), ("deepseek_v3", 8),
          ("deepseek_v2", 4)]
 
 
@@ -222,7 +222,7 @@ def test_hf_to_vllm_matches_vllm_loaders_on_every_rank(arch, tp):
 
 
 @pytest.mark.parametrize("arch,tp,local", [("qwen3_moe", 2, [2, 2]), ("qwen3_moe", 4, [1] * 4),
-                                           ("qwen3_moe_6e", 4, [2, 2, 1, 1]), ("qwen3_moe_6e", 5, [2, 1, 1, 1, 1]),
+                                           ("qwen3_moe_10e", 4, [3, 3, 2, 2]), ("deepseek_v3", 5, [2, 1, 1, 1, 1]),
                                            ("deepseek_v3", 4, [2, 2, 1, 1]), ("deepseek_v2", 2, [3, 3])])
 def test_expert_parallel_places_experts_like_vllm(arch, tp, local):
     """Whole experts per rank, placed as vLLM's determine_expert_map ("linear") does, also when
@@ -294,11 +294,12 @@ def test_unknown_architecture_and_impossible_tp_report_everything():
         trs.recipes.hf_to_vllm(bert, tp=2, trainer_ranks=TRAINERS, inference_ranks=[2, 3])
     with pytest.raises(ValueError, match="inference_ranks has 3 ranks but tp=2"):
         trs.recipes.hf_to_vllm(config, tp=2, trainer_ranks=TRAINERS, inference_ranks=[2, 3, 4])
-    with pytest.raises(ValueError, match="expert_parallel: tp=8 is greater than num_experts=4"):
-        trs.recipes.hf_to_vllm(_configs()["qwen3_moe"], tp=8, trainer_ranks=TRAINERS,
-                               inference_ranks=list(range(8)), expert_parallel=True)
-    # Without EP every expert is split: tp=8 > 4 experts is what vLLM does too.
-    trs.recipes.hf_to_vllm(_configs()["qwen3_moe_6e"], tp=8, trainer_ranks=TRAINERS, inference_ranks=list(range(8)))
+    # vLLM's Qwen3-MoE refuses tp > num_experts, with or without EP; its DeepSeek splits every expert.
+    for ep in (False, True):
+        with pytest.raises(ValueError, match="tp=8 is greater than num_experts=4"):
+            trs.recipes.hf_to_vllm(_configs()["qwen3_moe"], tp=8, trainer_ranks=TRAINERS,
+                                   inference_ranks=list(range(8)), expert_parallel=ep)
+    trs.recipes.hf_to_vllm(_configs()["deepseek_v3"], tp=8, trainer_ranks=TRAINERS, inference_ranks=list(range(8)))
     with pytest.raises(ValueError) as e:  # DeepSeek: every problem at once, through the same entry point
         trs.recipes.hf_to_vllm(_configs()["deepseek_v3"], tp=3, trainer_ranks=TRAINERS, inference_ranks=[2, 3, 4])
     msg = str(e.value)
@@ -365,15 +366,15 @@ def vllm_python():
 
 
 # Every case checked against vLLM's own load_weights, in ONE probe run (vLLM's import dominates a
-# probe's time): TP 1, 2, 4 and 8 (8 > num_experts), and EP where vLLM allows it, also uneven.
+# probe's time): TP 1, 2, 4 and 8 (DeepSeek: 8 > its 6 experts), and EP, also uneven.
 REAL_CASES = [("llama", 4, False), ("qwen2_tied", 4, False),
-              ("qwen3_moe", 1, False), ("qwen3_moe", 2, False), ("qwen3_moe", 4, False), ("qwen3_moe_6e", 8, False),
-              ("qwen3_moe", 2, True), ("qwen3_moe_6e", 4, True),
+              ("qwen3_moe", 1, False), ("qwen3_moe", 2, False), ("qwen3_moe", 4, False), ("qwen3_moe_10e", 8, False),
+              ("qwen3_moe", 2, True), ("qwen3_moe_10e", 4, True),
               ("deepseek_v3", 1, False), ("deepseek_v3", 2, False), ("deepseek_v3", 4, False),
               ("deepseek_v3", 8, False), ("deepseek_v3", 4, True),
               ("deepseek_v2", 2, False), ("deepseek_v2", 4, False), ("deepseek_v2", 2, True)]
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2_tied": "Qwen2ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "qwen3_moe_6e": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                 "qwen3_moe_10e": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                  "deepseek_v2": "DeepseekV2ForCausalLM"}
 
 

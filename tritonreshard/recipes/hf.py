@@ -16,8 +16,8 @@ mapping between them. Facts follow vLLM 0.32's loaders:
   expose only ``model.embed_tokens.weight``.
 * MoE ``mlp.experts.routed_experts.w13_weight`` ``[E, 2I, H]`` from ``mlp.experts.gate_up_proj`` (gate
   first): ``[gate chunk r | up chunk r]`` on dim 1; ``w2_weight`` ``[E, H, I]`` from
-  ``mlp.experts.down_proj``, split on dim 2; without expert parallelism every expert is split, so
-  ``tp > num_experts`` is fine. With ``expert_parallel=True`` each rank holds whole experts (dim 0),
+  ``mlp.experts.down_proj``, split on dim 2 (vLLM 0.32's Qwen3-MoE refuses ``tp > num_experts`` even
+  so; DeepSeek's does not). With ``expert_parallel=True`` each rank holds whole experts (dim 0),
   placed as vLLM's ``determine_expert_map`` ("linear") does: the first ``E % tp`` ranks hold one
   expert more (``Shard(0, balanced=True)``, not ``torch.chunk``). The router ``mlp.gate.weight`` is
   replicated.
@@ -170,9 +170,8 @@ def hf_to_vllm(config: Any, tp: int, trainer_ranks, inference_ranks, dtype: torc
         step = getattr(config, "decoder_sparse_step", 1) or 1
         moe_layers = {i for i in range(L) if i not in only and E > 0 and (i + 1) % step == 0}
         if moe_layers:
-            if expert_parallel and tp > E:
-                problems.append(f"expert_parallel: tp={tp} is greater than num_experts={E} (a rank would hold "
-                                f"no expert)")
+            if tp > E:  # vLLM's Qwen3MoeSparseMoeBlock refuses it, with or without EP
+                problems.append(f"tp={tp} is greater than num_experts={E} (vLLM refuses it too)")
             if not expert_parallel and moe_i % tp:
                 problems.append(f"moe_intermediate_size={moe_i} is not divisible by tp={tp}")
     elif expert_parallel:

@@ -28,7 +28,7 @@ from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_pa
 from vllm.logger import init_logger
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
-from vllm.model_executor.layers.attention import is_deferred_attention_layer
+from vllm.model_executor.layers.attention import MLAAttention, is_deferred_attention_layer
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
@@ -224,13 +224,18 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
             mname, pname = name.rsplit(".", 1)
             self._layers.setdefault(mname, (modules[mname], []))[1].append((pname, buf, name in tied))
         self._processed = {m for m, (mod, _) in self._layers.items() if self._needs_processing(m, mod)}
+        # MLA attention derives W_UK_T / W_UV from kv_b_proj in its own post-processing, which only
+        # the layerwise path runs (vLLM's deferred attention step in finalize): on CUDA too.
+        self._mla = any(isinstance(m, MLAAttention) for m in self.model.modules())
 
     def _needs_processing(self, mname: str, mod: torch.nn.Module) -> bool:
         qm = getattr(mod, "quant_method", None)
         if qm is None:
             return False
         if not isinstance(qm, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)) or current_platform.is_cpu():
-            return True  # quantized, or the CPU backend's repack into oneDNN / sgl handles
+            # quantized, or the CPU backend's repack into oneDNN / sgl handles; MoE experts too: their
+            # kernel format may shuffle in place, keeping the load-format shape
+            return True
         return any(tuple(p.shape) != self._restore_shapes[f"{mname}.{n}"] for n, p in
                    mod.named_parameters(recurse=False) if f"{mname}.{n}" in self._restore_shapes)
 
@@ -271,10 +276,11 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
     def _apply(self, bufs: dict[str, torch.Tensor]) -> None:
         """Copy the pulled buffers (``{vLLM name: this rank's load-format shard}``, padding rows
         already zero) into vLLM's parameters."""
-        if self._processed:
+        if self._processed or self._mla:
             t0 = time.perf_counter()
             initialize_layerwise_reload(self.model)
             t1 = time.perf_counter()
+            experts = 0
             for mname in sorted(self._layers):
                 mod, params = self._layers[mname]
                 info = _layerwise.get_layerwise_info(mod)
@@ -285,7 +291,7 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
                 for pname, name, _ in params:
                     getattr(mod, pname).data.copy_(bufs[name])
                 # vLLM's own post-load processing; for a plain layer it only copies into the kernel tensors.
-                self._process(mod, info)
+                experts += self._process(mod, info)
             # Layers nothing of ours lands in (rotary caches): put vLLM's own tensors back as
             # finalize would, minus its "failed to load weights" warning on every refit.
             bound = {id(mod) for mod, _ in self._layers.values()}
@@ -298,7 +304,7 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
             t2 = time.perf_counter()
             finalize_layerwise_reload(self.model, self.model_config)
             self._apply_split = {"layerwise_init_ms": (t1 - t0) * 1e3, "process_ms": (t2 - t1) * 1e3,
-                                 "finalize_ms": (time.perf_counter() - t2) * 1e3}
+                                 "finalize_ms": (time.perf_counter() - t2) * 1e3, "experts_processed": experts}
             return
         self._apply_split = {}
         for mod, params in self._layers.values():
@@ -307,7 +313,7 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
                     getattr(mod, pname).data.copy_(bufs[name])
 
     @staticmethod
-    def _process(mod: torch.nn.Module, info) -> None:
+    def _process(mod: torch.nn.Module, info) -> bool:
         """vLLM's post-load processing of one refitted layer, exactly once, then its kernel tensors
         refreshed in place (their storage is what vLLM serves from).
 
@@ -317,16 +323,18 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         rank's intermediate size to a multiple of 32 and prepacks ``w13_weight`` / ``w2_weight``
         (``cpu_prepack_moe_weight``). Without it the load-format tensors land in the prepacked
         storage (or fail to fit it when padded) and greedy output diverges. Elsewhere that step is
-        vLLM's no-op, so running it is the same as vLLM's first load."""
+        vLLM's no-op, so running it is the same as vLLM's first load. Returns whether ``mod`` was
+        such an experts layer."""
         qm = getattr(mod, "quant_method", None)
         if not (isinstance(qm, UnquantizedFusedMoEMethod) and qm.moe_kernel is not None):
             _layerwise._layerwise_process(mod, info)
-            return
+            return False
         materialize_layer(mod, info)
         qm.process_weights_after_loading(mod)  # padding and kernel format, copied into the layer's tensors
         qm.moe_kernel.fused_experts.process_weights_after_loading(mod)  # the step vLLM skips on an update
         _layerwise._copy_and_restore_kernel_tensors(mod, info)
         info.reset()
+        return True
 
     def finish_weight_update(self) -> None:
         self._session = False
