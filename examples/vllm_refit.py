@@ -20,6 +20,9 @@ call must fail naming the dead rank, and vLLM must keep generating with the prev
 ``--reload`` also times vLLM's own ``reload_weights`` from full tensors on the same model.
 
 Run: ``python examples/vllm_refit.py --tp 2 --refits 2 --json`` (about 2 minutes on 2 CPU cores).
+``--model tiny-qwen3-moe [--ep]`` and ``--model tiny-deepseek-v3`` run the same flow for MoE and MLA
+(``--ep``: expert parallelism, CUDA only); ``--model small-qwen3-moe --reload`` times a 99M-parameter
+MoE refit against vLLM's ``reload_weights``.
 The last stdout line (``--json``) is one JSON object with ``refits``, ``tp``, ``prompts``,
 ``tokens_compared``, ``mismatches`` and ``refit_ms`` (per refit).
 """
