@@ -80,6 +80,12 @@ MODELS = {  # name: (transformers config class, fields)
         first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32,
         v_head_dim=32, n_group=1, topk_group=1, tie_word_embeddings=False, topk_method="noaux_tc",
         scoring_func="sigmoid")),
+    # DeepSeek-V2: the same without q-lora (q_proj, a replicated kv_a_proj_with_mqa) and with greedy routing
+    "tiny-deepseek-v2": ("DeepseekV2Config", dict(
+        hidden_size=128, num_attention_heads=4, num_key_value_heads=4, vocab_size=1000, num_hidden_layers=2,
+        intermediate_size=256, moe_intermediate_size=48, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32,
+        v_head_dim=32, n_group=1, topk_group=1, tie_word_embeddings=False)),
     # Qwen3-MoE of 99M parameters (4 layers of 20 experts), for timing refits against reload_weights
     "small-qwen3-moe": ("Qwen3MoeConfig", dict(
         hidden_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=32000,
@@ -246,7 +252,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--model", choices=sorted(MODELS), default="tiny",
                     help="tiny: the checked 2-layer Llama (default); tiny-qwen2 / tiny-qwen3: the same sizes "
                          "as Qwen2 (biases, tied embeddings) / Qwen3 (q/k norms); tiny-qwen3-moe: 8 experts, "
-                         "top-2; tiny-deepseek-v3: MLA, a dense then a MoE layer with a shared expert; small: a "
+                         "top-2; tiny-deepseek-v3: MLA, a dense then a MoE layer with a shared expert (tiny-deepseek-v2: "
+                         "no q-lora); small: a "
                          "45M-parameter Llama, small-qwen3-moe: a 99M-parameter Qwen3-MoE, for timing")
     ap.add_argument("--prompts", type=int, default=3, help="prompts compared after each refit (default 3)")
     ap.add_argument("--max-tokens", type=int, default=8, help="greedy tokens generated per prompt (default 8)")
