@@ -294,3 +294,23 @@ def test_vllm_engine_refit_qwen3_moe_expert_parallel():
     before any refit (the EP layouts are checked against vLLM's load_weights in test_recipes)."""
     summary, _ = _run_example("--model", "tiny-qwen3-moe", "--tp", "2", "--refits", "2", "--ep", timeout=540)
     _check_moe_refits(summary, _example_config("tiny-qwen3-moe"), tp=2, moe_layers=None, expert_parallel=True)
+
+
+def test_expert_placement_other_than_vllms_linear_is_refused():
+    """The recipe lays experts out as vLLM's default "linear" placement; round-robin placement or
+    EPLB's redundant experts would put other experts on each rank: refused with every problem named."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from tritonreshard.vllm._worker import TritonreshardInitInfo, TritonreshardWeightTransferEngine
+
+    pc = SimpleNamespace(pipeline_parallel_size=2, data_parallel_size=1, enable_expert_parallel=True,
+                         enable_eplb=True, expert_placement_strategy="round_robin")
+    engine = TritonreshardWeightTransferEngine(None, SimpleNamespace(parallel_config=pc, model_config=None),
+                                               torch.device("cpu"), torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError) as e:
+        engine._init(TritonreshardInitInfo(store="127.0.0.1:9", trainer_ranks=[0], inference_ranks=[1]))
+    msg = str(e.value)
+    for part in ("pipeline_parallel_size=2", "enable_eplb=True, expert_placement_strategy='round_robin'",
+                 "only vLLM's default linear placement", "worker_extension_cls"):
+        assert part in msg, part
