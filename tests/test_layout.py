@@ -39,6 +39,46 @@ def test_blocks_split_independently_and_concatenate():
     assert lay.local_shape(6) == (6, 3)
 
 
+def test_balanced_split_matches_numpy_array_split_and_vllm_expert_placement():
+    """``Shard(d, balanced=True)``: the first n % k pieces are one longer (numpy.array_split, vLLM's
+    "linear" expert placement), where torch.chunk would leave a short or empty tail."""
+    for n, k in [(6, 4), (5, 4), (3, 4), (8, 4), (7, 3), (0, 2), (1, 1)]:
+        lay = Layout((n, 3), list(range(10, 10 + k)), [Shard(0, balanced=True)])
+        x = torch.arange(n * 3).reshape(n, 3)
+        pieces = torch.tensor_split(x, k)  # numpy.array_split semantics
+        for i, piece in enumerate(pieces):
+            assert lay.local_shape(10 + i) == tuple(piece.shape), (n, k, i)
+            assert torch.equal(lay.shard(x, 10 + i), piece), (n, k, i)
+    # 6 experts over 4 ranks: 2, 2, 1, 1 (torch.chunk: 2, 2, 2, 0)
+    assert [Layout((6,), 4, [Shard(0, balanced=True)]).local_shape(r)[0] for r in range(4)] == [2, 2, 1, 1]
+    assert [Layout((6,), 4, [Shard(0)]).local_shape(r)[0] for r in range(4)] == [2, 2, 2, 0]
+    # blocks: each block balanced on its own; two mesh dims: the outer piece is split again
+    lay = Layout((7,), [5, 6], [Shard(0, blocks=(3, 4), balanced=True)])
+    assert lay.segments(5) == (((0, 2, 0), (3, 5, 2)),) and lay.segments(6) == (((2, 3, 0), (5, 7, 1)),)
+    lay = Layout((7,), [[0, 1], [2, 3]], [Shard(0, balanced=True), Shard(0, balanced=True)])
+    assert [lay.segments(r)[0] for r in range(4)] == [((0, 2, 0),), ((2, 4, 0),), ((4, 6, 0),), ((6, 7, 0),)]
+    assert str(Shard(0, balanced=True)) == "S(0,bal)" and str(Shard(1, (2, 2), True)) == "S(1,[2,2],bal)"
+    assert Shard(0, balanced=True) != Shard(0) and Layout((6,), 4, [Shard(-1, balanced=True)]).placements[0].balanced
+    with pytest.raises(ValueError) as e:
+        Layout((6,), [[0, 1], [2, 3]], [Shard(0, balanced=True), Shard(0)])
+    assert "shard dim 0 both balanced and not" in str(e.value)
+    with pytest.raises(ValueError, match="balanced must be a bool"):
+        Layout((6,), 2, [Shard(0, balanced=1)])
+
+
+def test_balanced_split_plans_and_executes_exactly():
+    """A balanced destination is planned and copied like any other: every element once, bit for bit."""
+    x = torch.arange(6 * 5, dtype=torch.float32).reshape(6, 5)
+    src = {"w": Layout((6, 5), [0, 1], [Shard(0)])}
+    dst = {"w": Layout((6, 5), [2, 3, 4, 5], [Shard(0, balanced=True)])}
+    plan = trs.plan_reshard(src, dst)
+    assert sum(op.numel for op in plan.ops) == 30
+    out = {r: {"w": torch.full(dst["w"].local_shape(r), float("nan"))} for r in (2, 3, 4, 5)}
+    got = trs.execute_local(plan, {r: {"w": src["w"].shard(x, r)} for r in (0, 1)}, out=out, backend="torch")
+    for r, piece in zip((2, 3, 4, 5), torch.tensor_split(x, 4)):
+        assert torch.equal(got[r]["w"], piece)
+
+
 def test_mesh_forms_ranks_str_and_hash():
     a = Layout((4, 4), [[3, 2], [1, 0]], [Replicate(), Shard(1)], torch.bfloat16)
     assert a.ranks == (3, 2, 1, 0) and a.mesh_shape == (2, 2)

@@ -1,6 +1,8 @@
 """Recipes: HF (transformers 5) parameters -> vLLM TP parameters, checked against a reference that
 applies vLLM 0.32's weight-loader rules (narrow per TP rank, replicated KV heads, padded vocab with
-zero rows) to the full tensors of a real tiny model built from a config."""
+zero rows, MLA's fused q/kv-a projection, vLLM's expert placement) to the full tensors of a real
+tiny model built from a config, and against vLLM's own ``load_weights`` (one probe run for every
+case: see ``real_vllm``)."""
 import re
 
 import pytest
@@ -28,21 +30,46 @@ def _configs():
         "qwen3_moe": transformers.Qwen3MoeConfig(num_attention_heads=4, num_key_value_heads=2, num_experts=4,
                                                  num_experts_per_tok=2, moe_intermediate_size=16,
                                                  mlp_only_layers=[1], **common),
+        # 10 experts: over 4 EP ranks vLLM places 3, 3, 2, 2 (torch.chunk would give 3, 3, 3, 1); TP 8
+        "qwen3_moe_10e": transformers.Qwen3MoeConfig(num_attention_heads=8, num_key_value_heads=2, num_experts=10,
+                                                    num_experts_per_tok=2, moe_intermediate_size=16,
+                                                    mlp_only_layers=[1], **common),
+        "deepseek_v3": _deepseek("DeepseekV3Config", q_lora_rank=24),
+        "deepseek_v2": _deepseek("DeepseekV2Config", q_lora_rank=None),
     }
+
+
+def _deepseek(cls, q_lora_rank):
+    """MLA with (V3) or without (V2) q-lora; layer 0 dense, 1-2 MoE with 6 routed experts and 2
+    shared ones; V3 routes with noaux_tc (the e_score_correction_bias buffer), as its config.json
+    says (transformers 5's DeepseekV3Config has neither field)."""
+    config = getattr(transformers, cls)(
+        vocab_size=100, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=8, num_key_value_heads=8, n_routed_experts=6, n_shared_experts=2,
+        num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=q_lora_rank,
+        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, n_group=1, topk_group=1)
+    if cls == "DeepseekV3Config":
+        config.topk_method, config.scoring_func = "noaux_tc", "sigmoid"
+    return config
 
 
 # KV heads (2, or 4 for llama_mha) vs tp: below (llama 1, llama_mha 2), at (llama 2), above (llama 4,
 # mistral 8: 4 replicas per KV head).
 CASES = [("llama", 1), ("llama", 2), ("llama", 4), ("llama_mha", 2), ("llama_bias", 4), ("mistral", 8), ("mistral", 2),
-         ("qwen2_tied", 2), ("qwen2_tied", 4), ("qwen3", 2), ("qwen3", 4), ("qwen3_moe", 2), ("qwen3_moe", 4)]
+         ("qwen2_tied", 2), ("qwen2_tied", 4), ("qwen3", 2), ("qwen3", 4), ("qwen3_moe", 2), ("qwen3_moe", 4),
+         ("qwen3_moe", 1), ("qwen3_moe_10e", 8), ("deepseek_v3", 1), ("deepseek_v3", 2), ("deepseek_v3", 8),
+         ("deepseek_v2", 4)]
 
 
 def _hf_params(config):
-    """A real HF model's named parameters, refilled with distinct values (provenance)."""
+    """A real HF model's named parameters (and the router's e_score_correction_bias buffer, which
+    training changes too), refilled with distinct values (provenance)."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     full, offset = {}, 0
-    for name, p in model.named_parameters():
+    tensors = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers()
+                                                 if n.endswith("e_score_correction_bias")]
+    for name, p in tensors:
         n = p.numel()
         full[name] = (torch.arange(n, dtype=torch.float32) + offset).reshape(p.shape) / 1024
         offset += n
@@ -61,8 +88,60 @@ def _vllm_name(hf_name):
     return hf_name
 
 
+def _experts(t, tp, r):
+    """vLLM's determine_expert_map ("linear"): the first E % tp ranks hold one expert more."""
+    base, rem = divmod(t.shape[0], tp)
+    return t.narrow(0, r * base + min(r, rem), base + (r < rem))
+
+
+def _deepseek_reference(config, full, tp, r, ep=False):
+    """The issue's table of vLLM's DeepSeek parameters on TP rank r, by narrow() on the full tensors."""
+    out = {}
+
+    def rows(t):
+        s = t.shape[0] // tp
+        return t.narrow(0, r * s, s)
+
+    def cols(t):
+        s = t.shape[1] // tp
+        return t.narrow(1, r * s, s)
+
+    for name, t in full.items():
+        pre = name.rsplit(".", 2)[0]
+        if name.endswith("q_a_proj.weight"):
+            out[f"{pre}.fused_qkv_a_proj.weight"] = torch.cat([t, full[f"{pre}.kv_a_proj_with_mqa.weight"]])
+        elif name.endswith("kv_a_proj_with_mqa.weight"):
+            if f"{pre}.q_a_proj.weight" not in full:
+                out[name] = t
+        elif name.endswith(("q_b_proj.weight", "q_proj.weight", "kv_b_proj.weight")):
+            out[name] = rows(t)
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            out[name] = cols(t)
+        elif name.endswith("gate_proj.weight"):
+            out[name.replace("gate_proj", "gate_up_proj")] = torch.cat(
+                [rows(t), rows(full[name.replace("gate_proj", "up_proj")])])
+        elif name.endswith("up_proj.weight"):
+            continue
+        elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            vp = pad_vocab_size(t.shape[0])
+            out[name] = rows(torch.cat([t, torch.zeros(vp - t.shape[0], t.shape[1])]))
+        elif name.endswith("experts.gate_up_proj"):
+            i = t.shape[1] // 2
+            out[name.replace("experts.gate_up_proj", "experts.routed_experts.w13_weight")] = (
+                _experts(t, tp, r) if ep else torch.cat([cols(t[:, :i]), cols(t[:, i:])], dim=1))
+        elif name.endswith("experts.down_proj"):
+            s = t.shape[2] // tp
+            out[name.replace("experts.down_proj", "experts.routed_experts.w2_weight")] = (
+                _experts(t, tp, r) if ep else t.narrow(2, r * s, s))
+        else:  # norms, router weight and e_score_correction_bias: replicated
+            out[name] = t
+    return out
+
+
 def _vllm_reference(config, full, tp, r, ep=False):
     """What vLLM's loaders hold on TP rank r, computed with narrow() on the full HF tensors."""
+    if config.model_type.startswith("deepseek"):
+        return _deepseek_reference(config, full, tp, r, ep)
     out = {}
     nq, nkv = config.num_attention_heads, config.num_key_value_heads
     hd = getattr(config, "head_dim", None) or config.hidden_size // nq
@@ -93,16 +172,14 @@ def _vllm_reference(config, full, tp, r, ep=False):
             out[v] = padded.narrow(0, r * s, s)
         elif v.endswith("w13_weight"):
             if ep:
-                e = t.shape[0] // tp
-                out[v] = t.narrow(0, r * e, e)
+                out[v] = _experts(t, tp, r)
             else:
                 i = t.shape[1] // 2
                 s = i // tp
                 out[v] = torch.cat([t[:, :i].narrow(1, r * s, s), t[:, i:].narrow(1, r * s, s)], dim=1)
         elif v.endswith("w2_weight"):
             if ep:
-                e = t.shape[0] // tp
-                out[v] = t.narrow(0, r * e, e)
+                out[v] = _experts(t, tp, r)
             else:
                 s = t.shape[2] // tp
                 out[v] = t.narrow(2, r * s, s)
@@ -138,21 +215,36 @@ def test_hf_to_vllm_matches_vllm_loaders_on_every_rank(arch, tp):
             assert torch.equal(got[r][name].view(torch.int32), w.contiguous().view(torch.int32)), (name, r)
     # Plan accounting: ops move every real element once, fills cover exactly the padding rows.
     vp, V, H = pad_vocab_size(config.vocab_size), config.vocab_size, config.hidden_size
-    n_vocab = 1 if getattr(config, "tie_word_embeddings", False) else 2
+    n_vocab = 1 if getattr(config, "tie_word_embeddings", False) and "deepseek" not in arch else 2
     assert plan.stats.fill_bytes == n_vocab * (vp - V) * H * 4
     moved = sum(op.numel for op in plan.ops) + sum(f.numel for f in plan.fills)
     assert moved == sum(lay.local_numel(r) for lay in spec.dst.values() for r in lay.ranks)
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_qwen3_moe_expert_parallel(tp):
-    config = _configs()["qwen3_moe"]
+@pytest.mark.parametrize("arch,tp,local", [("qwen3_moe", 2, [2, 2]), ("qwen3_moe", 4, [1] * 4),
+                                           ("qwen3_moe_10e", 4, [3, 3, 2, 2]), ("deepseek_v3", 5, [2, 1, 1, 1, 1]),
+                                           ("deepseek_v3", 4, [2, 2, 1, 1]), ("deepseek_v2", 2, [3, 3])])
+def test_expert_parallel_places_experts_like_vllm(arch, tp, local):
+    """Whole experts per rank, placed as vLLM's determine_expert_map ("linear") does, also when
+    E % tp != 0 (6 experts over 4 ranks: 2, 2, 1, 1, where torch.chunk would give 2, 2, 2, 0)."""
+    config = _configs()[arch]
     full = _hf_params(config)
     inference = list(range(10, 10 + tp))
+    if tp == 5:  # no attention split over 5 ranks exists here: check the experts' layout alone
+        spec = trs.recipes.hf_to_vllm(config, tp=1, trainer_ranks=TRAINERS, inference_ranks=[10],
+                                      dtype=torch.float32, expert_parallel=True)
+        w13 = next(n for n in spec.dst if n.endswith("w13_weight"))
+        lay = trs.Layout(spec.dst[w13].shape, inference, list(spec.dst[w13].placements), torch.float32)
+        assert [lay.local_shape(r)[0] for r in inference] == local
+        assert [lay.segments(r)[0] for r in inference] == [((0, 2, 0),), ((2, 3, 0),), ((3, 4, 0),),
+                                                           ((4, 5, 0),), ((5, 6, 0),)]
+        return
     spec = trs.recipes.hf_to_vllm(config, tp=tp, trainer_ranks=TRAINERS, inference_ranks=inference,
                                   dtype=torch.float32, expert_parallel=True)
-    w13 = "model.layers.0.mlp.experts.routed_experts.w13_weight"
-    assert spec.dst[w13].local_shape(10) == (4 // tp, 32, 32)  # whole experts, both gate and up
+    moe_i = getattr(config, "moe_intermediate_size")
+    w13 = next(n for n in spec.dst if n.endswith("w13_weight"))
+    # whole experts, both gate and up
+    assert [spec.dst[w13].local_shape(r) for r in inference] == [(e, 2 * moe_i, config.hidden_size) for e in local]
     _, got = _refit(spec, full)
     for tp_rank, r in enumerate(inference):
         want = _vllm_reference(config, full, tp, tp_rank, ep=True)
@@ -198,13 +290,27 @@ def test_unknown_architecture_and_impossible_tp_report_everything():
     with pytest.raises(ValueError, match="intermediate_size=50 is not divisible by tp=4"):
         trs.recipes.hf_to_vllm(odd, tp=4, trainer_ranks=TRAINERS, inference_ranks=[2, 3, 4, 5])
     bert = transformers.BertConfig()
-    with pytest.raises(ValueError, match=r"model_type='bert' has no recipe; known: \['llama'"):
+    with pytest.raises(ValueError, match=r"model_type='bert' has no recipe; known: \['deepseek_v2', 'deepseek_v3', 'llama'"):
         trs.recipes.hf_to_vllm(bert, tp=2, trainer_ranks=TRAINERS, inference_ranks=[2, 3])
     with pytest.raises(ValueError, match="inference_ranks has 3 ranks, not a multiple of tp=2"):
         trs.recipes.hf_to_vllm(config, tp=2, trainer_ranks=TRAINERS, inference_ranks=[2, 3, 4])
-    with pytest.raises(ValueError, match="num_experts=4 is not divisible by tp=8|tp=8 is greater than num_experts=4"):
-        trs.recipes.hf_to_vllm(_configs()["qwen3_moe"], tp=8, trainer_ranks=TRAINERS,
-                               inference_ranks=list(range(8)), expert_parallel=True)
+    # vLLM's Qwen3-MoE refuses tp > num_experts, with or without EP; its DeepSeek splits every expert.
+    for ep in (False, True):
+        with pytest.raises(ValueError, match="tp=8 is greater than num_experts=4"):
+            trs.recipes.hf_to_vllm(_configs()["qwen3_moe"], tp=8, trainer_ranks=TRAINERS,
+                                   inference_ranks=list(range(8)), expert_parallel=ep)
+    trs.recipes.hf_to_vllm(_configs()["deepseek_v3"], tp=8, trainer_ranks=TRAINERS, inference_ranks=list(range(8)))
+    with pytest.raises(ValueError) as e:  # DeepSeek: every problem at once, through the same entry point
+        trs.recipes.hf_to_vllm(_configs()["deepseek_v3"], tp=3, trainer_ranks=TRAINERS, inference_ranks=[2, 3, 4])
+    msg = str(e.value)
+    for part in ("deepseek_v3", "num_attention_heads=8 is not divisible by tp=3", "padded vocab 128",
+                 "moe_intermediate_size=16 is not divisible by tp=3",
+                 "shared experts' intermediate size 32"):
+        assert part in msg, part
+    mha = _configs()["deepseek_v2"]
+    mha.kv_lora_rank = 0
+    with pytest.raises(ValueError, match="only MLA attention"):
+        trs.recipes.hf_to_vllm(mha, tp=2, trainer_ranks=TRAINERS, inference_ranks=[2, 3])
 
 
 def test_seven_b_llama_plans_for_tp8():
@@ -259,33 +365,106 @@ def vllm_python():
     return sys.executable
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("arch,tp,ep", [("llama", 4, False), ("qwen2_tied", 4, False), ("qwen3_moe", 2, False),
-                                        ("qwen3_moe", 2, True)])
-def test_hf_to_vllm_equals_real_vllm_load_weights(tmp_path, vllm_python, arch, tp, ep):
-    """vLLM itself (TP over gloo, its own load_weights) must hold exactly what the refit writes."""
-    # Lazy: the subprocess and the free port are this test's alone.
+# Every case checked against vLLM's own load_weights, in ONE probe run (vLLM's import dominates a
+# probe's time): TP 1, 2, 4 and 8 (DeepSeek: 8 > its 6 experts), and EP, also uneven.
+REAL_CASES = [("llama", 4, False), ("qwen2_tied", 4, False),
+              ("qwen3_moe", 1, False), ("qwen3_moe", 2, False), ("qwen3_moe", 4, False), ("qwen3_moe_10e", 8, False),
+              ("qwen3_moe", 2, True), ("qwen3_moe_10e", 4, True),
+              ("deepseek_v3", 1, False), ("deepseek_v3", 2, False), ("deepseek_v3", 4, False),
+              ("deepseek_v3", 8, False), ("deepseek_v3", 4, True),
+              ("deepseek_v2", 2, False), ("deepseek_v2", 4, False), ("deepseek_v2", 2, True)]
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2_tied": "Qwen2ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "qwen3_moe_10e": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                 "deepseek_v2": "DeepseekV2ForCausalLM"}
+
+
+def _checkpoint_names(arch, full):
+    """DeepSeek's vLLM loader reads experts one by one, as its checkpoints store them
+    (``experts.{e}.gate_proj.weight``); Qwen3-MoE's also reads transformers 5's fused tensors."""
+    if not arch.startswith("deepseek"):
+        return full
+    out = {}
+    for name, t in full.items():
+        if name.endswith("experts.gate_up_proj"):
+            i = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[name.replace("gate_up_proj", f"{e}.gate_proj.weight")] = t[e, :i].clone()
+                out[name.replace("gate_up_proj", f"{e}.up_proj.weight")] = t[e, i:].clone()
+        elif name.endswith("experts.down_proj"):
+            for e in range(t.shape[0]):
+                out[name.replace("down_proj", f"{e}.down_proj.weight")] = t[e].clone()
+        else:
+            out[name] = t
+    return out
+
+
+@pytest.fixture(scope="module")
+def real_vllm(tmp_path_factory, vllm_python):
+    """Runs tests/_vllm_probe.py once for every REAL_CASES entry: ``{case: [rank's named_parameters]}``."""
+    # Lazy: the subprocess and the free ports are this fixture's alone.
+    import json
     import subprocess
     from pathlib import Path
 
     from _mp import free_port
 
-    config = _configs()[arch]
-    config.architectures = [{"llama": "LlamaForCausalLM", "qwen2_tied": "Qwen2ForCausalLM",
-                             "qwen3_moe": "Qwen3MoeForCausalLM"}[arch]]
-    full = _hf_params(config)
-    config.save_pretrained(tmp_path)
-    torch.save(full, tmp_path / "full.pt")
+    root = tmp_path_factory.mktemp("vllm-probe")
+    cases = []
+    for arch in sorted({a for a, _, _ in REAL_CASES}):
+        config = _configs()[arch]
+        config.architectures = [ARCHITECTURES[arch]]
+        config.save_pretrained(root / arch)
+        torch.save(_checkpoint_names(arch, _hf_params(config)), root / arch / "full.pt")
+    # Largest worlds first: a rank then sits out only a suffix of the cases and never waits (past the
+    # store's timeout) for lower ranks still busy with earlier cases.
+    for arch, tp, ep in sorted(REAL_CASES, key=lambda c: -c[1]):
+        cases.append(dict(model_dir=str(root / arch), world=tp, port=free_port(), ep=ep,
+                          out=str(root / f"{arch}-tp{tp}-ep{int(ep)}")))
+    (root / "cases.json").write_text(json.dumps(cases))
     probe = Path(__file__).with_name("_vllm_probe.py")
-    proc = subprocess.run([vllm_python, str(probe), str(tmp_path), str(tp), str(free_port()), str(tmp_path / "vllm")]
-                          + (["ep"] if ep else []), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = subprocess.run([vllm_python, str(probe), str(root / "cases.json")], capture_output=True, text=True,
+                          timeout=780)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return {(arch, tp, ep): [torch.load(f"{c['out']}.{r}.pt") for r in range(tp)]
+            for (arch, tp, ep), c in zip(sorted(REAL_CASES, key=lambda c: -c[1]), cases)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("arch,tp,ep", REAL_CASES)
+def test_hf_to_vllm_equals_real_vllm_load_weights(real_vllm, arch, tp, ep):
+    """vLLM itself (TP over gloo, its own load_weights) must hold exactly what the refit writes."""
+    config = _configs()[arch]
+    full = _hf_params(config)
     inference = list(range(2, 2 + tp))
     spec = trs.recipes.hf_to_vllm(config, tp=tp, trainer_ranks=TRAINERS, inference_ranks=inference,
                                   dtype=torch.float32, expert_parallel=ep)
     _, got = _refit(spec, full)
     for tp_rank, r in enumerate(inference):
-        vllm = torch.load(tmp_path / f"vllm.{tp_rank}.pt")
+        vllm = real_vllm[arch, tp, ep][tp_rank]
         assert sorted(vllm) == sorted(got[r])
         for name, w in vllm.items():
             assert w.shape == got[r][name].shape and torch.equal(w, got[r][name]), (tp_rank, name)
+
+
+@pytest.mark.parametrize("ep", [False, True])
+def test_deepseek_replicas_hold_what_one_tp_group_holds(ep):
+    """Replicas (issue 19) compose with the MLA recipe: 2 replicas of TP-2 on 4 inference ranks give
+    every rank exactly what the single TP-2 group's rank of its TP index gets (names, local shapes,
+    dtypes and the plan's bytes), with experts split by TP or placed by EP."""
+    config = _configs()["deepseek_v3"]
+    spec = trs.recipes.hf_to_vllm(config, tp=2, trainer_ranks=TRAINERS, inference_ranks=[2, 3, 4, 5], expert_parallel=ep)
+    one = trs.recipes.hf_to_vllm(config, tp=2, trainer_ranks=TRAINERS, inference_ranks=[2, 3], expert_parallel=ep)
+    assert set(spec.dst) == set(one.dst) and spec.parts == one.parts
+    for name, lay in spec.dst.items():
+        for r in (2, 3, 4, 5):
+            assert tuple(lay.local_shape(r)) == tuple(one.dst[name].local_shape(2 + (r - 2) % 2)), (name, r)
+            assert lay.dtype == one.dst[name].dtype
+    whole, single = spec.plan().stats.recv_bytes, one.plan().stats.recv_bytes
+    assert [whole[r] for r in (2, 3, 4, 5)] == [single[2], single[3], single[2], single[3]]
+
+
+def test_deepseek_refuses_fp8_it_does_not_lay_out():
+    with pytest.raises(ValueError, match="not laid out for deepseek_v3"):
+        trs.recipes.hf_to_vllm(_configs()["deepseek_v3"], tp=2, trainer_ranks=TRAINERS, inference_ranks=[2, 3],
+                   quantization="fp8-block")

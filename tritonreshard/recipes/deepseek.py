@@ -1,0 +1,172 @@
+"""DeepSeek-V2 / V3 (transformers 5) training parameters -> vLLM tensor-parallel parameters.
+
+Pure Python planning, reached through :func:`~tritonreshard.recipes.hf_to_vllm` (``config.model_type``
+``"deepseek_v2"`` or ``"deepseek_v3"``). Facts follow vLLM 0.32's ``models/deepseek_v2.py`` with MLA
+attention (vLLM's default for these models), per TP rank r, in load format:
+
+* ``self_attn.fused_qkv_a_proj.weight`` ``[q_lora_rank + kv_lora_rank + qk_rope_head_dim, H]``
+  (when ``q_lora_rank`` is set): ``cat(q_a_proj, kv_a_proj_with_mqa)``, replicated;
+  without q-lora ``kv_a_proj_with_mqa.weight`` is replicated and ``q_proj.weight`` takes
+  ``q_b_proj``'s place;
+* ``q_b_proj.weight`` / ``q_proj.weight`` ``[heads * (qk_nope + qk_rope), .]`` and ``kv_b_proj.weight``
+  ``[heads * (qk_nope + v_head_dim), kv_lora_rank]``: row chunk r (whole heads);
+  ``o_proj.weight`` ``[H, heads * v_head_dim]``: column chunk r;
+* ``q_a_layernorm`` / ``kv_a_layernorm``: replicated. vLLM's CPU backend also derives ``W_UK_T`` /
+  ``W_UV`` from ``kv_b_proj`` when it post-processes the attention layer; those are not parameters
+  (the refit engine has vLLM redo that post-processing);
+* dense layers (``i < first_k_dense_replace``, or ``i % moe_layer_freq != 0``): ``mlp.gate_up_proj`` /
+  ``mlp.down_proj`` as in Llama;
+* MoE layers: router ``mlp.gate.weight`` replicated; ``mlp.gate.e_score_correction_bias``
+  (``topk_method == "noaux_tc"``, DeepSeek-V3) replicated and always float32 on both sides: in
+  transformers it is a buffer (FSDP leaves buffers whole on every trainer, so the source is
+  ``Replicate``), and training changes it; ``mlp.shared_experts.gate_up_proj`` / ``down_proj`` as
+  the dense MLP with ``moe_intermediate_size * n_shared_experts``; routed experts
+  ``mlp.experts.routed_experts.w13_weight`` / ``w2_weight`` exactly as Qwen3-MoE (split by TP, or
+  whole experts placed like vLLM's ``determine_expert_map`` under expert parallelism);
+* ``embed_tokens`` / ``lm_head``: vocab padded to 64 and split by rows.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..layout import Layout, Part, Replicate, Shard
+from .hf import VOCAB_PADDING, RecipeSpec, pad_vocab_size, vllm_layout
+
+__all__ = ["deepseek_to_vllm", "DEEPSEEK_MODEL_TYPES"]
+
+#: ``config.model_type`` values this module lays out (DeepseekV2ForCausalLM / DeepseekV3ForCausalLM).
+DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+
+
+def _moe_layers(config: Any) -> set[int]:
+    """vLLM's DeepseekV2DecoderLayer rule for which layers hold routed experts."""
+    E = getattr(config, "n_routed_experts", None)
+    first = getattr(config, "first_k_dense_replace", 0) or 0
+    freq = getattr(config, "moe_layer_freq", None) or 1
+    if not E:
+        return set()
+    return {i for i in range(config.num_hidden_layers) if i >= first and i % freq == 0}
+
+
+def deepseek_to_vllm(config: Any, tp: int, src_ranks: tuple[int, ...], dst_ranks: tuple[int, ...],
+                     dtype: torch.dtype, src_dtype: torch.dtype, expert_parallel: bool) -> RecipeSpec:
+    """The recipe of one DeepSeek-V2/V3 model; called by ``hf_to_vllm`` once the model type, ``tp``
+    and the ranks are checked (``src_ranks``: trainer ranks, FSDP rows; ``dst_ranks``: TP ranks in
+    order, ``k * tp`` for ``k`` replicas). Raises ``ValueError`` naming every size vLLM cannot split over ``tp``."""
+    model_type = config.model_type
+    H, nq, L = config.hidden_size, config.num_attention_heads, config.num_hidden_layers
+    V = config.vocab_size
+    Vp = pad_vocab_size(V)
+    q_lora = getattr(config, "q_lora_rank", None)
+    kv_lora = getattr(config, "kv_lora_rank", 0) or 0
+    nope = getattr(config, "qk_nope_head_dim", 0) or 0
+    rope = getattr(config, "qk_rope_head_dim", 0) or 0
+    vhd = getattr(config, "v_head_dim", 0) or 0
+    inter = config.intermediate_size
+    moe_layers = _moe_layers(config)
+    E = getattr(config, "n_routed_experts", None) or 0
+    moe_i = getattr(config, "moe_intermediate_size", 0) or 0
+    n_shared = getattr(config, "n_shared_experts", None) or 0
+    bias = getattr(config, "topk_method", None) == "noaux_tc"
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+
+    problems: list[str] = []
+    if not (kv_lora and rope and nope):
+        problems.append(f"kv_lora_rank={kv_lora}, qk_nope_head_dim={nope}, qk_rope_head_dim={rope}: only MLA "
+                        f"attention (all three set) has a recipe")
+    if nq % tp:
+        problems.append(f"num_attention_heads={nq} is not divisible by tp={tp}")
+    if Vp % tp:
+        problems.append(f"padded vocab {Vp} (vocab_size={V} rounded up to {VOCAB_PADDING}) is not divisible by tp={tp}")
+    if len(moe_layers) < L and inter % tp:
+        problems.append(f"intermediate_size={inter} is not divisible by tp={tp}")
+    if moe_layers:
+        if expert_parallel and tp > E:
+            problems.append(f"expert_parallel: tp={tp} is greater than n_routed_experts={E} (a rank would hold "
+                            f"no expert)")
+        if not expert_parallel and moe_i % tp:
+            problems.append(f"moe_intermediate_size={moe_i} is not divisible by tp={tp}")
+        if n_shared and (moe_i * n_shared) % tp:
+            problems.append(f"shared experts' intermediate size {moe_i * n_shared} (moe_intermediate_size * "
+                            f"n_shared_experts) is not divisible by tp={tp}")
+    elif expert_parallel:
+        problems.append(f"expert_parallel=True but {model_type} has no MoE layers")
+    if problems:
+        raise ValueError(f"hf_to_vllm: {model_type} (hidden_size={H}, heads={nq}, kv_lora_rank={kv_lora}), "
+                         f"tp={tp}: " + "; ".join(problems))
+
+    src: dict[str, Layout] = {}
+    dst: dict[str, Layout] = {}
+    parts: dict[str, tuple[Part, ...]] = {}
+
+    def source(name, shape, placement=Shard(0), dt=None):
+        src[name] = Layout(shape, src_ranks, [placement], dt or src_dtype)
+
+    def target(name, shape, placement, plist=None, dt=None):
+        dst[name] = vllm_layout(shape, dst_ranks, tp, placement, dt or dtype)
+        if plist is not None:
+            parts[name] = tuple(plist)
+
+    def same(name, shape, placement):
+        source(name, shape)
+        target(name, shape, placement)
+
+    def vocab(hf_name, vllm_name):
+        target(vllm_name, (Vp, H), Shard(0),
+               [Part(hf_name, [(0, V), None])] + ([Part(None, [(V, Vp), None])] if Vp > V else []))
+
+    def mlp(pre, size):
+        g, u = f"{pre}.gate_proj.weight", f"{pre}.up_proj.weight"
+        source(g, (size, H))
+        source(u, (size, H))
+        target(f"{pre}.gate_up_proj.weight", (2 * size, H), Shard(0, (size, size)),
+               [Part(g, [(0, size), None]), Part(u, [(size, 2 * size), None])])
+        same(f"{pre}.down_proj.weight", (H, size), Shard(1))
+
+    source("model.embed_tokens.weight", (V, H))
+    vocab("model.embed_tokens.weight", "model.embed_tokens.weight")
+    qk = nope + rope
+    for i in range(L):
+        pre = f"model.layers.{i}"
+        att = f"{pre}.self_attn"
+        kv_a = f"{att}.kv_a_proj_with_mqa.weight"
+        source(kv_a, (kv_lora + rope, H))
+        if q_lora:
+            q_a = f"{att}.q_a_proj.weight"
+            source(q_a, (q_lora, H))
+            target(f"{att}.fused_qkv_a_proj.weight", (q_lora + kv_lora + rope, H), Replicate(),
+                   [Part(q_a, [(0, q_lora), None]), Part(kv_a, [(q_lora, q_lora + kv_lora + rope), None])])
+            same(f"{att}.q_a_layernorm.weight", (q_lora,), Replicate())
+            same(f"{att}.q_b_proj.weight", (nq * qk, q_lora), Shard(0))
+        else:
+            target(kv_a, (kv_lora + rope, H), Replicate())
+            same(f"{att}.q_proj.weight", (nq * qk, H), Shard(0))
+        same(f"{att}.kv_a_layernorm.weight", (kv_lora,), Replicate())
+        same(f"{att}.kv_b_proj.weight", (nq * (nope + vhd), kv_lora), Shard(0))
+        same(f"{att}.o_proj.weight", (H, nq * vhd), Shard(1))
+        if i in moe_layers:
+            same(f"{pre}.mlp.gate.weight", (E, H), Replicate())
+            if bias:  # a float32 buffer in transformers: whole on every trainer
+                name = f"{pre}.mlp.gate.e_score_correction_bias"
+                source(name, (E,), Replicate(), torch.float32)
+                target(name, (E,), Replicate(), dt=torch.float32)
+            if n_shared:
+                mlp(f"{pre}.mlp.shared_experts", moe_i * n_shared)
+            gu, dn = f"{pre}.mlp.experts.gate_up_proj", f"{pre}.mlp.experts.down_proj"
+            source(gu, (E, 2 * moe_i, H))
+            source(dn, (E, H, moe_i))
+            w13 = Shard(0, balanced=True) if expert_parallel else Shard(1, (moe_i, moe_i))
+            w2 = Shard(0, balanced=True) if expert_parallel else Shard(2)
+            target(f"{pre}.mlp.experts.routed_experts.w13_weight", (E, 2 * moe_i, H), w13, [Part(gu, [None] * 3)])
+            target(f"{pre}.mlp.experts.routed_experts.w2_weight", (E, H, moe_i), w2, [Part(dn, [None] * 3)])
+        else:
+            mlp(f"{pre}.mlp", inter)
+        same(f"{pre}.input_layernorm.weight", (H,), Replicate())
+        same(f"{pre}.post_attention_layernorm.weight", (H,), Replicate())
+    same("model.norm.weight", (H,), Replicate())
+    if not tied:
+        source("lm_head.weight", (V, H))
+    vocab("model.embed_tokens.weight" if tied else "lm_head.weight", "lm_head.weight")  # vLLM never ties it
+    return RecipeSpec(model_type, tp, expert_parallel, src, dst, parts)
