@@ -1,0 +1,362 @@
+"""Megatron-Core -> vLLM: real megatron-core 0.19 ``GPTModel`` chunks, built on CPU over gloo, refitted
+into vLLM's TP layouts bit for bit.
+
+One spawn of 6 processes serves every case: ranks 0-3 are the Megatron world (TP x PP x DP x EP
+re-initialised per case), ranks 4-5 a vLLM TP=2 inference group for the engine cases. Each trainer
+fills its parameters with values keyed by what Megatron says they are (stage, TP / EP coordinates,
+local name: replicas equal, shards distinct, dummy vocab rows junk) and reports its raw local
+parameters, its coordinates and ``megatron_tensors``. The parent then
+
+* rebuilds the full Hugging Face tensors from the raw shards with its own conversion (not the
+  library's: qkv de-interleaved per query group, fc1 split into gate/up per TP rank, experts by
+  global id) and checks them against a real transformers model's parameter names and shapes;
+* refits the Megatron shards with ``megatron_to_vllm`` + ``execute_local`` into vLLM TP 1, 2 and 4 and
+  compares, bit for bit, with ``hf_to_vllm`` + ``execute_local`` from those HF tensors;
+* for the engine cases, compares what the inference ranks pulled (two versions) with the same.
+"""
+from __future__ import annotations
+
+import io
+import zlib
+
+import pytest
+import torch
+
+import tritonreshard as trs
+from tritonreshard.recipes import Megatron, megatron_vocab_size
+
+from _mp import free_port, run_ranks
+
+pytest.importorskip("megatron.core")
+transformers = pytest.importorskip("transformers")
+
+MEG_WORLD = 4
+INF = [4, 5]
+V = 300  # pads to 384 (Megatron tp 1), 512 (tp 2), 320 (vLLM)
+
+
+def _hf_config(kind):
+    common = dict(vocab_size=V, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  intermediate_size=96, num_hidden_layers=4, max_position_embeddings=64)
+    if kind == "llama":
+        return transformers.LlamaConfig(**common, tie_word_embeddings=False)
+    if kind == "qwen2":
+        return transformers.Qwen2Config(**{k: v for k, v in common.items() if k != "head_dim"}, tie_word_embeddings=True)
+    if kind == "qwen3":
+        return transformers.Qwen3Config(**common, tie_word_embeddings=False)
+    if kind == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**dict(common, num_hidden_layers=2), num_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=32, tie_word_embeddings=False)
+    raise AssertionError(kind)
+
+
+# (name, HF family, Megatron settings, refit through the engine too)
+CASES = [
+    ("llama-tp2-pp2", "llama", Megatron(tp=2, pp=2), False),
+    ("qwen2-tied-tp2-pp2", "qwen2", Megatron(tp=2, pp=2), True),
+    ("qwen2-tied-tp1-dp4", "qwen2", Megatron(tp=1, pp=1, vocab_divisible_by=64), False),
+    ("qwen3-tp2-pp2", "qwen3", Megatron(tp=2, pp=2), False),
+    ("qwen3-tp2-dp2", "qwen3", Megatron(tp=2, pp=1), False),
+    ("moe-tp2-ep2-etp1", "qwen3_moe", Megatron(tp=2, pp=1, ep=2, etp=1), True),   # expert-DP 2
+    ("moe-tp2-ep2-etp2", "qwen3_moe", Megatron(tp=2, pp=1, ep=2), False),         # expert-TP 2
+    ("moe-tp1-pp2-ep2", "qwen3_moe", Megatron(tp=1, pp=2, ep=2, etp=1), False),
+]
+
+
+# ------------------------------------------------------------------------------------- workers
+def _gen(*key) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def _build(cfg, meg: Megatron):
+    """This rank's real GPTModel chunk for ``cfg`` under ``meg`` (local layer spec, CPU init)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(meg.tp, meg.pp, expert_model_parallel_size=meg.ep,
+                                 expert_tensor_parallel_size=meg.etp)
+    moe = cfg.model_type == "qwen3_moe"
+    tc = TransformerConfig(
+        num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_key_value_heads, kv_channels=cfg.hidden_size // cfg.num_attention_heads,
+        ffn_hidden_size=cfg.intermediate_size, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+        normalization="RMSNorm", add_bias_linear=False, add_qkv_bias=cfg.model_type == "qwen2",
+        qk_layernorm=cfg.model_type in ("qwen3", "qwen3_moe"), use_cpu_initialization=True,
+        tensor_model_parallel_size=meg.tp, pipeline_model_parallel_size=meg.pp, pipeline_dtype=torch.float32,
+        expert_model_parallel_size=meg.ep, expert_tensor_parallel_size=meg.etp,
+        **(dict(num_moe_experts=cfg.num_experts, moe_ffn_hidden_size=cfg.moe_intermediate_size,
+                moe_router_topk=cfg.num_experts_per_tok, moe_token_dispatcher_type="allgather",
+                moe_grouped_gemm=False) if moe else {}))
+    spec = get_gpt_layer_local_spec(num_experts=cfg.num_experts if moe else None, moe_grouped_gemm=False,
+                                    qk_layernorm=tc.qk_layernorm, normalization="RMSNorm")
+    return GPTModel(tc, spec, vocab_size=megatron_vocab_size(cfg.vocab_size, meg), max_sequence_length=64,
+                    pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+                    share_embeddings_and_output_weights=cfg.tie_word_embeddings, position_embedding_type="rope")
+
+
+def _coords() -> dict:
+    from megatron.core import parallel_state as ps
+
+    return dict(tp=ps.get_tensor_model_parallel_rank(), pp=ps.get_pipeline_model_parallel_rank(),
+                dp=ps.get_data_parallel_rank(), ep=ps.get_expert_model_parallel_rank(),
+                etp=ps.get_expert_tensor_parallel_rank(), edp=ps.get_expert_data_parallel_rank())
+
+
+@torch.no_grad()
+def _fill(model, c: dict, case: str) -> None:
+    """Values keyed by what a parameter is: replicas (DP, expert-DP, the tied copy) equal, shards
+    distinct, every element random (Megatron's dummy vocab rows too)."""
+    for name, p in model.named_parameters():
+        if ".local_experts." in name:
+            key = (case, name, c["pp"], c["ep"], c["etp"])
+        elif name == "output_layer.weight" and model.share_embeddings_and_output_weights:
+            key = (case, "embedding.word_embeddings.weight", 0, c["tp"])   # Megatron keeps the copies equal
+        else:
+            key = (case, name, c["pp"], c["tp"] if getattr(p, "tensor_model_parallel", False) else -1)
+        p.copy_(torch.randn(p.shape, generator=_gen(*key)))
+
+
+def _spec(kind, meg, tp, **kw):
+    return trs.recipes.megatron_to_vllm(_hf_config(kind), megatron=meg, tp=tp, trainer_ranks=MEG_WORLD,
+                                        inference_ranks=INF if tp == 2 else list(range(100, 100 + tp)),
+                                        dtype=torch.float32, src_dtype=torch.float32, **kw)
+
+
+def _negated(tensors):
+    return {n: -t for n, t in tensors.items()}
+
+
+def _worker(rank, ports):
+    torch.set_num_threads(1)
+    out = {}
+    if rank >= MEG_WORLD:  # a vLLM TP rank of the engine cases: pull two versions
+        for (case, kind, meg, engine), port in zip(CASES, ports):
+            if not engine:
+                continue
+            spec = _spec(kind, meg, 2)
+            poison = {n: torch.full(lay.local_shape(rank), float("nan")) for n, lay in spec.dst.items()}
+            with trs.RefitInference.from_recipe(spec, rank=rank, world_size=MEG_WORLD + 2, store=f"127.0.0.1:{port}",
+                                                group=case, timeout=60, tensors=poison, mode="inplace") as inf:
+                pulled = []
+                for v in (1, 2):
+                    assert inf.pull() == v
+                    pulled.append({n: t.clone() for n, t in inf.tensors.items()})
+            out[case] = pulled
+        return _serialized(out)
+
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch.distributed as dist
+
+    # CPU patch (tests only): with tied embeddings and pp > 1 Megatron moves the weight to CUDA for
+    # the first/last-stage all-reduce that makes the copies equal; gloo reduces CPU tensors as well.
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[-1]}", rank=rank, world_size=MEG_WORLD)
+    try:
+        for (case, kind, meg, engine), port in zip(CASES, ports):
+            cfg = _hf_config(kind)
+            model = _build(cfg, meg)
+            c = _coords()
+            _fill(model, c, case)
+            mt = trs.recipes.megatron_tensors(model, megatron=meg, rank=rank)
+            params = {id(p) for p in model.parameters()}
+            storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+            # Without copying: dense entries are the parameters, experts views of them.
+            assert all(id(t) in params or (t._base is not None and id(t._base) in params) for t in mt.values())
+            assert all(t.untyped_storage().data_ptr() in storages for t in mt.values())
+            report = {"coords": c, "raw": {n: p.detach().clone() for n, p in model.named_parameters()},
+                      "mt": {n: t.detach().clone() for n, t in mt.items()},
+                      "layer_numbers": [layer.layer_number for layer in model.decoder.layers]}
+            if engine:
+                spec = _spec(kind, meg, 2)
+                with trs.RefitTrainer.from_recipe(spec, {n: t.detach() for n, t in mt.items()}, rank=rank,
+                                                  world_size=MEG_WORLD + 2, store=f"127.0.0.1:{port}", group=case,
+                                                  timeout=60) as tr:
+                    for v in (1, 2):
+                        tr.fence()  # every rank, also one nobody reads, keeps the versions in step
+                        if v == 2:
+                            for t in tr.source_tensors.values():
+                                t.neg_()
+                        assert tr.publish() == v
+                    tr.fence()
+            out[case] = report
+    finally:
+        dist.destroy_process_group()
+    return _serialized(out)
+
+
+def _serialized(out) -> bytes:
+    """Bytes, not tensors: a queue passes tensors as shared-memory handles that die with this process."""
+    buf = io.BytesIO()
+    torch.save(out, buf)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def megatron_runs():
+    ports = [free_port() for _ in range(len(CASES) + 1)]
+    out = run_ranks(_worker, MEG_WORLD + len(INF), args=(ports,), timeout=420)
+    return {r: torch.load(io.BytesIO(b)) for r, b in out.items()}
+
+
+# ------------------------------------------------------------------- the test's own conversion
+def _to_hf(cfg, meg: Megatron, reports: dict) -> dict[str, torch.Tensor]:
+    """Full HF tensors from every rank's raw local Megatron parameters (independent of the library)."""
+    L, H, nq, nkv = cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+    hd, qpg = H // nq, nq // nkv
+    per = L // meg.pp
+
+    def dense(pp):  # ranks of stage pp with DP rank 0, by TP rank
+        rs = {r["coords"]["tp"]: r for r in reports.values() if r["coords"]["pp"] == pp and r["coords"]["dp"] == 0}
+        return [rs[t]["raw"] for t in range(meg.tp)]
+
+    hf = {}
+    first, last = dense(0), dense(meg.pp - 1)
+    hf["model.embed_tokens.weight"] = torch.cat([s["embedding.word_embeddings.weight"] for s in first])[:V]
+    if not cfg.tie_word_embeddings:
+        hf["lm_head.weight"] = torch.cat([s["output_layer.weight"] for s in last])[:V]
+    hf["model.norm.weight"] = last[0]["decoder.final_layernorm.weight"]
+    for i in range(L):
+        stage, j = divmod(i, per)
+        sh, pre, m = dense(stage), f"model.layers.{i}", f"decoder.layers.{j}"
+        for suffix in ("weight", "bias"):
+            key = f"{m}.self_attention.linear_qkv.{suffix}"
+            if key not in sh[0]:
+                continue
+            qkv = torch.cat([s[key] for s in sh]).reshape(nkv, qpg + 2, hd, *sh[0][key].shape[1:])
+            hf[f"{pre}.self_attn.q_proj.{suffix}"] = qkv[:, :qpg].reshape(nq * hd, *qkv.shape[3:])
+            hf[f"{pre}.self_attn.k_proj.{suffix}"] = qkv[:, qpg].reshape(nkv * hd, *qkv.shape[3:])
+            hf[f"{pre}.self_attn.v_proj.{suffix}"] = qkv[:, qpg + 1].reshape(nkv * hd, *qkv.shape[3:])
+        hf[f"{pre}.self_attn.o_proj.weight"] = torch.cat([s[f"{m}.self_attention.linear_proj.weight"] for s in sh], 1)
+        if f"{m}.self_attention.q_layernorm.weight" in sh[0]:
+            hf[f"{pre}.self_attn.q_norm.weight"] = sh[0][f"{m}.self_attention.q_layernorm.weight"]
+            hf[f"{pre}.self_attn.k_norm.weight"] = sh[0][f"{m}.self_attention.k_layernorm.weight"]
+        hf[f"{pre}.input_layernorm.weight"] = sh[0][f"{m}.input_layernorm.weight"]
+        hf[f"{pre}.post_attention_layernorm.weight"] = sh[0][f"{m}.pre_mlp_layernorm.weight"]
+        if f"{m}.mlp.router.weight" in sh[0]:
+            hf[f"{pre}.mlp.gate.weight"] = sh[0][f"{m}.mlp.router.weight"]
+            E, etp, ep = cfg.num_experts, meg.expert_tp, meg.ep
+            gu, dn = [], []
+            for e in range(E):
+                owner, local = divmod(e, E // ep)
+                rs = {r["coords"]["etp"]: r["raw"] for r in reports.values() if r["coords"]["pp"] == stage
+                      and r["coords"]["ep"] == owner and r["coords"]["edp"] == 0}
+                fc1 = [rs[t][f"{m}.mlp.experts.local_experts.{local}.linear_fc1.weight"] for t in range(etp)]
+                half = fc1[0].shape[0] // 2
+                gu.append(torch.cat([f[:half] for f in fc1] + [f[half:] for f in fc1]))
+                dn.append(torch.cat([rs[t][f"{m}.mlp.experts.local_experts.{local}.linear_fc2.weight"]
+                                     for t in range(etp)], 1))
+            hf[f"{pre}.mlp.experts.gate_up_proj"] = torch.stack(gu)
+            hf[f"{pre}.mlp.experts.down_proj"] = torch.stack(dn)
+        else:
+            fc1 = [s[f"{m}.mlp.linear_fc1.weight"] for s in sh]
+            half = fc1[0].shape[0] // 2
+            hf[f"{pre}.mlp.gate_proj.weight"] = torch.cat([f[:half] for f in fc1])
+            hf[f"{pre}.mlp.up_proj.weight"] = torch.cat([f[half:] for f in fc1])
+            hf[f"{pre}.mlp.down_proj.weight"] = torch.cat([s[f"{m}.mlp.linear_fc2.weight"] for s in sh], 1)
+    return hf
+
+
+def _bits(t):
+    return t.contiguous().view(torch.int32)
+
+
+def _vllm_from_hf(cfg, hf, tp, expert_parallel=False):
+    spec = trs.recipes.hf_to_vllm(cfg, tp=tp, trainer_ranks=[0], inference_ranks=INF if tp == 2 else
+                                  list(range(100, 100 + tp)), dtype=torch.float32, src_dtype=torch.float32,
+                                  expert_parallel=expert_parallel)
+    return trs.execute_local(spec.plan(), {0: hf}, backend="torch")
+
+
+def _poisoned(spec):
+    return {r: {n: torch.full(lay.local_shape(r), float("nan")) for n, lay in spec.dst.items()}
+            for r in next(iter(spec.dst.values())).ranks}
+
+
+# ------------------------------------------------------------------------------------- tests
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case,kind,meg,engine", CASES, ids=[c[0] for c in CASES])
+def test_megatron_shards_refit_into_vllm_bit_for_bit(megatron_runs, case, kind, meg, engine):
+    cfg = _hf_config(kind)
+    reports = {r: out[case] for r, out in megatron_runs.items() if r < MEG_WORLD}
+    per = cfg.num_hidden_layers // meg.pp
+    for r, rep in reports.items():  # Megatron numbers layers globally, 1-based
+        assert rep["layer_numbers"] == [rep["coords"]["pp"] * per + j + 1 for j in range(per)]
+    hf = _to_hf(cfg, meg, reports)
+    # The conversion yields exactly a real transformers model's parameters.
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    assert {n: tuple(p.shape) for n, p in model.named_parameters()} == {n: tuple(t.shape) for n, t in hf.items()}
+    shards = {r: rep["mt"] for r, rep in reports.items()}
+    for tp in (1, 2, 4):
+        for ep in ((False, True) if kind == "qwen3_moe" and tp > 1 else (False,)):
+            spec = _spec(kind, meg, tp, expert_parallel=ep)
+            # megatron_tensors gives every rank exactly its sources, of the layouts' local shapes.
+            for r, mt in shards.items():
+                mine = {n: lay.local_shape(r) for n, lay in spec.src.items() if r in lay.ranks}
+                assert {n: tuple(t.shape) for n, t in mt.items()} == mine, (case, r)
+            plan = spec.plan()
+            got = trs.execute_local(plan, shards, out=_poisoned(spec), backend="torch")
+            want = _vllm_from_hf(cfg, hf, tp, ep)
+            assert sorted(got) == sorted(want)
+            for r in want:
+                assert sorted(got[r]) == sorted(want[r])
+                for n, w in want[r].items():
+                    assert torch.equal(_bits(got[r][n]), _bits(w)), (case, tp, ep, r, n)
+            emb = {op.src_rank for op in plan.ops if op.src_name == "embedding.word_embeddings.weight"}
+            if cfg.tie_word_embeddings and meg.pp > 1 and tp > 1:  # the tied copy serves reads too
+                assert emb & {0, 1} and emb & {2, 3}, emb
+            dp = MEG_WORLD // (meg.tp * meg.pp)
+            if dp > 1:  # DP replicas share the reads
+                assert len({op.src_rank for op in plan.ops}) == MEG_WORLD
+
+
+@pytest.mark.timeout(600)
+def test_the_engine_agrees_with_execute_local(megatron_runs):
+    for case, kind, meg, engine in CASES:
+        if not engine:
+            continue
+        spec = _spec(kind, meg, 2)
+        shards = {r: out[case]["mt"] for r, out in megatron_runs.items() if r < MEG_WORLD}
+        for v, src in ((1, shards), (2, {r: _negated(t) for r, t in shards.items()})):
+            want = trs.execute_local(spec.plan(), src, out=_poisoned(spec), backend="torch")
+            for r in INF:
+                pulled = megatron_runs[r][case][v - 1]
+                assert sorted(pulled) == sorted(want[r])
+                for n, w in want[r].items():
+                    assert torch.equal(_bits(pulled[n]), _bits(w)), (case, v, r, n)
+
+
+def test_bad_megatron_settings_name_every_problem():
+    with pytest.raises(ValueError) as err:
+        Megatron(tp=0, pp=1.5, etp=-1)
+    assert all(s in str(err.value) for s in ("tp=0", "pp=1.5", "etp=-1"))
+    with pytest.raises(ValueError) as err:
+        trs.recipes.megatron_to_vllm(_hf_config("qwen3_moe"), megatron=Megatron(tp=4, pp=3, ep=3, etp=2), tp=2,
+                                     trainer_ranks=list(range(12)), inference_ranks=[12, 13])
+    msg = str(err.value)
+    for s in ("num_hidden_layers=2 is not divisible by pp=3", "num_key_value_heads=2 (query groups) is not divisible",
+              "num_experts=4 is not divisible by ep=3", "etp*ep=2*3 does not divide tp*dp=4*1"):
+        assert s in msg, msg
+    with pytest.raises(ValueError) as err:
+        trs.recipes.megatron_to_vllm(_hf_config("llama"), megatron=Megatron(tp=7, pp=2), tp=2,
+                                     trainer_ranks=list(range(12)), inference_ranks=[12, 13])
+    msg = str(err.value)
+    for s in ("world 12 (len(trainer_ranks)) is not divisible by tp*pp=7*2", "num_attention_heads=4 is not divisible",
+              "intermediate_size=96 is not divisible by Megatron tp=7"):
+        assert s in msg, msg
+
+
+def test_megatron_vocab_padding_depends_on_tp():
+    assert megatron_vocab_size(300, Megatron(tp=1)) == 384
+    assert megatron_vocab_size(300, Megatron(tp=2)) == 512
+    cfg = _hf_config("llama")
+    cfg.vocab_size = 100  # 256 rows over Megatron tp 2: TP rank 1 holds only dummy rows
+    spec = trs.recipes.megatron_to_vllm(cfg, megatron=Megatron(tp=2), tp=2, trainer_ranks=2, inference_ranks=[2, 3])
+    emb = spec.src["embedding.word_embeddings.weight"]
+    assert emb.shape == (256, 64) and emb.local_shape(1) == (128, 64)
+    readers = {op.src_rank for op in spec.plan().ops if op.src_name == "embedding.word_embeddings.weight"}
+    assert readers == {0}
