@@ -315,8 +315,8 @@ def megatron_tensors(model_chunks, *, megatron: Megatron, rank: int) -> dict[str
         megatron: the trainer's :class:`Megatron` settings.
         rank: this process's Megatron rank (its index in ``trainer_ranks``).
 
-    Returns ``{name: tensor}``: the parameters themselves (dense, shape = the local shard), experts
-    as ``param.unsqueeze(0)`` views (``[1, 2I/etp, H]``, ``[1, H, I/etp]``). Layer numbers are
+    Returns ``{name: tensor}``: the parameters' own storage, detached (``param.detach()``: shape =
+    the local shard; experts ``param.detach().unsqueeze(0)``, ``[1, 2I/etp, H]`` and ``[1, H, I/etp]``). Layer numbers are
     global (Megatron's ``layer_number - 1``); expert ids are global (the MoE layer's
     ``local_expert_indices``). Local-spec norms are renamed (``input_layernorm`` ->
     ``self_attention.linear_qkv.layer_norm_weight``; a dense layer's ``pre_mlp_layernorm`` ->
@@ -352,7 +352,7 @@ def megatron_tensors(model_chunks, *, megatron: Megatron, rank: int) -> dict[str
                                   "decoder.final_layernorm.weight"):
                     problems.append(f"{where}: no vLLM destination (position embeddings, MTP, ... are not supported)")
                     continue
-                _put(out, name, p, where, problems)
+                _put(out, name, p.detach(), where, problems)
                 continue
             local, rest = int(hit.group(1)), hit.group(2)
             layer = layers.get(local)
@@ -377,13 +377,13 @@ def megatron_tensors(model_chunks, *, megatron: Megatron, rank: int) -> dict[str
                     problems.append(f"{where}: experts {indices} belong to ep rank {indices[0] // len(indices)}, "
                                     f"but rank {rank} is ep rank {ep_rank} under {megatron}")
                 gname = f"decoder.layers.{number - 1}.mlp.experts.local_experts.{indices[e]}.{ex.group(2)}"
-                _put(out, gname, p.unsqueeze(0), where, problems)
+                _put(out, gname, p.detach().unsqueeze(0), where, problems)
                 continue
             if rest in _LOCAL_NORMS:
                 rest = _LOCAL_NORMS[rest]
             elif rest == "pre_mlp_layernorm.weight" and not moe:
                 rest = "mlp.linear_fc1.layer_norm_weight"
-            _put(out, f"decoder.layers.{number - 1}.{rest}", p, where, problems)
+            _put(out, f"decoder.layers.{number - 1}.{rest}", p.detach(), where, problems)
     if problems:
         raise ValueError(f"megatron_tensors (rank {rank}): " + "; ".join(problems))
     return out

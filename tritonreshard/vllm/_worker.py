@@ -55,6 +55,7 @@ class TritonreshardInitInfo(WeightTransferInitInfo):
     group: str = "vllm"
     timeout: float = 60.0
     peer_timeout: float = 10.0
+    megatron: dict | None = None  # trs.recipes.Megatron's fields: the trainers are Megatron-Core ranks
 
 
 @dataclass
@@ -162,9 +163,13 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         if problems:
             raise ValueError("tritonreshard init_weight_transfer_engine: " + "; ".join(problems))
         self.tp_rank, tp = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-        self.spec = recipes.hf_to_vllm(self.model_config.hf_config, tp=tp, trainer_ranks=init_info.trainer_ranks,
-                                       inference_ranks=init_info.inference_ranks, dtype=self.model_config.dtype,
-                                       src_dtype=SRC_DTYPES[init_info.src_dtype])
+        common = dict(tp=tp, trainer_ranks=init_info.trainer_ranks, inference_ranks=init_info.inference_ranks,
+                      dtype=self.model_config.dtype, src_dtype=SRC_DTYPES[init_info.src_dtype])
+        if init_info.megatron is not None:  # the same parts as the Megatron trainers' recipe
+            self.spec = recipes.megatron_to_vllm(self.model_config.hf_config,
+                                                 megatron=recipes.Megatron(**init_info.megatron), **common)
+        else:
+            self.spec = recipes.hf_to_vllm(self.model_config.hf_config, **common)
         self.rank = init_info.inference_ranks[self.tp_rank]  # hf_to_vllm checked there is one per TP rank
         moe = sorted(n for n in self.spec.dst if ".experts." in n)
         if moe:  # refits land, but vLLM 0.32 (CPU) then generates differently from transformers: refuse
