@@ -51,7 +51,8 @@ def _hf_config(kind):
         return transformers.Qwen3Config(**common, tie_word_embeddings=False)
     if kind == "qwen3_moe":
         return transformers.Qwen3MoeConfig(**dict(common, num_hidden_layers=2), num_experts=4, num_experts_per_tok=2,
-                                           moe_intermediate_size=32, tie_word_embeddings=False)
+                                           moe_intermediate_size=32, norm_topk_prob=True,
+                                           tie_word_embeddings=False)
     raise AssertionError(kind)
 
 
@@ -124,6 +125,26 @@ def _fill(model, c: dict, case: str) -> None:
         p.copy_(torch.randn(p.shape, generator=_gen(*key)))
 
 
+PROMPT = [[3, 17, 250, 299, 0, 42, 7, 128, 64, 5]]
+
+
+@torch.no_grad()
+def _forward(model) -> torch.Tensor:
+    """Megatron's own forward on CPU (pp = 1): this rank's vocab-parallel logits [1, s, V_m / tp].
+    CPU patches, here only: the rotary cache moves to ``torch.cuda.current_device()``, dropout forks
+    the CUDA RNG tracker, and the causal mask is given explicitly."""
+    import contextlib
+
+    from megatron.core.tensor_parallel import random as mrandom
+
+    torch.cuda.current_device = lambda: "cpu"
+    mrandom.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    ids = torch.tensor(PROMPT)
+    s = ids.shape[1]
+    model.eval()
+    return model(ids, torch.arange(s)[None], torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)).clone()
+
+
 def _spec(kind, meg, tp, **kw):
     return trs.recipes.megatron_to_vllm(_hf_config(kind), megatron=meg, tp=tp, trainer_ranks=MEG_WORLD,
                                         inference_ranks=INF if tp == 2 else list(range(100, 100 + tp)),
@@ -172,7 +193,7 @@ def _worker(rank, ports):
             storages = {p.data_ptr() for p in model.parameters()}
             assert all(t.data_ptr() in storages and not t.requires_grad for t in mt.values())
             assert len({t.data_ptr() for t in mt.values()}) == len(mt)
-            report = {"coords": c, "raw": {n: p.detach().clone() for n, p in model.named_parameters()},
+            report = {"logits": _forward(model) if meg.pp == 1 else None, "coords": c, "raw": {n: p.detach().clone() for n, p in model.named_parameters()},
                       "mt": {n: t.detach().clone() for n, t in mt.items()},
                       "layer_numbers": [layer.layer_number for layer in model.decoder.layers]}
             if engine:
@@ -291,9 +312,17 @@ def test_megatron_shards_refit_into_vllm_bit_for_bit(megatron_runs, case, kind, 
     for r, rep in reports.items():  # Megatron numbers layers globally, 1-based
         assert rep["layer_numbers"] == [rep["coords"]["pp"] * per + j + 1 for j in range(per)]
     hf = _to_hf(cfg, meg, reports)
-    # The conversion yields exactly a real transformers model's parameters.
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    # The conversion yields exactly a real transformers model's parameters ...
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
     assert {n: tuple(p.shape) for n, p in model.named_parameters()} == {n: tuple(t.shape) for n, t in hf.items()}
+    if meg.pp == 1:  # ... and the same function: Megatron's own forward equals transformers' on them
+        missing, unexpected = model.load_state_dict(hf, strict=False)
+        assert not unexpected and set(missing) <= {"lm_head.weight"} and (not missing or cfg.tie_word_embeddings)
+        with torch.no_grad():
+            want = model(torch.tensor(PROMPT)).logits
+        tps = sorted((rep["coords"]["tp"], rep["logits"]) for rep in reports.values() if rep["coords"]["dp"] == 0)
+        got = torch.cat([lg for _, lg in tps], -1)[..., :V]
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-4)
     shards = {r: rep["mt"] for r, rep in reports.items()}
     for tp in (1, 2, 4):
         for ep in ((False, True) if kind == "qwen3_moe" and tp > 1 else (False,)):
