@@ -9,8 +9,9 @@ interleaved per query group, fc1 = [gate; up], the dummy vocab rows random junk)
 Each trainer hands ``trs.recipes.megatron_tensors(model, ...)`` to ``tritonreshard.vllm.Trainer``
 with ``megatron=``; vLLM's workers get the same ``Megatron`` through ``init_info(megatron=...)``
 and pull their TP shards of vLLM's parameters directly from the Megatron ranks' shards (no gather,
-no HF conversion, no ``load_weights``). Each step the trainers perturb their shards in the arena
-(an evolution-strategies style update); after every refit, vLLM's greedy generation (float32,
+no HF conversion, no ``load_weights``). ``megatron_bind`` re-points the Megatron parameters at the
+trainer's arena; each step the trainers perturb those parameters in place (an evolution-strategies
+style update); after every refit, vLLM's greedy generation (float32,
 eager) must equal transformers' on the same weights (converted back from Megatron's shards by this
 script, independently of the recipe), token for token.
 
@@ -156,14 +157,18 @@ def trainer(rank, world, meg_fields, train_path, tp, store, gloo, commands, resu
     with trs_vllm.Trainer(cfg, shards, rank=rank, tp=tp, trainer_ranks=list(range(world)),
                           inference_ranks=inference, store=store, group="megatron", megatron=meg,
                           timeout=300.0) as tr:
+        # Megatron's parameters now live in the trainer's shared arena: training updates what
+        # vLLM pulls, with no copy per step.
+        trs.recipes.megatron_bind(model, tr.source_tensors, megatron=meg, rank=rank)
         results.put(("ready", rank, None))
         while True:
             cmd, step = commands.get()
             if cmd == "stop":
                 break
-            tr.fence()  # every reader acked the last version: the arena may change
-            for name in sorted(tr.tensors):
-                t = tr.tensors[name]
+            tr.fence()  # every reader acked the last version: the parameters may change
+            params = trs.recipes.megatron_tensors(model, megatron=meg, rank=rank)
+            for name in sorted(params):  # the "optimizer step", on Megatron's own parameters
+                t = params[name]
                 # Keyed by name and the rank's TP coordinate (DP replicas would stay equal).
                 g = torch.Generator().manual_seed(zlib.crc32(f"{SEED}/{step}/{name}/{rank % meg.tp}".encode()))
                 t.add_(torch.randn(t.shape, generator=g) * SIGMA)

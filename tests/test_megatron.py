@@ -201,11 +201,14 @@ def _worker(rank, ports):
                 with trs.RefitTrainer.from_recipe(spec, mt, rank=rank,
                                                   world_size=MEG_WORLD + 2, store=f"127.0.0.1:{port}", group=case,
                                                   timeout=60) as tr:
+                    # Megatron trains on the arena from now on: no copy per step.
+                    trs.recipes.megatron_bind(model, tr.source_tensors, megatron=meg, rank=rank)
                     for v in (1, 2):
                         tr.fence()  # every rank, also one nobody reads, keeps the versions in step
-                        if v == 2:
-                            for t in tr.source_tensors.values():
-                                t.neg_()
+                        if v == 2:  # the "optimizer step", on Megatron's own parameters
+                            with torch.no_grad():
+                                for p in model.parameters():
+                                    p.neg_()
                         assert tr.publish() == v
                     tr.fence()
             out[case] = report

@@ -5,10 +5,10 @@ Pure Python planning (no transformers or vLLM import). One module per source fam
 * :mod:`~tritonreshard.recipes.hf`: Hugging Face parameters under FSDP (``hf_to_vllm``), and the
   vLLM destination side every recipe shares.
 * :mod:`~tritonreshard.recipes.megatron`: Megatron-Core TP x PP x DP x EP shards (``megatron_to_vllm``,
-  ``megatron_tensors``).
+  ``megatron_tensors``, ``megatron_bind``).
 """
 from .hf import FAMILIES, Family, RecipeSpec, hf_to_vllm, pad_vocab_size
-from .megatron import Megatron, megatron_tensors, megatron_to_vllm, megatron_vocab_size
+from .megatron import Megatron, megatron_bind, megatron_tensors, megatron_to_vllm, megatron_vocab_size
 
 __all__ = ["hf_to_vllm", "RecipeSpec", "Family", "FAMILIES", "pad_vocab_size",
-           "Megatron", "megatron_to_vllm", "megatron_tensors", "megatron_vocab_size"]
+           "Megatron", "megatron_to_vllm", "megatron_tensors", "megatron_bind", "megatron_vocab_size"]

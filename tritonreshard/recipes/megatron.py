@@ -39,7 +39,7 @@ import torch
 from ..layout import Layout, Part, Replicate, Shard
 from .hf import FAMILIES, RecipeSpec, hf_to_vllm
 
-__all__ = ["Megatron", "megatron_to_vllm", "megatron_tensors", "megatron_vocab_size"]
+__all__ = ["Megatron", "megatron_to_vllm", "megatron_tensors", "megatron_bind", "megatron_vocab_size"]
 
 
 def _positive(value) -> bool:
@@ -316,8 +316,9 @@ def megatron_tensors(model_chunks, *, megatron: Megatron, rank: int) -> dict[str
         rank: this process's Megatron rank (its index in ``trainer_ranks``).
 
     Returns ``{name: tensor}``: the parameters' own storage, detached (``param.detach()``: shape =
-    the local shard; experts ``param.detach().unsqueeze(0)``, ``[1, 2I/etp, H]`` and ``[1, H, I/etp]``). Layer numbers are
-    global (Megatron's ``layer_number - 1``); expert ids are global (the MoE layer's
+    the local shard; experts ``param.detach().unsqueeze(0)``, ``[1, 2I/etp, H]`` and
+    ``[1, H, I/etp]``); dtype: the parameters'. :func:`megatron_bind` then re-points the parameters
+    at a trainer's arena. Layer numbers are global (Megatron's ``layer_number - 1``); expert ids are global (the MoE layer's
     ``local_expert_indices``). Local-spec norms are renamed (``input_layernorm`` ->
     ``self_attention.linear_qkv.layer_norm_weight``; a dense layer's ``pre_mlp_layernorm`` ->
     ``mlp.linear_fc1.layer_norm_weight``). Tied embeddings on a last stage of pp > 1: its
@@ -326,8 +327,40 @@ def megatron_tensors(model_chunks, *, megatron: Megatron, rank: int) -> dict[str
     Raises ``ValueError`` naming every parameter it cannot map (grouped-GEMM experts, unknown
     modules), and ``ValueError`` if ``megatron`` or ``rank`` does not fit the chunks.
     """
+    return {n: p.detach().unsqueeze(0) if ".local_experts." in n else p.detach()
+            for n, p in _global_params(model_chunks, megatron, rank, "megatron_tensors").items()}
+
+
+def megatron_bind(model_chunks, tensors, *, megatron: Megatron, rank: int) -> None:
+    """Re-point this rank's Megatron parameters at ``tensors`` (``param.data = tensors[name]``), so
+    that training updates them in place: hand it a trainer's arena after set-up,
+    ``megatron_bind(model, tr.source_tensors, megatron=meg, rank=r)``, and every ``publish()`` then
+    serves what the optimizer wrote, with no copy per step. ``tensors``: ``{name: tensor}`` under
+    :func:`megatron_tensors`' names and shapes. Not for Megatron's distributed optimizer, whose
+    parameters are views of its own gather buffer.
+
+    Raises one ``ValueError`` naming every missing or mismatching tensor, before re-pointing any.
+    """
+    params = _global_params(model_chunks, megatron, rank, "megatron_bind")
+    problems = []
+    for name, p in params.items():
+        t = tensors.get(name) if hasattr(tensors, "get") else None
+        want = (1, *p.shape) if ".local_experts." in name else tuple(p.shape)
+        if not isinstance(t, torch.Tensor):
+            problems.append(f"tensors has no {name!r}")
+        elif tuple(t.shape) != want or t.dtype != p.dtype or not t.is_contiguous():
+            problems.append(f"tensors[{name!r}] is {tuple(t.shape)} {t.dtype} (contiguous: {t.is_contiguous()}), "
+                            f"the parameter needs {want} {p.dtype} contiguous")
+    if problems:
+        raise ValueError(f"megatron_bind (rank {rank}): " + "; ".join(problems))
+    for name, p in params.items():
+        p.data = tensors[name].view(p.shape)
+
+
+def _global_params(model_chunks, megatron: Megatron, rank: int, what: str) -> dict[str, torch.nn.Parameter]:
+    """``{global name: parameter}`` of a rank's chunks (see :func:`megatron_tensors`)."""
     if not isinstance(megatron, Megatron):
-        raise ValueError(f"megatron_tensors: megatron must be a trs.recipes.Megatron, got {megatron!r}")
+        raise ValueError(f"{what}: megatron must be a trs.recipes.Megatron, got {megatron!r}")
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     out: dict[str, torch.Tensor] = {}
     problems: list[str] = []
@@ -352,7 +385,7 @@ def megatron_tensors(model_chunks, *, megatron: Megatron, rank: int) -> dict[str
                                   "decoder.final_layernorm.weight"):
                     problems.append(f"{where}: no vLLM destination (position embeddings, MTP, ... are not supported)")
                     continue
-                _put(out, name, p.detach(), where, problems)
+                _put(out, name, p, where, problems)
                 continue
             local, rest = int(hit.group(1)), hit.group(2)
             layer = layers.get(local)
@@ -377,15 +410,15 @@ def megatron_tensors(model_chunks, *, megatron: Megatron, rank: int) -> dict[str
                     problems.append(f"{where}: experts {indices} belong to ep rank {indices[0] // len(indices)}, "
                                     f"but rank {rank} is ep rank {ep_rank} under {megatron}")
                 gname = f"decoder.layers.{number - 1}.mlp.experts.local_experts.{indices[e]}.{ex.group(2)}"
-                _put(out, gname, p.detach().unsqueeze(0), where, problems)
+                _put(out, gname, p, where, problems)
                 continue
             if rest in _LOCAL_NORMS:
                 rest = _LOCAL_NORMS[rest]
             elif rest == "pre_mlp_layernorm.weight" and not moe:
                 rest = "mlp.linear_fc1.layer_norm_weight"
-            _put(out, f"decoder.layers.{number - 1}.{rest}", p.detach(), where, problems)
+            _put(out, f"decoder.layers.{number - 1}.{rest}", p, where, problems)
     if problems:
-        raise ValueError(f"megatron_tensors (rank {rank}): " + "; ".join(problems))
+        raise ValueError(f"{what} (rank {rank}): " + "; ".join(problems))
     return out
 
 
