@@ -430,3 +430,44 @@ def _tiny_llama_spec():
                                    vocab_size=1000, num_hidden_layers=4, intermediate_size=256)
     return trs.recipes.megatron_to_vllm(cfg, megatron=Megatron(tp=2, pp=2), tp=2, trainer_ranks=4,
                                         inference_ranks=[4, 5], dtype=torch.float32, src_dtype=torch.float32)
+
+
+def test_init_info_carries_megatron_as_a_plain_dict():
+    import tritonreshard.vllm as trs_vllm
+
+    meg = Megatron(tp=2, pp=2, ep=2, etp=1, vocab_divisible_by=64)
+    info = trs_vllm.init_info(store="127.0.0.1:1", trainer_ranks=range(8), inference_ranks=[8, 9], megatron=meg)
+    assert info["megatron"] == dict(tp=2, pp=2, ep=2, etp=1, vocab_divisible_by=64)  # what crosses vLLM's RPC
+    assert Megatron(**info["megatron"]) == meg
+    assert trs_vllm.init_info(store="127.0.0.1:1", trainer_ranks=[0], inference_ranks=[1])["megatron"] is None
+    with pytest.raises(ValueError, match="megatron must be a trs.recipes.Megatron"):
+        trs_vllm.init_info(store="127.0.0.1:1", trainer_ranks=[0], inference_ranks=[1], megatron={"tp": 2})
+
+
+def _module(**params_and_children):
+    m = torch.nn.Module()
+    for k, v in params_and_children.items():
+        if isinstance(v, torch.nn.Module):
+            m.add_module(k, v)
+        elif k == "layer_number":
+            m.layer_number = v
+        else:
+            m.register_parameter(k, torch.nn.Parameter(torch.zeros(v)))
+    return m
+
+
+def test_megatron_tensors_refuses_what_it_cannot_map_by_name():
+    # The names Megatron gives learned position embeddings and grouped-GEMM experts (TEGroupedMLP's
+    # linear_fc1.weight{e}, the legacy GroupedMLP's weight1), in a plain module tree.
+    layer = _module(layer_number=1, mlp=_module(experts=_module(linear_fc1=_module(weight0=2), weight1=2)))
+    model = _module(embedding=_module(word_embeddings=_module(weight=2), position_embeddings=_module(weight=2)),
+                    decoder=_module(layers=torch.nn.ModuleList([layer])))
+    with pytest.raises(ValueError) as err:
+        trs.recipes.megatron_tensors(model, megatron=Megatron(), rank=0)
+    msg = str(err.value)
+    assert "embedding.position_embeddings.weight: no vLLM destination" in msg
+    assert "decoder.layers.0.mlp.experts.linear_fc1.weight0: grouped-GEMM experts are not supported" in msg
+    assert "decoder.layers.0.mlp.experts.weight1: grouped-GEMM experts are not supported" in msg
+    with pytest.raises(ValueError, match="megatron_bind .*tensors has no 'embedding.word_embeddings.weight'"):
+        trs.recipes.megatron_bind(_module(embedding=_module(word_embeddings=_module(weight=2))), {},
+                                  megatron=Megatron(), rank=0)
