@@ -49,10 +49,10 @@ def _hf_config(kind):
         return transformers.Qwen2Config(**{k: v for k, v in common.items() if k != "head_dim"}, tie_word_embeddings=True)
     if kind == "qwen3":
         return transformers.Qwen3Config(**common, tie_word_embeddings=False)
-    if kind == "qwen3_moe":
+    if kind in ("qwen3_moe", "qwen3_moe_mixed"):
         return transformers.Qwen3MoeConfig(**dict(common, num_hidden_layers=2), num_experts=4, num_experts_per_tok=2,
-                                           moe_intermediate_size=32, norm_topk_prob=True,
-                                           tie_word_embeddings=False)
+                                           moe_intermediate_size=32, norm_topk_prob=True, tie_word_embeddings=False,
+                                           mlp_only_layers=[1] if kind == "qwen3_moe_mixed" else [])
     raise AssertionError(kind)
 
 
@@ -66,6 +66,7 @@ CASES = [
     ("moe-tp2-ep2-etp1", "qwen3_moe", Megatron(tp=2, pp=1, ep=2, etp=1), True),   # expert-DP 2
     ("moe-tp2-ep2-etp2", "qwen3_moe", Megatron(tp=2, pp=1, ep=2), False),         # expert-TP 2
     ("moe-tp1-pp2-ep2", "qwen3_moe", Megatron(tp=1, pp=2, ep=2, etp=1), False),
+    ("moe-mixed-tp2-ep2", "qwen3_moe_mixed", Megatron(tp=2, pp=1, ep=2, etp=1), False),  # layer 1 dense
 ]
 
 
@@ -96,8 +97,14 @@ def _build(cfg, meg: Megatron):
         **(dict(num_moe_experts=cfg.num_experts, moe_ffn_hidden_size=cfg.moe_intermediate_size,
                 moe_router_topk=cfg.num_experts_per_tok, moe_token_dispatcher_type="allgather",
                 moe_grouped_gemm=False) if moe else {}))
-    spec = get_gpt_layer_local_spec(num_experts=cfg.num_experts if moe else None, moe_grouped_gemm=False,
-                                    qk_layernorm=tc.qk_layernorm, normalization="RMSNorm")
+    if moe and cfg.mlp_only_layers:  # dense and MoE layers mixed: Megatron's per-layer pattern
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        tc.moe_layer_freq = [int(i not in cfg.mlp_only_layers) for i in range(cfg.num_hidden_layers)]
+        spec = get_gpt_decoder_block_spec(tc, use_transformer_engine=False, normalization="RMSNorm")
+    else:
+        spec = get_gpt_layer_local_spec(num_experts=cfg.num_experts if moe else None, moe_grouped_gemm=False,
+                                        qk_layernorm=tc.qk_layernorm, normalization="RMSNorm")
     return GPTModel(tc, spec, vocab_size=megatron_vocab_size(cfg.vocab_size, meg), max_sequence_length=64,
                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                     share_embeddings_and_output_weights=cfg.tie_word_embeddings, position_embedding_type="rope")
@@ -328,7 +335,7 @@ def test_megatron_shards_refit_into_vllm_bit_for_bit(megatron_runs, case, kind, 
         torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-4)
     shards = {r: rep["mt"] for r, rep in reports.items()}
     for tp in (1, 2, 4):
-        for ep in ((False, True) if kind == "qwen3_moe" and tp > 1 else (False,)):
+        for ep in ((False, True) if kind.startswith("qwen3_moe") and tp > 1 else (False,)):
             spec = _spec(kind, meg, tp, expert_parallel=ep)
             # megatron_tensors gives every rank exactly its sources, of the layouts' local shapes.
             for r, mt in shards.items():
