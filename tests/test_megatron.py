@@ -59,6 +59,7 @@ def _hf_config(kind):
 # (name, HF family, Megatron settings, refit through the engine too)
 CASES = [
     ("llama-tp2-pp2", "llama", Megatron(tp=2, pp=2), False),
+    ("llama-pp2-vpp2-dp2", "llama", Megatron(tp=1, pp=2, vpp=2), True),   # interleaved virtual stages
     ("qwen2-tied-tp2-pp2", "qwen2", Megatron(tp=2, pp=2), True),
     ("qwen2-tied-tp1-dp4", "qwen2", Megatron(tp=1, pp=1, vocab_divisible_by=64), False),
     ("qwen3-tp2-pp2", "qwen3", Megatron(tp=2, pp=2), False),
@@ -75,16 +76,18 @@ def _gen(*key) -> torch.Generator:
     return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
 
 
-def _build(cfg, meg: Megatron):
-    """This rank's real GPTModel chunk for ``cfg`` under ``meg`` (local layer spec, CPU init)."""
+def _build(cfg, meg: Megatron) -> list:
+    """This rank's real GPTModel chunks for ``cfg`` under ``meg`` (local layer spec, CPU init): one,
+    or ``meg.vpp`` virtual pipeline chunks."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
     ps.destroy_model_parallel()
+    vpp = meg.vpp if meg.vpp > 1 else None
     ps.initialize_model_parallel(meg.tp, meg.pp, expert_model_parallel_size=meg.ep,
-                                 expert_tensor_parallel_size=meg.etp)
+                                 expert_tensor_parallel_size=meg.etp, virtual_pipeline_model_parallel_size=vpp)
     moe = cfg.model_type == "qwen3_moe"
     tc = TransformerConfig(
         num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
@@ -94,6 +97,7 @@ def _build(cfg, meg: Megatron):
         qk_layernorm=cfg.model_type in ("qwen3", "qwen3_moe"), use_cpu_initialization=True,
         tensor_model_parallel_size=meg.tp, pipeline_model_parallel_size=meg.pp, pipeline_dtype=torch.float32,
         expert_model_parallel_size=meg.ep, expert_tensor_parallel_size=meg.etp,
+        virtual_pipeline_model_parallel_size=vpp,
         **(dict(num_moe_experts=cfg.num_experts, moe_ffn_hidden_size=cfg.moe_intermediate_size,
                 moe_router_topk=cfg.num_experts_per_tok, moe_token_dispatcher_type="allgather",
                 moe_grouped_gemm=False) if moe else {}))
@@ -105,9 +109,12 @@ def _build(cfg, meg: Megatron):
     else:
         spec = get_gpt_layer_local_spec(num_experts=cfg.num_experts if moe else None, moe_grouped_gemm=False,
                                         qk_layernorm=tc.qk_layernorm, normalization="RMSNorm")
-    return GPTModel(tc, spec, vocab_size=megatron_vocab_size(cfg.vocab_size, meg), max_sequence_length=64,
-                    pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                    share_embeddings_and_output_weights=cfg.tie_word_embeddings, position_embedding_type="rope")
+    return [GPTModel(tc, spec, vocab_size=megatron_vocab_size(cfg.vocab_size, meg), max_sequence_length=64,
+                     pre_process=ps.is_pipeline_first_stage(ignore_virtual=vpp is None, vp_stage=v),
+                     post_process=ps.is_pipeline_last_stage(ignore_virtual=vpp is None, vp_stage=v),
+                     share_embeddings_and_output_weights=cfg.tie_word_embeddings, position_embedding_type="rope",
+                     vp_stage=v if vpp else None)
+            for v in range(meg.vpp)]
 
 
 def _coords() -> dict:
@@ -119,17 +126,22 @@ def _coords() -> dict:
 
 
 @torch.no_grad()
-def _fill(model, c: dict, case: str) -> None:
+def _fill(model, c: dict, case: str, chunk: int) -> None:
     """Values keyed by what a parameter is: replicas (DP, expert-DP, the tied copy) equal, shards
     distinct, every element random (Megatron's dummy vocab rows too)."""
     for name, p in model.named_parameters():
         if ".local_experts." in name:
-            key = (case, name, c["pp"], c["ep"], c["etp"])
+            key = (case, name, c["pp"], chunk, c["ep"], c["etp"])
         elif name == "output_layer.weight" and model.share_embeddings_and_output_weights:
-            key = (case, "embedding.word_embeddings.weight", 0, c["tp"])   # Megatron keeps the copies equal
+            key = (case, "embedding.word_embeddings.weight", 0, 0, c["tp"])   # Megatron keeps the copies equal
         else:
-            key = (case, name, c["pp"], c["tp"] if getattr(p, "tensor_model_parallel", False) else -1)
+            key = (case, name, c["pp"], chunk, c["tp"] if getattr(p, "tensor_model_parallel", False) else -1)
         p.copy_(torch.randn(p.shape, generator=_gen(*key)))
+
+
+def _chunk_prefix(meg: Megatron, v: int) -> str:
+    """How the test keys a virtual chunk's raw parameters (Megatron names layers per chunk from 0)."""
+    return f"chunk{v}." if meg.vpp > 1 else ""
 
 
 PROMPT = [[3, 17, 250, 299, 0, 42, 7, 128, 64, 5]]
@@ -192,24 +204,28 @@ def _worker(rank, ports):
     try:
         for (case, kind, meg, engine), port in zip(CASES, ports):
             cfg = _hf_config(kind)
-            model = _build(cfg, meg)
+            chunks = _build(cfg, meg)
             c = _coords()
-            _fill(model, c, case)
-            mt = trs.recipes.megatron_tensors(model, megatron=meg, rank=rank)
+            for v, chunk in enumerate(chunks):
+                _fill(chunk, c, case, v)
+            model = chunks[0] if meg.vpp == 1 else torch.nn.ModuleList(chunks)
+            mt = trs.recipes.megatron_tensors(chunks if meg.vpp > 1 else model, megatron=meg, rank=rank)
             # Without copying: every entry is a view of a parameter's own memory.
             storages = {p.data_ptr() for p in model.parameters()}
             assert all(t.data_ptr() in storages and not t.requires_grad for t in mt.values())
             assert len({t.data_ptr() for t in mt.values()}) == len(mt)
-            report = {"logits": _forward(model) if meg.pp == 1 else None, "coords": c, "raw": {n: p.detach().clone() for n, p in model.named_parameters()},
+            report = {"logits": _forward(model) if meg.pp == 1 else None, "coords": c,
+                      "raw": {_chunk_prefix(meg, v) + n: p.detach().clone() for v, chunk in enumerate(chunks)
+                              for n, p in chunk.named_parameters()},
                       "mt": {n: t.detach().clone() for n, t in mt.items()},
-                      "layer_numbers": [layer.layer_number for layer in model.decoder.layers]}
+                      "layer_numbers": [[layer.layer_number for layer in chunk.decoder.layers] for chunk in chunks]}
             if engine:
                 spec = _spec(kind, meg, 2)
                 with trs.RefitTrainer.from_recipe(spec, mt, rank=rank,
                                                   world_size=MEG_WORLD + 2, store=f"127.0.0.1:{port}", group=case,
                                                   timeout=60) as tr:
                     # Megatron trains on the arena from now on: no copy per step.
-                    trs.recipes.megatron_bind(model, tr.source_tensors, megatron=meg, rank=rank)
+                    trs.recipes.megatron_bind(chunks, tr.source_tensors, megatron=meg, rank=rank)
                     for v in (1, 2):
                         tr.fence()  # every rank, also one nobody reads, keeps the versions in step
                         if v == 2:  # the "optimizer step", on Megatron's own parameters
@@ -243,7 +259,8 @@ def _to_hf(cfg, meg: Megatron, reports: dict) -> dict[str, torch.Tensor]:
     """Full HF tensors from every rank's raw local Megatron parameters (independent of the library)."""
     L, H, nq, nkv = cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
     hd, qpg = H // nq, nq // nkv
-    per = L // meg.pp
+    per = L // (meg.pp * meg.vpp)
+    pf_first, pf_last = _chunk_prefix(meg, 0), _chunk_prefix(meg, meg.vpp - 1)
 
     def dense(pp):  # ranks of stage pp with DP rank 0, by TP rank
         rs = {r["coords"]["tp"]: r for r in reports.values() if r["coords"]["pp"] == pp and r["coords"]["dp"] == 0}
@@ -251,13 +268,14 @@ def _to_hf(cfg, meg: Megatron, reports: dict) -> dict[str, torch.Tensor]:
 
     hf = {}
     first, last = dense(0), dense(meg.pp - 1)
-    hf["model.embed_tokens.weight"] = torch.cat([s["embedding.word_embeddings.weight"] for s in first])[:V]
+    hf["model.embed_tokens.weight"] = torch.cat([s[pf_first + "embedding.word_embeddings.weight"] for s in first])[:V]
     if not cfg.tie_word_embeddings:
-        hf["lm_head.weight"] = torch.cat([s["output_layer.weight"] for s in last])[:V]
-    hf["model.norm.weight"] = last[0]["decoder.final_layernorm.weight"]
+        hf["lm_head.weight"] = torch.cat([s[pf_last + "output_layer.weight"] for s in last])[:V]
+    hf["model.norm.weight"] = last[0][pf_last + "decoder.final_layernorm.weight"]
     for i in range(L):
-        stage, j = divmod(i, per)
-        sh, pre, m = dense(stage), f"model.layers.{i}", f"decoder.layers.{j}"
+        k, j = divmod(i, per)   # virtual chunk k of L / (pp * vpp) layers: stage k % pp, its chunk k // pp
+        stage = k % meg.pp
+        sh, pre, m = dense(stage), f"model.layers.{i}", f"{_chunk_prefix(meg, k // meg.pp)}decoder.layers.{j}"
         for suffix in ("weight", "bias"):
             key = f"{m}.self_attention.linear_qkv.{suffix}"
             if key not in sh[0]:
@@ -318,9 +336,10 @@ def _poisoned(spec):
 def test_megatron_shards_refit_into_vllm_bit_for_bit(megatron_runs, case, kind, meg, engine):
     cfg = _hf_config(kind)
     reports = {r: out[case] for r, out in megatron_runs.items() if r < MEG_WORLD}
-    per = cfg.num_hidden_layers // meg.pp
-    for r, rep in reports.items():  # Megatron numbers layers globally, 1-based
-        assert rep["layer_numbers"] == [rep["coords"]["pp"] * per + j + 1 for j in range(per)]
+    per = cfg.num_hidden_layers // (meg.pp * meg.vpp)
+    for r, rep in reports.items():  # Megatron numbers layers globally, 1-based (interleaved with vpp)
+        assert rep["layer_numbers"] == [[(v * meg.pp + rep["coords"]["pp"]) * per + j + 1 for j in range(per)]
+                                        for v in range(meg.vpp)]
     hf = _to_hf(cfg, meg, reports)
     # The conversion yields exactly a real transformers model's parameters ...
     model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
@@ -444,7 +463,7 @@ def test_init_info_carries_megatron_as_a_plain_dict():
 
     meg = Megatron(tp=2, pp=2, ep=2, etp=1, vocab_divisible_by=64)
     info = trs_vllm.init_info(store="127.0.0.1:1", trainer_ranks=range(8), inference_ranks=[8, 9], megatron=meg)
-    assert info["megatron"] == dict(tp=2, pp=2, ep=2, etp=1, vocab_divisible_by=64)  # what crosses vLLM's RPC
+    assert info["megatron"] == dict(tp=2, pp=2, ep=2, etp=1, vocab_divisible_by=64, vpp=1)  # what crosses vLLM's RPC
     assert Megatron(**info["megatron"]) == meg
     assert trs_vllm.init_info(store="127.0.0.1:1", trainer_ranks=[0], inference_ranks=[1])["megatron"] is None
     with pytest.raises(ValueError, match="megatron must be a trs.recipes.Megatron"):

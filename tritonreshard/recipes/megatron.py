@@ -16,7 +16,8 @@ Megatron-Core facts used (checked against megatron-core 0.19.2 on CPU, ``tests/t
 * Ranks, order "tp-cp-ep-dp-pp" (cp = 1): dense ``rank = tp_rank + tp * (dp_rank + dp * pp_rank)``;
   experts ``rank = etp_rank + etp * (ep_rank + ep * (edp_rank + edp * pp_rank))`` with
   ``edp = tp * dp / (etp * ep)``; global expert ``e`` lives on ``ep_rank = e // (E / ep)``.
-* Stage ``p`` holds layers ``[p * L / pp, (p + 1) * L / pp)``, the first the embedding, the last the
+* Stage ``p`` holds layers ``[p * L / pp, (p + 1) * L / pp)`` (with ``vpp`` virtual chunks: chunk
+  ``k`` of ``L / (pp * vpp)`` layers on stage ``k % pp``), the first the embedding, the last the
   final norm and ``output_layer``. Tied embeddings: no ``output_layer`` with pp = 1; with pp > 1 the
   last stage's ``output_layer.weight`` is a real copy of the embedding and serves as one more
   replica of ``embedding.word_embeddings.weight`` (one source, never read twice).
@@ -62,8 +63,10 @@ class Megatron:
 
     ``tp``, ``pp``: tensor and pipeline parallel sizes; ``ep``: expert parallel size; ``etp``: expert
     tensor parallel size (None: ``tp``, as Megatron); ``vocab_divisible_by``: Megatron's
-    ``--make-vocab-size-divisible-by`` (the vocab is padded to a multiple of it times ``tp``). The
-    data parallel size is ``world / (tp * pp)``, from the trainer ranks the recipe is given.
+    ``--make-vocab-size-divisible-by`` (the vocab is padded to a multiple of it times ``tp``);
+    ``vpp``: virtual pipeline chunks per stage (Megatron's interleaved schedule: the layers split into
+    ``pp * vpp`` equal chunks, chunk ``k`` on stage ``k % pp``). The data parallel size is
+    ``world / (tp * pp)``, from the trainer ranks the recipe is given.
     """
 
     tp: int = 1
@@ -71,10 +74,11 @@ class Megatron:
     ep: int = 1
     etp: int | None = None
     vocab_divisible_by: int = 128
+    vpp: int = 1
 
     def __post_init__(self):
-        bad = [f"{k}={getattr(self, k)!r} must be a positive int" for k in ("tp", "pp", "ep", "vocab_divisible_by")
-               if not _positive(getattr(self, k))]
+        bad = [f"{k}={getattr(self, k)!r} must be a positive int"
+               for k in ("tp", "pp", "ep", "vocab_divisible_by", "vpp") if not _positive(getattr(self, k))]
         if self.etp is not None and not _positive(self.etp):
             bad.append(f"etp={self.etp!r} must be a positive int or None (= tp)")
         if bad:
@@ -154,8 +158,9 @@ def megatron_to_vllm(config: Any, *, megatron: Megatron, tp: int, trainer_ranks,
     dp = W // (mtp * pp) if W % (mtp * pp) == 0 else 0
     if not dp:
         problems.append(f"world {W} (len(trainer_ranks)) is not divisible by tp*pp={mtp}*{pp}")
-    if L % pp:
-        problems.append(f"num_hidden_layers={L} is not divisible by pp={pp}")
+    if L % (pp * m.vpp):
+        problems.append(f"num_hidden_layers={L} is not divisible by pp={pp}" +
+                        (f" * vpp={m.vpp}" if m.vpp > 1 else ""))
     if nq % mtp:
         problems.append(f"num_attention_heads={nq} is not divisible by Megatron tp={mtp}")
     if nkv % mtp:
@@ -182,7 +187,7 @@ def megatron_to_vllm(config: Any, *, megatron: Megatron, tp: int, trainer_ranks,
     Vm = megatron_vocab_size(V, m)
     edp = mtp * dp // (etp * ep)
     qpg = nq // nkv
-    per_layer = L // pp
+    per_chunk = L // (pp * m.vpp)
 
     def dense_mesh(stage):
         return [[src_ranks[m.dense_rank(t, d, stage, dp)] for t in range(mtp)] for d in range(dp)]
@@ -214,7 +219,7 @@ def megatron_to_vllm(config: Any, *, megatron: Megatron, tp: int, trainer_ranks,
     same("model.norm.weight", "decoder.final_layernorm.weight", pp - 1)
 
     for i in range(L):
-        stage = i // per_layer
+        stage = (i // per_chunk) % pp
         hpre, mpre = f"model.layers.{i}", f"decoder.layers.{i}"
         att, matt = f"{hpre}.self_attn", f"{mpre}.self_attention"
         for suffix, tail in (("weight", (H,)), ("bias", ())):
