@@ -46,7 +46,8 @@ def _hf_config(kind):
     if kind == "llama":
         return transformers.LlamaConfig(**common, tie_word_embeddings=False)
     if kind == "qwen2":
-        return transformers.Qwen2Config(**{k: v for k, v in common.items() if k != "head_dim"}, tie_word_embeddings=True)
+        return transformers.Qwen2Config(**{k: v for k, v in common.items() if k != "head_dim"},
+                                        tie_word_embeddings=True)
     if kind == "qwen3":
         return transformers.Qwen3Config(**common, tie_word_embeddings=False)
     if kind in ("qwen3_moe", "qwen3_moe_mixed"):

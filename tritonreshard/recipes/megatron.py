@@ -315,16 +315,17 @@ def megatron_tensors(model_chunks, *, megatron: Megatron, rank: int) -> dict[str
     """A Megatron rank's parameters under :func:`megatron_to_vllm`'s source names, without copying.
 
     Args:
-        model_chunks: this rank's Megatron-Core ``GPTModel`` chunk(s) (one, or a list with virtual
-            pipeline stages), local or Transformer-Engine layer spec.
+        model_chunks: this rank's Megatron-Core ``GPTModel`` chunk(s) (one, or the list of its
+            virtual pipeline chunks, ``Megatron(vpp=...)``), local or Transformer-Engine layer spec
+            (DDP / Float16Module wrappers are unwrapped through ``.module``).
         megatron: the trainer's :class:`Megatron` settings.
         rank: this process's Megatron rank (its index in ``trainer_ranks``).
 
     Returns ``{name: tensor}``: the parameters' own storage, detached (``param.detach()``: shape =
     the local shard; experts ``param.detach().unsqueeze(0)``, ``[1, 2I/etp, H]`` and
     ``[1, H, I/etp]``); dtype: the parameters'. :func:`megatron_bind` then re-points the parameters
-    at a trainer's arena. Layer numbers are global (Megatron's ``layer_number - 1``); expert ids are global (the MoE layer's
-    ``local_expert_indices``). Local-spec norms are renamed (``input_layernorm`` ->
+    at a trainer's arena. Layer numbers are global (Megatron's ``layer_number - 1``); expert ids
+    are global (the MoE layer's ``local_expert_indices``). Local-spec norms are renamed (``input_layernorm`` ->
     ``self_attention.linear_qkv.layer_norm_weight``; a dense layer's ``pre_mlp_layernorm`` ->
     ``mlp.linear_fc1.layer_norm_weight``). Tied embeddings on a last stage of pp > 1: its
     ``output_layer.weight`` is returned as ``embedding.word_embeddings.weight`` (a replica).
@@ -371,8 +372,8 @@ def _global_params(model_chunks, megatron: Megatron, rank: int, what: str) -> di
     problems: list[str] = []
     ep_rank = (rank // megatron.expert_tp) % megatron.ep
     for c, chunk in enumerate(chunks):
-        model = getattr(chunk, "module", chunk)  # DDP / Float16Module wrappers keep the model in .module
-        while hasattr(model, "module") and not hasattr(model, "decoder"):
+        model = chunk
+        while not hasattr(model, "decoder") and hasattr(model, "module"):  # DDP / Float16Module wrappers
             model = model.module
         tied = bool(getattr(model, "share_embeddings_and_output_weights", False))
         layers = {}
