@@ -332,6 +332,7 @@ def _poisoned(spec):
 
 
 # ------------------------------------------------------------------------------------- tests
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case,kind,meg,engine", CASES, ids=[c[0] for c in CASES])
 def test_megatron_shards_refit_into_vllm_bit_for_bit(megatron_runs, case, kind, meg, engine):
@@ -377,6 +378,7 @@ def test_megatron_shards_refit_into_vllm_bit_for_bit(megatron_runs, case, kind, 
                 assert len({op.src_rank for op in plan.ops}) == MEG_WORLD
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_engine_agrees_with_execute_local(megatron_runs):
     for case, kind, meg, engine in CASES:
