@@ -60,7 +60,7 @@ def test_bench_json(tmp_path):
     assert "refit" in out.stderr  # the progress bar goes to stderr
 
 
-@pytest.mark.parametrize("layout", ["cols-replicas", "colocated", "replicated-sources"])
+@pytest.mark.parametrize("layout", ["cols-replicas", "colocated", "replicated-sources", "megatron-tp-pp"])
 def test_bench_layouts(tmp_path, layout):
     out = _bench(tmp_path, "--size", "2MiB", "--layout", layout, "--repeats", "2", "--warmup", "1",
                  "--mode", "inplace", "--json")

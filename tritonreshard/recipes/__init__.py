@@ -6,9 +6,13 @@ Pure Python planning (no transformers or vLLM import). One module per source fam
   vLLM destination side every recipe shares.
 * :mod:`~tritonreshard.recipes.deepseek`: DeepSeek-V2 / V3 (MLA, dense-then-MoE layers, shared
   experts), dispatched from ``hf_to_vllm`` by ``config.model_type``.
+* :mod:`~tritonreshard.recipes.megatron`: Megatron-Core TP x PP x DP x EP shards (``megatron_to_vllm``,
+  ``megatron_tensors``, ``megatron_bind``).
 """
 from .deepseek import DEEPSEEK_MODEL_TYPES, deepseek_to_vllm
 from .hf import FAMILIES, Family, RecipeSpec, hf_to_vllm, pad_vocab_size
+from .megatron import Megatron, megatron_bind, megatron_tensors, megatron_to_vllm, megatron_vocab_size
 
-__all__ = ["hf_to_vllm", "RecipeSpec", "Family", "FAMILIES", "pad_vocab_size", "deepseek_to_vllm",
-           "DEEPSEEK_MODEL_TYPES"]
+__all__ = ["hf_to_vllm", "RecipeSpec", "Family", "FAMILIES", "pad_vocab_size", "vllm_layout", "deepseek_to_vllm",
+           "DEEPSEEK_MODEL_TYPES", "Megatron", "megatron_to_vllm", "megatron_tensors", "megatron_bind",
+           "megatron_vocab_size"]

@@ -33,6 +33,7 @@ Importing this package does not import vLLM.
 """
 from __future__ import annotations
 
+import dataclasses
 from types import MappingProxyType
 
 import torch
@@ -97,14 +98,18 @@ class WorkerExtension:
 
 
 def init_info(*, store: str, trainer_ranks, inference_ranks, src_dtype: str = "float32", group: str = "vllm",
-              timeout: float = 60.0, peer_timeout: float = 10.0, replica: int = 0) -> dict:
+              timeout: float = 60.0, peer_timeout: float = 10.0, replica: int = 0, megatron=None) -> dict:
     """The plain dict to pass to ``init_weight_transfer_engine``. ``store``: ``"host:port"`` of the
     refit group's TCPStore (trainer rank 0 hosts it); ``inference_ranks``: the global ranks of every
     replica's TP ranks in the refit group, replica after replica (``inference_ranks[i]`` is TP rank
     ``i % tp`` of replica ``i // tp``); ``replica``: which replica this engine is (its workers join as
     ``inference_ranks[replica * tp + tp rank]``); ``src_dtype``: the trainers' parameter dtype. Each
-    worker derives its layouts from the served model's config with ``trs.recipes.hf_to_vllm``."""
+    worker derives its layouts from the served model's config with ``trs.recipes.hf_to_vllm``, or with
+    ``trs.recipes.megatron_to_vllm`` when ``megatron`` (a ``trs.recipes.Megatron``: the trainers are
+    Megatron-Core ranks, ``trainer_ranks`` in Megatron rank order) is given; it crosses as a dict."""
     problems = []
+    if megatron is not None and not isinstance(megatron, recipes.Megatron):
+        problems.append(f"megatron must be a trs.recipes.Megatron or None, got megatron={megatron!r}")
     trainer_ranks, inference_ranks = [int(r) for r in trainer_ranks], [int(r) for r in inference_ranks]
     if isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < max(1, len(inference_ranks)):
         problems.append(f"replica={replica!r} must be an int in [0, number of replicas)")
@@ -118,7 +123,8 @@ def init_info(*, store: str, trainer_ranks, inference_ranks, src_dtype: str = "f
         raise ValueError("init_info: " + "; ".join(problems))
     return {"store": store, "trainer_ranks": trainer_ranks, "inference_ranks": inference_ranks,
             "src_dtype": src_dtype, "group": group,
-            "timeout": float(timeout), "peer_timeout": float(peer_timeout), "replica": replica}
+            "timeout": float(timeout), "peer_timeout": float(peer_timeout), "replica": replica,
+            "megatron": None if megatron is None else dataclasses.asdict(megatron)}
 
 
 class Trainer(RefitTrainer):
@@ -135,10 +141,14 @@ class Trainer(RefitTrainer):
     process's rank in the refit group (one of ``trainer_ranks``). ``src_dtype``: a name of
     :data:`SRC_DTYPES` or its torch dtype (default: the shards' dtype). ``spec`` is the recipe;
     the attribute ``src_dtype`` the name to pass to :func:`init_info`.
+
+    ``megatron``: a ``trs.recipes.Megatron`` when the trainers are Megatron-Core ranks; ``shards`` are
+    then ``trs.recipes.megatron_tensors(model_chunks, megatron=megatron, rank=r)`` and the spec is
+    ``trs.recipes.megatron_to_vllm`` (pass the same ``megatron`` to :func:`init_info`).
     """
 
     def __init__(self, config, shards, *, rank: int, tp: int, trainer_ranks, inference_ranks, store,
-                 src_dtype=None, group: str = "vllm", **kwargs):
+                 src_dtype=None, group: str = "vllm", megatron=None, **kwargs):
         dtype = SRC_DTYPES.get(src_dtype, src_dtype) or next(iter(
             shards.values() if isinstance(shards, dict) else (p for _, p in shards.named_parameters()))).dtype
         names = {d: n for n, d in SRC_DTYPES.items()}
@@ -150,8 +160,12 @@ class Trainer(RefitTrainer):
         if problems:
             raise ValueError("Trainer: " + "; ".join(problems))
         # Only the source side matters here; the destination dtype is vLLM's, chosen by the workers.
-        self.spec = recipes.hf_to_vllm(config, tp=tp, trainer_ranks=trainer_ranks,
-                                       inference_ranks=inference_ranks, src_dtype=dtype)
+        if megatron is not None:
+            self.spec = recipes.megatron_to_vllm(config, megatron=megatron, tp=tp, trainer_ranks=trainer_ranks,
+                                                 inference_ranks=inference_ranks, src_dtype=dtype)
+        else:
+            self.spec = recipes.hf_to_vllm(config, tp=tp, trainer_ranks=trainer_ranks,
+                                           inference_ranks=inference_ranks, src_dtype=dtype)
         self.src_dtype = names[dtype]  # what init_info(src_dtype=...) needs on the vLLM side
         super().__init__(shards, self.spec.src, rank=rank, world_size=len(trainer_ranks) + len(inference_ranks),
                          store=store, group=group, **kwargs)

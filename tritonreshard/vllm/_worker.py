@@ -57,6 +57,7 @@ class TritonreshardInitInfo(WeightTransferInitInfo):
     timeout: float = 60.0
     peer_timeout: float = 10.0
     replica: int = 0   # which replica (engine) these workers are: inference_ranks[replica * tp + tp rank]
+    megatron: dict | None = None  # trs.recipes.Megatron's fields: the trainers are Megatron-Core ranks
 
 
 @dataclass
@@ -184,12 +185,16 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         if problems:
             raise ValueError("tritonreshard init_weight_transfer_engine: " + "; ".join(problems))
         self.tp_rank, tp = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-        self.spec = recipes.hf_to_vllm(self.model_config.hf_config, tp=tp, trainer_ranks=init_info.trainer_ranks,
-                                       inference_ranks=init_info.inference_ranks, dtype=self.model_config.dtype,
-                                       src_dtype=SRC_DTYPES[init_info.src_dtype],
-                                       quantization=_served_quantization(self.vllm_config),
-                                       expert_parallel=bool(pc.enable_expert_parallel))
-        replicas = len(init_info.inference_ranks) // tp   # hf_to_vllm checked k * tp ranks
+        common = dict(tp=tp, trainer_ranks=init_info.trainer_ranks, inference_ranks=init_info.inference_ranks,
+                      dtype=self.model_config.dtype, src_dtype=SRC_DTYPES[init_info.src_dtype],
+                      quantization=_served_quantization(self.vllm_config),
+                      expert_parallel=bool(pc.enable_expert_parallel))
+        if init_info.megatron is not None:  # the same parts as the Megatron trainers' recipe
+            self.spec = recipes.megatron_to_vllm(self.model_config.hf_config,
+                                                 megatron=recipes.Megatron(**init_info.megatron), **common)
+        else:
+            self.spec = recipes.hf_to_vllm(self.model_config.hf_config, **common)
+        replicas = len(init_info.inference_ranks) // tp   # the recipe checked k * tp ranks
         if not 0 <= init_info.replica < replicas:
             raise ValueError(f"tritonreshard init_weight_transfer_engine: init_info replica={init_info.replica} "
                              f"but inference_ranks holds {replicas} replica(s) of TP-{tp}")

@@ -13,6 +13,11 @@ size, the embedding absorbs the rest) from trainer processes to inference proces
                         and/or inference; one RefitEndpoint with both sides per process)
     replicated-sources  T trainers as DP x FSDP, mesh [[0..T/2-1],[T/2..T-1]] [Replicate(), Shard(0)]
                         ->  I ranks tensor parallel
+    megatron-tp-pp      T trainers as Megatron-Core TP 2 x PP T/2 (rank = tp + 2 * stage; layers in
+                        blocks per stage, embed on the first, lm_head and norm on the last; qkv rows
+                        Shard(0), the rest as fsdp-tp's TP)  ->  I ranks tensor parallel. Here
+                        gather_broadcast is the Megatron-Bridge-style export: each tensor gathered
+                        on its stage's first rank, then broadcast
 
 Methods, all on the same bytes in one run (destination bytes = the sum of every inference rank's
 local shards):

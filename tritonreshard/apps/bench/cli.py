@@ -30,7 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--layout", choices=LAYOUTS, default="fsdp-tp",
                         help="fsdp-tp: FSDP rows -> tensor parallel (default); cols-replicas: column shards "
                              "-> whole tensors on every inference rank; colocated: fsdp-tp with trainers and "
-                             "inference on the same processes; replicated-sources: DP x FSDP -> TP")
+                             "inference on the same processes; replicated-sources: DP x FSDP -> TP; megatron-tp-pp: "
+                             "Megatron-Core TP 2 x PP trainers/2 shards -> TP (gather_broadcast is then the "
+                             "Megatron-Bridge-style export: gather each tensor on its stage, broadcast)")
     parser.add_argument("--trainers", type=int, default=None,
                         help="trainer processes (default 2 for fsdp-tp, 4 otherwise)")
     parser.add_argument("--inference", type=int, default=4, help="inference processes (default 4)")

@@ -9,8 +9,8 @@ __all__ = ["BenchConfig", "parse_size", "METHODS", "WORKER_METHODS", "LAYOUTS"]
 
 METHODS = ("memcpy", "tritonreshard", "p2p", "gather_broadcast")
 WORKER_METHODS = ("tritonreshard", "p2p", "gather_broadcast")  # run by the spawned ranks (memcpy: the driver)
-LAYOUTS = ("fsdp-tp", "cols-replicas", "colocated", "replicated-sources")
-_DEFAULT_TRAINERS = {"fsdp-tp": 2, "cols-replicas": 4, "colocated": 4, "replicated-sources": 4}
+LAYOUTS = ("fsdp-tp", "cols-replicas", "colocated", "replicated-sources", "megatron-tp-pp")
+_DEFAULT_TRAINERS = {"fsdp-tp": 2, "cols-replicas": 4, "colocated": 4, "replicated-sources": 4, "megatron-tp-pp": 4}
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4, "tb": 1000**4}
 
@@ -95,6 +95,9 @@ class BenchConfig:
         if self.layout == "replicated-sources" and (self.num_trainers < 2 or self.num_trainers % 2):
             p.append(f"--layout=replicated-sources needs an even --trainers >= 2 (a 2 x T/2 DP x FSDP "
                      f"mesh), got {self.num_trainers}")
+        if self.layout == "megatron-tp-pp" and (self.num_trainers < 2 or self.num_trainers % 2):
+            p.append(f"--layout=megatron-tp-pp needs an even --trainers >= 2 (Megatron TP 2 x PP T/2), "
+                     f"got {self.num_trainers}")
         if self.tensors is not None and self.tensors < 9:
             p.append(f"--tensors={self.tensors} must be >= 9 (one layer plus embeddings)")
         if self.mode not in ("shadow", "inplace"):

@@ -105,7 +105,8 @@ def estimate(cfg: BenchConfig) -> MemoryEstimate:
             est.ranks[r]["descriptors"] = received[r] * DST_OP_BYTES
     if not on_gpu:
         for r in cfg.trainer_ranks:
-            shards = sum(src[t.name].local_numel(r) * 2 for t in model)
+            # (megatron-tp-pp: a trainer holds only its pipeline stage's tensors)
+            shards = sum(src[t.name].local_numel(r) * 2 for t in model if r in src[t.name].ranks)
             est.ranks[r]["arena"] = shards
             est.ranks[r]["version-0 bits at set-up"] = shards
         for r in cfg.inference_ranks:

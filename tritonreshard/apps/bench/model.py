@@ -80,6 +80,27 @@ def _tp_placement(t: TensorSpec):
     return Replicate()
 
 
+def _megatron_placement(t: TensorSpec):
+    """Megatron-Core's TP placement: qkv rows split contiguously (whole query groups; the per-group
+    interleave is not modelled: the synthetic qkv has no heads), fc1 [gate_r; up_r], proj/fc2 on dim
+    1, vocab rows, norms replicated."""
+    if t.kind == "qkv":
+        return Shard(0)
+    return _tp_placement(t)
+
+
+def _megatron_stage(t: TensorSpec, layers: int, tr: list[int]) -> list[int]:
+    """The TP ranks of the pipeline stage holding ``t`` (Megatron TP 2, PP = trainers / 2, rank =
+    tp_rank + 2 * pp_rank): layers in contiguous blocks per stage, the embedding on the first, the
+    final norm and lm_head on the last."""
+    pp = len(tr) // 2
+    if t.name.startswith("layers."):
+        stage = int(t.name.split(".")[1]) * pp // layers
+    else:
+        stage = 0 if t.name == "embed.weight" else pp - 1
+    return tr[2 * stage:2 * stage + 2]
+
+
 def layouts(cfg: BenchConfig, model: list[TensorSpec]) -> tuple[dict[str, Layout], dict[str, Layout]]:
     """(src_layouts, dst_layouts) of the configured layout."""
     bf16 = torch.bfloat16
@@ -94,6 +115,7 @@ def layouts(cfg: BenchConfig, model: list[TensorSpec]) -> tuple[dict[str, Layout
         mesh = [inf[i:i + tp] for i in range(0, len(inf), tp)]
         return Layout(t.shape, mesh, [Replicate(), _tp_placement(t)], bf16)
 
+    layers = sum(t.name.startswith("layers.") and t.kind == "qkv" for t in model)
     for t in model:
         if cfg.layout in ("fsdp-tp", "colocated"):
             src[t.name] = Layout(t.shape, tr, [Shard(0)], bf16)
@@ -104,6 +126,9 @@ def layouts(cfg: BenchConfig, model: list[TensorSpec]) -> tuple[dict[str, Layout
         elif cfg.layout == "replicated-sources":
             half = len(tr) // 2
             src[t.name] = Layout(t.shape, [tr[:half], tr[half:]], [Replicate(), Shard(0)], bf16)
+            dst[t.name] = tp_layout(t)
+        elif cfg.layout == "megatron-tp-pp":
+            src[t.name] = Layout(t.shape, _megatron_stage(t, layers, tr), [_megatron_placement(t)], bf16)
             dst[t.name] = tp_layout(t)
         else:
             raise ValueError(f"unknown layout {cfg.layout!r}")

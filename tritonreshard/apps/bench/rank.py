@@ -75,6 +75,8 @@ class Rank:
             initial = {}
             for t in self.model:
                 lay = self.src_layouts[t.name]
+                if rank not in lay.ranks:  # megatron-tp-pp: another pipeline stage's tensor
+                    continue
                 initial[t.name] = torch.empty(lay.local_shape(rank), dtype=torch.bfloat16, device=self.device)
                 fill_bits(initial[t.name], lay, rank, t.name)
         self.ep = RefitEndpoint(rank=rank, world_size=cfg.world_size, store=dist.PrefixStore("refit", store),

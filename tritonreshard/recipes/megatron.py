@@ -1,0 +1,441 @@
+"""Megatron-Core (0.19) training shards -> vLLM tensor-parallel parameters.
+
+Pure Python planning (no Megatron, transformers or vLLM import). The destination side is exactly
+:func:`~tritonreshard.recipes.hf.hf_to_vllm`'s (vLLM's names, layouts and zero padding); every
+region that recipe reads from a Hugging Face parameter is read here from the Megatron tensor that
+holds it, split where it crosses Megatron tensors. Nothing is gathered: each vLLM rank copies
+straight from the Megatron ranks' local shards.
+
+Megatron-Core facts used (checked against megatron-core 0.19.2 on CPU, ``tests/test_megatron.py``):
+
+* ``linear_qkv`` is interleaved per query group ``[q heads of group 0 | k0 | v0][group 1 ...]``
+  (its bias too); TP rank r holds the r-th contiguous row slice (whole groups).
+* ``linear_fc1`` is ``[gate; up]`` and TP rank r holds ``[gate_r; up_r]``: ``Shard(0, blocks=(I, I))``.
+  ``linear_proj`` / ``linear_fc2`` are split on dim 1; norms, q/k layernorms and the router are
+  replicated.
+* Ranks, order "tp-cp-ep-dp-pp" (cp = 1): dense ``rank = tp_rank + tp * (dp_rank + dp * pp_rank)``;
+  experts ``rank = etp_rank + etp * (ep_rank + ep * (edp_rank + edp * pp_rank))`` with
+  ``edp = tp * dp / (etp * ep)``; global expert ``e`` lives on ``ep_rank = e // (E / ep)``.
+* Stage ``p`` holds layers ``[p * L / pp, (p + 1) * L / pp)`` (with ``vpp`` virtual chunks: chunk
+  ``k`` of ``L / (pp * vpp)`` layers on stage ``k % pp``), the first the embedding, the last the
+  final norm and ``output_layer``. Tied embeddings: no ``output_layer`` with pp = 1; with pp > 1 the
+  last stage's ``output_layer.weight`` is a real copy of the embedding and serves as one more
+  replica of ``embedding.word_embeddings.weight`` (one source, never read twice).
+* The vocab is padded to a multiple of ``vocab_divisible_by * tp``; only rows ``[0, V)`` move (the
+  dummy rows hold trained junk), vLLM's own padding is zero-filled.
+
+Source names are Megatron's checkpoint names (Transformer-Engine layer spec) with global layer
+numbers and global expert ids. An expert's tensors carry a leading dim of 1
+(``local_experts.{e}.linear_fc1.weight``: ``[1, 2I, H]``): each is one slab of vLLM's ``[E, ...]``
+stacks, and the planner maps boxes of equal rank. :func:`megatron_tensors` gives those as views.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..layout import Layout, Part, Replicate, Shard
+from .hf import FAMILIES, RecipeSpec, hf_to_vllm
+
+__all__ = ["Megatron", "megatron_to_vllm", "megatron_tensors", "megatron_bind", "megatron_vocab_size"]
+
+
+def _positive(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _rank_list(value, problems: list[str]) -> tuple[int, ...]:
+    if _positive(value):
+        return tuple(range(value))
+    if isinstance(value, (list, tuple, range)) and value and all(
+            isinstance(r, int) and not isinstance(r, bool) for r in value):
+        return tuple(value)
+    problems.append(f"trainer_ranks={value!r} must be a non-empty list of ranks (or a count)")
+    return ()
+
+
+@dataclass(frozen=True)
+class Megatron:
+    """A Megatron-Core trainer's parallel settings (cp = 1, default rank order "tp-cp-ep-dp-pp").
+
+    ``tp``, ``pp``: tensor and pipeline parallel sizes; ``ep``: expert parallel size; ``etp``: expert
+    tensor parallel size (None: ``tp``, as Megatron); ``vocab_divisible_by``: Megatron's
+    ``--make-vocab-size-divisible-by`` (the vocab is padded to a multiple of it times ``tp``);
+    ``vpp``: virtual pipeline chunks per stage (Megatron's interleaved schedule: the layers split into
+    ``pp * vpp`` equal chunks, chunk ``k`` on stage ``k % pp``). The data parallel size is
+    ``world / (tp * pp)``, from the trainer ranks the recipe is given.
+    """
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int | None = None
+    vocab_divisible_by: int = 128
+    vpp: int = 1
+
+    def __post_init__(self):
+        bad = [f"{k}={getattr(self, k)!r} must be a positive int"
+               for k in ("tp", "pp", "ep", "vocab_divisible_by", "vpp") if not _positive(getattr(self, k))]
+        if self.etp is not None and not _positive(self.etp):
+            bad.append(f"etp={self.etp!r} must be a positive int or None (= tp)")
+        if bad:
+            raise ValueError("Megatron: " + "; ".join(bad))
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    def dense_rank(self, tp_rank: int, dp_rank: int, pp_rank: int, dp: int) -> int:
+        """Megatron rank (index into the trainer ranks) of a dense parameter's coordinates."""
+        return tp_rank + self.tp * (dp_rank + dp * pp_rank)
+
+    def expert_rank(self, etp_rank: int, ep_rank: int, edp_rank: int, pp_rank: int, dp: int) -> int:
+        """Megatron rank of an expert parameter's coordinates (the expert grid)."""
+        edp = self.tp * dp // (self.expert_tp * self.ep)
+        return etp_rank + self.expert_tp * (ep_rank + self.ep * (edp_rank + edp * pp_rank))
+
+
+def megatron_vocab_size(vocab_size: int, megatron: Megatron) -> int:
+    """Megatron's padded vocab: a multiple of ``vocab_divisible_by * tp`` (Megatron-LM's
+    ``_vocab_size_with_padding``), so it changes with tp: 300 -> 384 at tp 1, 512 at tp 2."""
+    m = megatron.vocab_divisible_by * megatron.tp
+    return -(-vocab_size // m) * m
+
+
+def _moe_layers(config, L: int) -> set[int]:
+    if not FAMILIES[config.model_type].moe or not getattr(config, "num_experts", 0):
+        return set()
+    only = set(getattr(config, "mlp_only_layers", None) or ())
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    return {i for i in range(L) if i not in only and (i + 1) % step == 0}
+
+
+def megatron_to_vllm(config: Any, *, megatron: Megatron, tp: int, trainer_ranks, inference_ranks,
+                     dtype: torch.dtype = torch.bfloat16, src_dtype: torch.dtype = torch.bfloat16,
+                     expert_parallel: bool = False, quantization: str | None = None,
+                     scale_rule: str = "deepgemm") -> RecipeSpec:
+    """The layouts and parts that refit a Megatron-Core model's TP x PP x DP x EP shards into vLLM.
+
+    Args:
+        config: the model's ``transformers`` config (llama, mistral, qwen2, qwen3, qwen3_moe).
+        megatron: the trainer's :class:`Megatron` settings.
+        tp: vLLM's tensor-parallel size.
+        trainer_ranks: global ranks of Megatron ranks 0..world-1, in Megatron rank order, or their count.
+        inference_ranks: global ranks of ``k * tp`` vLLM ranks (``k`` replicas of TP-``tp``, in
+            order, as in ``hf_to_vllm``), or their count.
+        dtype: vLLM's parameter dtype; ``src_dtype``: Megatron's parameter dtype.
+        expert_parallel: vLLM's ``enable_expert_parallel``.
+        quantization, scale_rule: vLLM's block-FP8 destinations, as in ``hf_to_vllm``.
+
+    Returns a :class:`~tritonreshard.recipes.RecipeSpec`: ``src`` ``{Megatron name: Layout}`` over the
+    trainer ranks (global shapes, padded vocab, experts ``[1, ...]``), ``dst`` exactly
+    ``hf_to_vllm``'s, ``parts`` from Megatron names.
+
+    Raises one ``ValueError`` naming every problem: world not divisible by ``tp * pp``, layers by
+    ``pp``, heads or query groups by Megatron's tp, experts by ``ep``, ``etp * ep`` not dividing
+    ``tp * dp``, FFN sizes by tp / etp, and whatever ``hf_to_vllm`` refuses.
+    """
+    if not isinstance(megatron, Megatron):
+        raise ValueError(f"megatron_to_vllm: megatron must be a trs.recipes.Megatron, got {megatron!r}")
+    problems: list[str] = []
+    src_ranks = _rank_list(trainer_ranks, problems)
+    model_type = getattr(config, "model_type", None)
+    fam = FAMILIES.get(model_type)
+    if fam is None:
+        problems.append(f"config.model_type={model_type!r} has no recipe; known: {sorted(FAMILIES)}")
+    if problems:
+        raise ValueError("megatron_to_vllm: " + "; ".join(problems))
+    m = megatron
+    W, mtp, pp, ep, etp = len(src_ranks), m.tp, m.pp, m.ep, m.expert_tp
+    H, nq = config.hidden_size, config.num_attention_heads
+    nkv = getattr(config, "num_key_value_heads", None) or nq
+    hd = getattr(config, "head_dim", None) or H // nq
+    L, V = config.num_hidden_layers, config.vocab_size
+    inter = getattr(config, "intermediate_size", 0)
+    moe_layers = _moe_layers(config, L)
+    E = getattr(config, "num_experts", 0) if moe_layers else 0
+    moe_i = getattr(config, "moe_intermediate_size", 0)
+    dp = W // (mtp * pp) if W % (mtp * pp) == 0 else 0
+    if not dp:
+        problems.append(f"world {W} (len(trainer_ranks)) is not divisible by tp*pp={mtp}*{pp}")
+    if L % (pp * m.vpp):
+        problems.append(f"num_hidden_layers={L} is not divisible by pp={pp}" +
+                        (f" * vpp={m.vpp}" if m.vpp > 1 else ""))
+    if nq % mtp:
+        problems.append(f"num_attention_heads={nq} is not divisible by Megatron tp={mtp}")
+    if nkv % mtp:
+        problems.append(f"num_key_value_heads={nkv} (query groups) is not divisible by Megatron tp={mtp}")
+    if nq % nkv:
+        problems.append(f"num_attention_heads={nq} is not a multiple of num_key_value_heads={nkv}")
+    if len(moe_layers) < L and inter % mtp:
+        problems.append(f"intermediate_size={inter} is not divisible by Megatron tp={mtp}")
+    if moe_layers:
+        if E % ep:
+            problems.append(f"num_experts={E} is not divisible by ep={ep}")
+        if moe_i % etp:
+            problems.append(f"moe_intermediate_size={moe_i} is not divisible by etp={etp}")
+    elif ep > 1 or m.etp not in (None, mtp):
+        problems.append(f"ep={ep}, etp={m.etp} but {model_type} has no expert layers")
+    if dp and (mtp * dp) % (etp * ep):
+        problems.append(f"etp*ep={etp}*{ep} does not divide tp*dp={mtp}*{dp} (expert-DP would not be whole)")
+    if problems:
+        raise ValueError(f"megatron_to_vllm: {model_type} with {m} over {W} trainer ranks: " + "; ".join(problems))
+
+    hf = hf_to_vllm(config, tp=tp, trainer_ranks=src_ranks, inference_ranks=inference_ranks, dtype=dtype,
+                    src_dtype=src_dtype, expert_parallel=expert_parallel, quantization=quantization,
+                    scale_rule=scale_rule)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    Vm = megatron_vocab_size(V, m)
+    edp = mtp * dp // (etp * ep)
+    qpg = nq // nkv
+    per_chunk = L // (pp * m.vpp)
+
+    def dense_mesh(stage):
+        return [[src_ranks[m.dense_rank(t, d, stage, dp)] for t in range(mtp)] for d in range(dp)]
+
+    src: dict[str, Layout] = {}
+    # HF name -> [(hf box start, hf box stop, Megatron name, Megatron start)]
+    pieces: dict[str, list[tuple[tuple[int, ...], tuple[int, ...], str, tuple[int, ...]]]] = {}
+
+    def dense(name, shape, placement, stage):
+        src[name] = Layout(shape, dense_mesh(stage), [Replicate(), placement], src_dtype)
+
+    def same(hf_name, name, stage, placement=Replicate()):
+        shape = hf.src[hf_name].shape
+        dense(name, shape, placement, stage)
+        pieces[hf_name] = [((0,) * len(shape), shape, name, (0,) * len(shape))]
+
+    # Embedding: rows [0, V) of Megatron's padded vocab. Tied with pp > 1: the last stage's
+    # output_layer is a second copy, one more replica of the same source.
+    emb = "embedding.word_embeddings.weight"
+    if tied and pp > 1:
+        src[emb] = Layout((Vm, H), [dense_mesh(0), dense_mesh(pp - 1)], [Replicate(), Replicate(), Shard(0)],
+                          src_dtype)
+    else:
+        dense(emb, (Vm, H), Shard(0), 0)
+    pieces["model.embed_tokens.weight"] = [((0, 0), (V, H), emb, (0, 0))]
+    if not tied:
+        dense("output_layer.weight", (Vm, H), Shard(0), pp - 1)
+        pieces["lm_head.weight"] = [((0, 0), (V, H), "output_layer.weight", (0, 0))]
+    same("model.norm.weight", "decoder.final_layernorm.weight", pp - 1)
+
+    for i in range(L):
+        stage = (i // per_chunk) % pp
+        hpre, mpre = f"model.layers.{i}", f"decoder.layers.{i}"
+        att, matt = f"{hpre}.self_attn", f"{mpre}.self_attention"
+        for suffix, tail in (("weight", (H,)), ("bias", ())):
+            if f"{att}.q_proj.{suffix}" not in hf.src:
+                continue
+            rows = nkv * (qpg + 2) * hd
+            qkv = f"{matt}.linear_qkv.{suffix}"
+            dense(qkv, (rows, *tail), Shard(0), stage)
+            zeros, full = (0,) * len(tail), tuple(tail)
+            for x, width, at in (("q", qpg * hd, 0), ("k", hd, qpg * hd), ("v", hd, (qpg + 1) * hd)):
+                pieces[f"{att}.{x}_proj.{suffix}"] = [
+                    ((g * width, *zeros), ((g + 1) * width, *full), qkv, (g * (qpg + 2) * hd + at, *zeros))
+                    for g in range(nkv)]
+        same(f"{att}.o_proj.weight", f"{matt}.linear_proj.weight", stage, Shard(1))
+        if f"{att}.o_proj.bias" in hf.src:
+            same(f"{att}.o_proj.bias", f"{matt}.linear_proj.bias", stage)
+        if f"{att}.q_norm.weight" in hf.src:
+            same(f"{att}.q_norm.weight", f"{matt}.q_layernorm.weight", stage)
+            same(f"{att}.k_norm.weight", f"{matt}.k_layernorm.weight", stage)
+        same(f"{hpre}.input_layernorm.weight", f"{matt}.linear_qkv.layer_norm_weight", stage)
+        mlp, mmlp = f"{hpre}.mlp", f"{mpre}.mlp"
+        if i in moe_layers:
+            same(f"{hpre}.post_attention_layernorm.weight", f"{mpre}.pre_mlp_layernorm.weight", stage)
+            same(f"{mlp}.gate.weight", f"{mmlp}.router.weight", stage)
+            per_ep = E // ep
+            for e in range(E):
+                ep_rank = e // per_ep
+                mesh = [[src_ranks[m.expert_rank(t, ep_rank, d, stage, dp)] for t in range(etp)] for d in range(edp)]
+                fc1, fc2 = (f"{mmlp}.experts.local_experts.{e}.linear_fc{k}.weight" for k in (1, 2))
+                src[fc1] = Layout((1, 2 * moe_i, H), mesh, [Replicate(), Shard(1, (moe_i, moe_i))], src_dtype)
+                src[fc2] = Layout((1, H, moe_i), mesh, [Replicate(), Shard(2)], src_dtype)
+                pieces.setdefault(f"{mlp}.experts.gate_up_proj", []).append(
+                    ((e, 0, 0), (e + 1, 2 * moe_i, H), fc1, (0, 0, 0)))
+                pieces.setdefault(f"{mlp}.experts.down_proj", []).append(
+                    ((e, 0, 0), (e + 1, H, moe_i), fc2, (0, 0, 0)))
+        else:
+            same(f"{hpre}.post_attention_layernorm.weight", f"{mmlp}.linear_fc1.layer_norm_weight", stage)
+            for suffix, tail in (("weight", (H,)), ("bias", ())):
+                if f"{mlp}.gate_proj.{suffix}" not in hf.src:
+                    continue
+                fc1 = f"{mmlp}.linear_fc1.{suffix}"
+                dense(fc1, (2 * inter, *tail), Shard(0, (inter, inter)), stage)
+                zeros = (0,) * len(tail)
+                pieces[f"{mlp}.gate_proj.{suffix}"] = [((0, *zeros), (inter, *tail), fc1, (0, *zeros))]
+                pieces[f"{mlp}.up_proj.{suffix}"] = [((0, *zeros), (inter, *tail), fc1, (inter, *zeros))]
+            same(f"{mlp}.down_proj.weight", f"{mmlp}.linear_fc2.weight", stage, Shard(1))
+            if f"{mlp}.down_proj.bias" in hf.src:
+                same(f"{mlp}.down_proj.bias", f"{mmlp}.linear_fc2.bias", stage)
+
+    missing = sorted(set(hf.src) - set(pieces))
+    assert not missing, f"megatron_to_vllm: no Megatron mapping for HF sources {missing}"  # a new family row
+    parts: dict[str, tuple[Part, ...]] = {}
+    scales = {q.scale for q in hf.quant.values()}  # written by the quantizer, read from no source
+    for name, lay in hf.dst.items():
+        if name in scales:
+            continue
+        plist = hf.parts.get(name) or (Part(name, [None] * lay.ndim),)
+        out: list[Part] = []
+        for p in plist:
+            box = [(0, n) if iv is None else iv for iv, n in zip(p.dst, lay.shape)]
+            if p.src is None:
+                out.append(Part(None, box))
+                continue
+            start = p.src_start or (0,) * lay.ndim
+            lo = tuple(start)
+            hi = tuple(s + (b - a) for s, (a, b) in zip(start, box))
+            covered = 0
+            for plo, phi, mname, morigin in pieces[p.src]:
+                ilo = tuple(max(a, b) for a, b in zip(lo, plo))
+                ihi = tuple(min(a, b) for a, b in zip(hi, phi))
+                if any(a >= b for a, b in zip(ilo, ihi)):
+                    continue
+                covered += _numel(ilo, ihi)
+                out.append(Part(mname, [(a + (x - s), a + (y - s)) for (a, _), x, y, s in zip(box, ilo, ihi, lo)],
+                                tuple(o + (x - q) for o, x, q in zip(morigin, ilo, plo))))
+            assert covered == _numel(lo, hi), f"{name}: {p} is not covered by Megatron tensors"
+        parts[name] = tuple(out)
+    return RecipeSpec(hf.model_type, hf.tp, hf.expert_parallel, src, dict(hf.dst), parts, dict(hf.quant))
+
+
+def _numel(lo, hi) -> int:
+    n = 1
+    for a, b in zip(lo, hi):
+        n *= max(0, b - a)
+    return n
+
+
+# Megatron-Core local layer spec -> Transformer-Engine spec (checkpoint) names, inside one layer.
+_LOCAL_NORMS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight"}
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
+_GROUPED = re.compile(r"^mlp\.experts\.(weight[12]|linear_fc[12]\.weight\d+)$")
+
+
+def megatron_tensors(model_chunks, *, megatron: Megatron, rank: int) -> dict[str, torch.Tensor]:
+    """A Megatron rank's parameters under :func:`megatron_to_vllm`'s source names, without copying.
+
+    Args:
+        model_chunks: this rank's Megatron-Core ``GPTModel`` chunk(s) (one, or the list of its
+            virtual pipeline chunks, ``Megatron(vpp=...)``), local or Transformer-Engine layer spec
+            (DDP / Float16Module wrappers are unwrapped through ``.module``).
+        megatron: the trainer's :class:`Megatron` settings.
+        rank: this process's Megatron rank (its index in ``trainer_ranks``).
+
+    Returns ``{name: tensor}``: the parameters' own storage, detached (``param.detach()``: shape =
+    the local shard; experts ``param.detach().unsqueeze(0)``, ``[1, 2I/etp, H]`` and
+    ``[1, H, I/etp]``); dtype: the parameters'. :func:`megatron_bind` then re-points the parameters
+    at a trainer's arena. Layer numbers are global (Megatron's ``layer_number - 1``); expert ids
+    are global (the MoE layer's ``local_expert_indices``). Local-spec norms are renamed (``input_layernorm`` ->
+    ``self_attention.linear_qkv.layer_norm_weight``; a dense layer's ``pre_mlp_layernorm`` ->
+    ``mlp.linear_fc1.layer_norm_weight``). Tied embeddings on a last stage of pp > 1: its
+    ``output_layer.weight`` is returned as ``embedding.word_embeddings.weight`` (a replica).
+
+    Raises ``ValueError`` naming every parameter it cannot map (grouped-GEMM experts, unknown
+    modules), and ``ValueError`` if ``megatron`` or ``rank`` does not fit the chunks.
+    """
+    return {n: p.detach().unsqueeze(0) if ".local_experts." in n else p.detach()
+            for n, p in _global_params(model_chunks, megatron, rank, "megatron_tensors").items()}
+
+
+def megatron_bind(model_chunks, tensors, *, megatron: Megatron, rank: int) -> None:
+    """Re-point this rank's Megatron parameters at ``tensors`` (``param.data = tensors[name]``), so
+    that training updates them in place: hand it a trainer's arena after set-up,
+    ``megatron_bind(model, tr.source_tensors, megatron=meg, rank=r)``, and every ``publish()`` then
+    serves what the optimizer wrote, with no copy per step. ``tensors``: ``{name: tensor}`` under
+    :func:`megatron_tensors`' names and shapes. Not for Megatron's distributed optimizer, whose
+    parameters are views of its own gather buffer.
+
+    Raises one ``ValueError`` naming every missing or mismatching tensor, before re-pointing any.
+    """
+    params = _global_params(model_chunks, megatron, rank, "megatron_bind")
+    problems = []
+    for name, p in params.items():
+        t = tensors.get(name) if hasattr(tensors, "get") else None
+        want = (1, *p.shape) if ".local_experts." in name else tuple(p.shape)
+        if not isinstance(t, torch.Tensor):
+            problems.append(f"tensors has no {name!r}")
+        elif tuple(t.shape) != want or t.dtype != p.dtype or not t.is_contiguous():
+            problems.append(f"tensors[{name!r}] is {tuple(t.shape)} {t.dtype} (contiguous: {t.is_contiguous()}), "
+                            f"the parameter needs {want} {p.dtype} contiguous")
+    if problems:
+        raise ValueError(f"megatron_bind (rank {rank}): " + "; ".join(problems))
+    for name, p in params.items():
+        p.data = tensors[name].view(p.shape)
+
+
+def _global_params(model_chunks, megatron: Megatron, rank: int, what: str) -> dict[str, torch.nn.Parameter]:
+    """``{global name: parameter}`` of a rank's chunks (see :func:`megatron_tensors`)."""
+    if not isinstance(megatron, Megatron):
+        raise ValueError(f"{what}: megatron must be a trs.recipes.Megatron, got {megatron!r}")
+    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    out: dict[str, torch.Tensor] = {}
+    problems: list[str] = []
+    ep_rank = (rank // megatron.expert_tp) % megatron.ep
+    for c, chunk in enumerate(chunks):
+        model = chunk
+        while not hasattr(model, "decoder") and hasattr(model, "module"):  # DDP / Float16Module wrappers
+            model = model.module
+        tied = bool(getattr(model, "share_embeddings_and_output_weights", False))
+        layers = {}
+        for j, layer in enumerate(getattr(getattr(model, "decoder", None), "layers", ()) or ()):
+            layers[j] = layer
+        for name, p in model.named_parameters():
+            where = f"chunk {c}: {name}"
+            hit = _LAYER.match(name)
+            if hit is None:
+                if name == "output_layer.weight" and tied:
+                    if getattr(model, "pre_process", False):
+                        continue  # pp = 1 shares the embedding's tensor (never listed twice anyway)
+                    name = "embedding.word_embeddings.weight"
+                elif name not in ("embedding.word_embeddings.weight", "output_layer.weight",
+                                  "decoder.final_layernorm.weight"):
+                    problems.append(f"{where}: no vLLM destination (position embeddings, MTP, ... are not supported)")
+                    continue
+                _put(out, name, p, where, problems)
+                continue
+            local, rest = int(hit.group(1)), hit.group(2)
+            layer = layers.get(local)
+            number = getattr(layer, "layer_number", None)
+            if number is None:
+                problems.append(f"{where}: layer {local} has no layer_number")
+                continue
+            mlp = getattr(layer, "mlp", None)
+            moe = hasattr(mlp, "router")
+            if _GROUPED.match(rest):
+                problems.append(f"{where}: grouped-GEMM experts are not supported; build the model with "
+                                f"moe_grouped_gemm=False (SequentialMLP: experts.local_experts.{{e}})")
+                continue
+            ex = _EXPERT.match(rest)
+            if ex is not None:
+                indices = list(getattr(mlp, "local_expert_indices", ()) or ())
+                e = int(ex.group(1))
+                if e >= len(indices):
+                    problems.append(f"{where}: the MoE layer's local_expert_indices={indices} has no entry {e}")
+                    continue
+                if indices[0] // len(indices) != ep_rank:
+                    problems.append(f"{where}: experts {indices} belong to ep rank {indices[0] // len(indices)}, "
+                                    f"but rank {rank} is ep rank {ep_rank} under {megatron}")
+                gname = f"decoder.layers.{number - 1}.mlp.experts.local_experts.{indices[e]}.{ex.group(2)}"
+                _put(out, gname, p, where, problems)
+                continue
+            if rest in _LOCAL_NORMS:
+                rest = _LOCAL_NORMS[rest]
+            elif rest == "pre_mlp_layernorm.weight" and not moe:
+                rest = "mlp.linear_fc1.layer_norm_weight"
+            _put(out, f"decoder.layers.{number - 1}.{rest}", p, where, problems)
+    if problems:
+        raise ValueError(f"{what} (rank {rank}): " + "; ".join(problems))
+    return out
+
+
+def _put(out, name, t, where, problems) -> None:
+    if name in out:
+        problems.append(f"{where}: {name!r} appears twice (overlapping model chunks?)")
+    out[name] = t
