@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from ..layout import Layout, Part, Replicate, Shard
-from .hf import VOCAB_PADDING, RecipeSpec, pad_vocab_size, vllm_layout
+from ..layout import Part, Replicate, Shard
+from .hf import VOCAB_PADDING, RecipeBuilder, RecipeSpec, pad_vocab_size
 
 __all__ = ["deepseek_to_vllm", "DEEPSEEK_MODEL_TYPES"]
 
@@ -97,32 +97,14 @@ def deepseek_to_vllm(config: Any, tp: int, src_ranks: tuple[int, ...], dst_ranks
         raise ValueError(f"hf_to_vllm: {model_type} (hidden_size={H}, heads={nq}, kv_lora_rank={kv_lora}), "
                          f"tp={tp}: " + "; ".join(problems))
 
-    src: dict[str, Layout] = {}
-    dst: dict[str, Layout] = {}
-    parts: dict[str, tuple[Part, ...]] = {}
-
-    def source(name, shape, placement=Shard(0), dt=None):
-        src[name] = Layout(shape, src_ranks, [placement], dt or src_dtype)
-
-    def target(name, shape, placement, plist=None, dt=None):
-        dst[name] = vllm_layout(shape, dst_ranks, tp, placement, dt or dtype)
-        if plist is not None:
-            parts[name] = tuple(plist)
-
-    def same(name, shape, placement):
-        source(name, shape)
-        target(name, shape, placement)
+    b = RecipeBuilder(src_ranks, dst_ranks, tp, dtype, src_dtype)
+    source, target, same = b.source, b.target, b.same
 
     def vocab(hf_name, vllm_name):
-        target(vllm_name, (Vp, H), Shard(0),
-               [Part(hf_name, [(0, V), None])] + ([Part(None, [(V, Vp), None])] if Vp > V else []))
+        b.vocab(hf_name, vllm_name, V, H)
 
     def mlp(pre, size):
-        g, u = f"{pre}.gate_proj.weight", f"{pre}.up_proj.weight"
-        source(g, (size, H))
-        source(u, (size, H))
-        target(f"{pre}.gate_up_proj.weight", (2 * size, H), Shard(0, (size, size)),
-               [Part(g, [(0, size), None]), Part(u, [(size, 2 * size), None])])
+        b.gate_up(pre, "weight", (H,), size)
         same(f"{pre}.down_proj.weight", (H, size), Shard(1))
 
     source("model.embed_tokens.weight", (V, H))
@@ -151,7 +133,7 @@ def deepseek_to_vllm(config: Any, tp: int, src_ranks: tuple[int, ...], dst_ranks
             if bias:  # a float32 buffer in transformers: whole on every trainer
                 name = f"{pre}.mlp.gate.e_score_correction_bias"
                 source(name, (E,), Replicate(), torch.float32)
-                target(name, (E,), Replicate(), dt=torch.float32)
+                target(name, (E,), Replicate(), dtype=torch.float32)
             if n_shared:
                 mlp(f"{pre}.mlp.shared_experts", moe_i * n_shared)
             gu, dn = f"{pre}.mlp.experts.gate_up_proj", f"{pre}.mlp.experts.down_proj"
@@ -169,4 +151,4 @@ def deepseek_to_vllm(config: Any, tp: int, src_ranks: tuple[int, ...], dst_ranks
     if not tied:
         source("lm_head.weight", (V, H))
     vocab("model.embed_tokens.weight" if tied else "lm_head.weight", "lm_head.weight")  # vLLM never ties it
-    return RecipeSpec(model_type, tp, expert_parallel, src, dst, parts)
+    return RecipeSpec(model_type, tp, expert_parallel, b.src, b.dst, b.parts)

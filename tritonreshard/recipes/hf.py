@@ -36,7 +36,7 @@ from ..layout import Layout, Part, Replicate, Shard
 from ..planning import BlockQuant, Plan, plan_quantized
 from .fp8 import check_quantization, quantize_destinations
 
-__all__ = ["hf_to_vllm", "RecipeSpec", "Family", "FAMILIES", "pad_vocab_size", "vllm_layout"]
+__all__ = ["hf_to_vllm", "RecipeSpec", "RecipeBuilder", "Family", "FAMILIES", "pad_vocab_size", "vllm_layout"]
 
 #: vLLM's ``DEFAULT_VOCAB_PADDING_SIZE``.
 VOCAB_PADDING = 64
@@ -103,6 +103,54 @@ def vllm_layout(shape, dst_ranks: Sequence[int], tp: int, placement, dtype: torc
         return Layout(shape, dst_ranks, [placement], dtype)
     mesh = [list(dst_ranks[i:i + tp]) for i in range(0, len(dst_ranks), tp)]
     return Layout(shape, mesh, [Replicate(), placement], dtype)
+
+
+class RecipeBuilder:
+    """One recipe's layouts and parts as they are collected, for the recipes whose sources have
+    Hugging Face names (``hf_to_vllm``'s families, :mod:`~tritonreshard.recipes.deepseek`).
+
+    Sources are FSDP rows (``Shard(0)``) of the trainer's tensors over ``src_ranks`` in
+    ``src_dtype`` unless told otherwise; destinations are vLLM parameters over ``dst_ranks`` in
+    ``dtype``, laid out by :func:`vllm_layout` (``k`` replicas of TP-``tp``)."""
+
+    def __init__(self, src_ranks: Sequence[int], dst_ranks: Sequence[int], tp: int, dtype: torch.dtype,
+                 src_dtype: torch.dtype):
+        self.src_ranks, self.dst_ranks, self.tp, self.dtype, self.src_dtype = src_ranks, dst_ranks, tp, dtype, src_dtype
+        self.src: dict[str, Layout] = {}
+        self.dst: dict[str, Layout] = {}
+        self.parts: dict[str, tuple[Part, ...]] = {}
+
+    def source(self, name: str, shape, placement=Shard(0), dtype: torch.dtype | None = None) -> None:
+        self.src[name] = Layout(shape, self.src_ranks, [placement], dtype or self.src_dtype)
+
+    def target(self, name: str, shape, placement, plist=None, dtype: torch.dtype | None = None) -> None:
+        """vLLM parameter ``name`` of global ``shape``, split by ``placement`` over each replica's TP
+        ranks; ``plist``: its parts (None: the source of the same name and shape)."""
+        self.dst[name] = vllm_layout(shape, self.dst_ranks, self.tp, placement, dtype or self.dtype)
+        if plist is not None:
+            self.parts[name] = tuple(plist)
+
+    def same(self, name: str, shape, placement) -> None:
+        """A parameter both sides name alike: FSDP rows in, ``placement`` out."""
+        self.source(name, shape)
+        self.target(name, shape, placement)
+
+    def vocab(self, src_name: str, dst_name: str, vocab_size: int, hidden: int) -> None:
+        """``embed_tokens`` / ``lm_head``: rows ``[0, vocab_size)`` from ``src_name``, vLLM's padding
+        rows (to a multiple of 64) zero-filled, split by rows."""
+        padded = pad_vocab_size(vocab_size)
+        self.target(dst_name, (padded, hidden), Shard(0), [Part(src_name, [(0, vocab_size), None])]
+                    + ([Part(None, [(vocab_size, padded), None])] if padded > vocab_size else []))
+
+    def gate_up(self, pre: str, suffix: str, tail: tuple, size: int) -> None:
+        """``gate_proj`` / ``up_proj`` -> ``gate_up_proj`` (``MergedColumnParallelLinear``: rank r holds
+        ``[gate chunk r | up chunk r]``); ``tail``: ``(H,)`` for the weight, ``()`` for the bias."""
+        g, u = f"{pre}.gate_proj.{suffix}", f"{pre}.up_proj.{suffix}"
+        self.source(g, (size, *tail))
+        self.source(u, (size, *tail))
+        rest = [None] * len(tail)
+        self.target(f"{pre}.gate_up_proj.{suffix}", (2 * size, *tail), Shard(0, (size, size)),
+                    [Part(g, [(0, size), *rest]), Part(u, [(size, 2 * size), *rest])])
 
 
 def _flag(value: bool | str, config: Any) -> bool:
@@ -210,27 +258,12 @@ def hf_to_vllm(config: Any, tp: int, trainer_ranks, inference_ranks, dtype: torc
     if problems:
         raise ValueError(f"hf_to_vllm: {where}, tp={tp}: " + "; ".join(problems))
 
-    src: dict[str, Layout] = {}
-    dst: dict[str, Layout] = {}
-    parts: dict[str, tuple[Part, ...]] = {}
-
-    def source(name, shape):
-        src[name] = Layout(shape, src_ranks, [Shard(0)], src_dtype)
-
-    # k replicas of TP-tp: a (k, tp) mesh, each replica a full copy of one TP group's shards (one
-    # replica keeps the 1-D mesh it always had).
-    def target(name, shape, placement, plist=None):
-        dst[name] = vllm_layout(shape, dst_ranks, tp, placement, dtype)
-        if plist is not None:
-            parts[name] = tuple(plist)
-
-    def same(name, shape, placement):
-        source(name, shape)
-        target(name, shape, placement)
+    b = RecipeBuilder(src_ranks, dst_ranks, tp, dtype, src_dtype)
+    source, target, same, merged = b.source, b.target, b.same, b.gate_up
+    src, dst, parts = b.src, b.dst, b.parts
 
     def vocab(hf_name, vllm_name):
-        target(vllm_name, (Vp, H), Shard(0),
-               [Part(hf_name, [(0, V), None])] + ([Part(None, [(V, Vp), None])] if Vp > V else []))
+        b.vocab(hf_name, vllm_name, V, H)
 
     def qkv(pre, suffix, tail):
         """q/k/v -> qkv_proj (weight: tail=(H,), bias: tail=())."""
@@ -249,14 +282,6 @@ def hf_to_vllm(config: Any, tp: int, trainer_ranks, inference_ranks, dtype: torc
                 plist += [Part(name, [(base + j * hd, base + (j + 1) * hd), *rest],
                                ((j // rep) * hd, *([0] * len(tail)))) for j in range(tp)]
         target(f"{pre}.qkv_proj.{suffix}", (Q + 2 * kv, *tail), Shard(0, (Q, kv, kv)), plist)
-
-    def merged(pre, suffix, tail, size):
-        g, u = f"{pre}.gate_proj.{suffix}", f"{pre}.up_proj.{suffix}"
-        source(g, (size, *tail))
-        source(u, (size, *tail))
-        rest = [None] * len(tail)
-        target(f"{pre}.gate_up_proj.{suffix}", (2 * size, *tail), Shard(0, (size, size)),
-               [Part(g, [(0, size), *rest]), Part(u, [(size, 2 * size), *rest])])
 
     source("model.embed_tokens.weight", (V, H))
     vocab("model.embed_tokens.weight", "model.embed_tokens.weight")
