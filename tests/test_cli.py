@@ -25,6 +25,12 @@ def test_plan_png_is_written(tmp_path, capsys):
 def test_spec_grammar():
     lay = parse_layout_spec("2x2@4:R,S(0,[4,4])", (8, 3), torch.float32)
     assert lay.ranks == (4, 5, 6, 7) and lay.placements == (Replicate(), Shard(0, (4, 4)))
+    # ",bal": vLLM's expert placement (numpy.array_split), and str() of a layout parses back
+    bal = parse_layout_spec("4:S(0,bal)", (6, 2), torch.float32)
+    assert bal.placements == (Shard(0, balanced=True),)
+    assert [bal.local_shape(r)[0] for r in range(4)] == [2, 2, 1, 1]
+    packed = parse_layout_spec("2:S(0,[3,5],bal)", (8, 2), torch.float32)
+    assert packed.placements == (Shard(0, (3, 5), balanced=True),) and str(packed.placements[0]) == "S(0,[3,5],bal)"
 
 
 def test_bad_spec_is_a_clear_error(capsys):

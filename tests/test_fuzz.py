@@ -33,6 +33,7 @@ garbage = st.one_of(
 )
 placement = st.one_of(
     st.builds(Shard, ints), st.builds(Shard, ints, st.lists(ints, max_size=3).map(tuple)),
+    st.builds(Shard, ints, st.none(), st.one_of(st.booleans(), garbage)),
     st.just(Replicate()), garbage,
     st.builds(Shard, garbage),
 )
@@ -74,7 +75,7 @@ def test_shard_construction_garbage(blocks, dim):
 
 valid_layout = st.builds(
     lambda n, k, pl, dt, first: Layout((n, 3), list(range(first, first + k)), [pl], dt),
-    st.integers(0, 7), st.integers(1, 4), st.sampled_from([Shard(0), Shard(1), Replicate()]),
+    st.integers(0, 7), st.integers(1, 4), st.sampled_from([Shard(0), Shard(1), Shard(0, balanced=True), Replicate()]),
     st.sampled_from([torch.float32, torch.bfloat16, torch.int8]), st.integers(0, 3))
 layout_dicts = st.one_of(
     st.dictionaries(st.sampled_from(["a", "b", "c"]), valid_layout, max_size=3),
@@ -96,8 +97,8 @@ def test_plan_reshard_mismatched_dicts(src, dst):
 
 
 spec_text = st.one_of(
-    st.text(alphabet="0123456789x@:SR(),[]- ", max_size=16),
-    st.from_regex(r"\A-?\d{1,2}(x\d{1,2}){0,2}(@-?\d{1,3})?:((S\(-?\d(,\[\d{0,2}(,\d{0,2}){0,2}\])?\)|R),?){0,3}\Z"),
+    st.text(alphabet="0123456789x@:SR(),[]-bal ", max_size=16),
+    st.from_regex(r"\A-?\d{1,2}(x\d{1,2}){0,2}(@-?\d{1,3})?:((S\(-?\d(,\[\d{0,2}(,\d{0,2}){0,2}\])?(,bal)?\)|R),?){0,3}\Z"),
     st.text(max_size=8),
 )
 

@@ -71,13 +71,16 @@ def layouts(draw, shape=None, rank_pool=range(12)):
             cuts = sorted(draw(st.lists(st.integers(0, size), min_size=1, max_size=2)))
             edges = [0, *cuts, size]
             blocks[d] = tuple(b - a for a, b in zip(edges, edges[1:]))
+    # Per tensor dim: torch.chunk splits, or numpy.array_split ones (balanced: vLLM's expert
+    # placement); every mesh dim sharding one tensor dim splits it the same way.
+    balanced = {d: draw(st.booleans()) for d in range(len(shape))}
     placements = []
     for _ in range(mesh_ndim):
         if draw(st.booleans()):
             placements.append(Replicate())
         else:
             d = draw(st.integers(0, len(shape) - 1))
-            placements.append(Shard(d, blocks.get(d)))
+            placements.append(Shard(d, blocks.get(d), balanced=balanced[d]))
     return Layout(shape, mesh, placements)
 
 

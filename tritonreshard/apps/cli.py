@@ -33,14 +33,17 @@ Layout specs: MESH[@FIRST]:PLACEMENTS
   @FIRST      first global rank of the mesh (default: 0 for --src; for --dst the rank after the
               last source rank, i.e. disjoint meshes, or 0 with --colocated)
   PLACEMENTS  one per mesh dim, comma-separated: S(d) shards tensor dim d, S(d,[b0,b1,...]) shards
-              packed blocks independently (sizes sum to shape[d]), R replicates.
+              packed blocks independently (sizes sum to shape[d]), R replicates; ",bal" after
+              either splits like numpy.array_split (the first n % k shards one larger: vLLM's
+              expert placement) instead of torch.chunk, e.g. S(0,bal).
 Examples:
   tritonreshard plan --shape 8x8 --src "2:S(0)" --dst "4:S(1)"             # the seed example
   tritonreshard plan --shape 8x8 --src "4:S(1)" --dst "4:R"                # columns -> replicas
   tritonreshard plan --shape 12x8 --src "2x2:R,S(0)" --dst "3:S(0,[4,4,4])" --png plan.png
 """
 
-_PLACEMENT = re.compile(r"\s*(?:(S|Shard)\(\s*(-?\d+)\s*(?:,\s*\[([\d,\s]*)\])?\s*\)|(R|Replicate)(?:\(\))?)\s*(?:,|$)")
+_PLACEMENT = re.compile(r"\s*(?:(S|Shard)\(\s*(-?\d+)\s*(?:,\s*\[([\d,\s]*)\])?\s*(,\s*bal)?\s*\)|(R|Replicate)(?:\(\))?)"
+                        r"\s*(?:,|$)")
 
 
 def _parse_dims(text: str, what: str) -> tuple[int, ...]:
@@ -65,12 +68,12 @@ def parse_layout_spec(spec: str, shape, dtype, first_default: int = 0, what: str
         m = _PLACEMENT.match(place_part, pos)
         if not m or m.end() == pos:
             raise ValueError(f"{what}={spec!r}: cannot parse placements at {place_part[pos:]!r}; "
-                             f"use S(d), S(d,[b0,b1]) or R")
-        if m.group(4):
+                             f"use S(d), S(d,[b0,b1]), S(d,bal) or R")
+        if m.group(5):
             placements.append(Replicate())
         else:
             blocks = tuple(int(b) for b in m.group(3).split(",") if b.strip()) if m.group(3) is not None else None
-            placements.append(Shard(int(m.group(2)), blocks))
+            placements.append(Shard(int(m.group(2)), blocks, balanced=m.group(4) is not None))
         pos = m.end()
     n = math.prod(mesh_shape)
     if n > MAX_RANKS:
