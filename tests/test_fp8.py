@@ -75,19 +75,32 @@ def _one_block_plan(n, k, trainers=(0, 1, 2), ue8m0=False, scale_rule="deepgemm"
     return plan_quantized(src, dst, None, {"w": q}), dst_rank
 
 
-def _run(plan, full, backend):
-    src = {r: {n: lay.shard(full[n], r) for n, lay in plan.src_layouts.items() if r in lay.ranks}
+def _run(plan, full, backend, device="cpu"):
+    """``plan`` executed on ``device`` (CUDA: the compiled kernel, not the interpreter) from the
+    global tensors ``full``, into outputs poisoned with NaN; results come back on the CPU."""
+    src = {r: {n: lay.shard(full[n], r).to(device) for n, lay in plan.src_layouts.items() if r in lay.ranks}
            for r in plan.src_ranks}
-    out = {r: {n: (torch.full(lay.local_shape(r), 0x7F, dtype=torch.uint8).view(FP8) if lay.dtype == FP8
-                   else torch.full(lay.local_shape(r), float("nan"), dtype=lay.dtype))
+    out = {r: {n: (torch.full(lay.local_shape(r), 0x7F, dtype=torch.uint8, device=device).view(FP8)
+                   if lay.dtype == FP8 else torch.full(lay.local_shape(r), float("nan"), dtype=lay.dtype,
+                                                       device=device))
                for n, lay in plan.dst_layouts.items() if r in lay.ranks} for r in plan.dst_ranks}
-    return trs.execute_local(plan, src, out=out, backend=backend)
+    got = trs.execute_local(plan, src, out=out, backend=backend)
+    return {r: {n: t.cpu() for n, t in ts.items()} for r, ts in got.items()}
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+# "cuda": the Triton kernel compiled for the GPU (cvt.rn.satfinite, div.rn), against the same reference.
+BACKENDS = ["triton", "torch", pytest.param("triton-cuda", marks=pytest.mark.cuda)]
+
+
+def _backend_device(backend):
+    return ("triton", "cuda") if backend == "triton-cuda" else (backend, "cpu")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_kernel_conversion_is_exact_on_every_probe_value(backend):
     """A block whose amax is 448 has s = 1: the kernel's e4m3 conversion (the interpreter's integer
-    RNE for "triton" on CPU) then sees the probe values themselves."""
+    RNE for "triton" on CPU, the compiled cvt on CUDA) then sees the probe values themselves."""
+    backend, device = _backend_device(backend)
     vals = _e4m3_probe_values()
     rows = -(-vals.numel() // 127)  # 127 probes a row, after a 448 in column 0 (so every block's s is 1)
     full = torch.zeros(-(-rows // 128) * 128, 128)
@@ -97,16 +110,17 @@ def test_kernel_conversion_is_exact_on_every_probe_value(backend):
     full[:, 0] = 448.0
     n = full.shape[0]
     plan, d = _one_block_plan(n, 128, dtype=torch.float32)
-    got = _run(plan, {"w": full}, backend)[d]
+    got = _run(plan, {"w": full}, backend, device)[d]
     assert torch.equal(got["s"], torch.ones_like(got["s"]))
     assert torch.equal(_bits(got["w"]), _bits(full.to(FP8)))
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("placement", [Shard(0), Shard(1)])
 def test_ragged_unaligned_blocks_from_row_and_column_shards(backend, placement):
     """300 x 260 bf16: short last blocks (zero padding), rows of 520 bytes (no 128-bit path), and
     with Shard(1) sources every block is assembled from column pieces that start inside it."""
+    backend, device = _backend_device(backend)
     g = torch.Generator().manual_seed(4)
     x = (torch.randn(300, 260, generator=g) * 0.1).bfloat16()
     x[:128, :128] = 0
@@ -116,7 +130,7 @@ def test_ragged_unaligned_blocks_from_row_and_column_shards(backend, placement):
         src = dict(plan.src_layouts)
         src["w"] = Layout((300, 260), [0, 1, 2], [placement], torch.bfloat16)
         plan = plan_quantized(src, plan.dst_layouts, None, plan.quant)
-        got = _run(plan, {"w": x}, backend)[d]
+        got = _run(plan, {"w": x}, backend, device)[d]
         q, s = per_block_cast_to_fp8(x, ue8m0=ue8m0, scale_rule=rule)
         assert torch.equal(_bits(got["w"]), _bits(q)) and torch.equal(got["s"], s), (ue8m0, rule)
 
