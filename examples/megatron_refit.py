@@ -98,7 +98,9 @@ def megatron_to_hf(cfg, meg: dict) -> dict:
 
 
 def unshard(layouts: dict, shards: dict) -> dict:
-    """Full tensors from every rank's local shards ``{rank: {name: tensor}}``, placed by their layouts."""
+    """Full tensors from every rank's local shards ``{rank: {name: tensor}}``, placed by their layouts.
+    Every copy of a replicated region must be equal (the refit may read any of them): a copy that
+    differs from one placed before is an error here, not a silent choice."""
     full = {}
     for name, lay in layouts.items():
         t = torch.full(lay.shape, float("nan"), dtype=lay.dtype)
@@ -110,6 +112,8 @@ def unshard(layouts: dict, shards: dict) -> dict:
                 dst, src = t, local
                 for d, (s, e, at) in enumerate(box):
                     dst, src = dst.narrow(d, s, e - s), src.narrow(d, at, e - s)
+                if not torch.isnan(dst).all() and not torch.equal(dst, src):
+                    raise ValueError(f"{name}: rank {r}'s copy differs from another replica's")
                 dst.copy_(src)
         full[name] = t
     return full
@@ -168,10 +172,12 @@ def trainer(rank, world, meg_fields, train_path, tp, store, gloo, commands, resu
             tr.fence()  # every reader acked the last version: the parameters may change
             params = trs.recipes.megatron_tensors(model, megatron=meg, rank=rank)
             for name in sorted(params):  # the "optimizer step", on Megatron's own parameters
-                t = params[name]
-                # Keyed by name and the rank's TP coordinate (DP replicas would stay equal).
-                g = torch.Generator().manual_seed(zlib.crc32(f"{SEED}/{step}/{name}/{rank % meg.tp}".encode()))
-                t.add_(torch.randn(t.shape, generator=g) * SIGMA)
+                lay = spec.src[name]
+                # One global update per tensor, of which each rank adds its shard: every copy of a
+                # replicated tensor (TP-replicated norms, DP replicas) stays equal, as Megatron's
+                # all-reduced gradients keep them, so any copy may serve a read.
+                g = torch.Generator().manual_seed(zlib.crc32(f"{SEED}/{step}/{name}".encode()))
+                params[name].add_(lay.shard(torch.randn(tuple(lay.shape), generator=g) * SIGMA, rank))
             v = tr.publish()
             results.put(("published", rank, (v, {n: t.clone() for n, t in tr.tensors.items()})))
     dist.destroy_process_group()
