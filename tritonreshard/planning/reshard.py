@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from itertools import chain, product
@@ -36,7 +36,7 @@ from . import replicas
 from .checks import check_inputs
 from .text import fmt_bytes, fmt_global, fmt_slices, render_table
 
-__all__ = ["TransferOp", "FillOp", "Plan", "PlanStats", "plan_reshard", "source_pieces"]
+__all__ = ["TransferOp", "FillOp", "Plan", "PlanStats", "merge_plans", "plan_reshard", "source_pieces"]
 
 
 class _DstBox:
@@ -592,6 +592,27 @@ def _plan_cached(src_items: tuple[tuple[str, Layout], ...], dst_items: tuple[tup
     resolved_parts = {name: tuple(Part(sn, box, st if sn is not None else None) for sn, box, st in rs)
                       for name, rs in parts.items()}
     return Plan(src, dst, tuple(ops), tuple(fills), resolved_parts, rank=rank)
+
+
+def merge_plans(plans: Sequence[Plan]) -> Plan:
+    """The union of per-rank plans of one group (``plan_reshard(..., rank=r)`` for several r) as
+    one :class:`Plan`: every op and fill of any of them once, in the whole plan's order (by name,
+    then destination rank, destination start, source rank). Its ops are then exactly the whole
+    plan's ops whose source or destination is one of the ranks, without making the whole plan
+    (the host planner's input for one host: :func:`~.hosts.plan_hosts` with ``host=``).
+    ``rank`` of the result is None; its layouts and parts are the first plan's."""
+    if not plans:
+        raise ValueError("merge_plans: no plans to merge")
+    ops: dict[tuple, TransferOp] = {}
+    fills: dict[tuple, FillOp] = {}
+    for p in plans:
+        for op in p.ops:
+            ops.setdefault((op.name, op.dst_rank, tuple([s.start for s in op.dst_slices]), op.src_rank), op)
+        for f in p.fills:
+            fills.setdefault((f.name, f.dst_rank, tuple([s.start for s in f.dst_slices])), f)
+    first = plans[0]
+    return Plan(first.src_layouts, first.dst_layouts, tuple(ops[k] for k in sorted(ops)),
+                tuple(fills[k] for k in sorted(fills)), first.parts)
 
 
 def source_pieces(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout],
