@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import tritonreshard as trs
 from tritonreshard import Layout, Replicate, Shard
-from tritonreshard.planning import RECV_ALIGN, box_is_contiguous, plan_hosts
+from tritonreshard.planning import RECV_ALIGN, box_is_contiguous, join_host_parts, plan_hosts
 
 SIZES = [0, 1, 2, 3, 5, 7, 8, 13]
 
@@ -395,7 +395,7 @@ def test_receiver_runs_keep_arena_neighbours_in_few_messages():
 
 
 # ---------------------------------------------------------------- per-host parts (per-rank planning)
-def host_parts(srcs, dsts, hosts, src_offsets=None):
+def host_parts(srcs, dsts, hosts, src_offsets=None, numbered=True):
     """Each destination host's part of the host plan, made only from the per-rank plans of that
     host's destination ranks (``merge_plans``), numbered on from the parts before it: what the
     ranks of that host compute instead of the whole plan. ``{host: HostPlan}``."""
@@ -409,7 +409,7 @@ def host_parts(srcs, dsts, hosts, src_offsets=None):
             continue
         sub = merge_plans([trs.plan_reshard(srcs, dsts, rank=d) for d in mine])
         assert sub.ops == tuple(op for op in whole.ops if op.src_rank in mine or op.dst_rank in mine)
-        parts[h] = plan_hosts(sub, hosts, host=h, first_index=first, src_offsets=src_offsets)
+        parts[h] = plan_hosts(sub, hosts, host=h, first_index=first if numbered else 0, src_offsets=src_offsets)
         first += len(parts[h].transfers)
     return parts
 
@@ -435,6 +435,21 @@ def check_parts(srcs, dsts, hosts, src_offsets=None):
             for f in part.fanout_for_dst(r):
                 assert part.transfer(f.transfer) == hp.transfers[f.transfer]
         assert sum((p.sends_of(r) for p in parts.values()), ()) == hp.sends_of(r)
+    # What the engine does: each host's ranks make its part numbered from 0, the hosts' transfers
+    # are exchanged, and every rank joins them with its own part.
+    own = host_parts(srcs, dsts, hosts, src_offsets, numbered=False)
+    shared = {h: p.transfers for h, p in own.items()}
+    for r in hp.hosts:
+        h = hp.host_of(r)
+        if h not in own:
+            continue
+        view = join_host_parts(own[h], h, shared)
+        assert view.transfers == hp.transfers and view.buffer_bytes == hp.buffer_bytes
+        assert view.sends_of(r) == hp.sends_of(r) and view.recvs_of(r) == hp.recvs_of(r)
+        assert view.local_ops_for_dst(r) == hp.local_ops_for_dst(r)
+        assert view.fanout_for_dst(r) == hp.fanout_for_dst(r)
+        assert view.local_readers_of(r) == hp.local_readers_of(r)
+        assert view.buffer_readers(r) == hp.buffer_readers(r)
     return hp
 
 

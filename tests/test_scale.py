@@ -206,6 +206,62 @@ def test_disagreement_is_one_and_the_same_error_on_every_rank():
         assert expect in messages.pop()
 
 
+@pytest.mark.parametrize("hosts", [{0: "a", 1: "a", 2: "b", 3: "b", 4: "c", 5: "c"},
+                                   {0: "a", 1: "b", 2: "b", 3: "c", 4: "c", 5: "a"},
+                                   {0: "a", 1: "b", 2: "a", 3: "b", 4: "a", 5: "b"}],
+                         ids=["trainers-apart", "mixed", "colocated"])
+def test_routes_across_hosts_from_host_parts_are_the_whole_plans_routes(hosts):
+    """On several hosts each rank plans only its host (its own plan and its host's destination
+    ranks'), the hosts swap their transfers once, and every rank's route (reads, fences, sends,
+    receives, buffers, messages) is the one the whole plan gives."""
+    import threading
+    from tritonreshard.engine.route import build_route
+
+    spec = _llama(2, 2)   # two replicas of TP-2 on ranks 2..5, FP32 trainers 0, 1
+    world = 6
+
+    def member(r):
+        s = spec.src if r in TRAINERS else None
+        d, parts = (spec.dst, dict(spec.parts)) if r not in TRAINERS else (None, None)
+        return Member(r, 100 + r, hosts[r], "cpu", s, d, (), parts, world_size=world,
+                      src_digest=inputs_digest(s), dst_digest=inputs_digest(d, parts))
+    members = [member(r) for r in range(world)]
+    whole = spec.plan()
+    offsets, pos = {}, {}
+    for n in sorted(spec.src):   # arenas: each rank's shards back to back, in name order
+        for r in spec.src[n].ranks:
+            offsets[(r, n)] = pos.get(r, 0)
+            pos[r] = pos.get(r, 0) + -(-spec.src[n].local_numel(r) * spec.src[n].itemsize // 256) * 256
+    gathered, barrier = {}, threading.Barrier(world)
+
+    def exchange(r):
+        def gather(obj):
+            gathered[r] = obj
+            barrier.wait(60)
+            return dict(gathered)
+        return gather
+
+    routes, plans = {}, {}
+
+    def rank_main(r):
+        plans[r] = validate_members(members, world, r)
+        routes[r] = build_route(plans[r], hosts, r, offsets, exchange=exchange(r))
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(routes) == list(range(world))
+    for r in range(world):
+        want = build_route(whole, hosts, r, offsets)
+        assert routes[r] == want, r
+        assert routes[r].transfers == want.transfers
+        # Planned from its host's ranks only: never an op between two ranks off its host.
+        on_host = {x for x in range(world) if hosts[x] == hosts[r]}
+        assert all(op.dst_rank in on_host or r in (op.src_rank, op.dst_rank) for op in plans[r].ops)
+    assert any(route.sends for route in routes.values())
+
+
 # ------------------------------------------------------------------------ engine: replicas, exact
 def _full(name_id, layout, version):
     n = math.prod(layout.shape)

@@ -41,7 +41,7 @@ from . import rendezvous as rdv
 from .liveness import Liveness
 from ..transport import wait as _wait
 from ..layout import Layout
-from ..planning import BlockQuant, Plan, plan_quantized
+from ..planning import BlockQuant, Plan, QuantizedPlan, merge_plans, plan_quantized
 from ..transport import STATE_ABORT
 
 __all__ = ["Group", "Member", "host_identity", "connect", "inputs_digest",
@@ -154,9 +154,10 @@ def validate_members(members: list[Member], world_size: int, rank: int | None = 
     disagree on them are rejected like ranks that disagree on layouts.
 
     Ranks agree when their digests (:func:`inputs_digest`) and group sizes agree; only then is
-    the plan made. With ``rank`` and every member on one host, it is ``rank``'s plan only
-    (``plan_reshard(..., rank=)``: the ops it reads and serves), since that is all its route needs;
-    a group on several hosts plans whole (the host planner splits the whole plan by host)."""
+    the plan made. With ``rank``, it is ``rank``'s plan only (``plan_reshard(..., rank=)``: the ops
+    it reads and serves) on one host; on several hosts, that merged with the per-rank plans of the
+    destination ranks on ``rank``'s host (:func:`~tritonreshard.planning.merge_plans`): every op
+    into its host, what its host's part of the host plan needs, and never another host's ops."""
     problems = [f"rank {m.rank}: {p}" for m in members for p in m.problems]
     sizes = {m.rank: m.world_size for m in members if m.world_size != world_size}
     if sizes:
@@ -197,25 +198,40 @@ def validate_members(members: list[Member], world_size: int, rank: int | None = 
                                     f"{missing}, which did not join as {role} ranks")
         layouts[side] = ref_layouts
     plan = None
-    one_host = len({m.host for m in members}) == 1
+    host = {m.rank: m.host for m in members}
+    one_host = len(set(host.values())) == 1
     if not problems:
         try:
-            plan = plan_quantized(layouts["src"], layouts["dst"], parts or None, quant or None,
-                                  rank=rank if one_host else None)
+            plan = plan_quantized(layouts["src"], layouts["dst"], parts or None, quant or None, rank=rank)
+            if rank is not None and not one_host:
+                plan = _host_inputs(plan, layouts, parts, quant, host, rank)
         except (ValueError, TypeError) as exc:
             problems.append(str(exc))
     if problems:
         raise ValueError(f"refit group {world_size} ranks: {len(problems)} problem(s), "
                          f"nothing was moved:\n  - " + "\n  - ".join(problems))
-    host = {m.rank: m.host for m in members}
-    if not one_host and any(host[op.src_rank] != host[op.dst_rank] for op in plan.ops):
-        # One point-to-point process group carries the cross-host bytes: gloo or NCCL, not both.
+    if not one_host:
+        # One point-to-point process group carries the cross-host bytes: gloo or NCCL, not both. A
+        # rank plans only its host's part, so the rule is the group's, not its own plan's (every
+        # rank sees the same members, so every rank raises).
         kinds = {m.rank: m.device.split(":")[0] for m in members}
-        if len(set(kinds.values())) > 1:  # every rank sees the same, so every rank raises
+        if len(set(kinds.values())) > 1:
             raise ValueError(f"refit group {world_size} ranks: ranks on several hosts must all use cuda or all "
                              f"use cpu (the cross-host transfers run over one NCCL or gloo group), got "
                              f"devices {kinds}; nothing was moved")
     return plan
+
+
+def _host_inputs(own: Plan, layouts: dict, parts, quant, host: dict, rank: int) -> Plan:
+    """What rank ``rank`` of a group on several hosts plans from: its own plan merged with the
+    per-rank plans of the destination ranks on its host (every op into its host: the input of its
+    host's part of the host plan, ``plan_hosts(..., host=)``), never the other hosts' ops. The
+    cross-host transfers of the other hosts come from their ranks (:func:`~.route.build_route`)."""
+    dst_ranks = sorted({r for lay in layouts["dst"].values() for r in lay.ranks})
+    plans = [own] + [plan_quantized(layouts["src"], layouts["dst"], parts or None, quant or None, rank=d)
+                     for d in dst_ranks if d != rank and host.get(d) == host[rank]]
+    merged = merge_plans(plans)
+    return QuantizedPlan(merged, own.dst_layouts, own.quant) if isinstance(own, QuantizedPlan) else merged
 
 
 class Group:

@@ -39,8 +39,8 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import NamedTuple
 
@@ -51,7 +51,7 @@ from .reshard import Plan, TransferOp, cut_global, source_pieces
 from .text import fmt_bytes, fmt_ranks, fmt_slices, render_table
 
 __all__ = ["CrossTransfer", "FanoutOp", "HostPlan", "Message", "RECV_ALIGN", "Traffic", "box_is_contiguous", "host_order",
-           "plan_hosts",
+           "join_host_parts", "plan_hosts",
            "refit_traffic",
            "plan_messages"]
 
@@ -404,8 +404,8 @@ def plan_hosts(plan: Plan, hosts: Mapping[int, str], *,
     problems = []
     if not isinstance(align, int) or align < 1:
         problems.append(f"align must be a positive int, got align={align!r}")
-    if host is not None and host not in set(host_of.values()):
-        problems.append(f"host={host!r} holds no rank of the plan (hosts: {sorted(set(host_of.values()))})")
+    if host is not None and host not in set(hosts.values()):
+        problems.append(f"host={host!r} is no host of hosts (hosts: {sorted(set(hosts.values()))})")
     if isinstance(first_index, bool) or not isinstance(first_index, int) or first_index < 0:
         problems.append(f"first_index must be an int >= 0, got first_index={first_index!r}")
     if problems:
@@ -437,6 +437,28 @@ def plan_hosts(plan: Plan, hosts: Mapping[int, str], *,
     local.sort(key=lambda op: (op.name, op.dst_rank, tuple(s.start for s in op.dst_slices), op.src_rank))
     fanout.sort(key=lambda f: (f.op.name, f.dst_rank, tuple(s.start for s in f.op.dst_slices), f.transfer))
     return HostPlan(plan, host_of, tuple(local), tuple(transfers), tuple(fanout), buffer_bytes)
+
+
+def join_host_parts(part: HostPlan, host: str, transfers: Mapping[str, Sequence[CrossTransfer]], *,
+                    align: int = RECV_ALIGN) -> HostPlan:
+    """One rank's view of the group's host plan, from its own host's ``part`` (``plan_hosts(...,
+    host=host)``, numbered from ``first_index=0``) and every destination host's transfers
+    (``{host: that host's part's transfers}``, each numbered from 0, as the hosts' ranks made
+    them), renumbered host after host in :func:`host_order`. Equal to the whole host plan in its
+    transfers and receive buffers, and in everything on ``host`` (local ops, fan-out, fences,
+    receives); the other hosts' local and fan-out ops are not in it."""
+    everything: list[CrossTransfer] = []
+    shift = 0
+    for h in host_order(part.hosts):
+        base = len(everything)
+        if h == host:
+            shift = base
+        everything += [replace(t, index=t.index + base) for t in transfers.get(h, ())]
+    buffers: dict[int, int] = {}
+    for t in everything:   # a buffer ends where its last box does, rounded up (as _lay_out_buffers)
+        buffers[t.receiver] = max(buffers.get(t.receiver, 0), -(-(t.offset + t.nbytes) // align) * align)
+    fanout = tuple(FanoutOp(f.transfer + shift, f.op) for f in part.fanout)
+    return HostPlan(part.plan, part.hosts, part.local_ops, tuple(everything), fanout, buffers)
 
 
 def host_order(hosts: Mapping[int, str]) -> tuple[str, ...]:
