@@ -75,6 +75,8 @@ class Member:
     world_size: int = 0
     src_digest: str = ""
     dst_digest: str = ""
+    #: Digest of ``dst_quant`` (compared on its own: a quantization mismatch is named as such).
+    quant_digest: str = ""
 
     def __repr__(self):
         roles = [r for r, on in (("trainer", self.src_layouts is not None),
@@ -234,6 +236,49 @@ def _host_inputs(own: Plan, layouts: dict, parts, quant, host: dict, rank: int) 
     return QuantizedPlan(merged, own.dst_layouts, own.quant) if isinstance(own, QuantizedPlan) else merged
 
 
+def _quant_digest(quant: dict | None) -> str:
+    if quant is None:
+        return ""
+    return hashlib.sha256("".join(f"{n!r}={quant[n]!r};" for n in sorted(quant)).encode()).hexdigest()
+
+
+def _side_inputs(member: Member, side: str) -> tuple:
+    if side == "src":
+        return (member.src_layouts,)
+    return (member.dst_layouts, member.dst_parts, member.dst_quant)
+
+
+def _inputs_wanted(hellos: list[Member]) -> list[tuple[str, int]]:
+    """``(side, rank)`` whose full planning inputs the group fetches: each side's first rank, and
+    any rank whose digests differ from it (every rank derives the same list from the hellos)."""
+    out = []
+    for side in ("src", "dst"):
+        holders = [m for m in hellos if getattr(m, f"{side}_layouts") is not None]
+        if not holders:
+            continue
+        key = (lambda m: (m.src_digest,)) if side == "src" else (lambda m: (m.dst_digest, m.quant_digest))
+        out += [(side, m.rank) for m in holders if m is holders[0] or key(m) != key(holders[0])]
+    return out
+
+
+def _with_inputs(hellos: list[Member], inputs: dict) -> list[Member]:
+    """The hellos with their planning inputs: fetched ones as sent, the others the side's first
+    rank's (their digests are equal to it)."""
+    out = []
+    for m in hellos:
+        for side in ("src", "dst"):
+            if getattr(m, f"{side}_layouts") is None:
+                continue
+            first = next(r for s, r in inputs if s == side)
+            got = inputs.get((side, m.rank), inputs[(side, first)])
+            if side == "src":
+                m = replace(m, src_layouts=got[0])
+            else:
+                m = replace(m, dst_layouts=got[0], dst_parts=got[1], dst_quant=got[2])
+        out.append(m)
+    return out
+
+
 class Group:
     """One epoch of a refit group, seen from one rank.
 
@@ -266,12 +311,27 @@ class Group:
     # ------------------------------------------------------------------ set-up
     def join(self, member: Member) -> Plan:
         """Phase 1: gather every rank's :class:`Member`, validate, return this rank's plan (see
-        :func:`validate_members`; every rank raises the same ValueError)."""
+        :func:`validate_members`; every rank raises the same ValueError).
+
+        The hello is slim: every rank sends its digests, group size, host and device, not its
+        layouts. The full inputs travel once per side, from that side's first rank (and, only when
+        digests disagree, from the ranks that disagree, so the error can name what differs); equal
+        digests mean equal inputs, so the others take the first rank's."""
         member = replace(member, world_size=self.world_size,
                          src_digest=inputs_digest(member.src_layouts),
-                         dst_digest=inputs_digest(member.dst_layouts, member.dst_parts))
-        members = rdv.all_gather_obj(self.store, "hello", self.rank, self.world_size, member,
-                                     timeout=self.timeout)
+                         dst_digest=inputs_digest(member.dst_layouts, member.dst_parts),
+                         quant_digest=_quant_digest(member.dst_quant))
+        slim = replace(member, src_layouts=None if member.src_layouts is None else {},
+                       dst_layouts=None if member.dst_layouts is None else {}, dst_parts=None, dst_quant=None)
+        hellos = rdv.all_gather_obj(self.store, "hello", self.rank, self.world_size, slim, timeout=self.timeout)
+        wanted = _inputs_wanted(hellos)
+        for side, r in wanted:
+            if r == self.rank:
+                rdv.publish(self.store, f"inputs/{side}/{r}", _side_inputs(member, side))
+        inputs = {(side, r): rdv.fetch(self.store, f"inputs/{side}/{r}", timeout=self.timeout,
+                                       what=f"the {side} planning inputs of rank {r}")
+                  for side, r in wanted}
+        members = _with_inputs(hellos, inputs)
         self.members = {m.rank: m for m in members}
         rdv.publish(self.store, f"hello-read/{self.rank}", True)
         try:
