@@ -530,14 +530,17 @@ def _fill_pieces(d_geo: tuple, box: tuple) -> tuple:
 
 
 _first = itemgetter(0)
-_OP_FIELDS = ("name", "src_rank", "dst_rank", "src_slices", "dst_slices", "global_index", "src_name")
+_obj_new, _obj_set = object.__new__, object.__setattr__
 
 
-def _new_op(*values) -> TransferOp:
-    """``TransferOp(*values)`` without the frozen dataclass's per-field ``__setattr__`` (a third of
-    a big plan's time); the values are the planner's own, already checked."""
-    op = object.__new__(TransferOp)
-    object.__setattr__(op, "__dict__", dict(zip(_OP_FIELDS, values)))
+def _new_op(name, src_rank, dst_rank, src_slices, dst_slices, global_index, src_name) -> TransferOp:
+    """``TransferOp(...)`` without the frozen dataclass's per-field ``__setattr__`` (a third of a
+    big plan's time); the values are the planner's own, already checked. The ``__dict__`` is a
+    literal: half the cost of building it from the field names (a trainer's plan makes one op per
+    reader and piece)."""
+    op = _obj_new(TransferOp)
+    _obj_set(op, "__dict__", {"name": name, "src_rank": src_rank, "dst_rank": dst_rank, "src_slices": src_slices,
+                              "dst_slices": dst_slices, "global_index": global_index, "src_name": src_name})
     return op
 
 
