@@ -50,8 +50,8 @@ from . import replicas
 from .reshard import Plan, TransferOp, cut_global, source_pieces
 from .text import fmt_bytes, fmt_ranks, fmt_slices, render_table
 
-__all__ = ["CrossTransfer", "FanoutOp", "HostPlan", "Message", "RECV_ALIGN", "Traffic", "box_is_contiguous", "host_order",
-           "join_host_parts", "plan_hosts",
+__all__ = ["CrossTransfer", "FanoutOp", "HostPlan", "Message", "RECV_ALIGN", "Traffic", "box_is_contiguous",
+           "host_order", "join_host_parts", "plan_hosts",
            "refit_traffic",
            "plan_messages"]
 
