@@ -35,8 +35,14 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_CONFIG = HERE / "configs" / "qwen3-235b-a22b.json"
 
 
-def measure(config: Path, trainers: int, tp: int, replicas: int, what: str) -> dict:
-    """One measurement in this process (call it in a fresh one: caches must be cold)."""
+def measure(config: Path, trainers: int, tp: int, replicas: int, what: str, hosts_of: int = 0) -> dict:
+    """One measurement in this process (call it in a fresh one: caches must be cold).
+
+    ``hosts_of``: 0 for one host; else ranks ``[k * hosts_of, (k + 1) * hosts_of)`` share host k,
+    and the rank plans as the engine does on several hosts: its own plan merged with the per-rank
+    plans of its host's destination ranks, then its host's part of the host plan
+    (``plan_hosts(..., host=)``; every rank of a host makes the same part, relay or not). With
+    ``--what whole``: the whole plan and the whole host plan, what every rank made before."""
     import torch
     import tritonreshard as trs
 
@@ -48,29 +54,48 @@ def measure(config: Path, trainers: int, tp: int, replicas: int, what: str) -> d
                                   inference_ranks=list(range(trainers, trainers + replicas * tp)),
                                   dtype=torch.bfloat16, src_dtype=torch.bfloat16)
     t1 = time.process_time()
-    rank = {"dst": trainers, "src": 0, "whole": None}[what]
+    # "dst": the first inference rank (on several hosts, a relay of its host); "dst71": the last rank of
+    # the first inference host of 8 (plain destination there); "src": the first trainer
+    rank = {"dst": trainers, "dst71": trainers + 7, "src": 0, "whole": None}[what]
     t2 = time.process_time()
     plan = spec.plan() if rank is None else spec.plan(rank=rank)   # plan(): also the code before rank=
+    extra = {}
+    if hosts_of:
+        ranks = range(trainers + replicas * tp)
+        host = {r: f"host{r // hosts_of}" for r in ranks}
+        if rank is not None:   # the engine's input for the rank's host part (engine.group.validate_members)
+            mine = [d for d in range(trainers, trainers + replicas * tp) if host[d] == host[rank] and d != rank]
+            plan = trs.planning.merge_plans([plan] + [spec.plan(rank=d) for d in mine])
+        hp = trs.planning.plan_hosts(plan, host, host=None if rank is None else host[rank])
+        extra = {"hosts": len(set(host.values())), "host_ops": len(hp.local_ops) + len(hp.fanout),
+                 "transfers": len(hp.transfers), "receives": len(hp.recvs_of(rank)) if rank is not None else 0}
     t3 = time.process_time()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"model": cfg.model_type, "trainers": trainers, "tp": tp, "replicas": replicas, "what": what,
             "rank": rank, "recipe_s": round(t1 - t0, 3), "plan_s": round(t3 - t2, 3), "ops": len(plan.ops),
-            "rss_mb": round(peak / 1024), "rss_growth_mb": round((peak - before) / 1024)}
+            "rss_mb": round(peak / 1024), "rss_growth_mb": round((peak - before) / 1024), "hosts_of": hosts_of,
+            **extra}
 
 
-def run_fresh(config: Path, trainers: int, tp: int, replicas: int, what: str) -> dict:
+def run_fresh(config: Path, trainers: int, tp: int, replicas: int, what: str, hosts_of: int = 0) -> dict:
     """:func:`measure` in a new interpreter (cold caches, its own peak RSS)."""
     cmd = [sys.executable, __file__, "--config", str(config), "--trainers", str(trainers), "--tp", str(tp),
-           "--replicas", str(replicas), "--what", what, "--json"]
+           "--replicas", str(replicas), "--what", what, "--hosts-of", str(hosts_of), "--json"]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=os.environ.copy())
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _row(m: dict) -> str:
-    who = {"dst": f"inference rank {m['rank']}", "src": f"trainer rank {m['rank']}", "whole": "whole plan"}[m["what"]]
+    who = {"dst": f"inference rank {m['rank']}", "dst71": f"inference rank {m['rank']}",
+           "src": f"trainer rank {m['rank']}", "whole": "whole plan"}[m["what"]]
+    where = ""
+    if m.get("hosts_of"):
+        into = "in all" if m["rank"] is None else "into its host"
+        where = (f" on {m['hosts']} hosts of {m['hosts_of']}: {m['host_ops']:,} host op(s), "
+                 f"{m['transfers']:,} transfer(s) {into}, {m['receives']:,} received by it")
     return (f"{m['model']:<10} FSDP-{m['trainers']:<3} -> {m['replicas']:>2} x TP-{m['tp']:<2} {who:<20} "
             f"recipe {m['recipe_s']:6.3f} s  plan {m['plan_s']:6.3f} s CPU  {m['ops']:>9,} ops  "
-            f"peak RSS {m['rss_mb']:>5} MB (+{m['rss_growth_mb']} MB)")
+            f"peak RSS {m['rss_mb']:>5} MB (+{m['rss_growth_mb']} MB){where}")
 
 
 def main(argv=None) -> None:
@@ -79,21 +104,25 @@ def main(argv=None) -> None:
     ap.add_argument("--trainers", type=int, default=64)
     ap.add_argument("--tp", type=int, default=8)
     ap.add_argument("--replicas", type=int, default=8)
-    ap.add_argument("--what", choices=["dst", "src", "whole"], default="dst")
+    ap.add_argument("--what", choices=["dst", "dst71", "src", "whole"], default="dst")
+    ap.add_argument("--hosts-of", type=int, default=0,
+                    help="ranks per host (0: one host); the rank also makes its host's part of the host plan")
     ap.add_argument("--json", action="store_true", help="measure here and print one JSON line")
     ap.add_argument("--all", action="store_true", help="the README's figures, each in a fresh process")
     ap.add_argument("--repeat", type=int, default=3,
                     help="fresh processes per row; the fastest is shown (the machine is shared)")
     args = ap.parse_args(argv)
     if args.json:
-        print(json.dumps(measure(args.config, args.trainers, args.tp, args.replicas, args.what)))
+        print(json.dumps(measure(args.config, args.trainers, args.tp, args.replicas, args.what, args.hosts_of)))
         return
-    runs = ([(64, 8, 8, "dst"), (64, 8, 8, "src"), (64, 8, 16, "dst"), (64, 8, 16, "src"),
-             (64, 8, 1, "whole"), (8, 8, 1, "whole")] if args.all
-            else [(args.trainers, args.tp, args.replicas, args.what)])
+    runs = ([(64, 8, 8, "dst", 0), (64, 8, 8, "src", 0), (64, 8, 16, "dst", 0), (64, 8, 16, "src", 0),
+             (64, 8, 1, "whole", 0), (8, 8, 1, "whole", 0),
+             # 8 trainer hosts -> 8 inference hosts of 8: rank 64 receives (a relay), rank 71 only reads
+             (64, 8, 8, "dst", 8), (64, 8, 8, "dst71", 8), (64, 8, 8, "src", 8)] if args.all
+            else [(args.trainers, args.tp, args.replicas, args.what, args.hosts_of)])
     print(f"Planning cost on this machine (cold caches: a fresh process per run, fastest of {args.repeat}):")
-    for trainers, tp, replicas, what in runs:
-        best = min((run_fresh(args.config, trainers, tp, replicas, what) for _ in range(args.repeat)),
+    for trainers, tp, replicas, what, hosts_of in runs:
+        best = min((run_fresh(args.config, trainers, tp, replicas, what, hosts_of) for _ in range(args.repeat)),
                    key=lambda m: m["plan_s"])
         print(_row(best), flush=True)
 

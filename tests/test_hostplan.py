@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import tritonreshard as trs
 from tritonreshard import Layout, Replicate, Shard
-from tritonreshard.planning import RECV_ALIGN, box_is_contiguous, plan_hosts
+from tritonreshard.planning import RECV_ALIGN, box_is_contiguous, join_host_parts, plan_hosts
 
 SIZES = [0, 1, 2, 3, 5, 7, 8, 13]
 
@@ -392,3 +392,94 @@ def test_receiver_runs_keep_arena_neighbours_in_few_messages():
     assert sum(m.nbytes for m in msgs) == hp.cross_host_bytes
     loads = [hp.buffer_bytes[r] for r in (2, 3, 4, 5)]
     assert max(loads) <= 1.1 * min(loads), loads
+
+
+# ---------------------------------------------------------------- per-host parts (per-rank planning)
+def host_parts(srcs, dsts, hosts, src_offsets=None, numbered=True):
+    """Each destination host's part of the host plan, made only from the per-rank plans of that
+    host's destination ranks (``merge_plans``), numbered on from the parts before it: what the
+    ranks of that host compute instead of the whole plan. ``{host: HostPlan}``."""
+    from tritonreshard.planning import host_order, merge_plans
+    whole = trs.plan_reshard(srcs, dsts)
+    ranks = set(whole.src_ranks) | set(whole.dst_ranks)
+    parts, first = {}, 0
+    for h in host_order({r: hosts[r] for r in ranks}):
+        mine = [d for d in whole.dst_ranks if hosts[d] == h]
+        if not mine:
+            continue
+        sub = merge_plans([trs.plan_reshard(srcs, dsts, rank=d) for d in mine])
+        assert sub.ops == tuple(op for op in whole.ops if op.src_rank in mine or op.dst_rank in mine)
+        parts[h] = plan_hosts(sub, hosts, host=h, first_index=first if numbered else 0, src_offsets=src_offsets)
+        first += len(parts[h].transfers)
+    return parts
+
+
+def check_parts(srcs, dsts, hosts, src_offsets=None):
+    """Every rank's slice from its host's part (sends: from the parts of the hosts it sends to)
+    equals its slice of the whole host plan, field by field, transfer numbers included."""
+    hp = plan_hosts(trs.plan_reshard(srcs, dsts), hosts, src_offsets=src_offsets)
+    parts = host_parts(srcs, dsts, hosts, src_offsets)
+    assert sum((p.transfers for p in parts.values()), ()) == hp.transfers
+    for r in hp.hosts:
+        part = parts.get(hp.host_of(r))
+        if part is None:   # no destination rank on r's host: nothing is read there
+            assert not hp.local_ops_for_dst(r) and not hp.fanout_for_dst(r) and not hp.recvs_of(r)
+            assert not hp.local_readers_of(r)
+        else:
+            assert part.local_ops_for_dst(r) == hp.local_ops_for_dst(r)
+            assert part.fanout_for_dst(r) == hp.fanout_for_dst(r)
+            assert part.recvs_of(r) == hp.recvs_of(r)
+            assert part.buffer_bytes.get(r) == hp.buffer_bytes.get(r)
+            assert part.buffer_readers(r) == hp.buffer_readers(r)
+            assert part.local_readers_of(r) == hp.local_readers_of(r)
+            for f in part.fanout_for_dst(r):
+                assert part.transfer(f.transfer) == hp.transfers[f.transfer]
+        assert sum((p.sends_of(r) for p in parts.values()), ()) == hp.sends_of(r)
+    # What the engine does: each host's ranks make its part numbered from 0, the hosts' transfers
+    # are exchanged, and every rank joins them with its own part.
+    own = host_parts(srcs, dsts, hosts, src_offsets, numbered=False)
+    shared = {h: p.transfers for h, p in own.items()}
+    for r in hp.hosts:
+        h = hp.host_of(r)
+        if h not in own:
+            continue
+        view = join_host_parts(own[h], h, shared)
+        assert view.transfers == hp.transfers and view.buffer_bytes == hp.buffer_bytes
+        assert view.sends_of(r) == hp.sends_of(r) and view.recvs_of(r) == hp.recvs_of(r)
+        assert view.local_ops_for_dst(r) == hp.local_ops_for_dst(r)
+        assert view.fanout_for_dst(r) == hp.fanout_for_dst(r)
+        assert view.local_readers_of(r) == hp.local_readers_of(r)
+        assert view.buffer_readers(r) == hp.buffer_readers(r)
+    return hp
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_property_each_hosts_part_is_the_slice_of_the_whole(data):
+    srcs, dsts = {}, {}
+    for i in range(data.draw(st.integers(1, 3))):
+        srcs[f"t{i}"] = data.draw(layouts())
+        dsts[f"t{i}"] = data.draw(layouts(shape=srcs[f"t{i}"].shape))
+    hosts = {r: f"h{data.draw(st.integers(0, 3))}" for r in range(9)}
+    offsets = None
+    if data.draw(st.booleans()):   # arenas in reverse name order: receivers' buffers follow them
+        offsets = {(r, n): 4096 * (9 - i) for r in range(9) for i, n in enumerate(sorted(srcs))}
+    check_parts(srcs, dsts, hosts, offsets)
+
+
+def test_parts_of_replicated_sources_across_three_hosts():
+    # HSDP trainers (two replicas, one per host a/b) feeding TP ranks on hosts c and d: each part
+    # picks its own senders, and the union of the parts is the whole plan.
+    src = {n: Layout((64, 32), [[0, 1], [2, 3]], [Replicate(), Shard(0)]) for n in "abc"}
+    dst = {n: Layout((64, 32), [[4, 5], [6, 7]], [Replicate(), Shard(1)]) for n in "abc"}
+    hosts = _hosts({"a": [0, 1], "b": [2, 3], "c": [4, 5], "d": [6, 7]})
+    hp = check_parts(src, dst, hosts)
+    check(src, dst, hosts)
+    assert {t.dst_host for t in hp.transfers} == {"c", "d"} and {t.src_host for t in hp.transfers} == {"a", "b"}
+
+
+def test_a_part_names_every_bad_argument():
+    plan = trs.plan_reshard({"w": Layout((4,), [0, 1], [Shard(0)])}, {"w": Layout((4,), [2], [Replicate()])})
+    with pytest.raises(ValueError) as e:
+        plan_hosts(plan, {0: "a", 1: "a", 2: "b"}, host="z", first_index=-1, align=0)
+    assert "3 problem(s)" in str(e.value) and "'z'" in str(e.value) and "first_index" in str(e.value)

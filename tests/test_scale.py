@@ -13,6 +13,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -204,6 +205,115 @@ def test_disagreement_is_one_and_the_same_error_on_every_rank():
             messages.add(str(e.value))
         assert len(messages) == 1, messages
         assert expect in messages.pop()
+
+
+@pytest.mark.parametrize("hosts", [{0: "a", 1: "a", 2: "b", 3: "b", 4: "c", 5: "c"},
+                                   {0: "a", 1: "b", 2: "b", 3: "c", 4: "c", 5: "a"},
+                                   {0: "a", 1: "b", 2: "a", 3: "b", 4: "a", 5: "b"}],
+                         ids=["trainers-apart", "mixed", "colocated"])
+def test_routes_across_hosts_from_host_parts_are_the_whole_plans_routes(hosts):
+    """On several hosts each rank plans only its host (its own plan and its host's destination
+    ranks'), the hosts swap their transfers once, and every rank's route (reads, fences, sends,
+    receives, buffers, messages) is the one the whole plan gives."""
+    import threading
+    from tritonreshard.engine.route import build_route
+
+    spec = _llama(2, 2)   # two replicas of TP-2 on ranks 2..5, FP32 trainers 0, 1
+    world = 6
+
+    def member(r):
+        s = spec.src if r in TRAINERS else None
+        d, parts = (spec.dst, dict(spec.parts)) if r not in TRAINERS else (None, None)
+        return Member(r, 100 + r, hosts[r], "cpu", s, d, (), parts, world_size=world,
+                      src_digest=inputs_digest(s), dst_digest=inputs_digest(d, parts))
+    members = [member(r) for r in range(world)]
+    whole = spec.plan()
+    offsets, pos = {}, {}
+    for n in sorted(spec.src):   # arenas: each rank's shards back to back, in name order
+        for r in spec.src[n].ranks:
+            offsets[(r, n)] = pos.get(r, 0)
+            pos[r] = pos.get(r, 0) + -(-spec.src[n].local_numel(r) * spec.src[n].itemsize // 256) * 256
+    gathered, barrier = {}, threading.Barrier(world)
+
+    def exchange(r):
+        def gather(obj):
+            gathered[r] = obj
+            barrier.wait(60)
+            return dict(gathered)
+        return gather
+
+    routes, plans = {}, {}
+
+    def rank_main(r):
+        plans[r] = validate_members(members, world, r)
+        routes[r] = build_route(plans[r], hosts, r, offsets, exchange=exchange(r))
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(routes) == list(range(world))
+    for r in range(world):
+        want = build_route(whole, hosts, r, offsets)
+        assert routes[r] == want, r
+        assert routes[r].transfers == want.transfers
+        # Planned from its host's ranks only: never an op between two ranks off its host.
+        on_host = {x for x in range(world) if hosts[x] == hosts[r]}
+        assert all(op.dst_rank in on_host or r in (op.src_rank, op.dst_rank) for op in plans[r].ops)
+    assert any(route.sends for route in routes.values())
+
+
+def _join_all(members, world):
+    """Every rank's ``Group.join`` on one store (threads): ``{rank: plan or the ValueError text}``
+    and the store's keys as the ranks left them."""
+    import threading
+    from tritonreshard.engine import rendezvous as rdv
+    from tritonreshard.engine.group import Group
+
+    master = rdv.connect_store("127.0.0.1:0", world_size=1, is_master=True, timeout=30)
+    out = {}
+
+    def run(m):
+        store = rdv.connect_store(f"127.0.0.1:{master.port}", world_size=1, is_master=False, timeout=30)
+        g = Group(store, rank=m.rank, world_size=world, timeout=30, name="slim")
+        try:
+            out[m.rank] = g.join(m)
+        except ValueError as exc:
+            out[m.rank] = str(exc)
+        finally:
+            g.close()
+    threads = [threading.Thread(target=run, args=(m,)) for m in members]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out, dist.PrefixStore("trs/slim/e0/", master)   # the epoch's keys, as Group names them
+
+
+def test_the_hello_carries_digests_and_the_inputs_travel_once_per_side():
+    spec = _llama(2, 2)
+    world = 6
+
+    def member(r, dst=spec.dst):
+        if r in TRAINERS:
+            return Member(r, 100 + r, "h", "cpu", dict(spec.src))
+        return Member(r, 100 + r, "h", "cpu", None, dict(dst), (), dict(spec.parts))
+    out, store = _join_all([member(r) for r in range(world)], world)
+    assert all(out[r].rank == r for r in range(world)), out
+    raw = {k: store.get(k) for k in [f"hello/{r}" for r in range(world)]}
+    assert all(b"placements" not in v and b"Shard" not in v for v in raw.values())
+    assert max(map(len, raw.values())) < 2048   # digests, not layouts
+    have = {k: store.check([k]) for k in
+            ["inputs/src/0", "inputs/src/1", "inputs/dst/2", "inputs/dst/3", "inputs/dst/5"]}
+    assert have == {"inputs/src/0": True, "inputs/src/1": False, "inputs/dst/2": True, "inputs/dst/3": False,
+                    "inputs/dst/5": False}
+    # A rank that disagrees sends its inputs too: one error, the same on every rank, naming them.
+    other = {**spec.dst, "lm_head.weight": Layout(spec.dst["lm_head.weight"].shape, [2, 3, 4, 5],
+                                                  [Replicate()], spec.dst["lm_head.weight"].dtype)}
+    out, store = _join_all([member(r) for r in range(5)] + [member(5, other)], world)
+    assert len(set(out.values())) == 1 and isinstance(out[0], str), out
+    assert "rank 5 joined with dst_layouts['lm_head.weight']=[R]@(2,3,4,5)" in out[0]
+    assert store.check(["inputs/dst/5"]) and not store.check(["inputs/dst/4"])
 
 
 # ------------------------------------------------------------------------ engine: replicas, exact

@@ -212,7 +212,9 @@ class RefitEndpoint:
         the relay (a group spanning hosts), the publisher and the subscriber, finish set-up."""
         exported = _merged(group.exchange("exports", (self.arena.exported,) if self.arena else ()))
         offsets = {(b.owner, n): o for b, e in exported.items() for n, o in e.offsets.items()}
-        self.route = route = build_route(plan, group.hosts, self.rank, offsets)
+        several = len(set(group.hosts.values())) > 1   # each rank planned its host only: hosts swap transfers
+        swap = (lambda obj: group.exchange("host-transfers", obj)) if several else None
+        self.route = route = build_route(plan, group.hosts, self.rank, offsets, exchange=swap)
         if route.spans_hosts:  # every rank takes part: the point-to-point process group is collective
             self.relay = Relay(group, route, arena=self.arena, device=self.device)
             exported.update(_merged(group.exchange("relays", self.relay.exported)))

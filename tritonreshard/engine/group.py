@@ -41,7 +41,7 @@ from . import rendezvous as rdv
 from .liveness import Liveness
 from ..transport import wait as _wait
 from ..layout import Layout
-from ..planning import BlockQuant, Plan, plan_quantized
+from ..planning import BlockQuant, Plan, QuantizedPlan, merge_plans, plan_quantized
 from ..transport import STATE_ABORT
 
 __all__ = ["Group", "Member", "host_identity", "connect", "inputs_digest",
@@ -75,6 +75,8 @@ class Member:
     world_size: int = 0
     src_digest: str = ""
     dst_digest: str = ""
+    #: Digest of ``dst_quant`` (compared on its own: a quantization mismatch is named as such).
+    quant_digest: str = ""
 
     def __repr__(self):
         roles = [r for r, on in (("trainer", self.src_layouts is not None),
@@ -154,9 +156,10 @@ def validate_members(members: list[Member], world_size: int, rank: int | None = 
     disagree on them are rejected like ranks that disagree on layouts.
 
     Ranks agree when their digests (:func:`inputs_digest`) and group sizes agree; only then is
-    the plan made. With ``rank`` and every member on one host, it is ``rank``'s plan only
-    (``plan_reshard(..., rank=)``: the ops it reads and serves), since that is all its route needs;
-    a group on several hosts plans whole (the host planner splits the whole plan by host)."""
+    the plan made. With ``rank``, it is ``rank``'s plan only (``plan_reshard(..., rank=)``: the ops
+    it reads and serves) on one host; on several hosts, that merged with the per-rank plans of the
+    destination ranks on ``rank``'s host (:func:`~tritonreshard.planning.merge_plans`): every op
+    into its host, what its host's part of the host plan needs, and never another host's ops."""
     problems = [f"rank {m.rank}: {p}" for m in members for p in m.problems]
     sizes = {m.rank: m.world_size for m in members if m.world_size != world_size}
     if sizes:
@@ -197,25 +200,83 @@ def validate_members(members: list[Member], world_size: int, rank: int | None = 
                                     f"{missing}, which did not join as {role} ranks")
         layouts[side] = ref_layouts
     plan = None
-    one_host = len({m.host for m in members}) == 1
+    host = {m.rank: m.host for m in members}
+    one_host = len(set(host.values())) == 1
     if not problems:
         try:
-            plan = plan_quantized(layouts["src"], layouts["dst"], parts or None, quant or None,
-                                  rank=rank if one_host else None)
+            plan = plan_quantized(layouts["src"], layouts["dst"], parts or None, quant or None, rank=rank)
+            if rank is not None and not one_host:
+                plan = _host_inputs(plan, layouts, parts, quant, host, rank)
         except (ValueError, TypeError) as exc:
             problems.append(str(exc))
     if problems:
         raise ValueError(f"refit group {world_size} ranks: {len(problems)} problem(s), "
                          f"nothing was moved:\n  - " + "\n  - ".join(problems))
-    host = {m.rank: m.host for m in members}
-    if not one_host and any(host[op.src_rank] != host[op.dst_rank] for op in plan.ops):
-        # One point-to-point process group carries the cross-host bytes: gloo or NCCL, not both.
+    if not one_host:
+        # One point-to-point process group carries the cross-host bytes: gloo or NCCL, not both. A
+        # rank plans only its host's part, so the rule is the group's, not its own plan's (every
+        # rank sees the same members, so every rank raises).
         kinds = {m.rank: m.device.split(":")[0] for m in members}
-        if len(set(kinds.values())) > 1:  # every rank sees the same, so every rank raises
+        if len(set(kinds.values())) > 1:
             raise ValueError(f"refit group {world_size} ranks: ranks on several hosts must all use cuda or all "
                              f"use cpu (the cross-host transfers run over one NCCL or gloo group), got "
                              f"devices {kinds}; nothing was moved")
     return plan
+
+
+def _host_inputs(own: Plan, layouts: dict, parts, quant, host: dict, rank: int) -> Plan:
+    """What rank ``rank`` of a group on several hosts plans from: its own plan merged with the
+    per-rank plans of the destination ranks on its host (every op into its host: the input of its
+    host's part of the host plan, ``plan_hosts(..., host=)``), never the other hosts' ops. The
+    cross-host transfers of the other hosts come from their ranks (:func:`~.route.build_route`)."""
+    dst_ranks = sorted({r for lay in layouts["dst"].values() for r in lay.ranks})
+    plans = [own] + [plan_quantized(layouts["src"], layouts["dst"], parts or None, quant or None, rank=d)
+                     for d in dst_ranks if d != rank and host.get(d) == host[rank]]
+    merged = merge_plans(plans)
+    return QuantizedPlan(merged, own.dst_layouts, own.quant) if isinstance(own, QuantizedPlan) else merged
+
+
+def _quant_digest(quant: dict | None) -> str:
+    if quant is None:
+        return ""
+    return hashlib.sha256("".join(f"{n!r}={quant[n]!r};" for n in sorted(quant)).encode()).hexdigest()
+
+
+def _side_inputs(member: Member, side: str) -> tuple:
+    if side == "src":
+        return (member.src_layouts,)
+    return (member.dst_layouts, member.dst_parts, member.dst_quant)
+
+
+def _inputs_wanted(hellos: list[Member]) -> list[tuple[str, int]]:
+    """``(side, rank)`` whose full planning inputs the group fetches: each side's first rank, and
+    any rank whose digests differ from it (every rank derives the same list from the hellos)."""
+    out = []
+    for side in ("src", "dst"):
+        holders = [m for m in hellos if getattr(m, f"{side}_layouts") is not None]
+        if not holders:
+            continue
+        key = (lambda m: (m.src_digest,)) if side == "src" else (lambda m: (m.dst_digest, m.quant_digest))
+        out += [(side, m.rank) for m in holders if m is holders[0] or key(m) != key(holders[0])]
+    return out
+
+
+def _with_inputs(hellos: list[Member], inputs: dict) -> list[Member]:
+    """The hellos with their planning inputs: fetched ones as sent, the others the side's first
+    rank's (their digests are equal to it)."""
+    out = []
+    for m in hellos:
+        for side in ("src", "dst"):
+            if getattr(m, f"{side}_layouts") is None:
+                continue
+            first = next(r for s, r in inputs if s == side)
+            got = inputs.get((side, m.rank), inputs[(side, first)])
+            if side == "src":
+                m = replace(m, src_layouts=got[0])
+            else:
+                m = replace(m, dst_layouts=got[0], dst_parts=got[1], dst_quant=got[2])
+        out.append(m)
+    return out
 
 
 class Group:
@@ -250,12 +311,27 @@ class Group:
     # ------------------------------------------------------------------ set-up
     def join(self, member: Member) -> Plan:
         """Phase 1: gather every rank's :class:`Member`, validate, return this rank's plan (see
-        :func:`validate_members`; every rank raises the same ValueError)."""
+        :func:`validate_members`; every rank raises the same ValueError).
+
+        The hello is slim: every rank sends its digests, group size, host and device, not its
+        layouts. The full inputs travel once per side, from that side's first rank (and, only when
+        digests disagree, from the ranks that disagree, so the error can name what differs); equal
+        digests mean equal inputs, so the others take the first rank's."""
         member = replace(member, world_size=self.world_size,
                          src_digest=inputs_digest(member.src_layouts),
-                         dst_digest=inputs_digest(member.dst_layouts, member.dst_parts))
-        members = rdv.all_gather_obj(self.store, "hello", self.rank, self.world_size, member,
-                                     timeout=self.timeout)
+                         dst_digest=inputs_digest(member.dst_layouts, member.dst_parts),
+                         quant_digest=_quant_digest(member.dst_quant))
+        slim = replace(member, src_layouts=None if member.src_layouts is None else {},
+                       dst_layouts=None if member.dst_layouts is None else {}, dst_parts=None, dst_quant=None)
+        hellos = rdv.all_gather_obj(self.store, "hello", self.rank, self.world_size, slim, timeout=self.timeout)
+        wanted = _inputs_wanted(hellos)
+        for side, r in wanted:
+            if r == self.rank:
+                rdv.publish(self.store, f"inputs/{side}/{r}", _side_inputs(member, side))
+        inputs = {(side, r): rdv.fetch(self.store, f"inputs/{side}/{r}", timeout=self.timeout,
+                                       what=f"the {side} planning inputs of rank {r}")
+                  for side, r in wanted}
+        members = _with_inputs(hellos, inputs)
         self.members = {m.rank: m for m in members}
         rdv.publish(self.store, f"hello-read/{self.rank}", True)
         try:

@@ -18,14 +18,14 @@ on this host, read in place); :class:`Sources` holds the ones a subscriber reads
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Protocol
 
 import torch
 
-from ..planning import (CrossTransfer, FillOp, HostPlan, Message, TransferOp, plan_hosts,
+from ..planning import (CrossTransfer, FillOp, HostPlan, Message, TransferOp, join_host_parts, plan_hosts,
                         plan_messages)
 from ..transport import ArenaHandle, ControlBlock, open_arena, open_control_block
 from .group import Group
@@ -76,7 +76,7 @@ class Exported:
     offsets: dict = field(default_factory=dict)
 
 
-register_plain(BufferRef, Exported)  # both travel through the store in the set-up exchanges
+register_plain(BufferRef, Exported, CrossTransfer)  # they travel through the store in the set-up exchanges
 
 
 @dataclass(frozen=True)
@@ -131,17 +131,32 @@ class Route:
         return "; ".join(parts)
 
 
-def build_route(plan, hosts: Mapping[int, str], rank: int, src_offsets: Mapping[tuple[int, str], int]) -> Route:
+def build_route(plan, hosts: Mapping[int, str], rank: int, src_offsets: Mapping[tuple[int, str], int], *,
+                exchange: Callable[[object], Mapping[int, object]] | None = None) -> Route:
     """Rank ``rank``'s route from the group's ``plan``, ``hosts`` (``{rank: host identity}``) and
     ``src_offsets`` (``{(source rank, source name): byte offset in its arena}``). Deterministic:
-    every rank derives the routes of all ranks alike."""
-    hp = plan_hosts(plan, hosts, src_offsets=src_offsets)
+    every rank derives the routes of all ranks alike.
+
+    ``exchange``: None when ``plan`` holds every op this rank's host plan depends on (one host, or
+    the whole plan). Else (a group on several hosts where each rank planned only its host,
+    :func:`~tritonreshard.engine.group.validate_members`) a collective ``{rank: obj}`` gather
+    (``Group.exchange``) that every rank calls once: each host's lowest rank makes the host's part
+    (``plan_hosts(..., host=)``) and hands in its transfers, so that a sender learns what it sends
+    from the hosts that receive it, without planning their ops."""
+    if exchange is None:
+        hp = plan_hosts(plan, hosts, src_offsets=src_offsets)
+    else:
+        h = hosts[rank]
+        part = plan_hosts(plan, hosts, host=h, src_offsets=src_offsets)
+        leader = min(r for r, x in hosts.items() if x == h) == rank
+        got = exchange((h, part.transfers) if leader else None)
+        hp = join_host_parts(part, h, dict(v for v in got.values() if v is not None))
     src = plan.src_layouts
     reads = [Read(op, BufferRef("arena", op.src_rank), src_offsets[(op.src_rank, op.src_name)],
                   src[op.src_name].local_shape(op.src_rank), src[op.src_name].dtype)
              for op in hp.local_ops_for_dst(rank)]
     for f in hp.fanout_for_dst(rank):
-        t = hp.transfers[f.transfer]
+        t = hp.transfer(f.transfer)
         reads.append(Read(f.op, BufferRef("relay", t.receiver), t.offset, t.shape, t.dtype))
     return Route(rank=rank, host=hosts[rank], spans_hosts=bool(hp.transfers),
                  reads=tuple(reads), fills=plan.fills_for_dst(rank), fenced=hp.local_readers_of(rank),

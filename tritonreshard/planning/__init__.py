@@ -15,13 +15,15 @@ Modules, bottom up (each imports only those above it in this list):
   scale where the whole plan is too big to make.
 """
 from .dtypes import CASTABLE_DTYPES, castable
-from .hosts import (CrossTransfer, FanoutOp, HostPlan, Message, box_is_contiguous, plan_hosts,
+from .hosts import (CrossTransfer, FanoutOp, HostPlan, Message, box_is_contiguous, host_order, join_host_parts,
+                    plan_hosts,
                     plan_messages, RECV_ALIGN, Traffic, refit_traffic)
-from .reshard import FillOp, Plan, PlanStats, TransferOp, plan_reshard, source_pieces
+from .reshard import FillOp, Plan, PlanStats, TransferOp, merge_plans, plan_reshard, source_pieces
 from .quant import FP8_DTYPE, SCALE_RULES, BlockQuant, QuantizedPlan, plan_quantized
 from .text import fmt_bytes, fmt_global, fmt_slices
 
 __all__ = ["BlockQuant", "CASTABLE_DTYPES", "CrossTransfer", "FP8_DTYPE", "FanoutOp", "FillOp", "HostPlan",
            "Message", "Plan", "PlanStats", "QuantizedPlan", "RECV_ALIGN", "SCALE_RULES", "Traffic", "TransferOp",
-           "box_is_contiguous", "castable", "fmt_bytes", "fmt_global", "fmt_slices", "plan_hosts", "plan_messages",
+           "box_is_contiguous", "castable", "fmt_bytes", "fmt_global", "fmt_slices", "host_order", "join_host_parts", "merge_plans",
+           "plan_hosts", "plan_messages",
            "plan_quantized", "plan_reshard", "refit_traffic", "source_pieces"]

@@ -39,8 +39,8 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import NamedTuple
 
@@ -50,7 +50,8 @@ from . import replicas
 from .reshard import Plan, TransferOp, cut_global, source_pieces
 from .text import fmt_bytes, fmt_ranks, fmt_slices, render_table
 
-__all__ = ["CrossTransfer", "FanoutOp", "HostPlan", "Message", "RECV_ALIGN", "Traffic", "box_is_contiguous", "plan_hosts",
+__all__ = ["CrossTransfer", "FanoutOp", "HostPlan", "Message", "RECV_ALIGN", "Traffic", "box_is_contiguous",
+           "host_order", "join_host_parts", "plan_hosts",
            "refit_traffic",
            "plan_messages"]
 
@@ -216,11 +217,17 @@ class HostPlan:
 
     @cached_property
     def host_names(self) -> tuple[str, ...]:
-        """Distinct hosts, in order of their lowest rank."""
-        seen: dict[str, None] = {}
-        for r in sorted(self._hosts):
-            seen.setdefault(self._hosts[r], None)
-        return tuple(seen)
+        """Distinct hosts, in order of their lowest rank (:func:`host_order`)."""
+        return host_order(self._hosts)
+
+    @cached_property
+    def _by_index(self) -> dict[int, CrossTransfer]:
+        return {t.index: t for t in self.transfers}
+
+    def transfer(self, index: int) -> CrossTransfer:
+        """The transfer numbered ``index`` (a host's part numbers its transfers from its
+        ``first_index``, so ``transfers[index]`` holds only for the whole plan)."""
+        return self._by_index[index]
 
     @property
     def buffer_bytes(self) -> dict[int, int]:
@@ -362,31 +369,47 @@ def _check_hosts(plan: Plan, hosts) -> dict[int, str]:
 
 def plan_hosts(plan: Plan, hosts: Mapping[int, str], *,
                src_offsets: Mapping[tuple[int, str], int] | None = None,
-               align: int = RECV_ALIGN) -> HostPlan:
+               align: int = RECV_ALIGN, host: str | None = None, first_index: int = 0) -> HostPlan:
     """Split ``plan`` by host so that each byte needed on a host crosses into it once.
 
     Args:
-        plan: the group's plan (``plan_reshard``).
+        plan: the group's plan (``plan_reshard``); with ``host``, any plan holding at least every op
+            of the group's plan whose destination is on ``host`` (e.g. :func:`~.reshard.merge_plans`
+            of the per-rank plans of that host's destination ranks): other ops are ignored.
         hosts: rank -> host identity for every rank of the plan (ranks with the same identity share
             memory; different identities never do).
         src_offsets: optional ``(source rank, name) -> byte offset`` of each shard in its arena. A
             receiver's boxes from one sender are then laid out in arena order, so boxes back to back
             in the arena are back to back in the buffer and can travel as one message.
         align: alignment of each box in a receive buffer, in bytes.
+        host: None for every host; else only destination host ``host``'s part: its local ops, the
+            transfers into it (their receivers, buffers, senders) and its fan-out.
+        first_index: the index of the part's first transfer (with ``host``: the number of transfers
+            into the hosts before it in :func:`host_order`).
 
     Returns a :class:`HostPlan`. Deterministic: every rank derives the same one. Raises
     ``ValueError`` listing every problem with ``hosts`` (missing ranks, bad names).
 
-    The steps, each a function below: re-source cross-host ops to replicas on the destination's
-    host (:func:`_resource_locally`); union what each host still needs into disjoint boxes
-    (:func:`_union_needs`); choose each box's sender (:func:`_choose_senders`); cut each host's
+    Every step works on one destination host at a time, from the ops into that host alone, so the
+    whole host plan is its hosts' parts, in :func:`host_order`, transfers numbered on: a host's
+    part is exactly the slice of the whole that concerns the host, made without the other hosts'
+    ops (per-rank planning across hosts). Per destination host: re-source cross-host ops to replicas
+    on the host (:func:`_resource_locally`); union what the host still needs into disjoint boxes
+    (:func:`_union_needs`); choose each box's sender (:func:`_choose_senders`); cut the host's
     boxes into one run per receiver (:func:`_assign_receivers`); lay out the receive buffers
     (:func:`_lay_out_buffers`); derive the fan-out ops (:func:`_fan_out`). Both balancing steps use
     :mod:`.replicas` and its :data:`~.replicas.KNOBS`, like the reshard planner.
     """
     host_of = _check_hosts(plan, hosts)
+    problems = []
     if not isinstance(align, int) or align < 1:
-        raise ValueError(f"plan_hosts: align must be a positive int, got align={align!r}")
+        problems.append(f"align must be a positive int, got align={align!r}")
+    if host is not None and host not in set(hosts.values()):
+        problems.append(f"host={host!r} is no host of hosts (hosts: {sorted(set(hosts.values()))})")
+    if isinstance(first_index, bool) or not isinstance(first_index, int) or first_index < 0:
+        problems.append(f"first_index must be an int >= 0, got first_index={first_index!r}")
+    if problems:
+        raise ValueError(f"plan_hosts: {len(problems)} problem(s):\n  - " + "\n  - ".join(problems))
     knobs = replicas.KNOBS
     src_lay = plan.src_layouts
 
@@ -394,14 +417,57 @@ def plan_hosts(plan: Plan, hosts: Mapping[int, str], *,
         return src_offsets.get((sender, name), 0) if src_offsets is not None else 0
 
     replica_sets = _replica_sets(plan)
-    local, needs = _resource_locally(plan, host_of, replica_sets)
-    boxes = _choose_senders(_union_needs(needs), src_lay, knobs)
-    boxes = _assign_receivers(boxes, needs, src_lay, arena_pos, knobs)
-    transfers, buffer_bytes = _lay_out_buffers(boxes, host_of, src_lay, arena_pos, align)
-    fanout = _fan_out(needs, transfers, replica_sets)
+    into: dict[str, list[TransferOp]] = defaultdict(list)   # destination host -> its ops, in plan order
+    for op in plan.ops:
+        into[host_of[op.dst_rank]].append(op)
+    local: list[TransferOp] = []
+    transfers: list[CrossTransfer] = []
+    fanout: list[FanoutOp] = []
+    buffer_bytes: dict[int, int] = {}
+    for h in host_order(host_of) if host is None else (host,):
+        h_local, needs = _resource_locally(into.get(h, []), src_lay, host_of, replica_sets)
+        boxes = _choose_senders(_union_needs(needs), src_lay, knobs)
+        boxes = _assign_receivers(boxes, needs, src_lay, arena_pos, knobs)
+        h_transfers, h_buffers = _lay_out_buffers(boxes, host_of, src_lay, arena_pos, align,
+                                                  first_index + len(transfers))
+        fanout += _fan_out(needs, h_transfers, replica_sets)
+        local += h_local
+        transfers += h_transfers
+        buffer_bytes.update(h_buffers)
     local.sort(key=lambda op: (op.name, op.dst_rank, tuple(s.start for s in op.dst_slices), op.src_rank))
     fanout.sort(key=lambda f: (f.op.name, f.dst_rank, tuple(s.start for s in f.op.dst_slices), f.transfer))
     return HostPlan(plan, host_of, tuple(local), tuple(transfers), tuple(fanout), buffer_bytes)
+
+
+def join_host_parts(part: HostPlan, host: str, transfers: Mapping[str, Sequence[CrossTransfer]], *,
+                    align: int = RECV_ALIGN) -> HostPlan:
+    """One rank's view of the group's host plan, from its own host's ``part`` (``plan_hosts(...,
+    host=host)``, numbered from ``first_index=0``) and every destination host's transfers
+    (``{host: that host's part's transfers}``, each numbered from 0, as the hosts' ranks made
+    them), renumbered host after host in :func:`host_order`. Equal to the whole host plan in its
+    transfers and receive buffers, and in everything on ``host`` (local ops, fan-out, fences,
+    receives); the other hosts' local and fan-out ops are not in it."""
+    everything: list[CrossTransfer] = []
+    shift = 0
+    for h in host_order(part.hosts):
+        base = len(everything)
+        if h == host:
+            shift = base
+        everything += [replace(t, index=t.index + base) for t in transfers.get(h, ())]
+    buffers: dict[int, int] = {}
+    for t in everything:   # a buffer ends where its last box does, rounded up (as _lay_out_buffers)
+        buffers[t.receiver] = max(buffers.get(t.receiver, 0), -(-(t.offset + t.nbytes) // align) * align)
+    fanout = tuple(FanoutOp(f.transfer + shift, f.op) for f in part.fanout)
+    return HostPlan(part.plan, part.hosts, part.local_ops, tuple(everything), fanout, buffers)
+
+
+def host_order(hosts: Mapping[int, str]) -> tuple[str, ...]:
+    """The distinct hosts of ``{rank: host}`` in order of their lowest rank: the order of the host
+    plan's parts (each host's transfers are numbered after those of the hosts before it)."""
+    seen: dict[str, None] = {}
+    for r in sorted(hosts):
+        seen.setdefault(hosts[r], None)
+    return tuple(seen)
 
 
 # What a host needs from other hosts: (destination host, source name, replica set) -> the plan's ops.
@@ -431,21 +497,22 @@ def _replica_sets(plan: Plan) -> dict[tuple[str, int], tuple[int, ...]]:
     return out
 
 
-def _resource_locally(plan: Plan, host_of: Mapping[int, str],
+def _resource_locally(ops: list[TransferOp], src_lay, host_of: Mapping[int, str],
                       replica_sets: Mapping[tuple[str, int], tuple[int, ...]]) -> tuple[list[TransferOp], _Needs]:
-    """Step 1: the ops that stay within a host, and what each host needs from others.
+    """Step 1, for the ``ops`` into one host (in plan order): the ops that stay within the host,
+    and what the host needs from others. (A rank's reads served are counted only for readers on
+    its own host, so each host's choices depend on its own ops alone.)
 
     An op whose source and destination share a host stays as it is. A cross-host op whose source
     shard has a replica on the destination's host is re-sourced to the replica there that serves
     the fewest bytes so far (the reshard planner chose replicas blind to hosts): nothing crosses.
     The other cross-host ops are grouped by (destination host, source name, replica set)."""
-    src_lay = plan.src_layouts
-    local = [op for op in plan.ops if host_of[op.src_rank] == host_of[op.dst_rank]]
+    local = [op for op in ops if host_of[op.src_rank] == host_of[op.dst_rank]]
     reads = replicas.Loads()   # source bytes each rank serves to ranks of its own host
     for op in local:
         reads.add(op.src_rank, op.numel * src_lay[op.src_name].itemsize)
     needs: _Needs = defaultdict(list)
-    for op in (op for op in plan.ops if host_of[op.src_rank] != host_of[op.dst_rank]):
+    for op in (op for op in ops if host_of[op.src_rank] != host_of[op.dst_rank]):
         group = replica_sets[(op.src_name, op.src_rank)]
         here = [r for r in group if host_of[r] == host_of[op.dst_rank]]
         if here:
@@ -468,7 +535,8 @@ def _union_needs(needs: _Needs) -> list[_Crossing]:
 
 def _choose_senders(crossings: list[_Crossing], src_lay, knobs: replicas.Knobs) -> list[_Crossing]:
     """Step 3: each box's sender, one of the box's replica set (all off the destination host),
-    balanced by bytes sent over all hosts with :func:`.replicas.spread`. A big box whose replicas
+    balanced by bytes sent into the host with :func:`.replicas.spread` (each host on its own, so
+    that a host's part needs no other host's ops). A big box whose replicas
     would otherwise send unevenly is cut along its outermost dim between several of them; every
     resulting box has exactly one sender."""
     pieces = [replicas.Piece(c.group, _nbytes(src_lay[c.name], c.box), _extent(c.box), (c.host, c.name, c.group, c.box))
@@ -505,17 +573,17 @@ def _assign_receivers(crossings: list[_Crossing], needs: _Needs, src_lay, arena_
 
 
 def _lay_out_buffers(crossings: list[_Crossing], host_of: Mapping[int, str], src_lay, arena_pos,
-                     align: int) -> tuple[list[CrossTransfer], dict[int, int]]:
+                     align: int, first: int = 0) -> tuple[list[CrossTransfer], dict[int, int]]:
     """Step 5: each receiver's buffer holds its boxes back to back, ``align``-byte aligned, grouped by
     sender in the sender's arena order (so arena neighbours are buffer neighbours: one message).
-    Returns the transfers, numbered in buffer order, and each receiver's buffer size."""
+    Returns the transfers, numbered in buffer order from ``first``, and each receiver's buffer size."""
     transfers: list[CrossTransfer] = []
     buffer_bytes: dict[int, int] = defaultdict(int)
     for c in sorted(crossings, key=lambda c: (c.receiver, c.sender, arena_pos(c.sender, c.name), c.name, c.box)):
         lay = src_lay[c.name]
         pos = -(-buffer_bytes[c.receiver] // align) * align
         size = _nbytes(lay, c.box)
-        transfers.append(CrossTransfer(len(transfers), c.name, c.sender, c.receiver, host_of[c.sender], c.host,
+        transfers.append(CrossTransfer(first + len(transfers), c.name, c.sender, c.receiver, host_of[c.sender], c.host,
                                        _slices(c.box), lay.dtype, pos, size,
                                        box_is_contiguous(c.box, lay.local_shape(c.sender))))
         buffer_bytes[c.receiver] = pos + size

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from itertools import chain, product
@@ -36,7 +36,7 @@ from . import replicas
 from .checks import check_inputs
 from .text import fmt_bytes, fmt_global, fmt_slices, render_table
 
-__all__ = ["TransferOp", "FillOp", "Plan", "PlanStats", "plan_reshard", "source_pieces"]
+__all__ = ["TransferOp", "FillOp", "Plan", "PlanStats", "merge_plans", "plan_reshard", "source_pieces"]
 
 
 class _DstBox:
@@ -530,14 +530,17 @@ def _fill_pieces(d_geo: tuple, box: tuple) -> tuple:
 
 
 _first = itemgetter(0)
-_OP_FIELDS = ("name", "src_rank", "dst_rank", "src_slices", "dst_slices", "global_index", "src_name")
+_obj_new, _obj_set = object.__new__, object.__setattr__
 
 
-def _new_op(*values) -> TransferOp:
-    """``TransferOp(*values)`` without the frozen dataclass's per-field ``__setattr__`` (a third of
-    a big plan's time); the values are the planner's own, already checked."""
-    op = object.__new__(TransferOp)
-    object.__setattr__(op, "__dict__", dict(zip(_OP_FIELDS, values)))
+def _new_op(name, src_rank, dst_rank, src_slices, dst_slices, global_index, src_name) -> TransferOp:
+    """``TransferOp(...)`` without the frozen dataclass's per-field ``__setattr__`` (a third of a
+    big plan's time); the values are the planner's own, already checked. The ``__dict__`` is a
+    literal: half the cost of building it from the field names (a trainer's plan makes one op per
+    reader and piece)."""
+    op = _obj_new(TransferOp)
+    _obj_set(op, "__dict__", {"name": name, "src_rank": src_rank, "dst_rank": dst_rank, "src_slices": src_slices,
+                              "dst_slices": dst_slices, "global_index": global_index, "src_name": src_name})
     return op
 
 
@@ -592,6 +595,27 @@ def _plan_cached(src_items: tuple[tuple[str, Layout], ...], dst_items: tuple[tup
     resolved_parts = {name: tuple(Part(sn, box, st if sn is not None else None) for sn, box, st in rs)
                       for name, rs in parts.items()}
     return Plan(src, dst, tuple(ops), tuple(fills), resolved_parts, rank=rank)
+
+
+def merge_plans(plans: Sequence[Plan]) -> Plan:
+    """The union of per-rank plans of one group (``plan_reshard(..., rank=r)`` for several r) as
+    one :class:`Plan`: every op and fill of any of them once, in the whole plan's order (by name,
+    then destination rank, destination start, source rank). Its ops are then exactly the whole
+    plan's ops whose source or destination is one of the ranks, without making the whole plan
+    (the host planner's input for one host: :func:`~.hosts.plan_hosts` with ``host=``).
+    ``rank`` of the result is None; its layouts and parts are the first plan's."""
+    if not plans:
+        raise ValueError("merge_plans: no plans to merge")
+    ops: dict[tuple, TransferOp] = {}
+    fills: dict[tuple, FillOp] = {}
+    for p in plans:
+        for op in p.ops:
+            ops.setdefault((op.name, op.dst_rank, tuple([s.start for s in op.dst_slices]), op.src_rank), op)
+        for f in p.fills:
+            fills.setdefault((f.name, f.dst_rank, tuple([s.start for s in f.dst_slices])), f)
+    first = plans[0]
+    return Plan(first.src_layouts, first.dst_layouts, tuple(ops[k] for k in sorted(ops)),
+                tuple(fills[k] for k in sorted(fills)), first.parts)
 
 
 def source_pieces(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout],
