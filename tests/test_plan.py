@@ -473,3 +473,30 @@ def test_sizes_print_up_to_pib():
     fmt = trs.planning.fmt_bytes
     assert [fmt(n) for n in (0, 1023, 1536, 3 << 20, 5 << 30)] == ["0 B", "1023 B", "1.5 KiB", "3.0 MiB", "5.0 GiB"]
     assert fmt(2 << 40) == "2.0 TiB" and fmt(3 << 50) == "3.0 PiB" and fmt(4096 << 50) == "4096.0 PiB"
+
+
+def test_planners_pause_the_cyclic_gc_and_restore_it():
+    """The planners run with CPython's cyclic collector paused (it dominated planning at frontier
+    scale) and leave it as they found it: enabled after a plan, after a refused plan, and still
+    disabled for a caller that disabled it."""
+    import gc
+
+    from tritonreshard.planning import _gc
+
+    seen = []
+    probe = _gc.gc_paused(lambda fail: seen.append(gc.isenabled()) or (fail and 1 / 0))
+    assert gc.isenabled()
+    probe(False)
+    with pytest.raises(ZeroDivisionError):
+        probe(True)
+    assert seen == [False, False] and gc.isenabled()
+    trs.plan_reshard({"w": Layout((4, 4), [0, 1], [Shard(0)])}, {"w": Layout((4, 4), [2], [Replicate()])})
+    with pytest.raises(ValueError):
+        trs.plan_reshard({"w": Layout((4, 4), [0, 1], [Shard(0)])}, {"w": Layout((5, 4), [2], [Replicate()])})
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        probe(False)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

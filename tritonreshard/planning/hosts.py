@@ -49,6 +49,7 @@ import torch
 from . import replicas
 from .reshard import Plan, TransferOp, cut_global, source_pieces
 from .text import fmt_bytes, fmt_ranks, fmt_slices, render_table
+from ._gc import gc_paused
 
 __all__ = ["CrossTransfer", "FanoutOp", "HostPlan", "Message", "RECV_ALIGN", "Traffic", "box_is_contiguous",
            "host_order", "join_host_parts", "plan_hosts",
@@ -367,6 +368,7 @@ def _check_hosts(plan: Plan, hosts) -> dict[int, str]:
     return {r: hosts[r] for r in ranks}
 
 
+@gc_paused
 def plan_hosts(plan: Plan, hosts: Mapping[int, str], *,
                src_offsets: Mapping[tuple[int, str], int] | None = None,
                align: int = RECV_ALIGN, host: str | None = None, first_index: int = 0) -> HostPlan:
@@ -439,6 +441,7 @@ def plan_hosts(plan: Plan, hosts: Mapping[int, str], *,
     return HostPlan(plan, host_of, tuple(local), tuple(transfers), tuple(fanout), buffer_bytes)
 
 
+@gc_paused
 def join_host_parts(part: HostPlan, host: str, transfers: Mapping[str, Sequence[CrossTransfer]], *,
                     align: int = RECV_ALIGN) -> HostPlan:
     """One rank's view of the group's host plan, from its own host's ``part`` (``plan_hosts(...,
@@ -685,6 +688,7 @@ class Traffic:
     host_ingress: Mapping[str, int]
 
 
+@gc_paused
 def refit_traffic(src_layouts, dst_layouts, parts=None, hosts: Mapping[int, str] | None = None) -> Traffic:
     """A model of one refit's traffic per rank, from :func:`.reshard.source_pieces` (no ops made, so
     it runs at frontier scale). ``hosts``: ``{rank: host}`` (default: one host).

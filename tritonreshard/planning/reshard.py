@@ -35,6 +35,7 @@ from ..layout import Layout, Part, Segment, segments_by_mesh_index
 from . import replicas
 from .checks import check_inputs
 from .text import fmt_bytes, fmt_global, fmt_slices, render_table
+from ._gc import gc_paused
 
 __all__ = ["TransferOp", "FillOp", "Plan", "PlanStats", "merge_plans", "plan_reshard", "source_pieces"]
 
@@ -367,6 +368,7 @@ class Plan:
         return f"<{self.summary()}>"
 
 
+@gc_paused
 def plan_reshard(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout],
                  parts: Mapping[str, "list[Part]"] | None = None, *, rank: int | None = None) -> Plan:
     """Plan moving every tensor of ``dst_layouts`` from the source layouts.
@@ -597,6 +599,7 @@ def _plan_cached(src_items: tuple[tuple[str, Layout], ...], dst_items: tuple[tup
     return Plan(src, dst, tuple(ops), tuple(fills), resolved_parts, rank=rank)
 
 
+@gc_paused
 def merge_plans(plans: Sequence[Plan]) -> Plan:
     """The union of per-rank plans of one group (``plan_reshard(..., rank=r)`` for several r) as
     one :class:`Plan`: every op and fill of any of them once, in the whole plan's order (by name,
