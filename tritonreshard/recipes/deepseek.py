@@ -136,13 +136,7 @@ def deepseek_to_vllm(config: Any, tp: int, src_ranks: tuple[int, ...], dst_ranks
                 target(name, (E,), Replicate(), dtype=torch.float32)
             if n_shared:
                 mlp(f"{pre}.mlp.shared_experts", moe_i * n_shared)
-            gu, dn = f"{pre}.mlp.experts.gate_up_proj", f"{pre}.mlp.experts.down_proj"
-            source(gu, (E, 2 * moe_i, H))
-            source(dn, (E, H, moe_i))
-            w13 = Shard(0, balanced=True) if expert_parallel else Shard(1, (moe_i, moe_i))
-            w2 = Shard(0, balanced=True) if expert_parallel else Shard(2)
-            target(f"{pre}.mlp.experts.routed_experts.w13_weight", (E, 2 * moe_i, H), w13, [Part(gu, [None] * 3)])
-            target(f"{pre}.mlp.experts.routed_experts.w2_weight", (E, H, moe_i), w2, [Part(dn, [None] * 3)])
+            b.experts(f"{pre}.mlp", E, moe_i, H, expert_parallel)
         else:
             mlp(f"{pre}.mlp", inter)
         same(f"{pre}.input_layernorm.weight", (H,), Replicate())

@@ -152,6 +152,20 @@ class RecipeBuilder:
         self.target(f"{pre}.gate_up_proj.{suffix}", (2 * size, *tail), Shard(0, (size, size)),
                     [Part(g, [(0, size), *rest]), Part(u, [(size, 2 * size), *rest])])
 
+    def experts(self, pre: str, n_experts: int, inter: int, hidden: int, expert_parallel: bool) -> None:
+        """Routed experts ``{pre}.experts.gate_up_proj`` ``[E, 2I, H]`` (gate first) and ``down_proj``
+        ``[E, H, I]`` -> vLLM's ``routed_experts.w13_weight`` / ``w2_weight``: split by TP (w13
+        ``[gate chunk r | up chunk r]`` on dim 1, w2 on dim 2), or with ``expert_parallel`` whole
+        experts per rank, placed like vLLM's ``determine_expert_map`` (``balanced``)."""
+        E, I, H = n_experts, inter, hidden
+        gu, dn = f"{pre}.experts.gate_up_proj", f"{pre}.experts.down_proj"
+        self.source(gu, (E, 2 * I, H))
+        self.source(dn, (E, H, I))
+        w13 = Shard(0, balanced=True) if expert_parallel else Shard(1, (I, I))
+        w2 = Shard(0, balanced=True) if expert_parallel else Shard(2)
+        self.target(f"{pre}.experts.routed_experts.w13_weight", (E, 2 * I, H), w13, [Part(gu, [None] * 3)])
+        self.target(f"{pre}.experts.routed_experts.w2_weight", (E, H, I), w2, [Part(dn, [None] * 3)])
+
 
 def _flag(value: bool | str, config: Any) -> bool:
     return bool(getattr(config, value, False)) if isinstance(value, str) else value
@@ -300,13 +314,7 @@ def hf_to_vllm(config: Any, tp: int, trainer_ranks, inference_ranks, dtype: torc
         if i in moe_layers:
             E, moe_i = config.num_experts, config.moe_intermediate_size
             same(f"{pre}.mlp.gate.weight", (E, H), Replicate())
-            gu, dn = f"{pre}.mlp.experts.gate_up_proj", f"{pre}.mlp.experts.down_proj"
-            source(gu, (E, 2 * moe_i, H))
-            source(dn, (E, H, moe_i))
-            w13 = Shard(0, balanced=True) if expert_parallel else Shard(1, (moe_i, moe_i))
-            w2 = Shard(0, balanced=True) if expert_parallel else Shard(2)
-            target(f"{pre}.mlp.experts.routed_experts.w13_weight", (E, 2 * moe_i, H), w13, [Part(gu, [None] * 3)])
-            target(f"{pre}.mlp.experts.routed_experts.w2_weight", (E, H, moe_i), w2, [Part(dn, [None] * 3)])
+            b.experts(f"{pre}.mlp", E, moe_i, H, expert_parallel)
         else:
             merged(f"{pre}.mlp", "weight", (H,), inter)
             same(f"{pre}.mlp.down_proj.weight", (H, inter), Shard(1))

@@ -357,8 +357,7 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         if not (isinstance(qm, UnquantizedFusedMoEMethod) and qm.moe_kernel is not None):
             _layerwise._layerwise_process(mod, info)
             return False
-        materialize_layer(mod, info)
-        qm.process_weights_after_loading(mod)  # padding and kernel format, copied into the layer's tensors
+        qm.process_weights_after_loading(mod)  # padding and kernel format (_apply materialized and filled the layer)
         qm.moe_kernel.fused_experts.process_weights_after_loading(mod)  # the step vLLM skips on an update
         _layerwise._copy_and_restore_kernel_tensors(mod, info)
         info.reset()
