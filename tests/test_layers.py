@@ -1,7 +1,9 @@
 """The tree is the import tree, and imports only point down.
 
-* every module of the package lives where its name says (no ``package-dir`` remap), and a checkout
-  imports from its root without being installed;
+* every module lives where its name says: ``tritonreshard.X`` in ``tritonreshard/X``, except the
+  Triton kernels, which the design card puts at the top level: ``tritonreshard.kernels`` is
+  ``kernels/`` (pyproject's ``package-dir``; ``pip install -e .`` maps it, like a src layout);
+  pyproject's package list is the tree's;
 * layers, bottom up: errors, layout, planning, recipes, kernels, execute, transport, engine, then the
   vLLM backend and the apps on top; a module imports only its own layer or those below;
 * a private module (``_name``) is imported only inside its own package, and a private name only
@@ -17,16 +19,21 @@ import tritonreshard
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "tritonreshard"
+#: Packages whose folder is not where their name says (pyproject's ``package-dir``).
+MAPPED = {"tritonreshard.kernels": ROOT / "kernels"}
 LAYERS = ["errors", "layout", "planning", "recipes", "kernels", "execute", "transport", "engine", "vllm",
           "apps"]
 
 PROBE = r"""
 import importlib, json, pathlib, sys
 import tritonreshard
+import tritonreshard.kernels
 root = pathlib.Path(tritonreshard.__file__).parent
+kernels = pathlib.Path(tritonreshard.kernels.__file__).parent
 names = []
-for path in sorted(root.rglob("*.py")):
-    parts = ("tritonreshard",) + path.relative_to(root).with_suffix("").parts
+for base, path in sorted([(root, p) for p in root.rglob("*.py")] + [(kernels, p) for p in kernels.rglob("*.py")]):
+    head = ("tritonreshard",) if base == root else ("tritonreshard", "kernels")
+    parts = head + path.relative_to(base).with_suffix("").parts
     parts = parts[:-1] if parts[-1] == "__init__" else parts
     name = ".".join(parts)
     if name.startswith(("tritonreshard.apps", "tritonreshard.vllm._")):  # apps; vLLM's workers only
@@ -39,13 +46,22 @@ files = {n: sys.modules[n].__file__ for n in names}
 print(json.dumps({"imported": names, "loaded": loaded, "files": files, "root": tritonreshard.__file__}))
 """
 
+def _where(name: str) -> Path:
+    """The folder or file stem of module ``name`` in the checkout (``MAPPED`` packages included)."""
+    for pkg, folder in MAPPED.items():
+        if name == pkg or name.startswith(pkg + "."):
+            return folder.joinpath(*name[len(pkg):].split(".")[1:])
+    return ROOT.joinpath(*name.split("."))
+
+
 def _modules():
-    for path in sorted(PKG.rglob("*.py")):
-        rel = path.relative_to(ROOT).with_suffix("")
-        parts = list(rel.parts)
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        yield ".".join(parts), path
+    trees = [(PKG, ("tritonreshard",))] + [(folder, tuple(pkg.split("."))) for pkg, folder in MAPPED.items()]
+    for base, head in trees:
+        for path in sorted(base.rglob("*.py")):
+            parts = list(head + path.relative_to(base).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            yield ".".join(parts), path
 
 
 def _imports(name: str, path: Path):
@@ -91,7 +107,7 @@ def test_library_never_imports_the_apps_and_modules_live_where_they_import_from(
     # A checkout imports from its own root, and each module is the file its name says.
     assert Path(res["root"]).resolve() == PKG / "__init__.py"
     for name, file in res["files"].items():
-        want = ROOT.joinpath(*name.split("."))
+        want = _where(name)
         assert Path(file).resolve() in (want.with_suffix(".py"), want / "__init__.py"), (name, file)
 
 
@@ -109,9 +125,19 @@ def test_no_import_points_upward_and_private_modules_stay_in_their_package():
                 if p.startswith("_") and not name.startswith(".".join(parts[:i])):
                     problems.append(f"{where}: private module {'.'.join(parts[:i + 1])} from outside its package")
             if parts[-1].startswith("_") and not parts[-1].startswith("__") and \
-                    ".".join(parts[:-1]) != name and (PKG.joinpath(*parts[1:-1]) / "__init__.py").exists() is False:
+                    ".".join(parts[:-1]) != name and (_where(".".join(parts[:-1])) / "__init__.py").exists() is False:
                 problems.append(f"{where}: a private name of another module (make it public, or keep it there)")
     assert not problems, "\n".join(problems)
+
+
+def test_pyproject_lists_every_package_of_the_tree():
+    """setuptools is given an explicit package list (``find`` cannot map ``kernels/``): a package
+    added to the tree and not to the list would be missing from a wheel."""
+    import tomllib
+    conf = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    tree = {name for name, path in _modules() if path.name == "__init__.py"}
+    assert set(conf["packages"]) == tree
+    assert {k: ROOT / v for k, v in conf["package-dir"].items()} == MAPPED
 
 
 def test_apps_live_in_the_package():

@@ -67,7 +67,7 @@ import numpy as np
 import torch
 import triton.language as tl
 
-from ..planning import CASTABLE_DTYPES, castable
+from tritonreshard.planning import CASTABLE_DTYPES, castable
 from ._jit import interpreted, jit
 
 FIELD_NAMES = ("src_addr", "dst_addr", "n_rows", "n_cols", "ss_row", "ss_col", "ds_row", "ds_col",

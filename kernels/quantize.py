@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import triton.language as tl
 
-from ..planning import CASTABLE_DTYPES, FP8_DTYPE, BlockQuant
+from tritonreshard.planning import CASTABLE_DTYPES, FP8_DTYPE, BlockQuant
 from ._jit import interpreted, jit
 
 __all__ = ["E4M3_MAX", "AMAX_FLOOR", "QUANT_VARIANTS", "QuantizeLaunch", "QuantizeTable", "ceil_to_ue8m0",
