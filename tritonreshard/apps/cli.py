@@ -9,6 +9,7 @@ import os
 import re
 import sys
 import time
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 # Only the standard library and the options' own modules load here: `tritonreshard --help` and a
@@ -56,9 +57,13 @@ def _parse_dims(text: str, what: str) -> tuple[int, ...]:
     return tuple(int(p) for p in parts)
 
 
-class _Spec(SimpleNamespace):
-    """A parsed ``MESH[@FIRST]:PLACEMENTS``: ``mesh_shape``, ``first`` (None: the default) and
-    ``placements`` as ``("S", dim, blocks, balanced)`` / ``("R",)`` tuples; no torch needed."""
+@dataclass(frozen=True)
+class _Spec:
+    """A parsed ``MESH[@FIRST]:PLACEMENTS``, before any torch: ``placements`` are
+    ``("S", dim, blocks, balanced)`` / ``("R",)`` tuples."""
+    mesh_shape: tuple[int, ...]
+    first: int | None  # None: the flag's default
+    placements: tuple[tuple, ...]
 
 
 def _parse_spec(spec: str, what: str) -> tuple[_Spec | None, list[str]]:
@@ -94,7 +99,7 @@ def _parse_spec(spec: str, what: str) -> tuple[_Spec | None, list[str]]:
         pos = m.end()
     if problems:
         return None, problems
-    return _Spec(mesh_shape=mesh_shape, first=first, placements=placements), []
+    return _Spec(mesh_shape=mesh_shape, first=first, placements=tuple(placements)), []
 
 
 def _nested_ranks(first: int, mesh_shape: tuple[int, ...]):
