@@ -1,4 +1,5 @@
 """The ``tritonreshard plan`` command: seed example text, picture and clear errors."""
+import json
 import subprocess
 import sys
 
@@ -110,3 +111,65 @@ def test_plan_prints_tib_and_pib(capsys):
     assert "4.0 TiB" in capsys.readouterr().out
     assert main(["plan", "--shape", "1073741824x1048576", "--src", "1:R", "--dst", "1:R"]) == 0
     assert "4.0 PiB" in capsys.readouterr().out
+
+
+# What the command loads before it answers: help and argument errors come back without torch or
+# Triton (seconds to import on a busy machine). Checked through sys.modules, never a wall clock.
+LOAD_PROBE = r"""
+import contextlib, io, json, sys
+from tritonreshard.apps.cli import main
+out = {}
+for argv in ([], ["--help"], ["plan", "--help"], ["demo", "--help"], ["bench", "--help"], ["plan", "--bogus"],
+             ["demo", "--steps", "x"], ["plan", "--shape", "8y8", "--src", "2:Q(0)", "--dst", "4x:S(5)"]):
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        try:
+            rc = main(argv)
+        except SystemExit as exc:
+            rc = exc.code
+    out[" ".join(argv)] = {"rc": rc, "err": err.getvalue(),
+                           "heavy": sorted(m for m in ("torch", "triton", "numpy", "matplotlib") if m in sys.modules)}
+print(json.dumps(out))
+"""
+
+
+def test_help_and_argument_errors_load_neither_torch_nor_triton():
+    out = subprocess.run([sys.executable, "-c", LOAD_PROBE], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    for argv, r in res.items():
+        assert r["heavy"] == [], f"`tritonreshard {argv}` loaded {r['heavy']}"
+        assert r["rc"] == (0 if argv.endswith("--help") else 2), (argv, r)
+    # The syntax errors of every flag, in one message.
+    err = res["plan --shape 8y8 --src 2:Q(0) --dst 4x:S(5)"]["err"]
+    assert "--shape='8y8'" in err and "--src='2:Q(0)'" in err and "--dst='4x:S(5)'" in err, err
+
+
+def test_bad_specs_report_every_problem_naming_each_flag(capsys):
+    assert main(["plan", "--src", "2:S(2)", "--dst", "4:S(5)"]) == 2
+    err = capsys.readouterr().err
+    assert "--src='2:S(2)': placements[0]=S(2): shard dim 2 is out of range for shape=(8, 8)" in err, err
+    assert "--dst='4:S(5)': placements[0]=S(5): shard dim 5 is out of range for shape=(8, 8)" in err, err
+    # A bad --png joins the specs' problems instead of waiting for them to be fixed.
+    assert main(["plan", "--src", "2:S(2)", "--png", "/nonexistent-dir/p.png"]) == 2
+    err = capsys.readouterr().err
+    assert "--src='2:S(2)'" in err and "--png" in err, err
+    # The shape's problem is named once, for --shape, not once per spec.
+    assert main(["plan", "--shape", "99999999999999999999x8"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("past int64") == 1 and "--shape: shape=(99999999999999999999, 8)" in err, err
+
+
+def test_help_texts_say_what_the_options_do(capsys):
+    import pytest
+    for argv in (["bench"], ["demo"]):
+        with pytest.raises(SystemExit):
+            main([*argv, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        if argv == ["bench"]:
+            assert "--device {cpu,cuda} where the weights live" in text, text
+        else:
+            assert "--seed SEED seed of the policy's initial weights" in text, text
+            # --fault with --restart: a trainer fault is survived and the run can exit 0.
+            assert "Without --restart every fault makes the demo exit 1" in text, text
+            assert "With --restart a trainer fault" in text and "it exits 0 if every version" in text, text

@@ -53,13 +53,27 @@ def _build_shard_or_error(make):
         return None
 
 
+LAYOUT_PARAMS = ("shape", "mesh", "placements", "dtype")
+
+
 @FUZZ
 @given(shape, mesh, placements, dtype)
 def test_layout_garbage_is_value_or_type_error(shp, msh, pls, dt):
     try:
         lay = Layout(shp, msh, pls, dt)
     except (ValueError, TypeError) as exc:
-        assert str(exc)
+        # One ValueError lists every problem, each naming the parameter it is about.
+        assert type(exc) is ValueError, repr(exc)
+        head, *problems = str(exc).split("\n  - ")
+        assert head == "invalid Layout:" and problems, str(exc)
+        assert all(p.startswith(LAYOUT_PARAMS) for p in problems), str(exc)
+        named = {p.split("=")[0].split("[")[0].split(" ")[0] for p in problems}
+        if not isinstance(dt, torch.dtype):
+            assert "dtype" in named and f"dtype={dt!r}" in str(exc), str(exc)
+        if shp is None or isinstance(shp, (bool, int, float)):  # not a sequence at all
+            assert "shape" in named, str(exc)
+        if msh is None or isinstance(msh, (bool, float, dict)):
+            assert "mesh" in named, str(exc)
         return
     # A layout that was accepted is usable on every rank.
     for r in lay.ranks:
@@ -111,7 +125,10 @@ def test_cli_spec_parser(spec, shp):
     try:
         lay = parse_layout_spec(spec, tuple(shp), torch.float32)
     except ValueError as exc:
-        assert "--src" in str(exc) or "invalid Layout" in str(exc), str(exc)
+        # Every problem names its flag: --src for the spec, --shape for the shape's.
+        problems = str(exc).split("\n  - ")
+        problems = problems[1:] if problems[0] == "invalid arguments:" else problems
+        assert all(p.startswith(("--src=", "--shape:")) for p in problems), str(exc)
         return
     assert isinstance(lay, Layout)
 

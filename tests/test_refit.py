@@ -1,10 +1,11 @@
 """The cross-process refit engine: trainers publish, inference ranks pull, every version exact.
 
 Each test spawns real processes (shared-memory arenas, TCPStore rendezvous) under a hard timeout.
-Data is provenance-encoded: element ``i`` of tensor ``name`` at version ``v`` holds
-``i + 1000 * v + 100000 * name_id``, so a stale, misplaced or missing element is caught exactly.
+Data is provenance-encoded (``_provenance``): element ``i`` of tensor ``name`` at version ``v``
+holds a value that encodes (``i``, ``v``, the name) and that both the source's and the destination's
+dtype hold exactly, so every destination element and every version differ, and a stale, misplaced or
+missing element is caught exactly, casts included.
 """
-import math
 import os
 
 import pytest
@@ -14,17 +15,19 @@ import tritonreshard as trs
 from tritonreshard import Layout, Replicate, Shard
 
 from _mp import free_port, run_ranks
+from _provenance import provenance
 
 pytestmark = pytest.mark.timeout(240)
 
 
-def global_value(name_id: int, layout: Layout, version: int) -> torch.Tensor:
-    n = math.prod(layout.shape)
-    return (torch.arange(n, dtype=torch.float64) + 1000 * version + 100000 * name_id).reshape(layout.shape)
+def global_value(name_id: int, src_lay: Layout, version: int, dst_lay: Layout | None = None) -> torch.Tensor:
+    """The full tensor at ``version``, exact in the source's and the destination's dtype."""
+    dtypes = (src_lay.dtype,) + ((dst_lay.dtype,) if dst_lay is not None else ())
+    return provenance(src_lay.shape, version, name_id, dtypes=dtypes)
 
 
 def expected_local(name_id, src_lay, dst_lay, rank, version):
-    full = global_value(name_id, src_lay, version).to(src_lay.dtype)
+    full = global_value(name_id, src_lay, version, dst_lay).to(src_lay.dtype)
     return dst_lay.shard(full, rank).to(dst_lay.dtype)
 
 
@@ -38,7 +41,7 @@ def _worker(rank, world, port, scenario):
     mode = scenario.get("mode", "shadow")
     kwargs = dict(rank=rank, world_size=world, store=f"127.0.0.1:{port}", timeout=60)
     if trainer:
-        tensors = {n: l.shard(global_value(ids.get(n, 0), l, 1).to(l.dtype), rank)
+        tensors = {n: l.shard(global_value(ids.get(n, 0), l, 1, dst.get(n)).to(l.dtype), rank)
                    for n, l in src.items() if rank in l.ranks}
         kwargs.update(src_tensors=tensors, src_layouts=src)
     if infer:
@@ -53,7 +56,7 @@ def _worker(rank, world, port, scenario):
                 if v > 1:  # the "optimizer step": new weights, in place in the arena
                     for n, t in ep.source_tensors.items():
                         l = src[n]
-                        t.copy_(l.shard(global_value(ids[n], l, v).to(l.dtype), rank))
+                        t.copy_(l.shard(global_value(ids[n], l, v, dst.get(n)).to(l.dtype), rank))
                 assert ep.publish() == v
             if infer:
                 if mode == "shadow" and v > 1:

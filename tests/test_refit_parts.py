@@ -3,11 +3,11 @@
 Trainers hold HF-named source shards, inference ranks vLLM-named destinations built from them
 (q/k/v -> qkv_proj, gate/up -> gate_up_proj, padded vocab). Each rank's result must equal
 ``execute_local`` of the same plan bit for bit, padding must be zero, and destinations start
-poisoned (NaN) so a missed element shows. Data is provenance-encoded and changes every version:
-element ``i`` of source ``name`` at version ``v`` holds ``i + 1000 * v + 100000 * name_id``
-(exact in float32 for these sizes).
+poisoned (NaN) so a missed element shows. Data is provenance-encoded (``_provenance``) and
+changes every version: element ``i`` of source ``name`` at version ``v`` encodes (``i``, ``v``, the
+name), exact in the source's dtype and in every destination dtype (bfloat16 ``a_mid`` included, so
+its ``src_start`` offset shows), and every element and version differ.
 """
-import math
 import os
 
 import pytest
@@ -18,21 +18,24 @@ from tritonreshard import Layout, Part, Replicate, Shard
 from tritonreshard.planning import plan_hosts
 
 from _mp import free_port, run_ranks
+from _provenance import provenance
 
 pytestmark = pytest.mark.timeout(300)
 
 TRAINERS = [0, 1]
 
 
-def _full(name_id: int, layout: Layout, version: int) -> torch.Tensor:
-    n = math.prod(layout.shape)
-    return (torch.arange(n, dtype=torch.float64) + 1000 * version + 100000 * name_id).reshape(layout.shape)
+def _full(name_id: int, layout: Layout, version: int, dtypes=(), tags: int = 64) -> torch.Tensor:
+    """Source ``name_id`` at ``version``: exact in ``layout.dtype`` and each of ``dtypes``."""
+    return provenance(layout.shape, version, name_id, dtypes=(layout.dtype, *dtypes), tags=tags)
 
 
-def _src_shards(src: dict, rank: int, version: int) -> dict:
+def _src_shards(src: dict, rank: int, version: int, dst: dict | None = None) -> dict:
+    """This rank's source shards at ``version``, exact in every destination dtype of ``dst`` too."""
     ids = {n: i + 1 for i, n in enumerate(sorted(src))}
-    return {n: lay.shard(_full(ids[n], lay, version).to(lay.dtype), rank) for n, lay in src.items()
-            if rank in lay.ranks}
+    dtypes = {lay.dtype for lay in (dst or {}).values()}
+    return {n: lay.shard(_full(ids[n], lay, version, dtypes, tags=len(ids) + 1).to(lay.dtype), rank)
+            for n, lay in src.items() if rank in lay.ranks}
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -59,7 +62,7 @@ def _worker(rank, world, port, src, dst, parts, mode, versions, use_from_recipe,
     trainer = rank in plan.src_ranks
     report = {"fills": 0, "checked": 0}
     if trainer:
-        shards = _src_shards(src, rank, 1)
+        shards = _src_shards(src, rank, 1, dst)
         ep = (trs.RefitTrainer.from_recipe(spec, shards, **kwargs) if use_from_recipe
               else trs.RefitTrainer(shards, src, **kwargs))
     else:
@@ -81,12 +84,12 @@ def _worker(rank, world, port, src, dst, parts, mode, versions, use_from_recipe,
             if trainer:
                 ep.fence()
                 if v > 1:  # the "optimizer step": new weights, in place in the arena
-                    for n, t in _src_shards(src, rank, v).items():
+                    for n, t in _src_shards(src, rank, v, dst).items():
                         ep.source_tensors[n].copy_(t)
                 assert ep.publish() == v
                 continue
             # Every rank's expected output, computed here from the full sources of version v.
-            want = trs.execute_local(plan, {r: _src_shards(src, r, v) for r in plan.src_ranks}, backend="torch")
+            want = trs.execute_local(plan, {r: _src_shards(src, r, v, dst) for r in plan.src_ranks}, backend="torch")
             if mode == "shadow" and v > 1:
                 assert ep.start_pull() == v
                 assert ep.swap() == v
@@ -143,6 +146,15 @@ def test_hand_made_parts_with_padding_and_a_reused_source(mode):
     plan = trs.plan_reshard(src, dst, parts)
     assert {op.src_name for op in plan.ops if op.name in ("ab", "a_mid")} == {"a", "b"}
     assert sum(f.numel for f in plan.fills) == 3 * 4  # rows 9..12 of ab, on rank 3
+    # The workers compare with execute_local of the same plan; check that reference against the
+    # provenance itself, so a plan that lost src_start or misplaced a part cannot pass on both sides.
+    want = trs.execute_local(plan, {r: _src_shards(src, r, 1, dst) for r in plan.src_ranks}, backend="torch")
+    a, b = (_full(i, src[n], 1, (torch.bfloat16,), tags=3).float() for i, n in ((1, "a"), (2, "b")))
+    full_ab = torch.cat([a, b, torch.zeros(3, 4)])
+    for r in (2, 3):
+        assert torch.equal(want[r]["ab"], dst["ab"].shard(full_ab, r))
+        assert torch.equal(want[r]["a_mid"], dst["a_mid"].shard(a[1:5].to(torch.bfloat16), r))  # src_start=(1, 0)
+        assert torch.equal(want[r]["b"], b)
     out = run_ranks(_worker, 4, args=(4, free_port(), src, dst, parts, mode, 2, False, None), timeout=200)
     assert out[2]["checked"] == out[3]["checked"] == 2
     assert out[3]["fills"] == 12 and out[2]["fills"] == 0

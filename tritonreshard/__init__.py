@@ -9,13 +9,7 @@ and their descriptor tables), :mod:`~tritonreshard.execute` (all ranks in one pr
 :mod:`tritonreshard.vllm` (the vLLM backend) and :mod:`tritonreshard.apps` (CLI, demo, bench), which
 the library never imports.
 """
-from .errors import PeerDiedError, RefitError
-from .layout import Layout, Part, Replicate, Shard
-from .planning import FillOp, Plan, PlanStats, TransferOp, plan_reshard
-from .execute import execute_local
-from . import recipes
-from .engine import (PullStats, RefitEndpoint, RefitInference, RefitStats, RefitTrainer,
-                     secret_for_children)
+import importlib
 
 __all__ = [
     "Layout", "Shard", "Replicate", "Part", "Plan", "FillOp", "PlanStats", "TransferOp", "plan_reshard",
@@ -24,3 +18,33 @@ __all__ = [
     "secret_for_children",
 ]
 __version__ = "0.1.0"
+
+#: Where each public name lives. They load on first use (PEP 562), not with the package: the
+#: ``tritonreshard`` command imports ``tritonreshard.apps.cli``, and ``tritonreshard --help`` or a
+#: mistyped flag must answer before torch and Triton (seconds on a busy machine) are loaded.
+_EXPORTS = {
+    "PeerDiedError": "errors", "RefitError": "errors",
+    "Layout": "layout", "Part": "layout", "Replicate": "layout", "Shard": "layout",
+    "FillOp": "planning", "Plan": "planning", "PlanStats": "planning", "TransferOp": "planning",
+    "plan_reshard": "planning",
+    "execute_local": "execute",
+    "PullStats": "engine", "RefitEndpoint": "engine", "RefitInference": "engine", "RefitStats": "engine",
+    "RefitTrainer": "engine", "secret_for_children": "engine",
+}
+#: The layers, reachable as attributes too (``trs.planning.fmt_bytes``) once anything asks.
+_SUBMODULES = {"errors", "layout", "planning", "recipes", "kernels", "execute", "transport", "engine"}
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__) | _SUBMODULES)

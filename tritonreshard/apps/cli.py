@@ -9,23 +9,27 @@ import os
 import re
 import sys
 import time
+from dataclasses import dataclass
 from types import SimpleNamespace
 
-import torch
-
-from tritonreshard.layout import MAX_RANKS, Layout, Replicate, Shard
-from tritonreshard.planning import fmt_bytes, plan_reshard, refit_traffic
-from tritonreshard.recipes import hf_to_vllm
-
+# Only the standard library and the options' own modules load here: `tritonreshard --help` and a
+# mistyped flag answer before torch and Triton load (seconds on a busy machine); each command
+# imports what it runs when it runs.
 from . import bench, demo
-from .viz import check_figure_path, draw_plan
 
 __all__ = ["main", "parse_layout_spec"]
 
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-          "int8": torch.int8, "int32": torch.int32, "int64": torch.int64, "uint8": torch.uint8,
-          "fp8": torch.float8_e4m3fn, "float64": torch.float64}
+#: ``--dtype`` names -> the torch dtype's attribute name (looked up when a command runs).
+DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+          "fp16": "float16", "float16": "float16", "int8": "int8", "int32": "int32", "int64": "int64",
+          "uint8": "uint8", "fp8": "float8_e4m3fn", "float64": "float64"}
+
+
+def _torch_dtype(name: str):
+    """The torch dtype of a ``--dtype`` name."""
+    import torch  # lazy: only a command that runs needs torch (see the imports at the top)
+    return getattr(torch, DTYPES[name])
+
 
 SPEC_HELP = """\
 Layout specs: MESH[@FIRST]:PLACEMENTS
@@ -53,45 +57,134 @@ def _parse_dims(text: str, what: str) -> tuple[int, ...]:
     return tuple(int(p) for p in parts)
 
 
-def parse_layout_spec(spec: str, shape, dtype, first_default: int = 0, what: str = "--src") -> Layout:
-    """Parses ``MESH[@FIRST]:PLACEMENTS`` (see ``tritonreshard plan --help``) into a Layout."""
+@dataclass(frozen=True)
+class _Spec:
+    """A parsed ``MESH[@FIRST]:PLACEMENTS``, before any torch: ``placements`` are
+    ``("S", dim, blocks, balanced)`` / ``("R",)`` tuples."""
+    mesh_shape: tuple[int, ...]
+    first: int | None  # None: the flag's default
+    placements: tuple[tuple, ...]
+
+
+def _parse_spec(spec: str, what: str) -> tuple[_Spec | None, list[str]]:
+    """The spec's syntax, every problem at once, each naming ``what`` (the flag) and quoting ``spec``."""
     mesh_part, sep, place_part = spec.partition(":")
     if not sep:
-        raise ValueError(f"{what}={spec!r} must be MESH[@FIRST]:PLACEMENTS, e.g. '2:S(0)'")
+        return None, [f"{what}={spec!r} must be MESH[@FIRST]:PLACEMENTS, e.g. '2:S(0)'"]
+    problems = []
     mesh_txt, _, first_txt = mesh_part.partition("@")
-    mesh_shape = _parse_dims(mesh_txt, f"{what} mesh")
-    if first_txt.strip() and not re.fullmatch(r"\s*-?\d+\s*", first_txt):
-        raise ValueError(f"{what}={spec!r}: @FIRST={first_txt!r} must be a rank number, e.g. '4@2:S(0)'")
-    first = int(first_txt) if first_txt.strip() else first_default
+    try:
+        mesh_shape = _parse_dims(mesh_txt, f"{what} mesh")
+    except ValueError as exc:
+        mesh_shape = None
+        problems.append(f"{what}={spec!r}: {exc}")
+    first = None
+    if first_txt.strip():
+        if re.fullmatch(r"\s*-?\d+\s*", first_txt):
+            first = int(first_txt)
+        else:
+            problems.append(f"{what}={spec!r}: @FIRST={first_txt!r} must be a rank number, e.g. '4@2:S(0)'")
     placements, pos = [], 0
     while pos < len(place_part):
         m = _PLACEMENT.match(place_part, pos)
         if not m or m.end() == pos:
-            raise ValueError(f"{what}={spec!r}: cannot parse placements at {place_part[pos:]!r}; "
-                             f"use S(d), S(d,[b0,b1]), S(d,bal) or R")
+            problems.append(f"{what}={spec!r}: cannot parse placements at {place_part[pos:]!r}; "
+                            f"use S(d), S(d,[b0,b1]), S(d,bal) or R")
+            break
         if m.group(5):
-            placements.append(Replicate())
+            placements.append(("R",))
         else:
             blocks = tuple(int(b) for b in m.group(3).split(",") if b.strip()) if m.group(3) is not None else None
-            placements.append(Shard(int(m.group(2)), blocks, balanced=m.group(4) is not None))
+            placements.append(("S", int(m.group(2)), blocks, m.group(4) is not None))
         pos = m.end()
-    n = math.prod(mesh_shape)
+    if problems:
+        return None, problems
+    return _Spec(mesh_shape=mesh_shape, first=first, placements=tuple(placements)), []
+
+
+def _nested_ranks(first: int, mesh_shape: tuple[int, ...]):
+    """Ranks ``first, first + 1, ...`` as a row-major nested list of ``mesh_shape``."""
+    if len(mesh_shape) == 1:
+        return list(range(first, first + mesh_shape[0]))
+    step = math.prod(mesh_shape[1:])
+    return [_nested_ranks(first + i * step, mesh_shape[1:]) for i in range(mesh_shape[0])]
+
+
+def _build_layout(parsed: _Spec, spec: str, shape, dtype, first: int, what: str):
+    """(Layout | None, problems): the Layout's own checks, each problem named by its flag (``--shape``
+    for the shape's, ``what`` for the rest)."""
+    # Lazy: the Layout type loads torch; specs that do not parse were reported without it.
+    from tritonreshard.layout import MAX_RANKS, Layout, Replicate, Shard
+
+    n = math.prod(parsed.mesh_shape)
     if n > MAX_RANKS:
-        raise ValueError(f"{what}={spec!r}: mesh of {n} ranks; at most {MAX_RANKS} are supported")
-    ranks = torch.arange(first, first + n).reshape(mesh_shape).tolist() if n else []
-    return Layout(shape, ranks, placements, dtype)
+        return None, [f"{what}={spec!r}: mesh of {n} ranks; at most {MAX_RANKS} are supported"]
+    placements = [Replicate() if p[0] == "R" else Shard(p[1], p[2], balanced=p[3]) for p in parsed.placements]
+    try:
+        return Layout(shape, _nested_ranks(first, parsed.mesh_shape) if n else [], placements, dtype), []
+    except ValueError as exc:
+        msg = str(exc)
+        lines = msg.split("\n  - ")[1:] if msg.startswith("invalid Layout:\n  - ") else [msg]
+        return None, [f"--shape: {line}" if line.startswith("shape=") else f"{what}={spec!r}: {line}"
+                      for line in lines]
+
+
+def parse_layout_spec(spec: str, shape, dtype, first_default: int = 0, what: str = "--src"):
+    """Parses ``MESH[@FIRST]:PLACEMENTS`` (see ``tritonreshard plan --help``) into a Layout; a
+    ValueError lists every problem, each naming ``what``."""
+    parsed, problems = _parse_spec(spec, what)
+    if parsed is not None:
+        first = first_default if parsed.first is None else parsed.first
+        layout, problems = _build_layout(parsed, spec, shape, dtype, first, what)
+    if problems:
+        raise _input_error(problems)
+    return layout
+
+
+def _input_error(problems: list[str]) -> ValueError:
+    """One ValueError for every problem: one on its own line, several as a list."""
+    unique = list(dict.fromkeys(problems))  # --src and --dst both report a bad --shape
+    if len(unique) == 1:
+        return ValueError(unique[0])
+    return ValueError("invalid arguments:\n  - " + "\n  - ".join(unique))
 
 
 def _cmd_plan(args) -> int:
     if args.model:
         return _cmd_model_plan(args)
-    shape = _parse_dims(args.shape, "--shape")
-    src_dtype = DTYPES[args.src_dtype or args.dtype]
-    dst_dtype = DTYPES[args.dst_dtype or args.dtype]
-    src = parse_layout_spec(args.src, shape, src_dtype, 0, "--src")
-    dst = parse_layout_spec(args.dst, shape, dst_dtype, 0 if args.colocated else max(src.ranks) + 1, "--dst")
-    if args.png:  # a bad path fails now, in one line, not after the work
-        check_figure_path(args.png, "--png")
+    # Syntax first, with no torch: a mistyped flag is reported at once, every problem together.
+    problems = []
+    try:
+        shape = _parse_dims(args.shape, "--shape")
+    except ValueError as exc:
+        shape = None
+        problems.append(str(exc))
+    src_spec, p = _parse_spec(args.src, "--src")
+    problems += p
+    dst_spec, p = _parse_spec(args.dst, "--dst")
+    problems += p
+    if problems:
+        raise _input_error(problems)
+    # Then what only the Layouts can check (torch loads here), both sides before either fails.
+    src_dtype = _torch_dtype(args.src_dtype or args.dtype)
+    dst_dtype = _torch_dtype(args.dst_dtype or args.dtype)
+    src_first = 0 if src_spec.first is None else src_spec.first
+    dst_default = 0 if args.colocated else src_first + math.prod(src_spec.mesh_shape)  # after the last source rank
+    src, p = _build_layout(src_spec, args.src, shape, src_dtype, src_first, "--src")
+    problems += p
+    dst, p = _build_layout(dst_spec, args.dst, shape, dst_dtype,
+                           dst_default if dst_spec.first is None else dst_spec.first, "--dst")
+    problems += p
+    from tritonreshard.planning import plan_reshard  # lazy (torch), like the Layouts above
+
+    from .viz import check_figure_path, draw_plan
+    if args.png:  # a bad path fails now, with the other problems, not after the work
+        try:
+            check_figure_path(args.png, "--png")
+        except ValueError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise _input_error(problems)
     t0 = time.perf_counter()
     plan = plan_reshard({args.name: src}, {args.name: dst})
     elapsed = time.perf_counter() - t0
@@ -162,8 +255,12 @@ def _cmd_model_plan(args) -> int:
     links = _links(args.link)
     with open(args.model) as f:
         cfg = SimpleNamespace(**json.load(f))
-    dtype = DTYPES[args.dst_dtype or "bf16"]
-    src_dtype = DTYPES[args.src_dtype or "bf16"]
+    # Lazy: the recipe and the traffic model load torch, once the arguments are good.
+    from tritonreshard.planning import fmt_bytes, refit_traffic
+    from tritonreshard.recipes import hf_to_vllm
+
+    dtype = _torch_dtype(args.dst_dtype or "bf16")
+    src_dtype = _torch_dtype(args.src_dtype or "bf16")
     T, n_inf = args.trainers, args.replicas * args.tp
     trainers, inference = list(range(T)), list(range(T, T + n_inf))
     t0 = time.process_time()

@@ -64,7 +64,16 @@ refusal) and :mod:`.report` (the JSON object and the table).
 """
 from .cli import add_arguments, run
 from .config import BenchConfig, parse_size
-from .report import measure
-from .session import BenchSession, memcpy_seconds
 
 __all__ = ["add_arguments", "run", "BenchConfig", "BenchSession", "parse_size", "measure", "memcpy_seconds"]
+
+
+def __getattr__(name: str):
+    # The measuring side loads with torch, on first use: ``tritonreshard --help`` needs only add_arguments.
+    if name == "measure":
+        from .report import measure  # lazy: see the comment above
+        return measure
+    if name in ("BenchSession", "memcpy_seconds"):
+        from . import session  # lazy: see the comment above
+        return getattr(session, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

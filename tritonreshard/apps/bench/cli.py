@@ -6,17 +6,7 @@ import argparse
 import json
 import sys
 
-import torch
-from tqdm import tqdm
-
-from tritonreshard.planning import fmt_bytes
-
-from ..driver import RankFailed
 from .config import LAYOUTS, METHODS, WORKER_METHODS, BenchConfig, parse_size
-from .fp8 import run_cli as run_fp8_cli
-from .memory import refusal
-from .report import measure, table
-from .session import BenchSession
 
 __all__ = ["add_arguments", "run"]
 
@@ -43,7 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=2, help="untimed refits per method first (default 2)")
     parser.add_argument("--backend", choices=("torch", "triton"), default=None,
                         help="engine copy backend (default: torch on cpu, triton on cuda)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the weights live: cpu (default; shared host memory, p2p over gloo) or "
+                             "cuda (GPU memory, rank %% device count; p2p over NCCL)")
     parser.add_argument("--mode", choices=("shadow", "inplace"), default="shadow",
                         help="engine mode: pull into a spare buffer set and swap (default), or in place")
     parser.add_argument("--methods", default=",".join(METHODS),
@@ -75,6 +67,9 @@ def _config(args) -> BenchConfig:
 def run(args: argparse.Namespace) -> int:
     """Runs the bench; returns the exit code (0: measured and every method verified)."""
     if args.quantize:
+        # Lazy, like every import below: they load torch (and Triton), which parsing the command
+        # line, --help and the argument checks never need.
+        from .fp8 import run_cli as run_fp8_cli
         return run_fp8_cli(args)
     try:
         cfg = _config(args)
@@ -85,11 +80,22 @@ def run(args: argparse.Namespace) -> int:
     problems = cfg.problems()
     if args.repeats < 1 or args.warmup < 0:
         problems.append(f"--repeats={args.repeats} must be >= 1 and --warmup={args.warmup} >= 0")
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        problems.append("--device=cuda but torch.cuda.is_available() is False")
+    if cfg.device == "cuda":
+        import torch  # lazy (see above): only --device cuda asks torch before the checks are done
+        if not torch.cuda.is_available():
+            problems.append("--device=cuda but torch.cuda.is_available() is False")
     if problems:
         print("tritonreshard bench: invalid arguments:\n  - " + "\n  - ".join(problems), file=sys.stderr)
         return 2
+    from tqdm import tqdm  # lazy (see above): the measuring side, once the arguments are good
+
+    from tritonreshard.planning import fmt_bytes
+
+    from ..driver import RankFailed
+    from .memory import refusal
+    from .report import measure, table
+    from .session import BenchSession
+
     # Before any process starts: a rank the kernel kills for memory dies minutes in, with a bare SIGKILL.
     short = refusal(cfg)
     if short:

@@ -66,6 +66,13 @@ gets), :mod:`.driver` (spawn, watch, restart, stop the ranks), :mod:`.trainer` a
 :mod:`.policy` (the model, its forwards and the task).
 """
 from .cli import add_arguments, run
-from .report import FAILURE_KEYS, SUMMARY_KEYS
 
 __all__ = ["add_arguments", "run", "SUMMARY_KEYS", "FAILURE_KEYS"]
+
+
+def __getattr__(name: str):
+    # The report's keys load with the report (and torch): ``tritonreshard --help`` needs only add_arguments.
+    if name in ("SUMMARY_KEYS", "FAILURE_KEYS"):
+        from . import report  # lazy: see the comment above
+        return getattr(report, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,15 +8,7 @@ import shutil
 import sys
 import tempfile
 
-import torch
-
-from ..driver import fmt_gib, memory_shortage
-from ..viz import check_figure_path
 from .config import RunConfig
-from .driver import drive
-from .faults import parse_fault
-from .policy import PolicyConfig
-from .report import report
 
 __all__ = ["add_arguments", "validate", "run", "peak_memory", "memory_refusal"]
 
@@ -38,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--prompts", type=int, default=32, help="prompts per rollout batch (default 32)")
     parser.add_argument("--group", type=int, default=8, help="samples per prompt, GRPO group (default 8)")
     parser.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate (default 1e-2)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the policy's initial weights, the prompts and the sampling (default 0)")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="hard limit in seconds for the whole run; also bounds every wait (default 300)")
     parser.add_argument("--peer-timeout", type=float, default=10.0,
@@ -54,10 +47,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "inference rank (TP rank 0, global rank --trainers) SIGKILLs itself when it "
                              "would pull version K; the trainers' fence() raises PeerDiedError naming it "
                              "and the refit fails (the dead reader is reported, never dropped silently). "
-                             "crash-trainer:K: the last trainer rank raises an exception at step K. Every "
-                             "fault makes the demo exit 1 naming the failed rank; --json adds \"error\", "
-                             "\"inference_version\", \"inference_consistent\" and \"detect_ms\" (slowest "
-                             "survivor's time to notice a kill)")
+                             "crash-trainer:K: the last trainer rank raises an exception at step K. Without "
+                             "--restart every fault makes the demo exit 1 naming the failed rank; --json adds "
+                             "\"error\", \"inference_version\", \"inference_consistent\" and \"detect_ms\" "
+                             "(slowest survivor's time to notice a kill). With --restart a trainer fault "
+                             "(kill-trainer, crash-trainer) restarts the trainer group once and the run goes on: "
+                             "it exits 0 if every version the inference ranks installed verified (1 if not), "
+                             "and --json reports the normal summary with \"recoveries\": 1; kill-inference "
+                             "still exits 1")
     parser.add_argument("--restart", action="store_true",
                         help="when trainers fail, restart the trainer group from its last checkpoint (the "
                              "trainers checkpoint every version before publishing it) while the inference "
@@ -71,6 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def validate(args: argparse.Namespace) -> list[str]:
     """Every problem with the arguments, one line each (all reported at once, before any process starts)."""
+    # Lazy: these load torch, which `tritonreshard demo --help` and `tritonreshard plan` never need.
+    import torch
+
+    from ..viz import check_figure_path
+    from .faults import parse_fault
+    from .policy import PolicyConfig
+
     problems = []
     if args.steps < 1:
         problems.append(f"--steps={args.steps} must be >= 1")
@@ -122,6 +126,7 @@ def peak_memory(trainers: int, inference: int) -> int:
 
 def memory_refusal(args: argparse.Namespace, available=None) -> str | None:
     """None when the demo's processes fit in the memory available now, else the refusal."""
+    from ..driver import fmt_gib, memory_shortage  # lazy: the process driver loads torch
     need = peak_memory(args.trainers, args.inference)
     short = memory_shortage(need, available=available)
     if short is None:
@@ -135,6 +140,13 @@ def memory_refusal(args: argparse.Namespace, available=None) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     """Runs the demo; returns the process exit code (0 = ran, refit and verified every version)."""
+    # Lazy: the run's modules load torch; parsing the command line (and --help) must not wait for it.
+    import torch
+
+    from .driver import drive
+    from .faults import parse_fault
+    from .report import report
+
     problems = validate(args)
     if problems:
         print("tritonreshard demo: invalid arguments:\n  - " + "\n  - ".join(problems), file=sys.stderr)
