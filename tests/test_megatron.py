@@ -370,9 +370,15 @@ def test_megatron_shards_refit_into_vllm_bit_for_bit(megatron_runs, case, kind, 
                 assert sorted(got[r]) == sorted(want[r])
                 for n, w in want[r].items():
                     assert torch.equal(_bits(got[r][n]), _bits(w)), (case, tp, ep, r, n)
-            emb = {op.src_rank for op in plan.ops if op.src_name == "embedding.word_embeddings.weight"}
-            if cfg.tie_word_embeddings and meg.pp > 1 and tp > 1:  # the tied copy serves reads too
-                assert emb & {0, 1} and emb & {2, 3}, emb
+            if cfg.tie_word_embeddings and meg.pp > 1:  # the last stage's copy, by its own name, serves reads too
+                stage = {p: {r for r, rep in reports.items() if rep["coords"]["pp"] == p} for p in (0, meg.pp - 1)}
+                readers = {n: {op.src_rank for op in plan.ops if op.src_name == n}
+                           for n in ("embedding.word_embeddings.weight", "output_layer.weight")}
+                assert readers == {"embedding.word_embeddings.weight": stage[0],
+                                   "output_layer.weight": stage[meg.pp - 1]}, readers
+                emb = [op for op in plan.ops if op.name == "model.embed_tokens.weight"]
+                half, total = sum(op.numel for op in emb if op.src_name == "output_layer.weight"), sum(op.numel for op in emb)
+                assert half > 0 and 0 <= total - 2 * half <= cfg.hidden_size * meg.tp  # half of each TP shard's rows
             dp = MEG_WORLD // (meg.tp * meg.pp)
             if dp > 1:  # DP replicas share the reads
                 assert len({op.src_rank for op in plan.ops}) == MEG_WORLD

@@ -19,8 +19,12 @@ Megatron-Core facts used (checked against megatron-core 0.19.2 on CPU, ``tests/t
 * Stage ``p`` holds layers ``[p * L / pp, (p + 1) * L / pp)`` (with ``vpp`` virtual chunks: chunk
   ``k`` of ``L / (pp * vpp)`` layers on stage ``k % pp``), the first the embedding, the last the
   final norm and ``output_layer``. Tied embeddings: no ``output_layer`` with pp = 1; with pp > 1 the
-  last stage's ``output_layer.weight`` is a real copy of the embedding and serves as one more
-  replica of ``embedding.word_embeddings.weight`` (one source, never read twice).
+  last stage's ``output_layer.weight`` is a real copy of the embedding, kept equal by Megatron (the
+  first stage's copy initialises it and their gradients are all-reduced), under its own name. The
+  recipe reads both copies: of each Megatron TP shard's real rows, the first half from
+  ``embedding.word_embeddings.weight``, the rest from ``output_layer.weight``, so each copy's ranks
+  serve half the bytes (the planner knows no replicas across names; within a copy it spreads reads
+  over the DP replicas as usual).
 * The vocab is padded to a multiple of ``vocab_divisible_by * tp``; only rows ``[0, V)`` move (the
   dummy rows hold trained junk), vLLM's own padding is zero-filled.
 
@@ -182,18 +186,23 @@ def megatron_to_vllm(config: Any, *, megatron: Megatron, tp: int, trainer_ranks,
         dense(name, shape, placement, stage)
         pieces[hf_name] = [((0,) * len(shape), shape, name, (0,) * len(shape))]
 
-    # Embedding: rows [0, V) of Megatron's padded vocab. Tied with pp > 1: the last stage's
-    # output_layer is a second copy, one more replica of the same source.
-    emb = "embedding.word_embeddings.weight"
-    if tied and pp > 1:
-        src[emb] = Layout((Vm, H), [dense_mesh(0), dense_mesh(pp - 1)], [Replicate(), Replicate(), Shard(0)],
-                          src_dtype)
-    else:
-        dense(emb, (Vm, H), Shard(0), 0)
-    pieces["model.embed_tokens.weight"] = [((0, 0), (V, H), emb, (0, 0))]
+    # Embedding: rows [0, V) of Megatron's padded vocab.
+    emb, out = "embedding.word_embeddings.weight", "output_layer.weight"
+    dense(emb, (Vm, H), Shard(0), 0)
     if not tied:
-        dense("output_layer.weight", (Vm, H), Shard(0), pp - 1)
-        pieces["lm_head.weight"] = [((0, 0), (V, H), "output_layer.weight", (0, 0))]
+        dense(out, (Vm, H), Shard(0), pp - 1)
+        pieces["lm_head.weight"] = [((0, 0), (V, H), out, (0, 0))]
+        pieces["model.embed_tokens.weight"] = [((0, 0), (V, H), emb, (0, 0))]
+    elif pp == 1:  # output_layer is the embedding's own tensor
+        pieces["model.embed_tokens.weight"] = [((0, 0), (V, H), emb, (0, 0))]
+    else:  # the last stage's copy serves the second half of each TP shard's real rows
+        dense(out, (Vm, H), Shard(0), pp - 1)
+        rows = Vm // mtp
+        for lo in range(0, V, rows):
+            hi = min(lo + rows, V)
+            mid = lo + (hi - lo + 1) // 2
+            pieces.setdefault("model.embed_tokens.weight", []).extend(
+                [((lo, 0), (mid, H), emb, (lo, 0))] + ([((mid, 0), (hi, H), out, (mid, 0))] if mid < hi else []))
     same("model.norm.weight", "decoder.final_layernorm.weight", pp - 1)
 
     for i in range(L):
@@ -309,7 +318,7 @@ def megatron_tensors(model_chunks, *, megatron: Megatron, rank: int) -> dict[str
     are global (the MoE layer's ``local_expert_indices``). Local-spec norms are renamed (``input_layernorm`` ->
     ``self_attention.linear_qkv.layer_norm_weight``; a dense layer's ``pre_mlp_layernorm`` ->
     ``mlp.linear_fc1.layer_norm_weight``). Tied embeddings on a last stage of pp > 1: its
-    ``output_layer.weight`` is returned as ``embedding.word_embeddings.weight`` (a replica).
+    ``output_layer.weight`` (Megatron's copy of the embedding) keeps its name.
 
     Raises ``ValueError`` naming every parameter it cannot map (grouped-GEMM experts, unknown
     modules), and ``ValueError`` if ``megatron`` or ``rank`` does not fit the chunks.
@@ -364,11 +373,9 @@ def _global_params(model_chunks, megatron: Megatron, rank: int, what: str) -> di
             where = f"chunk {c}: {name}"
             hit = _LAYER.match(name)
             if hit is None:
-                if name == "output_layer.weight" and tied:
-                    if getattr(model, "pre_process", False):
-                        continue  # pp = 1 shares the embedding's tensor (never listed twice anyway)
-                    name = "embedding.word_embeddings.weight"
-                elif name not in ("embedding.word_embeddings.weight", "output_layer.weight",
+                if name == "output_layer.weight" and tied and getattr(model, "pre_process", False):
+                    continue  # pp = 1 shares the embedding's tensor (never listed twice anyway)
+                if name not in ("embedding.word_embeddings.weight", "output_layer.weight",
                                   "decoder.final_layernorm.weight"):
                     problems.append(f"{where}: no vLLM destination (position embeddings, MTP, ... are not supported)")
                     continue
