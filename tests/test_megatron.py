@@ -545,3 +545,24 @@ def test_megatron_recipe_passes_fp8_quantization_through():
         {"decoder.layers.0.self_attention.linear_qkv.weight"}
     with pytest.raises(ValueError, match="validate_fp8_block_shape"):
         trs.recipes.megatron_to_vllm(_hf_config("llama"), megatron=meg, **kw)
+
+
+def test_tied_copy_on_the_last_stage_keeps_megatron_name():
+    """Tied embeddings, pp > 1: the last stage's ``output_layer.weight`` is a source by Megatron's own
+    name (``megatron_tensors`` renames nothing), on the last stage's ranks, and serves the second
+    half of each Megatron TP shard's real rows; the first stage's embedding serves the first half."""
+    meg = Megatron(tp=2, pp=2)
+    spec = trs.recipes.megatron_to_vllm(_hf_config("qwen2"), megatron=meg, tp=2, trainer_ranks=MEG_WORLD,
+                                        inference_ranks=INF)
+    emb, out = spec.src["embedding.word_embeddings.weight"], spec.src["output_layer.weight"]
+    assert emb.shape == out.shape == (512, 64) and set(emb.ranks) == {0, 1} and set(out.ranks) == {2, 3}
+    # Megatron TP shards of 256 rows; real rows [0, 256) and [256, 300), each cut in half.
+    reads = sorted((p.src_start[0], p.src_start[0] + p.dst[0][1] - p.dst[0][0], p.src)
+                   for p in spec.parts["model.embed_tokens.weight"] if p.src is not None)
+    first, last = "embedding.word_embeddings.weight", "output_layer.weight"
+    assert reads == [(0, 128, first), (128, 256, last), (256, 278, first), (278, 300, last)]
+    # A last stage's model (no pre_process) lists output_layer.weight: it keeps that name.
+    model = _module(output_layer=_module(weight=(512, 64)), decoder=_module(final_layernorm=_module(weight=64)))
+    model.share_embeddings_and_output_weights, model.pre_process = True, False
+    names = trs.recipes.megatron_tensors(model, megatron=meg, rank=2)
+    assert sorted(names) == ["decoder.final_layernorm.weight", "output_layer.weight"]

@@ -186,23 +186,24 @@ def megatron_to_vllm(config: Any, *, megatron: Megatron, tp: int, trainer_ranks,
         dense(name, shape, placement, stage)
         pieces[hf_name] = [((0,) * len(shape), shape, name, (0,) * len(shape))]
 
-    # Embedding: rows [0, V) of Megatron's padded vocab.
+    # Embedding: rows [0, V) of Megatron's padded vocab. Tied, pp = 1: output_layer is the
+    # embedding's own tensor; tied, pp > 1: the last stage's copy serves the second half of each
+    # TP shard's real rows.
     emb, out = "embedding.word_embeddings.weight", "output_layer.weight"
     dense(emb, (Vm, H), Shard(0), 0)
+    if not tied or pp > 1:
+        dense(out, (Vm, H), Shard(0), pp - 1)
     if not tied:
-        dense(out, (Vm, H), Shard(0), pp - 1)
         pieces["lm_head.weight"] = [((0, 0), (V, H), out, (0, 0))]
-        pieces["model.embed_tokens.weight"] = [((0, 0), (V, H), emb, (0, 0))]
-    elif pp == 1:  # output_layer is the embedding's own tensor
-        pieces["model.embed_tokens.weight"] = [((0, 0), (V, H), emb, (0, 0))]
-    else:  # the last stage's copy serves the second half of each TP shard's real rows
-        dense(out, (Vm, H), Shard(0), pp - 1)
-        rows = Vm // mtp
+    if tied and pp > 1:
+        rows, halves = Vm // mtp, []
         for lo in range(0, V, rows):
             hi = min(lo + rows, V)
             mid = lo + (hi - lo + 1) // 2
-            pieces.setdefault("model.embed_tokens.weight", []).extend(
-                [((lo, 0), (mid, H), emb, (lo, 0))] + ([((mid, 0), (hi, H), out, (mid, 0))] if mid < hi else []))
+            halves += [((lo, 0), (mid, H), emb, (lo, 0))] + ([((mid, 0), (hi, H), out, (mid, 0))] if mid < hi else [])
+        pieces["model.embed_tokens.weight"] = halves
+    else:
+        pieces["model.embed_tokens.weight"] = [((0, 0), (V, H), emb, (0, 0))]
     same("model.norm.weight", "decoder.final_layernorm.weight", pp - 1)
 
     for i in range(L):
