@@ -370,9 +370,15 @@ def test_megatron_shards_refit_into_vllm_bit_for_bit(megatron_runs, case, kind, 
                 assert sorted(got[r]) == sorted(want[r])
                 for n, w in want[r].items():
                     assert torch.equal(_bits(got[r][n]), _bits(w)), (case, tp, ep, r, n)
-            emb = {op.src_rank for op in plan.ops if op.src_name == "embedding.word_embeddings.weight"}
-            if cfg.tie_word_embeddings and meg.pp > 1 and tp > 1:  # the tied copy serves reads too
-                assert emb & {0, 1} and emb & {2, 3}, emb
+            if cfg.tie_word_embeddings and meg.pp > 1:  # the last stage's copy, by its own name, serves reads too
+                stage = {p: {r for r, rep in reports.items() if rep["coords"]["pp"] == p} for p in (0, meg.pp - 1)}
+                readers = {n: {op.src_rank for op in plan.ops if op.src_name == n}
+                           for n in ("embedding.word_embeddings.weight", "output_layer.weight")}
+                assert readers == {"embedding.word_embeddings.weight": stage[0],
+                                   "output_layer.weight": stage[meg.pp - 1]}, readers
+                emb = [op for op in plan.ops if op.name == "model.embed_tokens.weight"]
+                half, total = sum(op.numel for op in emb if op.src_name == "output_layer.weight"), sum(op.numel for op in emb)
+                assert half > 0 and 0 <= total - 2 * half <= cfg.hidden_size * meg.tp  # half of each TP shard's rows
             dp = MEG_WORLD // (meg.tp * meg.pp)
             if dp > 1:  # DP replicas share the reads
                 assert len({op.src_rank for op in plan.ops}) == MEG_WORLD
@@ -539,3 +545,24 @@ def test_megatron_recipe_passes_fp8_quantization_through():
         {"decoder.layers.0.self_attention.linear_qkv.weight"}
     with pytest.raises(ValueError, match="validate_fp8_block_shape"):
         trs.recipes.megatron_to_vllm(_hf_config("llama"), megatron=meg, **kw)
+
+
+def test_tied_copy_on_the_last_stage_keeps_megatron_name():
+    """Tied embeddings, pp > 1: the last stage's ``output_layer.weight`` is a source by Megatron's own
+    name (``megatron_tensors`` renames nothing), on the last stage's ranks, and serves the second
+    half of each Megatron TP shard's real rows; the first stage's embedding serves the first half."""
+    meg = Megatron(tp=2, pp=2)
+    spec = trs.recipes.megatron_to_vllm(_hf_config("qwen2"), megatron=meg, tp=2, trainer_ranks=MEG_WORLD,
+                                        inference_ranks=INF)
+    emb, out = spec.src["embedding.word_embeddings.weight"], spec.src["output_layer.weight"]
+    assert emb.shape == out.shape == (512, 64) and set(emb.ranks) == {0, 1} and set(out.ranks) == {2, 3}
+    # Megatron TP shards of 256 rows; real rows [0, 256) and [256, 300), each cut in half.
+    reads = sorted((p.src_start[0], p.src_start[0] + p.dst[0][1] - p.dst[0][0], p.src)
+                   for p in spec.parts["model.embed_tokens.weight"] if p.src is not None)
+    first, last = "embedding.word_embeddings.weight", "output_layer.weight"
+    assert reads == [(0, 128, first), (128, 256, last), (256, 278, first), (278, 300, last)]
+    # A last stage's model (no pre_process) lists output_layer.weight: it keeps that name.
+    model = _module(output_layer=_module(weight=(512, 64)), decoder=_module(final_layernorm=_module(weight=64)))
+    model.share_embeddings_and_output_weights, model.pre_process = True, False
+    names = trs.recipes.megatron_tensors(model, megatron=meg, rank=2)
+    assert sorted(names) == ["decoder.final_layernorm.weight", "output_layer.weight"]

@@ -219,6 +219,12 @@ def test_hf_to_vllm_matches_vllm_loaders_on_every_rank(arch, tp):
     assert plan.stats.fill_bytes == n_vocab * (vp - V) * H * 4
     moved = sum(op.numel for op in plan.ops) + sum(f.numel for f in plan.fills)
     assert moved == sum(lay.local_numel(r) for lay in spec.dst.values() for r in lay.ranks)
+    # ... in as many ops as the layouts' boxes meet (FSDP sources; the replicated router bias aside).
+    ops = {}
+    for op in plan.ops:
+        ops[op.name] = ops.get(op.name, 0) + 1
+    fsdp = [n for n in spec.dst if not n.endswith("e_score_correction_bias")]
+    assert {n: ops[n] for n in fsdp} == {n: _expected_ops(spec, n) for n in fsdp}
 
 
 @pytest.mark.parametrize("arch,tp,local", [("qwen3_moe", 2, [2, 2]), ("qwen3_moe", 4, [1] * 4),
@@ -313,17 +319,71 @@ def test_unknown_architecture_and_impossible_tp_report_everything():
         trs.recipes.hf_to_vllm(mha, tp=2, trainer_ranks=TRAINERS, inference_ranks=[2, 3])
 
 
+def _runs(segs):
+    """A rank's segments of one dim, neighbours that continue each other (in the global and the
+    local index) joined: one box, one op."""
+    out = []
+    for a, b, loc in segs:
+        if out and out[-1][1] == a and out[-1][2] + (out[-1][1] - out[-1][0]) == loc:
+            out[-1] = (out[-1][0], b, out[-1][2])
+        else:
+            out.append((a, b, loc))
+    return out
+
+
+def _expected_ops(spec, name) -> int:
+    """The ops ``spec.plan()`` must hold for destination ``name``, from the layouts alone: one per
+    (part, destination rank, source rank) and per pair of their boxes that meet, with the part's
+    box moved to the source's index. For sources with one copy of each element (FSDP rows): a
+    replicated source's pieces may be shared between its replicas."""
+    d = spec.dst[name]
+    n = 0
+    for part in spec.parts.get(name) or (trs.Part(name, [None] * d.ndim),):
+        if part.src is None:
+            continue
+        box = [(0, size) if iv is None else iv for iv, size in zip(part.dst, d.shape)]
+        start = part.src_start or (0,) * d.ndim
+        src = spec.src[part.src]
+        for dr in d.ranks:
+            # per dim, the source intervals this rank's boxes read through the part
+            want = [[(s + max(a, lo) - lo, s + min(b, hi) - lo) for a, b, _ in _runs(segs) if max(a, lo) < min(b, hi)]
+                    for segs, (lo, hi), s in zip(d.segments(dr), box, start)]
+            for sr in src.ranks:
+                count = 1
+                for ivs, segs in zip(want, src.segments(sr)):
+                    count *= sum(max(a, x) < min(b, y) for a, b in ivs for x, y, _ in _runs(segs))
+                n += count
+    return n
+
+
 def test_seven_b_llama_plans_for_tp8():
-    """The 7B-shaped plan's op counts (timing is measured by the example/closing note, not asserted)."""
+    """The 7B-shaped plan's op counts, derived from the layouts (timing is measured by the
+    example/closing note, not asserted)."""
     config = transformers.LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
                                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32)
-    spec = trs.recipes.hf_to_vllm(config, tp=8, trainer_ranks=list(range(8)), inference_ranks=list(range(8, 16)))
+    trainers, tp = 8, 8
+    spec = trs.recipes.hf_to_vllm(config, tp=tp, trainer_ranks=list(range(trainers)),
+                                  inference_ranks=list(range(8, 16)))
     plan = spec.plan()
     assert len(spec.dst) == 32 * 6 + 3
     assert plan.stats.total_bytes == sum(lay.local_numel(r) * 2 for lay in spec.dst.values() for r in lay.ranks)
-    # Each sharded matrix: one op per (trainer row block, TP rank) overlap; no vocab padding (32000 = 500*64).
-    assert not plan.fills
-    assert plan.stats.remote_bytes == plan.stats.total_bytes
+    ops = {}
+    for op in plan.ops:
+        ops[op.name] = ops.get(op.name, 0) + 1
+    assert ops == {name: _expected_ops(spec, name) for name in spec.dst}
+    # What that is, tensor by tensor. Every row split here is even (4096, 11008 and 32000 rows over 8
+    # trainers and over 8 TP ranks alike), so a TP rank's rows of a row-split part lie in exactly one
+    # trainer's rows: one op per (part, TP rank). A column-split matrix (o_proj, down_proj) meets
+    # every trainer's row block on every TP rank, and so does a replicated norm: trainers * tp ops.
+    layer = {"self_attn.qkv_proj.weight": 3 * tp, "mlp.gate_up_proj.weight": 2 * tp,
+             "self_attn.o_proj.weight": trainers * tp, "mlp.down_proj.weight": trainers * tp,
+             "input_layernorm.weight": trainers * tp, "post_attention_layernorm.weight": trainers * tp}
+    want = {f"model.layers.{i}.{k}": v for i in range(32) for k, v in layer.items()}
+    want |= {"model.embed_tokens.weight": tp, "lm_head.weight": tp, "model.norm.weight": trainers * tp}
+    assert ops == want
+    assert len(plan.ops) == plan.stats.num_ops == 32 * (5 + 4 * trainers) * tp + (2 + trainers) * tp == 9552
+    assert not plan.fills  # no vocab padding: 32000 = 500 * 64
+    assert plan.stats.remote_bytes == plan.stats.total_bytes  # trainers and TP ranks are disjoint
 
 
 def test_llama_refit_example_checks_every_rank_with_a_tp_forward():

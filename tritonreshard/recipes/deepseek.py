@@ -1,8 +1,9 @@
 """DeepSeek-V2 / V3 (transformers 5) training parameters -> vLLM tensor-parallel parameters.
 
-Pure Python planning, reached through :func:`~tritonreshard.recipes.hf_to_vllm` (``config.model_type``
-``"deepseek_v2"`` or ``"deepseek_v3"``). Facts follow vLLM 0.32's ``models/deepseek_v2.py`` with MLA
-attention (vLLM's default for these models), per TP rank r, in load format:
+Pure Python planning (no transformers or vLLM import), reached through
+:func:`~tritonreshard.recipes.hf_to_vllm` (``config.model_type`` ``"deepseek_v2"`` or ``"deepseek_v3"``). Facts follow vLLM 0.32's
+``models/deepseek_v2.py`` with MLA attention (vLLM's default for these models), per TP rank r, in load
+format:
 
 * ``self_attn.fused_qkv_a_proj.weight`` ``[q_lora_rank + kv_lora_rank + qk_rope_head_dim, H]``
   (when ``q_lora_rank`` is set): ``cat(q_a_proj, kv_a_proj_with_mqa)``, replicated;
@@ -32,9 +33,9 @@ from typing import Any
 import torch
 
 from ..layout import Part, Replicate, Shard
-from .hf import VOCAB_PADDING, RecipeBuilder, RecipeSpec, pad_vocab_size
+from .builder import RecipeBuilder, RecipeSpec, check_divisible, check_vocab, raise_problems
 
-__all__ = ["deepseek_to_vllm", "DEEPSEEK_MODEL_TYPES"]
+__all__ = ["build_deepseek", "deepseek_to_vllm", "DEEPSEEK_MODEL_TYPES"]
 
 #: ``config.model_type`` values this module lays out (DeepseekV2ForCausalLM / DeepseekV3ForCausalLM).
 DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
@@ -50,15 +51,13 @@ def _moe_layers(config: Any) -> set[int]:
     return {i for i in range(config.num_hidden_layers) if i >= first and i % freq == 0}
 
 
-def deepseek_to_vllm(config: Any, tp: int, src_ranks: tuple[int, ...], dst_ranks: tuple[int, ...],
-                     dtype: torch.dtype, src_dtype: torch.dtype, expert_parallel: bool) -> RecipeSpec:
-    """The recipe of one DeepSeek-V2/V3 model; called by ``hf_to_vllm`` once the model type, ``tp``
-    and the ranks are checked (``src_ranks``: trainer ranks, FSDP rows; ``dst_ranks``: TP ranks in
-    order, ``k * tp`` for ``k`` replicas). Raises ``ValueError`` naming every size vLLM cannot split over ``tp``."""
-    model_type = config.model_type
+def build_deepseek(config: Any, b: RecipeBuilder, *, expert_parallel: bool, quantization: str | None) -> None:
+    """Lay out one DeepSeek-V2/V3 model on ``b`` (a registry builder, see
+    :data:`~tritonreshard.recipes.RECIPES`). Raises ``ValueError`` naming every size vLLM cannot
+    split over ``b.tp``, and any ``quantization`` (MLA's block-FP8 layout is not laid out yet)."""
+    model_type, tp = config.model_type, b.tp
     H, nq, L = config.hidden_size, config.num_attention_heads, config.num_hidden_layers
     V = config.vocab_size
-    Vp = pad_vocab_size(V)
     q_lora = getattr(config, "q_lora_rank", None)
     kv_lora = getattr(config, "kv_lora_rank", 0) or 0
     nope = getattr(config, "qk_nope_head_dim", 0) or 0
@@ -73,42 +72,39 @@ def deepseek_to_vllm(config: Any, tp: int, src_ranks: tuple[int, ...], dst_ranks
     tied = bool(getattr(config, "tie_word_embeddings", False))
 
     problems: list[str] = []
+    if quantization is not None:
+        # vLLM quantizes MLA's own projections (fused_qkv_a_proj, q_b_proj, kv_b_proj) too; their
+        # block grids are not laid out here yet, and a partial FP8 layout would not load.
+        problems.append(f"quantization={quantization!r} is not laid out for {model_type} (MLA) yet")
     if not (kv_lora and rope and nope):
         problems.append(f"kv_lora_rank={kv_lora}, qk_nope_head_dim={nope}, qk_rope_head_dim={rope}: only MLA "
                         f"attention (all three set) has a recipe")
-    if nq % tp:
-        problems.append(f"num_attention_heads={nq} is not divisible by tp={tp}")
-    if Vp % tp:
-        problems.append(f"padded vocab {Vp} (vocab_size={V} rounded up to {VOCAB_PADDING}) is not divisible by tp={tp}")
-    if len(moe_layers) < L and inter % tp:
-        problems.append(f"intermediate_size={inter} is not divisible by tp={tp}")
+    check_divisible(problems, "num_attention_heads", nq, tp)
+    check_vocab(V, tp, problems)
+    if len(moe_layers) < L:
+        check_divisible(problems, "intermediate_size", inter, tp)
     if moe_layers:
         if expert_parallel and tp > E:
             problems.append(f"expert_parallel: tp={tp} is greater than n_routed_experts={E} (a rank would hold "
                             f"no expert)")
-        if not expert_parallel and moe_i % tp:
-            problems.append(f"moe_intermediate_size={moe_i} is not divisible by tp={tp}")
+        if not expert_parallel:
+            check_divisible(problems, "moe_intermediate_size", moe_i, tp)
         if n_shared and (moe_i * n_shared) % tp:
             problems.append(f"shared experts' intermediate size {moe_i * n_shared} (moe_intermediate_size * "
                             f"n_shared_experts) is not divisible by tp={tp}")
     elif expert_parallel:
         problems.append(f"expert_parallel=True but {model_type} has no MoE layers")
-    if problems:
-        raise ValueError(f"hf_to_vllm: {model_type} (hidden_size={H}, heads={nq}, kv_lora_rank={kv_lora}), "
-                         f"tp={tp}: " + "; ".join(problems))
+    raise_problems(f"hf_to_vllm: {model_type} (hidden_size={H}, heads={nq}, kv_lora_rank={kv_lora}), tp={tp}",
+                   problems)
 
-    b = RecipeBuilder(src_ranks, dst_ranks, tp, dtype, src_dtype)
     source, target, same = b.source, b.target, b.same
-
-    def vocab(hf_name, vllm_name):
-        b.vocab(hf_name, vllm_name, V, H)
 
     def mlp(pre, size):
         b.gate_up(pre, "weight", (H,), size)
         same(f"{pre}.down_proj.weight", (H, size), Shard(1))
 
     source("model.embed_tokens.weight", (V, H))
-    vocab("model.embed_tokens.weight", "model.embed_tokens.weight")
+    b.vocab("model.embed_tokens.weight", "model.embed_tokens.weight", V, H)
     qk = nope + rope
     for i in range(L):
         pre = f"model.layers.{i}"
@@ -144,5 +140,14 @@ def deepseek_to_vllm(config: Any, tp: int, src_ranks: tuple[int, ...], dst_ranks
     same("model.norm.weight", (H,), Replicate())
     if not tied:
         source("lm_head.weight", (V, H))
-    vocab("model.embed_tokens.weight" if tied else "lm_head.weight", "lm_head.weight")  # vLLM never ties it
-    return RecipeSpec(model_type, tp, expert_parallel, b.src, b.dst, b.parts)
+    b.vocab("model.embed_tokens.weight" if tied else "lm_head.weight", "lm_head.weight", V, H)  # vLLM never ties it
+
+
+def deepseek_to_vllm(config: Any, tp: int, src_ranks: tuple[int, ...], dst_ranks: tuple[int, ...],
+                     dtype: torch.dtype, src_dtype: torch.dtype, expert_parallel: bool) -> RecipeSpec:
+    """The recipe of one DeepSeek-V2/V3 model, unquantized: what ``hf_to_vllm`` returns for it once
+    ``tp`` and the ranks are checked (``src_ranks``: trainer ranks, FSDP rows; ``dst_ranks``: TP ranks
+    in order, ``k * tp`` for ``k`` replicas). Raises ``ValueError`` as :func:`build_deepseek`."""
+    b = RecipeBuilder(src_ranks, dst_ranks, tp, dtype, src_dtype)
+    build_deepseek(config, b, expert_parallel=expert_parallel, quantization=None)
+    return b.spec(config.model_type, expert_parallel)

@@ -19,8 +19,12 @@ Megatron-Core facts used (checked against megatron-core 0.19.2 on CPU, ``tests/t
 * Stage ``p`` holds layers ``[p * L / pp, (p + 1) * L / pp)`` (with ``vpp`` virtual chunks: chunk
   ``k`` of ``L / (pp * vpp)`` layers on stage ``k % pp``), the first the embedding, the last the
   final norm and ``output_layer``. Tied embeddings: no ``output_layer`` with pp = 1; with pp > 1 the
-  last stage's ``output_layer.weight`` is a real copy of the embedding and serves as one more
-  replica of ``embedding.word_embeddings.weight`` (one source, never read twice).
+  last stage's ``output_layer.weight`` is a real copy of the embedding, kept equal by Megatron (the
+  first stage's copy initialises it and their gradients are all-reduced), under its own name. The
+  recipe reads both copies: of each Megatron TP shard's real rows, the first half from
+  ``embedding.word_embeddings.weight``, the rest from ``output_layer.weight``, so each copy's ranks
+  serve half the bytes (the planner knows no replicas across names; within a copy it spreads reads
+  over the DP replicas as usual).
 * The vocab is padded to a multiple of ``vocab_divisible_by * tp``; only rows ``[0, V)`` move (the
   dummy rows hold trained junk), vLLM's own padding is zero-filled.
 
@@ -38,23 +42,11 @@ from typing import Any
 import torch
 
 from ..layout import Layout, Part, Replicate, Shard
-from .hf import FAMILIES, RecipeSpec, hf_to_vllm
+from .builder import RecipeSpec, check_divisible, positive_int, raise_problems, rank_list
+from .dense import FAMILIES, moe_layers
+from .hf import hf_to_vllm
 
 __all__ = ["Megatron", "megatron_to_vllm", "megatron_tensors", "megatron_bind", "megatron_vocab_size"]
-
-
-def _positive(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def _rank_list(value, problems: list[str]) -> tuple[int, ...]:
-    if _positive(value):
-        return tuple(range(value))
-    if isinstance(value, (list, tuple, range)) and value and all(
-            isinstance(r, int) and not isinstance(r, bool) for r in value):
-        return tuple(value)
-    problems.append(f"trainer_ranks={value!r} must be a non-empty list of ranks (or a count)")
-    return ()
 
 
 @dataclass(frozen=True)
@@ -78,8 +70,8 @@ class Megatron:
 
     def __post_init__(self):
         bad = [f"{k}={getattr(self, k)!r} must be a positive int"
-               for k in ("tp", "pp", "ep", "vocab_divisible_by", "vpp") if not _positive(getattr(self, k))]
-        if self.etp is not None and not _positive(self.etp):
+               for k in ("tp", "pp", "ep", "vocab_divisible_by", "vpp") if not positive_int(getattr(self, k))]
+        if self.etp is not None and not positive_int(self.etp):
             bad.append(f"etp={self.etp!r} must be a positive int or None (= tp)")
         if bad:
             raise ValueError("Megatron: " + "; ".join(bad))
@@ -103,14 +95,6 @@ def megatron_vocab_size(vocab_size: int, megatron: Megatron) -> int:
     ``_vocab_size_with_padding``), so it changes with tp: 300 -> 384 at tp 1, 512 at tp 2."""
     m = megatron.vocab_divisible_by * megatron.tp
     return -(-vocab_size // m) * m
-
-
-def _moe_layers(config, L: int) -> set[int]:
-    if not FAMILIES[config.model_type].moe or not getattr(config, "num_experts", 0):
-        return set()
-    only = set(getattr(config, "mlp_only_layers", None) or ())
-    step = getattr(config, "decoder_sparse_step", 1) or 1
-    return {i for i in range(L) if i not in only and (i + 1) % step == 0}
 
 
 def megatron_to_vllm(config: Any, *, megatron: Megatron, tp: int, trainer_ranks, inference_ranks,
@@ -141,13 +125,11 @@ def megatron_to_vllm(config: Any, *, megatron: Megatron, tp: int, trainer_ranks,
     if not isinstance(megatron, Megatron):
         raise ValueError(f"megatron_to_vllm: megatron must be a trs.recipes.Megatron, got {megatron!r}")
     problems: list[str] = []
-    src_ranks = _rank_list(trainer_ranks, problems)
+    src_ranks = rank_list(trainer_ranks, "trainer_ranks", problems)
     model_type = getattr(config, "model_type", None)
-    fam = FAMILIES.get(model_type)
-    if fam is None:
+    if model_type not in FAMILIES:
         problems.append(f"config.model_type={model_type!r} has no recipe; known: {sorted(FAMILIES)}")
-    if problems:
-        raise ValueError("megatron_to_vllm: " + "; ".join(problems))
+    raise_problems("megatron_to_vllm", problems)
     m = megatron
     W, mtp, pp, ep, etp = len(src_ranks), m.tp, m.pp, m.ep, m.expert_tp
     H, nq = config.hidden_size, config.num_attention_heads
@@ -155,8 +137,8 @@ def megatron_to_vllm(config: Any, *, megatron: Megatron, tp: int, trainer_ranks,
     hd = getattr(config, "head_dim", None) or H // nq
     L, V = config.num_hidden_layers, config.vocab_size
     inter = getattr(config, "intermediate_size", 0)
-    moe_layers = _moe_layers(config, L)
-    E = getattr(config, "num_experts", 0) if moe_layers else 0
+    moe = moe_layers(config)
+    E = getattr(config, "num_experts", 0) if moe else 0
     moe_i = getattr(config, "moe_intermediate_size", 0)
     dp = W // (mtp * pp) if W % (mtp * pp) == 0 else 0
     if not dp:
@@ -164,25 +146,21 @@ def megatron_to_vllm(config: Any, *, megatron: Megatron, tp: int, trainer_ranks,
     if L % (pp * m.vpp):
         problems.append(f"num_hidden_layers={L} is not divisible by pp={pp}" +
                         (f" * vpp={m.vpp}" if m.vpp > 1 else ""))
-    if nq % mtp:
-        problems.append(f"num_attention_heads={nq} is not divisible by Megatron tp={mtp}")
+    check_divisible(problems, "num_attention_heads", nq, mtp, "Megatron tp")
     if nkv % mtp:
         problems.append(f"num_key_value_heads={nkv} (query groups) is not divisible by Megatron tp={mtp}")
     if nq % nkv:
         problems.append(f"num_attention_heads={nq} is not a multiple of num_key_value_heads={nkv}")
-    if len(moe_layers) < L and inter % mtp:
-        problems.append(f"intermediate_size={inter} is not divisible by Megatron tp={mtp}")
-    if moe_layers:
-        if E % ep:
-            problems.append(f"num_experts={E} is not divisible by ep={ep}")
-        if moe_i % etp:
-            problems.append(f"moe_intermediate_size={moe_i} is not divisible by etp={etp}")
+    if len(moe) < L:
+        check_divisible(problems, "intermediate_size", inter, mtp, "Megatron tp")
+    if moe:
+        check_divisible(problems, "num_experts", E, ep, "ep")
+        check_divisible(problems, "moe_intermediate_size", moe_i, etp, "etp")
     elif ep > 1 or m.etp not in (None, mtp):
         problems.append(f"ep={ep}, etp={m.etp} but {model_type} has no expert layers")
     if dp and (mtp * dp) % (etp * ep):
         problems.append(f"etp*ep={etp}*{ep} does not divide tp*dp={mtp}*{dp} (expert-DP would not be whole)")
-    if problems:
-        raise ValueError(f"megatron_to_vllm: {model_type} with {m} over {W} trainer ranks: " + "; ".join(problems))
+    raise_problems(f"megatron_to_vllm: {model_type} with {m} over {W} trainer ranks", problems)
 
     hf = hf_to_vllm(config, tp=tp, trainer_ranks=src_ranks, inference_ranks=inference_ranks, dtype=dtype,
                     src_dtype=src_dtype, expert_parallel=expert_parallel, quantization=quantization,
@@ -208,18 +186,24 @@ def megatron_to_vllm(config: Any, *, megatron: Megatron, tp: int, trainer_ranks,
         dense(name, shape, placement, stage)
         pieces[hf_name] = [((0,) * len(shape), shape, name, (0,) * len(shape))]
 
-    # Embedding: rows [0, V) of Megatron's padded vocab. Tied with pp > 1: the last stage's
-    # output_layer is a second copy, one more replica of the same source.
-    emb = "embedding.word_embeddings.weight"
-    if tied and pp > 1:
-        src[emb] = Layout((Vm, H), [dense_mesh(0), dense_mesh(pp - 1)], [Replicate(), Replicate(), Shard(0)],
-                          src_dtype)
-    else:
-        dense(emb, (Vm, H), Shard(0), 0)
-    pieces["model.embed_tokens.weight"] = [((0, 0), (V, H), emb, (0, 0))]
+    # Embedding: rows [0, V) of Megatron's padded vocab. Tied, pp = 1: output_layer is the
+    # embedding's own tensor; tied, pp > 1: the last stage's copy serves the second half of each
+    # TP shard's real rows.
+    emb, out = "embedding.word_embeddings.weight", "output_layer.weight"
+    dense(emb, (Vm, H), Shard(0), 0)
+    if not tied or pp > 1:
+        dense(out, (Vm, H), Shard(0), pp - 1)
     if not tied:
-        dense("output_layer.weight", (Vm, H), Shard(0), pp - 1)
-        pieces["lm_head.weight"] = [((0, 0), (V, H), "output_layer.weight", (0, 0))]
+        pieces["lm_head.weight"] = [((0, 0), (V, H), out, (0, 0))]
+    if tied and pp > 1:
+        rows, halves = Vm // mtp, []
+        for lo in range(0, V, rows):
+            hi = min(lo + rows, V)
+            mid = lo + (hi - lo + 1) // 2
+            halves += [((lo, 0), (mid, H), emb, (lo, 0))] + ([((mid, 0), (hi, H), out, (mid, 0))] if mid < hi else [])
+        pieces["model.embed_tokens.weight"] = halves
+    else:
+        pieces["model.embed_tokens.weight"] = [((0, 0), (V, H), emb, (0, 0))]
     same("model.norm.weight", "decoder.final_layernorm.weight", pp - 1)
 
     for i in range(L):
@@ -245,7 +229,7 @@ def megatron_to_vllm(config: Any, *, megatron: Megatron, tp: int, trainer_ranks,
             same(f"{att}.k_norm.weight", f"{matt}.k_layernorm.weight", stage)
         same(f"{hpre}.input_layernorm.weight", f"{matt}.linear_qkv.layer_norm_weight", stage)
         mlp, mmlp = f"{hpre}.mlp", f"{mpre}.mlp"
-        if i in moe_layers:
+        if i in moe:
             same(f"{hpre}.post_attention_layernorm.weight", f"{mpre}.pre_mlp_layernorm.weight", stage)
             same(f"{mlp}.gate.weight", f"{mmlp}.router.weight", stage)
             per_ep = E // ep
@@ -335,7 +319,7 @@ def megatron_tensors(model_chunks, *, megatron: Megatron, rank: int) -> dict[str
     are global (the MoE layer's ``local_expert_indices``). Local-spec norms are renamed (``input_layernorm`` ->
     ``self_attention.linear_qkv.layer_norm_weight``; a dense layer's ``pre_mlp_layernorm`` ->
     ``mlp.linear_fc1.layer_norm_weight``). Tied embeddings on a last stage of pp > 1: its
-    ``output_layer.weight`` is returned as ``embedding.word_embeddings.weight`` (a replica).
+    ``output_layer.weight`` (Megatron's copy of the embedding) keeps its name.
 
     Raises ``ValueError`` naming every parameter it cannot map (grouped-GEMM experts, unknown
     modules), and ``ValueError`` if ``megatron`` or ``rank`` does not fit the chunks.
@@ -390,11 +374,9 @@ def _global_params(model_chunks, megatron: Megatron, rank: int, what: str) -> di
             where = f"chunk {c}: {name}"
             hit = _LAYER.match(name)
             if hit is None:
-                if name == "output_layer.weight" and tied:
-                    if getattr(model, "pre_process", False):
-                        continue  # pp = 1 shares the embedding's tensor (never listed twice anyway)
-                    name = "embedding.word_embeddings.weight"
-                elif name not in ("embedding.word_embeddings.weight", "output_layer.weight",
+                if name == "output_layer.weight" and tied and getattr(model, "pre_process", False):
+                    continue  # pp = 1 shares the embedding's tensor (never listed twice anyway)
+                if name not in ("embedding.word_embeddings.weight", "output_layer.weight",
                                   "decoder.final_layernorm.weight"):
                     problems.append(f"{where}: no vLLM destination (position embeddings, MTP, ... are not supported)")
                     continue
