@@ -39,93 +39,21 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
 
 import torch
 
 from . import replicas
-from .reshard import Plan, TransferOp, cut_global, source_pieces
+from .boxes import (RECV_ALIGN, Box, box_extent, box_is_contiguous, box_nbytes, box_of, box_part, cut_global,
+                    intersect_boxes, slices_of, union_boxes)
+from .ops import Plan, TransferOp
 from .text import fmt_bytes, fmt_ranks, fmt_slices, render_table
 from ._gc import gc_paused
 
-__all__ = ["CrossTransfer", "FanoutOp", "HostPlan", "Message", "RECV_ALIGN", "Traffic", "box_is_contiguous",
-           "host_order", "join_host_parts", "plan_hosts",
-           "refit_traffic",
-           "plan_messages"]
-
-#: Receive buffers start every box on this boundary (the transports' arena alignment), so boxes that
-#: are back to back in the source arena stay back to back in the buffer and travel as one message.
-RECV_ALIGN = 256
-
-Box = tuple[tuple[int, int], ...]   # per dim [start, stop) in a source rank's local shard
-
-
-def _slices(box: Box) -> tuple[slice, ...]:
-    return tuple(slice(a, b) for a, b in box)
-
-
-def _box(slices: tuple[slice, ...]) -> Box:
-    return tuple((s.start, s.stop) for s in slices)
-
-
-def box_is_contiguous(box: Box, shape: tuple[int, ...]) -> bool:
-    """True when ``box`` is one contiguous range of a row-major tensor of ``shape``: every dim before
-    the first one of extent != 1 has extent 1, and every dim after it is whole."""
-    for d, (a, b) in enumerate(box):
-        if b - a != 1:
-            return all(box[j] == (0, shape[j]) for j in range(d + 1, len(box)))
-    return True
-
-
-def _union(boxes: list[Box]) -> list[Box]:
-    """Disjoint boxes covering the union of ``boxes``, merged along every dim where the pieces on
-    both sides of a cut are equal (a set of boxes tiling a whole shard comes back as one box)."""
-    if not boxes:
-        return []
-    if not boxes[0]:
-        return [()]
-    cuts = sorted({b[0][0] for b in boxes} | {b[0][1] for b in boxes})
-    out: list[Box] = []
-    run: tuple[int, int, tuple[Box, ...]] | None = None
-    for a, b in zip(cuts, cuts[1:]):
-        inside = [bx[1:] for bx in boxes if bx[0][0] <= a and b <= bx[0][1]]
-        sub = tuple(_union(inside)) if inside else None
-        if run is not None and sub == run[2]:
-            run = (run[0], b, sub)
-            continue
-        if run is not None and run[2] is not None:
-            out.extend(((run[0], run[1]),) + s for s in run[2])
-        run = (a, b, sub)
-    if run is not None and run[2] is not None:
-        out.extend(((run[0], run[1]),) + s for s in run[2])
-    return out
-
-
-def _intersect(a: Box, b: Box) -> Box | None:
-    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
-    return out if all(lo < hi for lo, hi in out) else None
-
-
-def _nbytes(lay, box: Box) -> int:
-    return math.prod(b - a for a, b in box) * lay.itemsize
-
-
-def _extent(box: Box) -> int:
-    """Units ``box`` can be cut into: its extent along :func:`~.replicas.split_axis` (1: one element)."""
-    axis = replicas.split_axis([b - a for a, b in box])
-    return 1 if axis is None else box[axis][1] - box[axis][0]
-
-
-def _part(box: Box, u0: int, u1: int) -> Box:
-    """Units ``[u0, u1)`` of ``box`` along :func:`~.replicas.split_axis` (contiguous if ``box`` is)."""
-    if (u0, u1) == (0, _extent(box)):
-        return box
-    axis = replicas.split_axis([b - a for a, b in box])
-    a = box[axis][0]
-    return box[:axis] + ((a + u0, a + u1),) + box[axis + 1:]
+__all__ = ["CrossTransfer", "FanoutOp", "HostPlan", "host_order", "plan_hosts"]
 
 
 @dataclass(frozen=True)
@@ -152,7 +80,7 @@ class CrossTransfer:
     contiguous: bool
 
     def __hash__(self) -> int:  # slices are unhashable before Python 3.12
-        return hash((self.index, self.name, self.src_rank, self.receiver, _box(self.box)))
+        return hash((self.index, self.name, self.src_rank, self.receiver, box_of(self.box)))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -441,28 +369,6 @@ def plan_hosts(plan: Plan, hosts: Mapping[int, str], *,
     return HostPlan(plan, host_of, tuple(local), tuple(transfers), tuple(fanout), buffer_bytes)
 
 
-@gc_paused
-def join_host_parts(part: HostPlan, host: str, transfers: Mapping[str, Sequence[CrossTransfer]], *,
-                    align: int = RECV_ALIGN) -> HostPlan:
-    """One rank's view of the group's host plan, from its own host's ``part`` (``plan_hosts(...,
-    host=host)``, numbered from ``first_index=0``) and every destination host's transfers
-    (``{host: that host's part's transfers}``, each numbered from 0, as the hosts' ranks made
-    them), renumbered host after host in :func:`host_order`. Equal to the whole host plan in its
-    transfers and receive buffers, and in everything on ``host`` (local ops, fan-out, fences,
-    receives); the other hosts' local and fan-out ops are not in it."""
-    everything: list[CrossTransfer] = []
-    shift = 0
-    for h in host_order(part.hosts):
-        base = len(everything)
-        if h == host:
-            shift = base
-        everything += [replace(t, index=t.index + base) for t in transfers.get(h, ())]
-    buffers: dict[int, int] = {}
-    for t in everything:   # a buffer ends where its last box does, rounded up (as _lay_out_buffers)
-        buffers[t.receiver] = max(buffers.get(t.receiver, 0), -(-(t.offset + t.nbytes) // align) * align)
-    fanout = tuple(FanoutOp(f.transfer + shift, f.op) for f in part.fanout)
-    return HostPlan(part.plan, part.hosts, part.local_ops, tuple(everything), fanout, buffers)
-
 
 def host_order(hosts: Mapping[int, str]) -> tuple[str, ...]:
     """The distinct hosts of ``{rank: host}`` in order of their lowest rank: the order of the host
@@ -530,10 +436,10 @@ def _resource_locally(ops: list[TransferOp], src_lay, host_of: Mapping[int, str]
 
 def _union_needs(needs: _Needs) -> list[_Crossing]:
     """Step 2: per (host, source name, replica set), the union of the source boxes the host's ranks
-    need, as disjoint boxes merged as far as possible (:func:`_union`): a whole shard needed on a
+    need, as disjoint boxes merged as far as possible (:func:`.boxes.union_boxes`): a whole shard needed on a
     host is one box, so it can be sent straight from the sender's memory as one message."""
     return [_Crossing(h, name, group, box) for (h, name, group), ops in sorted(needs.items())
-            for box in _union([_box(op.src_slices) for op in ops])]
+            for box in union_boxes([box_of(op.src_slices) for op in ops])]
 
 
 def _choose_senders(crossings: list[_Crossing], src_lay, knobs: replicas.Knobs) -> list[_Crossing]:
@@ -542,13 +448,13 @@ def _choose_senders(crossings: list[_Crossing], src_lay, knobs: replicas.Knobs) 
     that a host's part needs no other host's ops). A big box whose replicas
     would otherwise send unevenly is cut along its outermost dim between several of them; every
     resulting box has exactly one sender."""
-    pieces = [replicas.Piece(c.group, _nbytes(src_lay[c.name], c.box), _extent(c.box), (c.host, c.name, c.group, c.box))
+    pieces = [replicas.Piece(c.group, box_nbytes(src_lay[c.name], c.box), box_extent(c.box), (c.host, c.name, c.group, c.box))
               for c in crossings]
     out = []
     for c, shares in zip(crossings, replicas.spread(pieces, replicas.Loads(), knobs)):
         u0 = 0
         for sender, units in shares:
-            out.append(c._replace(box=_part(c.box, u0, u0 + units), sender=sender))
+            out.append(c._replace(box=box_part(c.box, u0, u0 + units), sender=sender))
             u0 += units
     return out
 
@@ -568,10 +474,10 @@ def _assign_receivers(crossings: list[_Crossing], needs: _Needs, src_lay, arena_
     out = []
     for h in sorted(by_host):
         seq = sorted(by_host[h], key=lambda c: (c.sender, arena_pos(c.sender, c.name), c.name, c.box))
-        sizes = [(_nbytes(src_lay[c.name], c.box), _extent(c.box)) for c in seq]
+        sizes = [(box_nbytes(src_lay[c.name], c.box), box_extent(c.box)) for c in seq]
         recvs = sorted(receivers[h])
         for i, u0, u1, run in replicas.cut_runs(sizes, len(recvs), knobs):
-            out.append(seq[i]._replace(box=_part(seq[i].box, u0, u1), receiver=recvs[run]))
+            out.append(seq[i]._replace(box=box_part(seq[i].box, u0, u1), receiver=recvs[run]))
     return out
 
 
@@ -585,9 +491,9 @@ def _lay_out_buffers(crossings: list[_Crossing], host_of: Mapping[int, str], src
     for c in sorted(crossings, key=lambda c: (c.receiver, c.sender, arena_pos(c.sender, c.name), c.name, c.box)):
         lay = src_lay[c.name]
         pos = -(-buffer_bytes[c.receiver] // align) * align
-        size = _nbytes(lay, c.box)
+        size = box_nbytes(lay, c.box)
         transfers.append(CrossTransfer(first + len(transfers), c.name, c.sender, c.receiver, host_of[c.sender], c.host,
-                                       _slices(c.box), lay.dtype, pos, size,
+                                       slices_of(c.box), lay.dtype, pos, size,
                                        box_is_contiguous(c.box, lay.local_shape(c.sender))))
         buffer_bytes[c.receiver] = pos + size
     return transfers, {r: -(-b // align) * align for r, b in buffer_bytes.items()}
@@ -604,9 +510,9 @@ def _fan_out(needs: _Needs, transfers: list[CrossTransfer],
     fanout: list[FanoutOp] = []
     for key, ops in needs.items():
         for op in ops:
-            src_box = _box(op.src_slices)
+            src_box = box_of(op.src_slices)
             for t in by_need[key]:
-                cut = _intersect(src_box, _box(t.box))
+                cut = intersect_boxes(src_box, box_of(t.box))
                 if cut is None:
                     continue
                 rel = tuple(slice(a - tb.start, b - tb.start) for (a, b), tb in zip(cut, t.box))
@@ -616,121 +522,3 @@ def _fan_out(needs: _Needs, transfers: list[CrossTransfer],
                 fanout.append(FanoutOp(t.index, TransferOp(op.name, t.receiver, op.dst_rank, rel, dst, g,
                                                            op.src_name)))
     return fanout
-
-
-@dataclass(frozen=True)
-class Message:
-    """One point-to-point message of a refit: ``sender`` -> ``receiver``, ``nbytes`` bytes landing at
-    byte ``recv_offset`` of the receiver's buffer, carrying ``transfers`` (indices, back to back).
-
-    ``src_offset``: byte offset of the bytes in the sender's arena when they are one range there
-    (sent straight from the arena); ``None`` when the sender packs its single, non-contiguous box
-    first.
-    """
-
-    sender: int
-    receiver: int
-    transfers: tuple[int, ...]
-    recv_offset: int
-    nbytes: int
-    src_offset: int | None
-
-
-def _box_byte_offset(box: tuple[slice, ...], shape: tuple[int, ...], itemsize: int) -> int:
-    off, stride = 0, itemsize
-    for s, n in zip(reversed(box), reversed(shape)):
-        off += s.start * stride
-        stride *= n
-    return off
-
-
-def plan_messages(hp: HostPlan, src_offsets: Mapping[tuple[int, str], int]) -> tuple[Message, ...]:
-    """The messages of ``hp`` given where each source shard lives in its sender's arena.
-
-    Transfers from one sender to one receiver that are back to back both in the sender's arena and
-    in the receive buffer travel as one message (a whole arena needed on a host is one message per
-    sender and receiver). Sender and receiver derive the same list from the same inputs.
-    """
-    missing = sorted({(t.src_rank, t.name) for t in hp.transfers} - set(src_offsets))
-    if missing:
-        raise ValueError(f"plan_messages: src_offsets has no arena offset for (rank, name) {missing[:8]}")
-    out: list[Message] = []
-    for t in sorted(hp.transfers, key=lambda t: (t.src_rank, t.receiver, t.offset)):
-        lay = hp.plan.src_layouts[t.name]
-        src = None
-        if t.contiguous:
-            src = src_offsets[(t.src_rank, t.name)] + _box_byte_offset(t.box, lay.local_shape(t.src_rank),
-                                                                       lay.itemsize)
-        last = out[-1] if out else None
-        if (last is not None and src is not None and last.src_offset is not None
-                and (last.sender, last.receiver) == (t.src_rank, t.receiver)
-                and last.src_offset + last.nbytes == src and last.recv_offset + last.nbytes == t.offset):
-            out[-1] = Message(last.sender, last.receiver, last.transfers + (t.index,), last.recv_offset,
-                              last.nbytes + t.nbytes, last.src_offset)
-        else:
-            out.append(Message(t.src_rank, t.receiver, (t.index,), t.offset, t.nbytes, src))
-    return tuple(out)
-
-
-@dataclass(frozen=True)
-class Traffic:
-    """Bytes each rank moves in one refit, by direction and by link kind, as :func:`refit_traffic`
-    models them. ``{rank: bytes}`` each: ``out_within`` / ``in_within`` over the host's own links
-    (reads of source arenas and relay buffers on the host), ``out_across`` / ``in_across`` between
-    hosts (each byte a host needs once). ``pieces``: ``{rank: pieces it reads or serves}`` (the
-    plan's ops, before replicas cut some into parts). ``host_ingress``: ``{host: bytes}``."""
-
-    out_within: Mapping[int, int]
-    in_within: Mapping[int, int]
-    out_across: Mapping[int, int]
-    in_across: Mapping[int, int]
-    pieces: Mapping[int, int]
-    host_ingress: Mapping[str, int]
-
-
-@gc_paused
-def refit_traffic(src_layouts, dst_layouts, parts=None, hosts: Mapping[int, str] | None = None) -> Traffic:
-    """A model of one refit's traffic per rank, from :func:`.reshard.source_pieces` (no ops made, so
-    it runs at frontier scale). ``hosts``: ``{rank: host}`` (default: one host).
-
-    As the engine moves bytes: a piece whose source has a replica on the destination's host is read
-    there (split evenly over those replicas); every other piece's source box crosses into the
-    destination's host once (the union of the boxes the host's ranks need, per source tensor and
-    replica set), sent evenly by the replica set, received evenly by the host's ranks that read
-    across hosts (the relays), then fanned out: each reader reads its piece from a relay buffer on
-    its host. A model, not the plan: the host planner's exact cuts differ by its balance slack."""
-    ranks = {r for lay in (*src_layouts.values(), *dst_layouts.values()) for r in lay.ranks}
-    host_of = {r: "host" for r in ranks} if hosts is None else dict(hosts)
-    missing = sorted(ranks - set(host_of))
-    if missing:
-        raise ValueError(f"refit_traffic: hosts has no entry for rank(s) {missing}")
-    ow, iw, oa, ia, n_pieces = (defaultdict(int) for _ in range(5))
-    ingress: dict[str, int] = defaultdict(int)
-    relayed: dict[str, set[int]] = defaultdict(set)      # host -> its ranks that read across hosts
-    fanout: dict[str, int] = defaultdict(int)             # host -> bytes read from its relay buffers
-    for cls, (count, rows) in enumerate(source_pieces(src_layouts, dst_layouts, parts)):
-        crossing: dict[tuple, list] = defaultdict(list)
-        for group, dst_rank, src_box, numel, s_isz, d_isz in rows:
-            h = host_of[dst_rank]
-            n_pieces[dst_rank] += count
-            iw[dst_rank] += count * numel * d_isz
-            here = [r for r in group if host_of[r] == h]
-            if here:
-                for r in here:
-                    ow[r] += count * numel * s_isz // len(here)
-                    n_pieces[r] += count if r != dst_rank else 0
-                continue
-            crossing[(h, group, s_isz)].append(src_box)
-            relayed[h].add(dst_rank)
-            fanout[h] += count * numel * d_isz
-        for (h, group, s_isz), boxes in crossing.items():
-            nbytes = count * s_isz * sum(math.prod(b - a for a, b in box) for box in _union(boxes))
-            ingress[h] += nbytes
-            for r in group:
-                oa[r] += nbytes // len(group)
-                n_pieces[r] += count * len(boxes) // len(group)
-    for h, readers in relayed.items():
-        for r in readers:
-            ia[r] += ingress[h] // len(readers)
-            ow[r] += fanout[h] // len(readers)
-    return Traffic(*(dict(sorted(d.items())) for d in (ow, iw, oa, ia, n_pieces)), dict(sorted(ingress.items())))
