@@ -21,7 +21,8 @@ Modules, bottom up (each imports only those above it in this list):
 """
 from .boxes import RECV_ALIGN, box_is_contiguous, cut_global
 from .dtypes import CASTABLE_DTYPES, castable
-from .hosts import CrossTransfer, FanoutOp, HostPlan, host_order, plan_hosts
+from .hostplan import CrossTransfer, FanoutOp, HostPlan, host_order
+from .hosts import plan_host_part, plan_hosts
 from .ops import FillOp, Plan, PlanStats, TransferOp, merge_plans
 from .quant import FP8_DTYPE, SCALE_RULES, BlockQuant, QuantizedPlan, plan_quantized
 from .reshard import plan_reshard, source_pieces
@@ -32,5 +33,5 @@ from .wire import Message, join_host_parts, plan_messages
 __all__ = ["BlockQuant", "CASTABLE_DTYPES", "CrossTransfer", "FP8_DTYPE", "FanoutOp", "FillOp", "HostPlan",
            "Message", "Plan", "PlanStats", "QuantizedPlan", "RECV_ALIGN", "SCALE_RULES", "Traffic", "TransferOp",
            "box_is_contiguous", "castable", "cut_global", "fmt_bytes", "fmt_global", "fmt_slices", "host_order",
-           "join_host_parts", "merge_plans", "plan_hosts", "plan_messages", "plan_quantized", "plan_reshard",
+           "join_host_parts", "merge_plans", "plan_host_part", "plan_hosts", "plan_messages", "plan_quantized", "plan_reshard",
            "refit_traffic", "source_pieces"]

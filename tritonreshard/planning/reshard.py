@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from functools import lru_cache
 from itertools import chain, product
 from operator import itemgetter
+from typing import NamedTuple
 
 from ..layout import Layout, Part, Segment, segments_by_mesh_index
 from . import replicas
@@ -178,12 +179,53 @@ def _dst_segments(d_geo: tuple, box: tuple | None, src_start: tuple | None, dst_
     return tuple(_clip(s, lo, hi, st - lo) for s, (lo, hi), st in zip(segs, box, src_start))
 
 
-# One piece of a (source layout, destination layout) pair, independent of the tensor's name and
-# dtype (a model's layers repeat a geometry): (dst_rank, replica set index, replica set, ordinal in
-# the set's pieces for this dst_rank, dims, numel, template). ``template`` is ``(src_rank,
-# src_slices, dst_slices, global_index)`` when the source is fixed (one replica, or the destination
-# holds the data itself) and None when :func:`.replicas.share` picks the replicas.
-_Row = tuple
+class _Template(NamedTuple):
+    """A piece's op fields when its source is fixed (one replica, or the destination holds the data
+    itself), and its sort key: made once per geometry (layers repeat them)."""
+
+    src_rank: int
+    src_slices: tuple[slice, ...]
+    dst_slices: tuple[slice, ...]
+    global_index: tuple
+    sort_key: tuple   # (dst_rank, dst starts, src_rank): the plan's order within a tensor
+
+
+class _Row(NamedTuple):
+    """One piece of a (source layout, destination layout) pair, independent of the tensor's name and
+    dtype (a model's layers repeat a geometry). Made once per geometry and cached, so a NamedTuple's
+    construction cost is paid per geometry, not per op; the hot loops unpack it like a tuple."""
+
+    dst_rank: int
+    group_index: int             # which replica set of the source
+    group: tuple[int, ...]       # the replica set
+    ordinal: int                 # the piece's place among the set's pieces for this dst_rank
+    dims: tuple                  # per dim (src_local_start, dst_local_start, length, global intervals)
+    numel: int
+    template: _Template | None   # None: :func:`.replicas.share` picks the replicas
+
+
+class OpRow(NamedTuple):
+    """One op of the plan without its tensor's names (:func:`rows_into`): shared by every tensor of
+    the same geometry. ``group``: the replica set holding the source box (``src_rank`` is one)."""
+
+    src_rank: int
+    dst_rank: int
+    src_slices: tuple[slice, ...]
+    dst_slices: tuple[slice, ...]
+    global_index: tuple
+    group: tuple[int, ...]
+
+
+class Job(NamedTuple):
+    """The ops of one (destination tensor, source tensor) pair into some destination ranks
+    (:func:`rows_into`). Jobs of the same geometry have the same ``key`` and share one ``rows``;
+    ``source`` numbers the source's geometry (equal for sources of one geometry)."""
+
+    name: str
+    src_name: str
+    key: int
+    source: int
+    rows: tuple[OpRow, ...]
 
 
 def _rows(dst_rank: int, d_segs: tuple, g_idx: int, s_segs: tuple, group: tuple[int, ...]) -> list[_Row]:
@@ -197,8 +239,8 @@ def _rows(dst_rank: int, d_segs: tuple, g_idx: int, s_segs: tuple, group: tuple[
             src_rank = dst_rank if dst_rank in group else group[0]
             fields = _op_fields(dims)
             # The op's fields and its sort key, made once per geometry (layers repeat them).
-            template = (src_rank, *fields, (dst_rank, tuple(d.start for d in fields[1]), src_rank))
-        rows.append((dst_rank, g_idx, group, ordinal, dims, math.prod(p[2] for p in dims), template))
+            template = _Template(src_rank, *fields, (dst_rank, tuple(d.start for d in fields[1]), src_rank))
+        rows.append(_Row(dst_rank, g_idx, group, ordinal, dims, math.prod(p[2] for p in dims), template))
     return rows
 
 
@@ -238,12 +280,70 @@ def _emit(row: _Row, name: str, src_name: str, turn: int, s_isz: int, knobs: rep
     if template is not None:
         src_rank, ss, ds, g, _ = template
         return [TransferOp(name, src_rank, dst_rank, ss, ds, g, src_name)]
-    axis = replicas.split_axis([p[2] for p in dims])
-    shares = replicas.share(group, numel * s_isz, 1 if axis is None else dims[axis][2], turn, knobs)
+    return [_make_op(name, src_rank, dst_rank, part, src_name) for src_rank, part in _shares(row, turn, s_isz, knobs)]
+
+
+def _shares(row: _Row, turn: int, s_isz: int, knobs: replicas.Knobs) -> list[tuple[int, tuple]]:
+    """``(src_rank, dims)`` of each part of a piece whose replicas :func:`.replicas.share` picks."""
+    axis = replicas.split_axis([p[2] for p in row.dims])
+    shares = replicas.share(row.group, row.numel * s_isz, 1 if axis is None else row.dims[axis][2], turn, knobs)
     if len(shares) == 1:
-        return [_make_op(name, shares[0][0], dst_rank, dims, src_name)]
-    return [_make_op(name, src_rank, dst_rank, part, src_name)
-            for (src_rank, _), part in zip(shares, _split(dims, [u for _, u in shares]))]
+        return [(shares[0][0], row.dims)]
+    return [(src_rank, part) for (src_rank, _), part in zip(shares, _split(row.dims, [u for _, u in shares]))]
+
+
+def rows_into(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout], resolved: Mapping,
+              dst_ranks) -> list[Job]:
+    """The whole plan's ops into ``dst_ranks``, as jobs (:class:`Job`: one per destination tensor and
+    source it reads, in plan order), without making an op: jobs of the same geometry share one
+    tuple of rows. The same ops, with the same replica choices, as :func:`plan_reshard` (``resolved``:
+    :func:`.checks.check_inputs`' parts). A job whose pieces :func:`.replicas.share` spreads over
+    replicas has rows of its own (its turn depends on the tensor's place in the plan)."""
+    knobs = replicas.KNOBS
+    # (geometry of the pair) -> (key, source, rows), or None where replicas are chosen per job. One
+    # lookup per job: the geometry tuples are big, and hashing them is most of a job's cost.
+    classes: dict[tuple, tuple | None] = {}
+    sources: dict[tuple, int] = {}
+    jobs: list[Job] = []
+    next_key = 0
+    for t_idx, (name, d_lay) in enumerate(sorted(dst_layouts.items())):
+        mine = tuple(d for d in d_lay.ranks if d in dst_ranks)
+        if not mine:
+            continue
+        parts = resolved.get(name)
+        if parts is None:
+            parts = ((name, None, None),)
+        d_geo, n_dst, pos = _geometry(d_lay), len(d_lay.ranks), _positions(d_lay.ranks)
+        for j_idx, (src_name, box, start) in enumerate(parts):
+            if src_name is None:
+                continue
+            s_lay = src_layouts[src_name]
+            s_geo, s_isz = _geometry(s_lay), s_lay.itemsize
+            geo = (s_geo, s_isz, d_geo, box, start, mine)
+            seen = classes.get(geo, False)
+            if seen:
+                jobs.append(Job(name, src_name, *seen))
+                continue
+            out, fixed = [], True
+            base = (t_idx + j_idx) * n_dst
+            for d in mine:
+                for row in _dst_rows(s_geo, d_geo, box, start, d):
+                    t = row.template
+                    if t is not None:
+                        out.append(OpRow(t.src_rank, d, t.src_slices, t.dst_slices, t.global_index, row.group))
+                        continue
+                    fixed = False
+                    turn = replicas.rotation(base + pos[d], len(row.group)) + row.group_index + row.ordinal
+                    for src_rank, dims in _shares(row, turn, s_isz, knobs):
+                        out.append(OpRow(src_rank, d, *_op_fields(dims), row.group))
+            got = (next_key, sources.setdefault(s_geo, len(sources)), tuple(out))
+            next_key += 1
+            if seen is False:
+                # Where replicas are chosen, the choice depends on the tensor's place in the plan:
+                # each such job has rows of its own.
+                classes[geo] = got if fixed else None
+            jobs.append(Job(name, src_name, *got))
+    return jobs
 
 
 @lru_cache(maxsize=1024)

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from .boxes import RECV_ALIGN
-from .hosts import CrossTransfer, FanoutOp, HostPlan, host_order
+from .hostplan import CrossTransfer, HostPlan, host_order
 from ._gc import gc_paused
 
 __all__ = ["Message", "join_host_parts", "plan_messages"]
@@ -33,8 +33,7 @@ def join_host_parts(part: HostPlan, host: str, transfers: Mapping[str, Sequence[
     buffers: dict[int, int] = {}
     for t in everything:   # a buffer ends where its last box does, rounded up (as _lay_out_buffers)
         buffers[t.receiver] = max(buffers.get(t.receiver, 0), -(-(t.offset + t.nbytes) // align) * align)
-    fanout = tuple(FanoutOp(f.transfer + shift, f.op) for f in part.fanout)
-    return HostPlan(part.plan, part.hosts, part.local_ops, tuple(everything), fanout, buffers)
+    return part.joined(tuple(everything), buffers, shift)
 
 
 @dataclass(frozen=True)
@@ -74,8 +73,9 @@ def plan_messages(hp: HostPlan, src_offsets: Mapping[tuple[int, str], int]) -> t
     if missing:
         raise ValueError(f"plan_messages: src_offsets has no arena offset for (rank, name) {missing[:8]}")
     out: list[Message] = []
+    src_layouts = hp.src_layouts
     for t in sorted(hp.transfers, key=lambda t: (t.src_rank, t.receiver, t.offset)):
-        lay = hp.plan.src_layouts[t.name]
+        lay = src_layouts[t.name]
         src = None
         if t.contiguous:
             src = src_offsets[(t.src_rank, t.name)] + _box_byte_offset(t.box, lay.local_shape(t.src_rank),
