@@ -12,8 +12,12 @@ Modules, bottom up (each imports only those above it in this list):
   rank), :class:`FillOp` (zero padding), :class:`Plan` and its text, :func:`merge_plans`;
 * :mod:`.reshard`: the planner, ``plan_reshard(src_layouts, dst_layouts, parts=)`` -> :class:`Plan`;
 * :mod:`.quant`: block-quantized (FP8) destinations: :class:`BlockQuant`, :func:`plan_quantized`;
-* :mod:`.hosts`: the same plan split by host (:func:`plan_hosts`): each byte a host needs crosses into
-  it once, then fans out locally;
+* :mod:`.hostplan`: what a host plan is: :class:`HostPlan`, :class:`CrossTransfer`, :class:`FanoutOp`;
+* :mod:`.crossings`: the boxes crossing into a host: senders, receivers, receive buffers;
+* :mod:`.hosts`: the plan split by host (:func:`plan_hosts`): each byte a host needs crosses into it
+  once, then fans out locally;
+* :mod:`.hostpart`: one host's part from the layouts (:func:`plan_host_part`), what a rank on several
+  hosts plans, without making a plan;
 * :mod:`.wire`: what travels: one rank's view joined from the hosts' parts (:func:`join_host_parts`)
   and the point-to-point messages (:func:`plan_messages`);
 * :mod:`.traffic`: :func:`refit_traffic`, each rank's bytes per link kind at a scale where the whole
@@ -22,7 +26,8 @@ Modules, bottom up (each imports only those above it in this list):
 from .boxes import RECV_ALIGN, box_is_contiguous, cut_global
 from .dtypes import CASTABLE_DTYPES, castable
 from .hostplan import CrossTransfer, FanoutOp, HostPlan, host_order
-from .hosts import plan_host_part, plan_hosts
+from .hostpart import plan_host_part
+from .hosts import plan_hosts
 from .ops import FillOp, Plan, PlanStats, TransferOp, merge_plans
 from .quant import FP8_DTYPE, SCALE_RULES, BlockQuant, QuantizedPlan, plan_quantized
 from .reshard import plan_reshard, source_pieces
