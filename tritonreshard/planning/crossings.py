@@ -9,6 +9,7 @@ import math
 from collections import defaultdict
 from collections.abc import Mapping
 from functools import lru_cache, partial
+from operator import itemgetter
 from typing import NamedTuple
 
 from . import replicas
@@ -90,8 +91,12 @@ def assign_receivers(crossings: list[Crossing], receivers: set[int], src_lay, ar
     ``crossings``: one host's; ``receivers``: its ranks that read from other hosts."""
     if not crossings:
         return []
-    seq = sorted(crossings, key=lambda c: (c.sender, arena_pos(c.sender, c.name), c.name, c.box))
-    sizes = [_size(c.box, src_lay[c.name].itemsize) for c in seq]
+    if arena_pos is None:   # every arena offset 0: (sender, name, box), compared in C
+        seq = sorted(crossings, key=_by_sender)
+    else:
+        seq = sorted(crossings, key=lambda c: (c.sender, arena_pos(c.sender, c.name), c.name, c.box))
+    isz = {name: src_lay[name].itemsize for name in {c.name for c in seq}}
+    sizes = [_size(c.box, isz[c.name]) for c in seq]
     recvs = sorted(receivers)
     out = []
     for i, u0, u1, run in replicas.cut_runs(sizes, len(recvs), knobs):
@@ -108,36 +113,41 @@ def _size(box: Box, itemsize: int) -> tuple[int, int]:
     return math.prod(b - a for a, b in box) * itemsize, box_extent(box)
 
 
+_by_sender = itemgetter(4, 1, 3)          # Crossing: (sender, name, box)
+_by_receiver = itemgetter(5, 4, 1, 3)     # Crossing: (receiver, sender, name, box)
+
+
 @lru_cache(maxsize=1 << 16)
-def _contiguous(box: Box, shape: tuple[int, ...]) -> bool:
-    return box_is_contiguous(box, shape)
+def _facts(box: Box, shape: tuple[int, ...], itemsize: int) -> tuple[tuple[slice, ...], int, bool]:
+    """``(slices, bytes, contiguous)`` of a box of a shard of ``shape`` (layers repeat them)."""
+    return slices_of(box), math.prod(b - a for a, b in box) * itemsize, box_is_contiguous(box, shape)
 
 
 def lay_out_buffers(crossings: list[Crossing], host_of: Mapping[int, str], src_lay, arena_pos,
-                     align: int, first: int = 0, shape_of=None) -> tuple[list[CrossTransfer], dict[int, int], list[Crossing]]:
+                    align: int, first: int = 0, shape_of=None) -> tuple[list[CrossTransfer], dict[int, int], list[Crossing]]:
     """Step 5: each receiver's buffer holds its boxes back to back, ``align``-byte aligned, grouped by
     sender in the sender's arena order (so arena neighbours are buffer neighbours: one message).
     Returns the transfers, numbered in buffer order from ``first``, each receiver's buffer size, and
-    the crossings in transfer order. ``shape_of(name, sender)``: the sender's local shape of the
-    source (default: the layout's)."""
+    the crossings in transfer order. ``arena_pos(sender, name)``: the shard's offset in the sender's
+    arena (None: all 0). ``shape_of(name, sender)``: the sender's local shape of the source
+    (default: the layout's)."""
     transfers: list[CrossTransfer] = []
     buffer_bytes: dict[int, int] = defaultdict(int)
     shapes: dict[tuple[str, int], tuple] = {}
-    order = sorted(crossings, key=lambda c: (c.receiver, c.sender, arena_pos(c.sender, c.name), c.name, c.box))
-    for c in order:
-        lay = src_lay[c.name]
-        shape = shapes.get((c.name, c.sender))
+    if arena_pos is None:
+        order = sorted(crossings, key=_by_receiver)
+    else:
+        order = sorted(crossings, key=lambda c: (c.receiver, c.sender, arena_pos(c.sender, c.name), c.name, c.box))
+    facts = {name: (src_lay[name].itemsize, src_lay[name].dtype) for name in {c.name for c in order}}
+    for h, name, _, box, sender, receiver in order:
+        itemsize, dtype = facts[name]
+        shape = shapes.get((name, sender))
         if shape is None:
-            shape = shapes[(c.name, c.sender)] = (tuple(lay.local_shape(c.sender)) if shape_of is None
-                                                  else shape_of(c.name, c.sender))
-        pos = -(-buffer_bytes[c.receiver] // align) * align
-        size = _size(c.box, lay.itemsize)[0]
-        transfers.append(new_transfer(first + len(transfers), c.name, c.sender, c.receiver, host_of[c.sender], c.host,
-                                      _slices(c.box), lay.dtype, pos, size, _contiguous(c.box, shape)))
-        buffer_bytes[c.receiver] = pos + size
+            shape = shapes[(name, sender)] = (tuple(src_lay[name].local_shape(sender)) if shape_of is None
+                                              else shape_of(name, sender))
+        slices, size, contiguous = _facts(box, shape, itemsize)
+        pos = -(-buffer_bytes[receiver] // align) * align
+        transfers.append(new_transfer(first + len(transfers), name, sender, receiver, host_of[sender], h,
+                                      slices, dtype, pos, size, contiguous))
+        buffer_bytes[receiver] = pos + size
     return transfers, {r: -(-b // align) * align for r, b in buffer_bytes.items()}, order
-
-
-@lru_cache(maxsize=1 << 16)
-def _slices(box: Box) -> tuple[slice, ...]:
-    return slices_of(box)

@@ -109,6 +109,7 @@ class _HostPart(HostPlan):
         self._shift = shift
         self._local_cache: dict[int, tuple] = {}
         self._fan_cache: dict[int, tuple] = {}
+        self._readers: dict[int, tuple] = {}
 
     @cached_property
     def plan(self) -> Plan:
@@ -179,26 +180,28 @@ class _HostPart(HostPlan):
             got = self._fan_cache[rank] = tuple(f for _, f in keyed)
         return got
 
-    @cached_property
     @gc_paused
-    def _readers(self) -> dict[int, tuple[int, ...]]:
-        out: dict[int, set[int]] = defaultdict(set)
-        for src in self._sources:
-            for group, need in src.needs.items():
-                aligned = src.aligned[group]
-                if aligned is not None:
-                    for t, rs in zip(aligned, need.readers):
-                        out[t.receiver].update(rs)
-                    continue
-                for t in src.transfers[group]:
-                    tb = box_of(t.box)
-                    for d, rows in need.rows.items():
-                        if any(intersect_boxes(box_of(row.src_slices), tb) is not None for _, row in rows):
-                            out[t.receiver].add(d)
-        return {r: tuple(sorted(v)) for r, v in out.items()}
-
     def buffer_readers(self, receiver: int) -> tuple[int, ...]:
-        return self._readers.get(receiver, ())
+        got = self._readers.get(receiver)
+        if got is None:
+            out: set[int] = set()
+            for src in self._sources:
+                for group, need in src.needs.items():
+                    aligned = src.aligned[group]
+                    if aligned is not None:
+                        for t, rs in zip(aligned, need.readers):
+                            if t.receiver == receiver:
+                                out.update(rs)
+                        continue
+                    for t in src.transfers[group]:
+                        if t.receiver != receiver:
+                            continue
+                        tb = box_of(t.box)
+                        for d, rows in need.rows.items():
+                            if any(intersect_boxes(box_of(row.src_slices), tb) is not None for _, row in rows):
+                                out.add(d)
+            got = self._readers[receiver] = tuple(sorted(out))
+        return got
 
     @cached_property
     @gc_paused
@@ -312,8 +315,8 @@ def plan_host_part(src_layouts, dst_layouts, parts=None, quant=None, hosts: Mapp
             crossings += [new_crossing((host, name, group, box, sender, -1)) for box in need.boxes]
     knobs = replicas.KNOBS
 
-    def arena_pos(sender: int, name: str) -> int:
-        return src_offsets.get((sender, name), 0) if src_offsets is not None else 0
+    # (sender, name) -> the shard's offset in the sender's arena; None: every offset 0
+    arena_pos = None if src_offsets is None else (lambda sender, name: src_offsets.get((sender, name), 0))
 
     src_lay = src_layouts
     boxes = choose_senders(crossings, src_lay, knobs)

@@ -18,7 +18,7 @@ from .text import fmt_bytes, fmt_ranks, fmt_slices, render_table
 __all__ = ["CrossTransfer", "FanoutOp", "HostPlan", "host_order", "new_fanout", "new_transfer"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CrossTransfer:
     """One box of a source rank's local shard that crosses from ``src_host`` into ``dst_host``.
 
@@ -58,7 +58,7 @@ class CrossTransfer:
                 f"{fmt_bytes(self.nbytes)}) buf+{self.offset}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class FanoutOp:
     """A destination rank's read from a receiver's buffer (same host).
 
@@ -274,22 +274,26 @@ def host_order(hosts: Mapping[int, str]) -> tuple[str, ...]:
     return tuple(seen)
 
 
-_obj_new, _obj_set = object.__new__, object.__setattr__
+_obj_new = object.__new__
+_CT_FIELDS = ("index", "name", "src_rank", "receiver", "src_host", "dst_host", "box", "dtype", "offset", "nbytes",
+              "contiguous")
+_set_ct = tuple(CrossTransfer.__dict__[f].__set__ for f in _CT_FIELDS)
+_set_fan = (FanoutOp.__dict__["transfer"].__set__, FanoutOp.__dict__["op"].__set__)
 
 
-def new_transfer(index, name, src_rank, receiver, src_host, dst_host, box, dtype, offset, nbytes,
-                 contiguous) -> CrossTransfer:
-    """``CrossTransfer(...)`` without the frozen dataclass's per-field ``__setattr__`` (the host
-    planner's values, already checked; a host part makes tens of thousands)."""
+def new_transfer(*values) -> CrossTransfer:
+    """``CrossTransfer(...)`` (positional, in field order) without the frozen dataclass's per-field
+    ``object.__setattr__`` (the host planner's values, already checked; a host part makes tens of
+    thousands)."""
     t = _obj_new(CrossTransfer)
-    _obj_set(t, "__dict__", {"index": index, "name": name, "src_rank": src_rank, "receiver": receiver,
-                             "src_host": src_host, "dst_host": dst_host, "box": box, "dtype": dtype,
-                             "offset": offset, "nbytes": nbytes, "contiguous": contiguous})
+    for s, v in zip(_set_ct, values):
+        s(t, v)
     return t
 
 
-def new_fanout(transfer: int, op: TransferOp) -> FanoutOp:
+def new_fanout(transfer: int, op: TransferOp, _new=_obj_new, _cls=FanoutOp, _s=_set_fan) -> FanoutOp:
     """``FanoutOp(transfer, op)``, made like :func:`new_transfer`."""
-    f = _obj_new(FanoutOp)
-    _obj_set(f, "__dict__", {"transfer": transfer, "op": op})
+    f = _new(_cls)
+    _s[0](f, transfer)
+    _s[1](f, op)
     return f

@@ -95,8 +95,8 @@ def plan_hosts(plan: Plan, hosts: Mapping[int, str], *,
     knobs = replicas.KNOBS
     src_lay = plan.src_layouts
 
-    def arena_pos(sender: int, name: str) -> int:
-        return src_offsets.get((sender, name), 0) if src_offsets is not None else 0
+    # (sender, name) -> the shard's offset in the sender's arena; None: every offset 0
+    arena_pos = None if src_offsets is None else (lambda sender, name: src_offsets.get((sender, name), 0))
 
     replica_sets = _replica_sets(plan)
     into: dict[str, list[TransferOp]] = defaultdict(list)   # destination host -> its ops, in plan order

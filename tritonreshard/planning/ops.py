@@ -32,7 +32,7 @@ class _DstBox:
         return math.prod(self.shape)
 
 
-@dataclass(frozen=True, eq=True)
+@dataclass(frozen=True, eq=True, slots=True)
 class TransferOp(_DstBox):
     """Copy ``src_rank``'s local ``src_name[src_slices]`` into ``dst_rank``'s local ``name[dst_slices]``.
 
@@ -71,7 +71,7 @@ class TransferOp(_DstBox):
                 f"({'x'.join(map(str, self.shape))})")
 
 
-@dataclass(frozen=True, eq=True)
+@dataclass(frozen=True, eq=True, slots=True)
 class FillOp(_DstBox):
     """Zero ``dst_rank``'s local ``name[dst_slices]`` (padding, e.g. vocab rows past the real vocab).
 
@@ -282,17 +282,26 @@ class Plan:
         return f"<{self.summary()}>"
 
 
-_obj_new, _obj_set = object.__new__, object.__setattr__
+_obj_new = object.__new__
+# The slots' own setters: an op is 96 bytes with slots (336 with a __dict__), and setting slots
+# through their descriptors is the cheapest way to make a frozen dataclass (a big plan makes
+# millions of ops).
+_set_op = tuple(TransferOp.__dict__[f].__set__ for f in ("name", "src_rank", "dst_rank", "src_slices",
+                                                         "dst_slices", "global_index", "src_name"))
 
 
-def new_op(name, src_rank, dst_rank, src_slices, dst_slices, global_index, src_name) -> TransferOp:
-    """``TransferOp(...)`` without the frozen dataclass's per-field ``__setattr__`` (a third of a
-    big plan's time); the values are the planner's own, already checked. The ``__dict__`` is a
-    literal: half the cost of building it from the field names (a trainer's plan makes one op per
-    reader and piece)."""
-    op = _obj_new(TransferOp)
-    _obj_set(op, "__dict__", {"name": name, "src_rank": src_rank, "dst_rank": dst_rank, "src_slices": src_slices,
-                              "dst_slices": dst_slices, "global_index": global_index, "src_name": src_name})
+def new_op(name, src_rank, dst_rank, src_slices, dst_slices, global_index, src_name,
+           _new=_obj_new, _cls=TransferOp, _s=_set_op) -> TransferOp:
+    """``TransferOp(...)`` without the frozen dataclass's per-field ``object.__setattr__`` (a third
+    of a big plan's time); the values are the planner's own, already checked."""
+    op = _new(_cls)
+    _s[0](op, name)
+    _s[1](op, src_rank)
+    _s[2](op, dst_rank)
+    _s[3](op, src_slices)
+    _s[4](op, dst_slices)
+    _s[5](op, global_index)
+    _s[6](op, src_name)
     return op
 
 
