@@ -5,6 +5,7 @@ per geometry (a model's layers repeat a few: :func:`.reshard.rows_into`), each n
 fan-out once per geometry, and a rank's ops are made only when asked for."""
 from __future__ import annotations
 
+import math
 from bisect import bisect_left, bisect_right
 from collections import defaultdict
 from collections.abc import Mapping
@@ -15,14 +16,14 @@ from . import replicas
 from .boxes import RECV_ALIGN, Box, box_of, cut_global, intersect_boxes, union_boxes
 from .checks import check_inputs
 from .crossings import Crossing, assign_receivers, check_hosts, choose_senders, lay_out_buffers, new_crossing
-from .hostplan import CrossTransfer, FanoutOp, HostPlan, new_fanout
+from .hostplan import CrossTransfer, FanoutOp, HostPlan, Traffic, new_fanout
 from .hosts import plan_hosts
 from .ops import Plan, TransferOp, merge_plans, new_op
 from .quant import QuantizedPlan, plan_quantized, quantized_inputs
 from .reshard import Job, OpRow, rows_into
 from ._gc import gc_paused
 
-__all__ = ["plan_host_part"]
+__all__ = ["host_part", "plan_host_part"]
 
 class _Reader(NamedTuple):
     """A piece of a cross-host row's read from one union box of its need: ``box`` (index into the
@@ -54,6 +55,7 @@ class _Need(NamedTuple):
     readers: tuple[frozenset, ...]          # per union box: the destination ranks that read it
     by_dst: dict                            # dst_rank -> [_Reader, ...]
     rows: dict                              # dst_rank -> [(job, OpRow), ...] (for cut boxes)
+    reads: tuple[tuple[int, int], ...]      # per union box: (elements read from it, fan-out ops)
 
 
 def _need(jobs_rows: tuple[tuple[OpRow, ...], ...], group: tuple[int, ...], cross) -> _Need:
@@ -74,7 +76,17 @@ def _need(jobs_rows: tuple[tuple[OpRow, ...], ...], group: tuple[int, ...], cros
             if cut is not None:
                 readers[u].add(row.dst_rank)
                 by_dst[row.dst_rank].append(_Reader(j, u, *_reads(row, sb, cut, boxes[u])))
-    return _Need(boxes, tuple(frozenset(r) for r in readers), dict(by_dst), dict(by_rows))
+    reads = [[0, 0] for _ in boxes]
+    for rds in by_dst.values():
+        for rd in rds:
+            reads[rd.box][0] += _numel(rd.rel)
+            reads[rd.box][1] += 1
+    return _Need(boxes, tuple(frozenset(r) for r in readers), dict(by_dst), dict(by_rows),
+                 tuple((n, c) for n, c in reads))
+
+
+def _numel(slices: tuple[slice, ...]) -> int:
+    return math.prod(s.stop - s.start for s in slices)
 
 
 class _Source(NamedTuple):
@@ -95,10 +107,12 @@ class _HostPart(HostPlan):
     ``local_ops`` / ``fanout``. ``plan`` (the merged per-rank plans of the host's destination ranks)
     is made only when asked for, too. Equal, query by query, to ``plan_hosts(..., host=)``."""
 
-    def __init__(self, make_plan, src_layouts, hosts, host: str, transfers, buffer_bytes, sources, local_jobs,
-                 dst_ranks, shift: int = 0):
+    def __init__(self, make_plan, src_layouts, dst_layouts, hosts, host: str, transfers, buffer_bytes, sources,
+                 jobs, local_jobs, dst_ranks, shift: int = 0):
         self._make_plan = make_plan
         self._src_layouts = src_layouts
+        self._dst_layouts = dst_layouts
+        self._jobs = jobs                # every Job into the host
         self._hosts = dict(hosts)
         self._host = host
         self.transfers = transfers
@@ -217,9 +231,71 @@ class _HostPart(HostPlan):
     def local_readers_of(self, src_rank: int) -> tuple[int, ...]:
         return self._local_readers.get(src_rank, ())
 
+    @gc_paused
+    def traffic(self) -> Traffic:
+        """As :meth:`HostPlan.traffic`, summed per geometry (no op is made)."""
+        ow, iw, oa, ia, pc = (defaultdict(int) for _ in range(5))
+        s_isz = {n: lay.itemsize for n, lay in self._src_layouts.items()}
+        d_isz = {n: lay.itemsize for n, lay in self._dst_layouts.items()}
+        # What each destination rank writes (every row into it), per geometry times its tensors.
+        times: dict[tuple[int, int], int] = defaultdict(int)
+        rows_of: dict[int, tuple] = {}
+        for job in self._jobs:
+            times[(job.key, d_isz[job.name])] += 1
+            rows_of[job.key] = job.rows
+        writes: dict[int, dict[int, int]] = {}
+        for (key, isz), count in times.items():
+            per = writes.get(key)
+            if per is None:
+                per = writes[key] = defaultdict(int)
+                for row in rows_of[key]:
+                    per[row.dst_rank] += _numel(row.dst_slices)
+            for d, n in per.items():
+                iw[d] += n * isz * count
+        for job, by_dst in self._local_jobs:
+            isz = s_isz[job.src_name]
+            for d, rows in by_dst.items():
+                pc[d] += len(rows)
+                for row in rows:
+                    ow[row.src_rank] += _numel(row.src_slices) * isz
+                    pc[row.src_rank] += 1
+        aligned_needs: dict[int, int] = defaultdict(int)
+        needs_by_id: dict[int, _Need] = {}
+        for src in self._sources:
+            isz = s_isz[src.name]
+            for group, need in src.needs.items():
+                aligned = src.aligned[group]
+                if aligned is not None:
+                    for t, (n, count) in zip(aligned, need.reads):
+                        ow[t.receiver] += n * isz
+                        pc[t.receiver] += count
+                    aligned_needs[id(need)] += 1
+                    needs_by_id[id(need)] = need
+                    continue
+                for d, rows in need.rows.items():
+                    for _, row in rows:
+                        sb = box_of(row.src_slices)
+                        for t in src.transfers[group]:
+                            cut = intersect_boxes(sb, box_of(t.box))
+                            if cut is not None:
+                                ow[t.receiver] += math.prod(b - a for a, b in cut) * isz
+                                pc[t.receiver] += 1
+                                pc[d] += 1
+        for i, count in aligned_needs.items():   # fan-out ops each rank runs, per geometry
+            for d, rds in needs_by_id[i].by_dst.items():
+                pc[d] += len(rds) * count
+        ingress = 0
+        for t in self.transfers:
+            oa[t.src_rank] += t.nbytes
+            ia[t.receiver] += t.nbytes
+            pc[t.src_rank] += 1
+            ingress += t.nbytes
+        return Traffic(*(dict(sorted(x.items())) for x in (ow, iw, oa, ia, pc)),
+                       {self._host: ingress} if ingress else {})
+
     def joined(self, transfers, buffer_bytes, shift: int) -> HostPlan:
-        part = _HostPart(self._make_plan, self._src_layouts, self._hosts, self._host, transfers, buffer_bytes,
-                         self._sources, self._local_jobs, self._dst_ranks, self._shift + shift)
+        part = _HostPart(self._make_plan, self._src_layouts, self._dst_layouts, self._hosts, self._host, transfers,
+                         buffer_bytes, self._sources, self._jobs, self._local_jobs, self._dst_ranks, self._shift + shift)
         if "plan" in self.__dict__:
             part.plan = self.plan
         return part
@@ -259,6 +335,15 @@ def plan_host_part(src_layouts, dst_layouts, parts=None, quant=None, hosts: Mapp
     host_of = check_hosts(ranks, hosts, host, align, first_index, "plan_host_part")
     if host is None:
         raise ValueError("plan_host_part: host must name one host of hosts")
+    return host_part(src_layouts, dst_layouts, parts, quant, planned, resolved, hosts, host_of, host,
+                     src_offsets, align, first_index)
+
+
+def host_part(src_layouts, dst_layouts, parts, quant, planned, resolved, hosts, host_of, host, src_offsets,
+              align, first_index) -> HostPlan:
+    """:func:`plan_host_part` once its inputs are checked: ``planned`` / ``resolved`` are the planner's
+    destination layouts and parts (:func:`.quant.quantized_inputs`, :func:`.checks.check_inputs`),
+    ``host_of`` the checked host map. (:func:`~.traffic.refit_traffic` checks once for every host.)"""
     mine = sorted({r for lay in planned.values() for r in lay.ranks if host_of[r] == host})
 
     def make_plan() -> Plan:
@@ -346,4 +431,5 @@ def plan_host_part(src_layouts, dst_layouts, parts=None, quant=None, hosts: Mapp
             else:
                 at = {box_of(t.box): t for t in got}
                 src.aligned[group] = tuple(at[b] for b in need.boxes)
-    return _HostPart(make_plan, src_layouts, host_of, host, tuple(transfers), buffers, sources, local_jobs, mine)
+    return _HostPart(make_plan, src_layouts, dst_layouts, host_of, host, tuple(transfers), buffers, sources,
+                     jobs, local_jobs, mine)

@@ -8,6 +8,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
 import torch
 
@@ -15,7 +16,7 @@ from .boxes import box_of
 from .ops import Plan, TransferOp
 from .text import fmt_bytes, fmt_ranks, fmt_slices, render_table
 
-__all__ = ["CrossTransfer", "FanoutOp", "HostPlan", "host_order", "new_fanout", "new_transfer"]
+__all__ = ["CrossTransfer", "FanoutOp", "HostPlan", "Traffic", "host_order", "new_fanout", "new_transfer"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +84,33 @@ class FanoutOp:
         return f"fan-out of #{self.transfer}: {self.op}"
 
 
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes each rank moves in one refit, by direction and by link kind, as a host plan moves them
+    (:meth:`HostPlan.traffic`, :func:`~.traffic.refit_traffic`). ``{rank: bytes}`` each: ``out_within`` / ``in_within`` over the host's own links
+    (reads of source arenas and relay buffers on the host), ``out_across`` / ``in_across`` between
+    hosts (each byte a host needs once). ``pieces``: ``{rank: pieces it reads or serves}`` (the
+    plan's ops, before replicas cut some into parts). ``host_ingress``: ``{host: bytes}``."""
+
+    out_within: Mapping[int, int]
+    in_within: Mapping[int, int]
+    out_across: Mapping[int, int]
+    in_across: Mapping[int, int]
+    pieces: Mapping[int, int]
+    host_ingress: Mapping[str, int]
+
+
+class _TransferIndex(NamedTuple):
+    sends: dict[int, tuple[CrossTransfer, ...]]    # src_rank -> its transfers
+    recvs: dict[int, tuple[CrossTransfer, ...]]    # receiver -> its transfers
+
+
+class _OpIndex(NamedTuple):
+    local: dict[int, tuple[TransferOp, ...]]       # dst_rank -> its local ops
+    fanout: dict[int, tuple[FanoutOp, ...]]        # dst_rank -> its fan-out ops
+    readers: dict[int, tuple[int, ...]]            # receiver -> the ranks reading its buffer
+
+
 class HostPlan:
     """A :class:`~tritonreshard.planning.Plan` split by host: local ops, cross-host transfers, receive
     buffers and fan-out ops (see the module docstring). ``str(host_plan)`` is a readable table."""
@@ -111,6 +139,28 @@ class HostPlan:
     def src_layouts(self) -> Mapping[str, object]:
         """The source layouts the transfers' boxes index (the plan's)."""
         return self.plan.src_layouts
+
+    def traffic(self) -> Traffic:
+        """The bytes this host plan moves per rank: ``in_within``: what a destination rank writes
+        (destination dtype); ``out_within``: what a rank serves on its host (source bytes read from
+        its arena by local ops, from its receive buffer by fan-out ops); ``out_across`` /
+        ``in_across``: the transfers it sends / receives; ``pieces``: the ops it runs or serves and
+        the transfers it sends; ``host_ingress``: bytes into each host that receives any."""
+        ow, iw, oa, ia, pc = (defaultdict(int) for _ in range(5))
+        ingress: dict[str, int] = defaultdict(int)
+        src, dst = self.src_layouts, self.plan.dst_layouts
+        for op, server in [(op, op.src_rank) for op in self.local_ops] + [(f.op, f.op.src_rank) for f in self.fanout]:
+            n = op.numel
+            iw[op.dst_rank] += n * dst[op.name].itemsize
+            ow[server] += n * src[op.src_name].itemsize
+            pc[op.dst_rank] += 1
+            pc[server] += 1
+        for t in self.transfers:
+            oa[t.src_rank] += t.nbytes
+            ia[t.receiver] += t.nbytes
+            pc[t.src_rank] += 1
+            ingress[t.dst_host] += t.nbytes
+        return Traffic(*(dict(sorted(x.items())) for x in (ow, iw, oa, ia, pc)), dict(sorted(ingress.items())))
 
     def joined(self, transfers: tuple[CrossTransfer, ...], buffer_bytes: Mapping[int, int], shift: int) -> HostPlan:
         """This host plan with the group's ``transfers`` and receive buffers instead of its own, its
@@ -177,45 +227,45 @@ class HostPlan:
         return sum(t.nbytes for t in self.transfers if not t.contiguous)
 
     @cached_property
-    def _transfer_index(self):
+    def _transfer_index(self) -> _TransferIndex:
         sends, recvs = defaultdict(list), defaultdict(list)
         for t in self.transfers:
             sends[t.src_rank].append(t)
             recvs[t.receiver].append(t)
-        return {k: tuple(v) for k, v in sends.items()}, {k: tuple(v) for k, v in recvs.items()}
+        return _TransferIndex({k: tuple(v) for k, v in sends.items()}, {k: tuple(v) for k, v in recvs.items()})
 
     @cached_property
-    def _op_index(self):
+    def _op_index(self) -> _OpIndex:
         local, fan = defaultdict(list), defaultdict(list)
         readers: dict[int, set[int]] = defaultdict(set)
         for op in self.local_ops:
             local[op.dst_rank].append(op)
         for f in self.fanout:
-            fan[f.dst_rank].append(f)
-            readers[f.receiver].add(f.dst_rank)
-        return ({k: tuple(v) for k, v in local.items()}, {k: tuple(v) for k, v in fan.items()},
-                {k: tuple(sorted(v)) for k, v in readers.items()})
+            fan[f.op.dst_rank].append(f)
+            readers[f.op.src_rank].add(f.op.dst_rank)
+        return _OpIndex({k: tuple(v) for k, v in local.items()}, {k: tuple(v) for k, v in fan.items()},
+                        {k: tuple(sorted(v)) for k, v in readers.items()})
 
     def sends_of(self, rank: int) -> tuple[CrossTransfer, ...]:
         """Transfers ``rank`` sends (a source rank), in receive-buffer order per receiver."""
-        return self._transfer_index[0].get(rank, ())
+        return self._transfer_index.sends.get(rank, ())
 
     def recvs_of(self, rank: int) -> tuple[CrossTransfer, ...]:
         """Transfers ``rank`` receives into its buffer, in buffer order."""
-        return self._transfer_index[1].get(rank, ())
+        return self._transfer_index.recvs.get(rank, ())
 
     def local_ops_for_dst(self, rank: int) -> tuple[TransferOp, ...]:
         """Ops ``rank`` runs from a source arena on its own host (unchanged or re-sourced)."""
-        return self._op_index[0].get(rank, ())
+        return self._op_index.local.get(rank, ())
 
     def fanout_for_dst(self, rank: int) -> tuple[FanoutOp, ...]:
         """Ops ``rank`` runs from receivers' buffers on its own host."""
-        return self._op_index[1].get(rank, ())
+        return self._op_index.fanout.get(rank, ())
 
     def buffer_readers(self, receiver: int) -> tuple[int, ...]:
         """Destination ranks that read ``receiver``'s buffer (the receiver itself included if it
         reads its own)."""
-        return self._op_index[2].get(receiver, ())
+        return self._op_index.readers.get(receiver, ())
 
     def local_sources_of(self, dst_rank: int) -> tuple[int, ...]:
         """Source ranks whose arenas ``dst_rank`` maps (all on its host)."""

@@ -1,78 +1,56 @@
 """A refit's bytes per rank and per link kind (:func:`refit_traffic`), for the CLI's model of a refit
-at a scale where the whole plan is too big to make."""
+at a scale where the whole plan is too big to make: summed over the hosts' parts of the host plan,
+so the figures are the plan's, not a second model of it."""
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import fields
 
-from .boxes import union_boxes
-from .reshard import source_pieces
+from .boxes import RECV_ALIGN
+from .checks import check_inputs
+from .crossings import check_hosts
+from .hostpart import host_part
+from .hostplan import Traffic, host_order
+from .quant import quantized_inputs
 from ._gc import gc_paused
 
 __all__ = ["Traffic", "refit_traffic"]
 
 
-@dataclass(frozen=True)
-class Traffic:
-    """Bytes each rank moves in one refit, by direction and by link kind, as :func:`refit_traffic`
-    models them. ``{rank: bytes}`` each: ``out_within`` / ``in_within`` over the host's own links
-    (reads of source arenas and relay buffers on the host), ``out_across`` / ``in_across`` between
-    hosts (each byte a host needs once). ``pieces``: ``{rank: pieces it reads or serves}`` (the
-    plan's ops, before replicas cut some into parts). ``host_ingress``: ``{host: bytes}``."""
-
-    out_within: Mapping[int, int]
-    in_within: Mapping[int, int]
-    out_across: Mapping[int, int]
-    in_across: Mapping[int, int]
-    pieces: Mapping[int, int]
-    host_ingress: Mapping[str, int]
-
-
 @gc_paused
-def refit_traffic(src_layouts, dst_layouts, parts=None, hosts: Mapping[int, str] | None = None) -> Traffic:
-    """A model of one refit's traffic per rank, from :func:`.reshard.source_pieces` (no ops made, so
-    it runs at frontier scale). ``hosts``: ``{rank: host}`` (default: one host).
+def refit_traffic(src_layouts, dst_layouts, parts=None, hosts: Mapping[int, str] | None = None, *,
+                  quant=None) -> Traffic:
+    """One refit's traffic per rank: the sum of every destination host's part of the host plan
+    (:func:`~.hostpart.plan_host_part`, no op made, so it runs at frontier scale), as
+    :meth:`~.hostplan.HostPlan.traffic` counts it. ``hosts``: ``{rank: host}`` (default: one host);
+    ``quant``: block-quantized destinations, as :func:`~.quant.plan_quantized` takes them.
 
-    As the engine moves bytes: a piece whose source has a replica on the destination's host is read
-    there (split evenly over those replicas); every other piece's source box crosses into the
-    destination's host once (the union of the boxes the host's ranks need, per source tensor and
-    replica set), sent evenly by the replica set, received evenly by the host's ranks that read
-    across hosts (the relays), then fanned out: each reader reads its piece from a relay buffer on
-    its host. A model, not the plan: the host planner's exact cuts differ by its balance slack."""
-    ranks = {r for lay in (*src_layouts.values(), *dst_layouts.values()) for r in lay.ranks}
-    host_of = {r: "host" for r in ranks} if hosts is None else dict(hosts)
-    missing = sorted(ranks - set(host_of))
+    Per rank: ``in_within`` the bytes it writes; ``out_within`` the source bytes it serves on its
+    host (its arena to local readers, its receive buffer to fan-out readers); ``out_across`` /
+    ``in_across`` the bytes it sends / receives between hosts (each byte a host needs crosses
+    into it once); ``pieces`` the ops it runs or serves plus the boxes it sends. ``host_ingress``:
+    ``{host: bytes}`` for every host that receives any."""
+    planned = quantized_inputs(src_layouts, dst_layouts, parts, quant) if quant else dst_layouts
+    resolved = check_inputs(src_layouts, planned, parts)
+    used = {n for n in planned if n not in resolved} | {p[0] for rs in resolved.values() for p in rs
+                                                       if p[0] is not None}
+    ranks = {r for n in used for r in src_layouts[n].ranks} | {r for lay in planned.values() for r in lay.ranks}
+    if hosts is None:
+        hosts = {r: "host" for r in ranks}
+    missing = sorted(ranks - set(hosts)) if isinstance(hosts, Mapping) else []
     if missing:
         raise ValueError(f"refit_traffic: hosts has no entry for rank(s) {missing}")
-    ow, iw, oa, ia, n_pieces = (defaultdict(int) for _ in range(5))
-    ingress: dict[str, int] = defaultdict(int)
-    relayed: dict[str, set[int]] = defaultdict(set)      # host -> its ranks that read across hosts
-    fanout: dict[str, int] = defaultdict(int)             # host -> bytes read from its relay buffers
-    for cls, (count, rows) in enumerate(source_pieces(src_layouts, dst_layouts, parts)):
-        crossing: dict[tuple, list] = defaultdict(list)
-        for group, dst_rank, src_box, numel, s_isz, d_isz in rows:
-            h = host_of[dst_rank]
-            n_pieces[dst_rank] += count
-            iw[dst_rank] += count * numel * d_isz
-            here = [r for r in group if host_of[r] == h]
-            if here:
-                for r in here:
-                    ow[r] += count * numel * s_isz // len(here)
-                    n_pieces[r] += count if r != dst_rank else 0
-                continue
-            crossing[(h, group, s_isz)].append(src_box)
-            relayed[h].add(dst_rank)
-            fanout[h] += count * numel * d_isz
-        for (h, group, s_isz), boxes in crossing.items():
-            nbytes = count * s_isz * sum(math.prod(b - a for a, b in box) for box in union_boxes(boxes))
-            ingress[h] += nbytes
-            for r in group:
-                oa[r] += nbytes // len(group)
-                n_pieces[r] += count * len(boxes) // len(group)
-    for h, readers in relayed.items():
-        for r in readers:
-            ia[r] += ingress[h] // len(readers)
-            ow[r] += fanout[h] // len(readers)
-    return Traffic(*(dict(sorted(d.items())) for d in (ow, iw, oa, ia, n_pieces)), dict(sorted(ingress.items())))
+    host_of = check_hosts(ranks, hosts, None, RECV_ALIGN, 0, "refit_traffic")
+    dst_ranks = {r for lay in planned.values() for r in lay.ranks}
+    sums = [defaultdict(int) for _ in range(6)]
+    for h in host_order(host_of):
+        if not any(host_of[d] == h for d in dst_ranks):
+            continue
+        part = host_part(src_layouts, dst_layouts, parts, quant, planned, resolved, hosts, host_of, h, None,
+                         RECV_ALIGN, 0)
+        got_all = part.traffic()
+        for acc, got in zip(sums, (getattr(got_all, f.name) for f in fields(Traffic))):
+            for k, v in got.items():
+                acc[k] += v
+    return Traffic(*(dict(sorted(x.items())) for x in sums))
