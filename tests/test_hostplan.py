@@ -426,6 +426,7 @@ def same_part(fast, part):
         assert fast.sends_of(r) == part.sends_of(r) and fast.recvs_of(r) == part.recvs_of(r)
     assert fast.local_ops == part.local_ops and fast.fanout == part.fanout
     assert fast.plan.ops == part.plan.ops and fast.cross_host_bytes == part.cross_host_bytes
+    assert fast.traffic() == part.traffic()   # summed per geometry == counted op by op
 
 
 def check_parts(srcs, dsts, hosts, src_offsets=None, parts_=None):
