@@ -25,6 +25,7 @@ from ._gc import gc_paused
 
 __all__ = ["host_part", "plan_host_part"]
 
+
 class _Reader(NamedTuple):
     """A piece of a cross-host row's read from one union box of its need: ``box`` (index into the
     need's union), source slices relative to it, destination slices, global index, and the
@@ -284,14 +285,13 @@ class _HostPart(HostPlan):
         for i, count in aligned_needs.items():   # fan-out ops each rank runs, per geometry
             for d, rds in needs_by_id[i].by_dst.items():
                 pc[d] += len(rds) * count
-        ingress = 0
+        ingress: dict[str, int] = defaultdict(int)
         for t in self.transfers:
             oa[t.src_rank] += t.nbytes
             ia[t.receiver] += t.nbytes
             pc[t.src_rank] += 1
-            ingress += t.nbytes
-        return Traffic(*(dict(sorted(x.items())) for x in (ow, iw, oa, ia, pc)),
-                       {self._host: ingress} if ingress else {})
+            ingress[t.dst_host] += t.nbytes
+        return Traffic(*(dict(sorted(x.items())) for x in (ow, iw, oa, ia, pc)), dict(sorted(ingress.items())))
 
     def joined(self, transfers, buffer_bytes, shift: int) -> HostPlan:
         part = _HostPart(self._make_plan, self._src_layouts, self._dst_layouts, self._hosts, self._host, transfers,
