@@ -387,6 +387,8 @@ def test_receiver_runs_keep_arena_neighbours_in_few_messages():
         offsets.update({(r, n): o for n, o in zip(names, offs)})
     hp = check(src, dst, _hosts({"a": [0, 1], "b": [2, 3, 4, 5]}), src_offsets=offsets)
     msgs = plan_messages(hp, offsets)
+    for r in (0, 1, 2, 3, 4, 5):   # a rank's own messages are the whole list's that it sends or receives
+        assert plan_messages(hp, offsets, rank=r) == tuple(m for m in msgs if r in (m.sender, m.receiver))
     # Each receiver takes one run of the senders' arenas: at most (runs + senders - 1) messages.
     assert len(msgs) <= 4 + 2 - 1, [(m.sender, m.receiver, len(m.transfers)) for m in msgs]
     assert sum(m.nbytes for m in msgs) == hp.cross_host_bytes
