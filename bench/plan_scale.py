@@ -11,9 +11,10 @@ Times are the process's CPU seconds (``time.process_time``): this machine's 2 co
 wall time under load measures the neighbours more than the planner.
 
 * ``recipe s``: building the layouts (``hf_to_vllm``), every rank does it once;
-* ``plan s``: ``spec.plan(rank=r)`` (``--what dst|src``: the first inference rank, the first trainer),
+* ``plan s``: ``spec.plan(rank=r)`` (``--what dst|src``: the first inference rank, the first trainer; with
+  ``--hosts-of``: its host's part, ``plan_host_part``, and its queries of it),
   or the whole plan (``--what whole``: what every rank computed before per-rank planning);
-* ``ops``: the plan's ops; ``RSS MB``: the process's peak resident set (``ru_maxrss``) after
+* ``ops``: the plan's ops (on several hosts: the ops the rank runs); ``RSS MB``: the process's peak resident set (``ru_maxrss``) after
   planning, torch and the library imported included, and ``+MB`` the growth over the peak before
   the recipe was built.
 
@@ -35,14 +36,16 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_CONFIG = HERE / "configs" / "qwen3-235b-a22b.json"
 
 
-def measure(config: Path, trainers: int, tp: int, replicas: int, what: str, hosts_of: int = 0) -> dict:
+def measure(config: Path, trainers: int, tp: int, replicas: int, what: str, hosts_of: int = 0,
+            merged: bool = False) -> dict:
     """One measurement in this process (call it in a fresh one: caches must be cold).
 
     ``hosts_of``: 0 for one host; else ranks ``[k * hosts_of, (k + 1) * hosts_of)`` share host k,
-    and the rank plans as the engine does on several hosts: its own plan merged with the per-rank
-    plans of its host's destination ranks, then its host's part of the host plan
-    (``plan_hosts(..., host=)``; every rank of a host makes the same part, relay or not). With
-    ``--what whole``: the whole plan and the whole host plan, what every rank made before."""
+    and the rank makes its host's part of the host plan from the layouts (``plan_host_part``; every
+    rank of a host makes the same part, relay or not), then asks it for its own ops, sends, receives
+    and readers (``ops``: the ops it runs). ``merged``: the part the way before ``plan_host_part``,
+    from the merged per-rank plans of the host's destination ranks (``plan_hosts(..., host=)``).
+    With ``--what whole``: the whole plan and the whole host plan, what every rank made before."""
     import torch
     import tritonreshard as trs
 
@@ -58,29 +61,43 @@ def measure(config: Path, trainers: int, tp: int, replicas: int, what: str, host
     # the first inference host of 8 (plain destination there); "src": the first trainer
     rank = {"dst": trainers, "dst71": trainers + 7, "src": 0, "whole": None}[what]
     t2 = time.process_time()
-    plan = spec.plan() if rank is None else spec.plan(rank=rank)   # plan(): also the code before rank=
     extra = {}
     if hosts_of:
         ranks = range(trainers + replicas * tp)
         host = {r: f"host{r // hosts_of}" for r in ranks}
-        if rank is not None:   # the engine's input for the rank's host part (engine.group.validate_members)
-            mine = [d for d in range(trainers, trainers + replicas * tp) if host[d] == host[rank] and d != rank]
-            plan = trs.planning.merge_plans([plan] + [spec.plan(rank=d) for d in mine])
-        hp = trs.planning.plan_hosts(plan, host, host=None if rank is None else host[rank])
-        extra = {"hosts": len(set(host.values())), "host_ops": len(hp.local_ops) + len(hp.fanout),
-                 "transfers": len(hp.transfers), "receives": len(hp.recvs_of(rank)) if rank is not None else 0}
+        if rank is None:
+            plan = spec.plan()
+            hp = trs.planning.plan_hosts(plan, host)
+            n_ops = len(plan.ops)
+        elif merged:   # the rank's plan merged with its host's destination ranks' plans, then its host's part
+            mine = [d for d in range(trainers, trainers + replicas * tp) if host[d] == host[rank]]
+            plan = trs.planning.merge_plans([spec.plan(rank=d) for d in sorted({rank, *mine})])
+            hp = trs.planning.plan_hosts(plan, host, host=host[rank])
+        else:          # its host's part from the layouts (no plan made), and what the rank asks of it
+            hp = trs.planning.plan_host_part(spec.src, spec.dst, spec.parts, spec.quant, host, host[rank])
+        if rank is not None:
+            mine_ops = hp.local_ops_for_dst(rank) + hp.fanout_for_dst(rank)
+            hp.sends_of(rank), hp.buffer_readers(rank), hp.local_readers_of(rank)
+            n_ops = len(mine_ops)
+        extra = {"hosts": len(set(host.values())), "transfers": len(hp.transfers),
+                 "receives": len(hp.recvs_of(rank)) if rank is not None else 0}
+    else:
+        plan = spec.plan() if rank is None else spec.plan(rank=rank)   # plan(): also the code before rank=
+        n_ops = len(plan.ops)
     t3 = time.process_time()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"model": cfg.model_type, "trainers": trainers, "tp": tp, "replicas": replicas, "what": what,
-            "rank": rank, "recipe_s": round(t1 - t0, 3), "plan_s": round(t3 - t2, 3), "ops": len(plan.ops),
+            "rank": rank, "recipe_s": round(t1 - t0, 3), "plan_s": round(t3 - t2, 3), "ops": n_ops,
             "rss_mb": round(peak / 1024), "rss_growth_mb": round((peak - before) / 1024), "hosts_of": hosts_of,
             **extra}
 
 
-def run_fresh(config: Path, trainers: int, tp: int, replicas: int, what: str, hosts_of: int = 0) -> dict:
+def run_fresh(config: Path, trainers: int, tp: int, replicas: int, what: str, hosts_of: int = 0,
+              merged: bool = False) -> dict:
     """:func:`measure` in a new interpreter (cold caches, its own peak RSS)."""
     cmd = [sys.executable, __file__, "--config", str(config), "--trainers", str(trainers), "--tp", str(tp),
            "--replicas", str(replicas), "--what", what, "--hosts-of", str(hosts_of), "--json"]
+    cmd += ["--merged"] if merged else []
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=os.environ.copy())
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -91,7 +108,7 @@ def _row(m: dict) -> str:
     where = ""
     if m.get("hosts_of"):
         into = "in all" if m["rank"] is None else "into its host"
-        where = (f" on {m['hosts']} hosts of {m['hosts_of']}: {m['host_ops']:,} host op(s), "
+        where = (f" on {m['hosts']} hosts of {m['hosts_of']}: "
                  f"{m['transfers']:,} transfer(s) {into}, {m['receives']:,} received by it")
     return (f"{m['model']:<10} FSDP-{m['trainers']:<3} -> {m['replicas']:>2} x TP-{m['tp']:<2} {who:<20} "
             f"recipe {m['recipe_s']:6.3f} s  plan {m['plan_s']:6.3f} s CPU  {m['ops']:>9,} ops  "
@@ -107,13 +124,16 @@ def main(argv=None) -> None:
     ap.add_argument("--what", choices=["dst", "dst71", "src", "whole"], default="dst")
     ap.add_argument("--hosts-of", type=int, default=0,
                     help="ranks per host (0: one host); the rank also makes its host's part of the host plan")
+    ap.add_argument("--merged", action="store_true",
+                    help="with --hosts-of: the host part from the merged per-rank plans (the way before plan_host_part)")
     ap.add_argument("--json", action="store_true", help="measure here and print one JSON line")
     ap.add_argument("--all", action="store_true", help="the README's figures, each in a fresh process")
     ap.add_argument("--repeat", type=int, default=3,
                     help="fresh processes per row; the fastest is shown (the machine is shared)")
     args = ap.parse_args(argv)
     if args.json:
-        print(json.dumps(measure(args.config, args.trainers, args.tp, args.replicas, args.what, args.hosts_of)))
+        print(json.dumps(measure(args.config, args.trainers, args.tp, args.replicas, args.what, args.hosts_of,
+                                 args.merged)))
         return
     runs = ([(64, 8, 8, "dst", 0), (64, 8, 8, "src", 0), (64, 8, 16, "dst", 0), (64, 8, 16, "src", 0),
              (64, 8, 1, "whole", 0), (8, 8, 1, "whole", 0),
@@ -122,7 +142,8 @@ def main(argv=None) -> None:
             else [(args.trainers, args.tp, args.replicas, args.what, args.hosts_of)])
     print(f"Planning cost on this machine (cold caches: a fresh process per run, fastest of {args.repeat}):")
     for trainers, tp, replicas, what, hosts_of in runs:
-        best = min((run_fresh(args.config, trainers, tp, replicas, what, hosts_of) for _ in range(args.repeat)),
+        best = min((run_fresh(args.config, trainers, tp, replicas, what, hosts_of, args.merged)
+                    for _ in range(args.repeat)),
                    key=lambda m: m["plan_s"])
         print(_row(best), flush=True)
 

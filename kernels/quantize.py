@@ -41,6 +41,8 @@ import triton.language as tl
 
 from tritonreshard.planning import CASTABLE_DTYPES, FP8_DTYPE, BlockQuant
 from ._jit import interpreted, jit
+# The descriptor flag bit and the 128-bit vector width mean the same in both kernels' tables: one home.
+from .gather import ALIGN_BYTES as _ALIGN, FLAG_ALIGNED
 
 __all__ = ["E4M3_MAX", "AMAX_FLOOR", "QUANT_VARIANTS", "QuantizeLaunch", "QuantizeTable", "ceil_to_ue8m0",
            "e4m3_from_f32", "per_block_cast_to_fp8", "quantize_blocks_kernel", "quantize_launch_configs"]
@@ -51,8 +53,6 @@ AMAX_FLOOR = 1e-4
 QUANT_VARIANTS = tuple(CASTABLE_DTYPES)
 BFIELDS = 8  # blocks table: dst_addr, ds_row, n_rows, n_cols, scale_addr, piece0, npieces, flags
 PFIELDS = 8  # pieces table: src_addr, r0, r1, c0, c1, ss_row, ss_col (always 1), flags
-FLAG_ALIGNED = 1
-_ALIGN = 16
 _NUM_WARPS = 16  # the 128x128 tile at 16 warps: 89 registers (bf16), 121 (fp32), no spills (8 warps spill)
 _SRC_T = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 _RULE = {"deepgemm": 0, "nemo_rl": 1}

@@ -387,6 +387,8 @@ def test_receiver_runs_keep_arena_neighbours_in_few_messages():
         offsets.update({(r, n): o for n, o in zip(names, offs)})
     hp = check(src, dst, _hosts({"a": [0, 1], "b": [2, 3, 4, 5]}), src_offsets=offsets)
     msgs = plan_messages(hp, offsets)
+    for r in (0, 1, 2, 3, 4, 5):   # a rank's own messages are the whole list's that it sends or receives
+        assert plan_messages(hp, offsets, rank=r) == tuple(m for m in msgs if r in (m.sender, m.receiver))
     # Each receiver takes one run of the senders' arenas: at most (runs + senders - 1) messages.
     assert len(msgs) <= 4 + 2 - 1, [(m.sender, m.receiver, len(m.transfers)) for m in msgs]
     assert sum(m.nbytes for m in msgs) == hp.cross_host_bytes
@@ -414,11 +416,32 @@ def host_parts(srcs, dsts, hosts, src_offsets=None, numbered=True):
     return parts
 
 
-def check_parts(srcs, dsts, hosts, src_offsets=None):
+def same_part(fast, part):
+    """``plan_host_part``'s part equals ``plan_hosts(merged, host=)``'s, field by field and query by
+    query (the fast part makes its ops per rank: ask per rank first, then for all)."""
+    assert fast.transfers == part.transfers and fast.buffer_bytes == part.buffer_bytes
+    for r in sorted(part.hosts):
+        assert fast.local_ops_for_dst(r) == part.local_ops_for_dst(r)
+        assert fast.fanout_for_dst(r) == part.fanout_for_dst(r)
+        assert fast.buffer_readers(r) == part.buffer_readers(r)
+        assert fast.local_readers_of(r) == part.local_readers_of(r)
+        assert fast.sends_of(r) == part.sends_of(r) and fast.recvs_of(r) == part.recvs_of(r)
+    assert fast.local_ops == part.local_ops and fast.fanout == part.fanout
+    assert fast.plan.ops == part.plan.ops and fast.cross_host_bytes == part.cross_host_bytes
+    assert fast.traffic() == part.traffic()   # summed per geometry == counted op by op
+
+
+def check_parts(srcs, dsts, hosts, src_offsets=None, parts_=None):
     """Every rank's slice from its host's part (sends: from the parts of the hosts it sends to)
-    equals its slice of the whole host plan, field by field, transfer numbers included."""
+    equals its slice of the whole host plan, field by field, transfer numbers included; and
+    ``plan_host_part`` (from the layouts) makes each host's part exactly as ``plan_hosts`` does."""
+    from tritonreshard.planning import plan_host_part
     hp = plan_hosts(trs.plan_reshard(srcs, dsts), hosts, src_offsets=src_offsets)
     parts = host_parts(srcs, dsts, hosts, src_offsets)
+    first = 0
+    for h, part in parts.items():
+        same_part(plan_host_part(srcs, dsts, None, None, hosts, h, src_offsets=src_offsets, first_index=first), part)
+        first += len(part.transfers)
     assert sum((p.transfers for p in parts.values()), ()) == hp.transfers
     for r in hp.hosts:
         part = parts.get(hp.host_of(r))
@@ -444,6 +467,10 @@ def check_parts(srcs, dsts, hosts, src_offsets=None):
         if h not in own:
             continue
         view = join_host_parts(own[h], h, shared)
+        fast = join_host_parts(plan_host_part(srcs, dsts, None, None, hosts, h, src_offsets=src_offsets), h, shared)
+        assert fast.transfers == view.transfers and fast.buffer_bytes == view.buffer_bytes
+        assert fast.fanout_for_dst(r) == view.fanout_for_dst(r) and fast.buffer_readers(r) == view.buffer_readers(r)
+        assert fast.local_ops_for_dst(r) == view.local_ops_for_dst(r)
         assert view.transfers == hp.transfers and view.buffer_bytes == hp.buffer_bytes
         assert view.sends_of(r) == hp.sends_of(r) and view.recvs_of(r) == hp.recvs_of(r)
         assert view.local_ops_for_dst(r) == hp.local_ops_for_dst(r)

@@ -34,338 +34,25 @@ on the plan and the hosts; a source rank then sends ``sends_of(rank)``, a receiv
 ``recvs_of(rank)`` into its buffer (``buffer_bytes[rank]`` bytes) and exports it to
 ``buffer_readers(rank)``, and a destination rank runs ``local_ops_for_dst(rank)`` from the source
 arenas and ``fanout_for_dst(rank)`` from the receivers' buffers.
+
+On several hosts a rank makes only its host's part, from the layouts:
+:func:`~.hostpart.plan_host_part` (the same part as ``plan_hosts(..., host=)``, without a plan).
+Steps 3 to 5 (senders, receivers, buffers) live in :mod:`.crossings`, shared by both.
 """
 from __future__ import annotations
 
-import math
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
-from functools import cached_property
-from typing import NamedTuple
-
-import torch
+from collections.abc import Mapping
 
 from . import replicas
-from .reshard import Plan, TransferOp, cut_global, source_pieces
-from .text import fmt_bytes, fmt_ranks, fmt_slices, render_table
+from .boxes import RECV_ALIGN, box_of, cut_global, intersect_boxes, union_boxes
+from .crossings import Crossing, assign_receivers, check_hosts, choose_senders, lay_out_buffers
+from .hostplan import CrossTransfer, FanoutOp, HostPlan, host_order
+from .ops import Plan, TransferOp
 from ._gc import gc_paused
 
-__all__ = ["CrossTransfer", "FanoutOp", "HostPlan", "Message", "RECV_ALIGN", "Traffic", "box_is_contiguous",
-           "host_order", "join_host_parts", "plan_hosts",
-           "refit_traffic",
-           "plan_messages"]
-
-#: Receive buffers start every box on this boundary (the transports' arena alignment), so boxes that
-#: are back to back in the source arena stay back to back in the buffer and travel as one message.
-RECV_ALIGN = 256
-
-Box = tuple[tuple[int, int], ...]   # per dim [start, stop) in a source rank's local shard
-
-
-def _slices(box: Box) -> tuple[slice, ...]:
-    return tuple(slice(a, b) for a, b in box)
-
-
-def _box(slices: tuple[slice, ...]) -> Box:
-    return tuple((s.start, s.stop) for s in slices)
-
-
-def box_is_contiguous(box: Box, shape: tuple[int, ...]) -> bool:
-    """True when ``box`` is one contiguous range of a row-major tensor of ``shape``: every dim before
-    the first one of extent != 1 has extent 1, and every dim after it is whole."""
-    for d, (a, b) in enumerate(box):
-        if b - a != 1:
-            return all(box[j] == (0, shape[j]) for j in range(d + 1, len(box)))
-    return True
-
-
-def _union(boxes: list[Box]) -> list[Box]:
-    """Disjoint boxes covering the union of ``boxes``, merged along every dim where the pieces on
-    both sides of a cut are equal (a set of boxes tiling a whole shard comes back as one box)."""
-    if not boxes:
-        return []
-    if not boxes[0]:
-        return [()]
-    cuts = sorted({b[0][0] for b in boxes} | {b[0][1] for b in boxes})
-    out: list[Box] = []
-    run: tuple[int, int, tuple[Box, ...]] | None = None
-    for a, b in zip(cuts, cuts[1:]):
-        inside = [bx[1:] for bx in boxes if bx[0][0] <= a and b <= bx[0][1]]
-        sub = tuple(_union(inside)) if inside else None
-        if run is not None and sub == run[2]:
-            run = (run[0], b, sub)
-            continue
-        if run is not None and run[2] is not None:
-            out.extend(((run[0], run[1]),) + s for s in run[2])
-        run = (a, b, sub)
-    if run is not None and run[2] is not None:
-        out.extend(((run[0], run[1]),) + s for s in run[2])
-    return out
-
-
-def _intersect(a: Box, b: Box) -> Box | None:
-    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
-    return out if all(lo < hi for lo, hi in out) else None
-
-
-def _nbytes(lay, box: Box) -> int:
-    return math.prod(b - a for a, b in box) * lay.itemsize
-
-
-def _extent(box: Box) -> int:
-    """Units ``box`` can be cut into: its extent along :func:`~.replicas.split_axis` (1: one element)."""
-    axis = replicas.split_axis([b - a for a, b in box])
-    return 1 if axis is None else box[axis][1] - box[axis][0]
-
-
-def _part(box: Box, u0: int, u1: int) -> Box:
-    """Units ``[u0, u1)`` of ``box`` along :func:`~.replicas.split_axis` (contiguous if ``box`` is)."""
-    if (u0, u1) == (0, _extent(box)):
-        return box
-    axis = replicas.split_axis([b - a for a, b in box])
-    a = box[axis][0]
-    return box[:axis] + ((a + u0, a + u1),) + box[axis + 1:]
-
-
-@dataclass(frozen=True)
-class CrossTransfer:
-    """One box of a source rank's local shard that crosses from ``src_host`` into ``dst_host``.
-
-    ``src_rank`` sends source tensor ``name``'s local shard ``[box]`` (source dtype ``dtype``,
-    ``nbytes`` bytes);
-    ``receiver`` (on ``dst_host``) receives it at byte ``offset`` of its receive buffer, laid out as a
-    contiguous tensor of ``shape``. ``contiguous``: the box is one range of the sender's shard, so it
-    is sent straight from the sender's memory; otherwise the sender packs it first.
-    """
-
-    index: int
-    name: str
-    src_rank: int
-    receiver: int
-    src_host: str
-    dst_host: str
-    box: tuple[slice, ...]
-    dtype: torch.dtype
-    offset: int
-    nbytes: int
-    contiguous: bool
-
-    def __hash__(self) -> int:  # slices are unhashable before Python 3.12
-        return hash((self.index, self.name, self.src_rank, self.receiver, _box(self.box)))
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(s.stop - s.start for s in self.box)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    def __str__(self) -> str:
-        return (f"#{self.index} {self.name}: {self.src_rank}@{self.src_host} -> {self.receiver}@{self.dst_host} "
-                f"src{fmt_slices(self.box)} ({'x'.join(map(str, self.shape)) or 'scalar'}, "
-                f"{fmt_bytes(self.nbytes)}) buf+{self.offset}")
-
-
-@dataclass(frozen=True)
-class FanoutOp:
-    """A destination rank's read from a receiver's buffer (same host).
-
-    ``op`` is an ordinary :class:`~tritonreshard.planning.TransferOp` whose ``src_rank`` is the receiver
-    and whose ``src_slices`` index the transfer's box as a tensor of ``transfers[transfer].shape``
-    (i.e. relative to the box); ``dst_slices`` and ``global_index`` are as in the plan. Descriptor
-    tables take it like any op, with the box view as its source tensor.
-    """
-
-    transfer: int
-    op: TransferOp
-
-    @property
-    def receiver(self) -> int:
-        return self.op.src_rank
-
-    @property
-    def dst_rank(self) -> int:
-        return self.op.dst_rank
-
-    def __str__(self) -> str:
-        return f"fan-out of #{self.transfer}: {self.op}"
-
-
-class HostPlan:
-    """A :class:`~tritonreshard.planning.Plan` split by host: local ops, cross-host transfers, receive
-    buffers and fan-out ops (see the module docstring). ``str(host_plan)`` is a readable table."""
-
-    def __init__(self, plan: Plan, hosts: Mapping[int, str], local_ops: tuple[TransferOp, ...],
-                 transfers: tuple[CrossTransfer, ...], fanout: tuple[FanoutOp, ...],
-                 buffer_bytes: Mapping[int, int]):
-        self.plan = plan
-        self._hosts = dict(hosts)
-        self.local_ops = local_ops
-        self.transfers = transfers
-        self.fanout = fanout
-        self._buffer_bytes = dict(buffer_bytes)
-
-    # ---------------------------------------------------------------- queries
-    @property
-    def hosts(self) -> dict[int, str]:
-        """rank -> host, for every rank of the plan."""
-        return dict(self._hosts)
-
-    def host_of(self, rank: int) -> str:
-        return self._hosts[rank]
-
-    @cached_property
-    def host_names(self) -> tuple[str, ...]:
-        """Distinct hosts, in order of their lowest rank (:func:`host_order`)."""
-        return host_order(self._hosts)
-
-    @cached_property
-    def _by_index(self) -> dict[int, CrossTransfer]:
-        return {t.index: t for t in self.transfers}
-
-    def transfer(self, index: int) -> CrossTransfer:
-        """The transfer numbered ``index`` (a host's part numbers its transfers from its
-        ``first_index``, so ``transfers[index]`` holds only for the whole plan)."""
-        return self._by_index[index]
-
-    @property
-    def buffer_bytes(self) -> dict[int, int]:
-        """receiver rank -> bytes of its receive buffer (the cross-host path's only staging)."""
-        return dict(self._buffer_bytes)
-
-    @property
-    def staging_bytes(self) -> int:
-        return sum(self._buffer_bytes.values())
-
-    @cached_property
-    def cross_host_bytes(self) -> int:
-        """Bytes per refit that cross between hosts (source dtype)."""
-        return sum(t.nbytes for t in self.transfers)
-
-    @cached_property
-    def p2p_cross_host_bytes(self) -> int:
-        """What point-to-point transfers of the plain plan would send across hosts (source dtype):
-        every destination rank's own slices, a replicated byte once per rank that needs it."""
-        src = self.plan.src_layouts
-        return sum(op.numel * src[op.src_name].itemsize for op in self.plan.ops
-                   if self._hosts[op.src_rank] != self._hosts[op.dst_rank])
-
-    @cached_property
-    def host_pair_bytes(self) -> dict[tuple[str, str], int]:
-        """(source host, destination host) -> bytes crossing per refit."""
-        out: dict[tuple[str, str], int] = defaultdict(int)
-        for t in self.transfers:
-            out[(t.src_host, t.dst_host)] += t.nbytes
-        return dict(out)
-
-    @cached_property
-    def send_staging_bytes(self) -> int:
-        """Bytes a sender packs because its box is not one contiguous range of its shard."""
-        return sum(t.nbytes for t in self.transfers if not t.contiguous)
-
-    @cached_property
-    def _index(self):
-        sends, recvs, local, fan = (defaultdict(list) for _ in range(4))
-        readers: dict[int, set[int]] = defaultdict(set)
-        for t in self.transfers:
-            sends[t.src_rank].append(t)
-            recvs[t.receiver].append(t)
-        for op in self.local_ops:
-            local[op.dst_rank].append(op)
-        for f in self.fanout:
-            fan[f.dst_rank].append(f)
-            readers[f.receiver].add(f.dst_rank)
-        return ({k: tuple(v) for k, v in sends.items()}, {k: tuple(v) for k, v in recvs.items()},
-                {k: tuple(v) for k, v in local.items()}, {k: tuple(v) for k, v in fan.items()},
-                {k: tuple(sorted(v)) for k, v in readers.items()})
-
-    def sends_of(self, rank: int) -> tuple[CrossTransfer, ...]:
-        """Transfers ``rank`` sends (a source rank), in receive-buffer order per receiver."""
-        return self._index[0].get(rank, ())
-
-    def recvs_of(self, rank: int) -> tuple[CrossTransfer, ...]:
-        """Transfers ``rank`` receives into its buffer, in buffer order."""
-        return self._index[1].get(rank, ())
-
-    def local_ops_for_dst(self, rank: int) -> tuple[TransferOp, ...]:
-        """Ops ``rank`` runs from a source arena on its own host (unchanged or re-sourced)."""
-        return self._index[2].get(rank, ())
-
-    def fanout_for_dst(self, rank: int) -> tuple[FanoutOp, ...]:
-        """Ops ``rank`` runs from receivers' buffers on its own host."""
-        return self._index[3].get(rank, ())
-
-    def buffer_readers(self, receiver: int) -> tuple[int, ...]:
-        """Destination ranks that read ``receiver``'s buffer (the receiver itself included if it
-        reads its own)."""
-        return self._index[4].get(receiver, ())
-
-    def local_sources_of(self, dst_rank: int) -> tuple[int, ...]:
-        """Source ranks whose arenas ``dst_rank`` maps (all on its host)."""
-        return tuple(sorted({op.src_rank for op in self.local_ops_for_dst(dst_rank)}))
-
-    def local_readers_of(self, src_rank: int) -> tuple[int, ...]:
-        """Destination ranks that read ``src_rank``'s arena directly (all on its host)."""
-        return tuple(sorted({op.dst_rank for op in self.local_ops if op.src_rank == src_rank}))
-
-    # ---------------------------------------------------------------- text
-    def summary(self) -> str:
-        return (f"HostPlan: {len(self.host_names)} host(s), {len(self.transfers)} cross-host transfer(s), "
-                f"{fmt_bytes(self.cross_host_bytes)} across hosts (point-to-point of the plain plan: "
-                f"{fmt_bytes(self.p2p_cross_host_bytes)}), receive buffers {fmt_bytes(self.staging_bytes)}, "
-                f"{len(self.local_ops)} local op(s), {len(self.fanout)} fan-out op(s)")
-
-    def table(self, max_rows: int | None = 64) -> str:
-        """The host plan as text: hosts, transfers, host-pair bytes, receive buffers. ``max_rows``
-        caps the transfer rows (``None``: all)."""
-        lines = [self.summary()]
-        by_host: dict[str, list[int]] = defaultdict(list)
-        for r in sorted(self._hosts):
-            by_host[self._hosts[r]].append(r)
-        lines.append("hosts: " + "; ".join(f"{h}: ranks {fmt_ranks(by_host[h])}" for h in self.host_names))
-        if self.transfers:
-            headers = ("#", "tensor", "src->recv", "hosts", "src local", "shape", "bytes", "buf offset", "send")
-            rows = ((str(t.index), t.name, f"{t.src_rank}->{t.receiver}", f"{t.src_host}->{t.dst_host}",
-                     fmt_slices(t.box), "x".join(map(str, t.shape)) or "scalar", fmt_bytes(t.nbytes),
-                     str(t.offset), "direct" if t.contiguous else "packed") for t in self.transfers)
-            lines += render_table(headers, rows, max_rows=max_rows, sections=(("transfers", len(self.transfers)),))
-            lines.append("bytes across hosts (rows: source host, columns: destination host)")
-            hs = self.host_names
-            lines += render_table(["src\\dst"] + list(hs),
-                                  [[s] + [fmt_bytes(self.host_pair_bytes[(s, d)]) if (s, d) in self.host_pair_bytes
-                                          else "." for d in hs] for s in hs], right=True)
-            lines.append("receive buffers: " + ", ".join(
-                f"{r}: {fmt_bytes(b)} read by {fmt_ranks(self.buffer_readers(r))}"
-                for r, b in sorted(self._buffer_bytes.items())))
-        else:
-            lines.append("nothing crosses between hosts")
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.table()
-
-    def __repr__(self) -> str:
-        return f"<{self.summary()}>"
-
-
-def _check_hosts(plan: Plan, hosts) -> dict[int, str]:
-    if not isinstance(plan, Plan):
-        raise TypeError(f"plan must be a trs.Plan, got {type(plan).__name__}")
-    if not isinstance(hosts, Mapping):
-        raise TypeError(f"hosts must be a mapping rank -> host name, got {type(hosts).__name__}")
-    problems = []
-    ranks = sorted(set(plan.src_ranks) | set(plan.dst_ranks))
-    missing = [r for r in ranks if r not in hosts]
-    if missing:
-        problems.append(f"hosts has no entry for plan rank(s) {missing} (hosts has ranks {sorted(hosts)})")
-    bad = [f"hosts[{r!r}]={h!r}" for r, h in hosts.items() if not isinstance(h, str) or not h]
-    if bad:
-        problems.append("host names must be non-empty strings: " + ", ".join(bad))
-    if problems:
-        raise ValueError(f"plan_hosts: {len(problems)} problem(s):\n  - " + "\n  - ".join(problems))
-    return {r: hosts[r] for r in ranks}
+# HostPlan and its parts live in .hostplan; this module plans them (they stay importable from here).
+__all__ = ["CrossTransfer", "FanoutOp", "HostPlan", "host_order", "plan_hosts"]
 
 
 @gc_paused
@@ -402,21 +89,14 @@ def plan_hosts(plan: Plan, hosts: Mapping[int, str], *,
     (:func:`_lay_out_buffers`); derive the fan-out ops (:func:`_fan_out`). Both balancing steps use
     :mod:`.replicas` and its :data:`~.replicas.KNOBS`, like the reshard planner.
     """
-    host_of = _check_hosts(plan, hosts)
-    problems = []
-    if not isinstance(align, int) or align < 1:
-        problems.append(f"align must be a positive int, got align={align!r}")
-    if host is not None and host not in set(hosts.values()):
-        problems.append(f"host={host!r} is no host of hosts (hosts: {sorted(set(hosts.values()))})")
-    if isinstance(first_index, bool) or not isinstance(first_index, int) or first_index < 0:
-        problems.append(f"first_index must be an int >= 0, got first_index={first_index!r}")
-    if problems:
-        raise ValueError(f"plan_hosts: {len(problems)} problem(s):\n  - " + "\n  - ".join(problems))
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a trs.Plan, got {type(plan).__name__}")
+    host_of = check_hosts(set(plan.src_ranks) | set(plan.dst_ranks), hosts, host, align, first_index, "plan_hosts")
     knobs = replicas.KNOBS
     src_lay = plan.src_layouts
 
-    def arena_pos(sender: int, name: str) -> int:
-        return src_offsets.get((sender, name), 0) if src_offsets is not None else 0
+    # (sender, name) -> the shard's offset in the sender's arena; None: every offset 0
+    arena_pos = None if src_offsets is None else (lambda sender, name: src_offsets.get((sender, name), 0))
 
     replica_sets = _replica_sets(plan)
     into: dict[str, list[TransferOp]] = defaultdict(list)   # destination host -> its ops, in plan order
@@ -428,65 +108,22 @@ def plan_hosts(plan: Plan, hosts: Mapping[int, str], *,
     buffer_bytes: dict[int, int] = {}
     for h in host_order(host_of) if host is None else (host,):
         h_local, needs = _resource_locally(into.get(h, []), src_lay, host_of, replica_sets)
-        boxes = _choose_senders(_union_needs(needs), src_lay, knobs)
-        boxes = _assign_receivers(boxes, needs, src_lay, arena_pos, knobs)
-        h_transfers, h_buffers = _lay_out_buffers(boxes, host_of, src_lay, arena_pos, align,
-                                                  first_index + len(transfers))
+        boxes = choose_senders(_union_needs(needs), src_lay, knobs)
+        receivers = {op.dst_rank for ops in needs.values() for op in ops}
+        boxes = assign_receivers(boxes, receivers, src_lay, arena_pos, knobs)
+        h_transfers, h_buffers, _ = lay_out_buffers(boxes, host_of, src_lay, arena_pos, align,
+                                                     first_index + len(transfers))
         fanout += _fan_out(needs, h_transfers, replica_sets)
         local += h_local
         transfers += h_transfers
         buffer_bytes.update(h_buffers)
-    local.sort(key=lambda op: (op.name, op.dst_rank, tuple(s.start for s in op.dst_slices), op.src_rank))
-    fanout.sort(key=lambda f: (f.op.name, f.dst_rank, tuple(s.start for s in f.op.dst_slices), f.transfer))
+    local.sort(key=lambda op: (op.name, op.dst_rank, tuple([s.start for s in op.dst_slices]), op.src_rank))
+    fanout.sort(key=lambda f: (f.op.name, f.op.dst_rank, tuple([s.start for s in f.op.dst_slices]), f.transfer))
     return HostPlan(plan, host_of, tuple(local), tuple(transfers), tuple(fanout), buffer_bytes)
 
 
-@gc_paused
-def join_host_parts(part: HostPlan, host: str, transfers: Mapping[str, Sequence[CrossTransfer]], *,
-                    align: int = RECV_ALIGN) -> HostPlan:
-    """One rank's view of the group's host plan, from its own host's ``part`` (``plan_hosts(...,
-    host=host)``, numbered from ``first_index=0``) and every destination host's transfers
-    (``{host: that host's part's transfers}``, each numbered from 0, as the hosts' ranks made
-    them), renumbered host after host in :func:`host_order`. Equal to the whole host plan in its
-    transfers and receive buffers, and in everything on ``host`` (local ops, fan-out, fences,
-    receives); the other hosts' local and fan-out ops are not in it."""
-    everything: list[CrossTransfer] = []
-    shift = 0
-    for h in host_order(part.hosts):
-        base = len(everything)
-        if h == host:
-            shift = base
-        everything += [replace(t, index=t.index + base) for t in transfers.get(h, ())]
-    buffers: dict[int, int] = {}
-    for t in everything:   # a buffer ends where its last box does, rounded up (as _lay_out_buffers)
-        buffers[t.receiver] = max(buffers.get(t.receiver, 0), -(-(t.offset + t.nbytes) // align) * align)
-    fanout = tuple(FanoutOp(f.transfer + shift, f.op) for f in part.fanout)
-    return HostPlan(part.plan, part.hosts, part.local_ops, tuple(everything), fanout, buffers)
 
-
-def host_order(hosts: Mapping[int, str]) -> tuple[str, ...]:
-    """The distinct hosts of ``{rank: host}`` in order of their lowest rank: the order of the host
-    plan's parts (each host's transfers are numbered after those of the hosts before it)."""
-    seen: dict[str, None] = {}
-    for r in sorted(hosts):
-        seen.setdefault(hosts[r], None)
-    return tuple(seen)
-
-
-# What a host needs from other hosts: (destination host, source name, replica set) -> the plan's ops.
 _Needs = dict[tuple[str, str, tuple[int, ...]], list[TransferOp]]
-
-
-class _Crossing(NamedTuple):
-    """A box of a source's local shard on its way into ``host``; ``sender`` and ``receiver`` are
-    filled in by the steps that choose them (-1 until then)."""
-
-    host: str
-    name: str
-    group: tuple[int, ...]   # the source replicas holding the box
-    box: Box
-    sender: int = -1
-    receiver: int = -1
 
 
 def _replica_sets(plan: Plan) -> dict[tuple[str, int], tuple[int, ...]]:
@@ -528,69 +165,12 @@ def _resource_locally(ops: list[TransferOp], src_lay, host_of: Mapping[int, str]
     return local, needs
 
 
-def _union_needs(needs: _Needs) -> list[_Crossing]:
+def _union_needs(needs: _Needs) -> list[Crossing]:
     """Step 2: per (host, source name, replica set), the union of the source boxes the host's ranks
-    need, as disjoint boxes merged as far as possible (:func:`_union`): a whole shard needed on a
+    need, as disjoint boxes merged as far as possible (:func:`.boxes.union_boxes`): a whole shard needed on a
     host is one box, so it can be sent straight from the sender's memory as one message."""
-    return [_Crossing(h, name, group, box) for (h, name, group), ops in sorted(needs.items())
-            for box in _union([_box(op.src_slices) for op in ops])]
-
-
-def _choose_senders(crossings: list[_Crossing], src_lay, knobs: replicas.Knobs) -> list[_Crossing]:
-    """Step 3: each box's sender, one of the box's replica set (all off the destination host),
-    balanced by bytes sent into the host with :func:`.replicas.spread` (each host on its own, so
-    that a host's part needs no other host's ops). A big box whose replicas
-    would otherwise send unevenly is cut along its outermost dim between several of them; every
-    resulting box has exactly one sender."""
-    pieces = [replicas.Piece(c.group, _nbytes(src_lay[c.name], c.box), _extent(c.box), (c.host, c.name, c.group, c.box))
-              for c in crossings]
-    out = []
-    for c, shares in zip(crossings, replicas.spread(pieces, replicas.Loads(), knobs)):
-        u0 = 0
-        for sender, units in shares:
-            out.append(c._replace(box=_part(c.box, u0, u0 + units), sender=sender))
-            u0 += units
-    return out
-
-
-def _assign_receivers(crossings: list[_Crossing], needs: _Needs, src_lay, arena_pos,
-                      knobs: replicas.Knobs) -> list[_Crossing]:
-    """Step 4: each box's receiver, one of the destination host's ranks that need data from other
-    hosts. The host's boxes in (sender, arena) order are cut into one consecutive run per receiver
-    of about equal bytes (:func:`.replicas.cut_runs`), a box at a run's end cut along its outermost
-    dim: boxes back to back in a sender's arena stay together and travel as few messages."""
-    receivers: dict[str, set[int]] = defaultdict(set)
-    for (h, _, _), ops in needs.items():
-        receivers[h].update(op.dst_rank for op in ops)
-    by_host: dict[str, list[_Crossing]] = defaultdict(list)
-    for c in crossings:
-        by_host[c.host].append(c)
-    out = []
-    for h in sorted(by_host):
-        seq = sorted(by_host[h], key=lambda c: (c.sender, arena_pos(c.sender, c.name), c.name, c.box))
-        sizes = [(_nbytes(src_lay[c.name], c.box), _extent(c.box)) for c in seq]
-        recvs = sorted(receivers[h])
-        for i, u0, u1, run in replicas.cut_runs(sizes, len(recvs), knobs):
-            out.append(seq[i]._replace(box=_part(seq[i].box, u0, u1), receiver=recvs[run]))
-    return out
-
-
-def _lay_out_buffers(crossings: list[_Crossing], host_of: Mapping[int, str], src_lay, arena_pos,
-                     align: int, first: int = 0) -> tuple[list[CrossTransfer], dict[int, int]]:
-    """Step 5: each receiver's buffer holds its boxes back to back, ``align``-byte aligned, grouped by
-    sender in the sender's arena order (so arena neighbours are buffer neighbours: one message).
-    Returns the transfers, numbered in buffer order from ``first``, and each receiver's buffer size."""
-    transfers: list[CrossTransfer] = []
-    buffer_bytes: dict[int, int] = defaultdict(int)
-    for c in sorted(crossings, key=lambda c: (c.receiver, c.sender, arena_pos(c.sender, c.name), c.name, c.box)):
-        lay = src_lay[c.name]
-        pos = -(-buffer_bytes[c.receiver] // align) * align
-        size = _nbytes(lay, c.box)
-        transfers.append(CrossTransfer(first + len(transfers), c.name, c.sender, c.receiver, host_of[c.sender], c.host,
-                                       _slices(c.box), lay.dtype, pos, size,
-                                       box_is_contiguous(c.box, lay.local_shape(c.sender))))
-        buffer_bytes[c.receiver] = pos + size
-    return transfers, {r: -(-b // align) * align for r, b in buffer_bytes.items()}
+    return [Crossing(h, name, group, box) for (h, name, group), ops in sorted(needs.items())
+            for box in union_boxes([box_of(op.src_slices) for op in ops])]
 
 
 def _fan_out(needs: _Needs, transfers: list[CrossTransfer],
@@ -604,9 +184,9 @@ def _fan_out(needs: _Needs, transfers: list[CrossTransfer],
     fanout: list[FanoutOp] = []
     for key, ops in needs.items():
         for op in ops:
-            src_box = _box(op.src_slices)
+            src_box = box_of(op.src_slices)
             for t in by_need[key]:
-                cut = _intersect(src_box, _box(t.box))
+                cut = intersect_boxes(src_box, box_of(t.box))
                 if cut is None:
                     continue
                 rel = tuple(slice(a - tb.start, b - tb.start) for (a, b), tb in zip(cut, t.box))
@@ -616,121 +196,3 @@ def _fan_out(needs: _Needs, transfers: list[CrossTransfer],
                 fanout.append(FanoutOp(t.index, TransferOp(op.name, t.receiver, op.dst_rank, rel, dst, g,
                                                            op.src_name)))
     return fanout
-
-
-@dataclass(frozen=True)
-class Message:
-    """One point-to-point message of a refit: ``sender`` -> ``receiver``, ``nbytes`` bytes landing at
-    byte ``recv_offset`` of the receiver's buffer, carrying ``transfers`` (indices, back to back).
-
-    ``src_offset``: byte offset of the bytes in the sender's arena when they are one range there
-    (sent straight from the arena); ``None`` when the sender packs its single, non-contiguous box
-    first.
-    """
-
-    sender: int
-    receiver: int
-    transfers: tuple[int, ...]
-    recv_offset: int
-    nbytes: int
-    src_offset: int | None
-
-
-def _box_byte_offset(box: tuple[slice, ...], shape: tuple[int, ...], itemsize: int) -> int:
-    off, stride = 0, itemsize
-    for s, n in zip(reversed(box), reversed(shape)):
-        off += s.start * stride
-        stride *= n
-    return off
-
-
-def plan_messages(hp: HostPlan, src_offsets: Mapping[tuple[int, str], int]) -> tuple[Message, ...]:
-    """The messages of ``hp`` given where each source shard lives in its sender's arena.
-
-    Transfers from one sender to one receiver that are back to back both in the sender's arena and
-    in the receive buffer travel as one message (a whole arena needed on a host is one message per
-    sender and receiver). Sender and receiver derive the same list from the same inputs.
-    """
-    missing = sorted({(t.src_rank, t.name) for t in hp.transfers} - set(src_offsets))
-    if missing:
-        raise ValueError(f"plan_messages: src_offsets has no arena offset for (rank, name) {missing[:8]}")
-    out: list[Message] = []
-    for t in sorted(hp.transfers, key=lambda t: (t.src_rank, t.receiver, t.offset)):
-        lay = hp.plan.src_layouts[t.name]
-        src = None
-        if t.contiguous:
-            src = src_offsets[(t.src_rank, t.name)] + _box_byte_offset(t.box, lay.local_shape(t.src_rank),
-                                                                       lay.itemsize)
-        last = out[-1] if out else None
-        if (last is not None and src is not None and last.src_offset is not None
-                and (last.sender, last.receiver) == (t.src_rank, t.receiver)
-                and last.src_offset + last.nbytes == src and last.recv_offset + last.nbytes == t.offset):
-            out[-1] = Message(last.sender, last.receiver, last.transfers + (t.index,), last.recv_offset,
-                              last.nbytes + t.nbytes, last.src_offset)
-        else:
-            out.append(Message(t.src_rank, t.receiver, (t.index,), t.offset, t.nbytes, src))
-    return tuple(out)
-
-
-@dataclass(frozen=True)
-class Traffic:
-    """Bytes each rank moves in one refit, by direction and by link kind, as :func:`refit_traffic`
-    models them. ``{rank: bytes}`` each: ``out_within`` / ``in_within`` over the host's own links
-    (reads of source arenas and relay buffers on the host), ``out_across`` / ``in_across`` between
-    hosts (each byte a host needs once). ``pieces``: ``{rank: pieces it reads or serves}`` (the
-    plan's ops, before replicas cut some into parts). ``host_ingress``: ``{host: bytes}``."""
-
-    out_within: Mapping[int, int]
-    in_within: Mapping[int, int]
-    out_across: Mapping[int, int]
-    in_across: Mapping[int, int]
-    pieces: Mapping[int, int]
-    host_ingress: Mapping[str, int]
-
-
-@gc_paused
-def refit_traffic(src_layouts, dst_layouts, parts=None, hosts: Mapping[int, str] | None = None) -> Traffic:
-    """A model of one refit's traffic per rank, from :func:`.reshard.source_pieces` (no ops made, so
-    it runs at frontier scale). ``hosts``: ``{rank: host}`` (default: one host).
-
-    As the engine moves bytes: a piece whose source has a replica on the destination's host is read
-    there (split evenly over those replicas); every other piece's source box crosses into the
-    destination's host once (the union of the boxes the host's ranks need, per source tensor and
-    replica set), sent evenly by the replica set, received evenly by the host's ranks that read
-    across hosts (the relays), then fanned out: each reader reads its piece from a relay buffer on
-    its host. A model, not the plan: the host planner's exact cuts differ by its balance slack."""
-    ranks = {r for lay in (*src_layouts.values(), *dst_layouts.values()) for r in lay.ranks}
-    host_of = {r: "host" for r in ranks} if hosts is None else dict(hosts)
-    missing = sorted(ranks - set(host_of))
-    if missing:
-        raise ValueError(f"refit_traffic: hosts has no entry for rank(s) {missing}")
-    ow, iw, oa, ia, n_pieces = (defaultdict(int) for _ in range(5))
-    ingress: dict[str, int] = defaultdict(int)
-    relayed: dict[str, set[int]] = defaultdict(set)      # host -> its ranks that read across hosts
-    fanout: dict[str, int] = defaultdict(int)             # host -> bytes read from its relay buffers
-    for cls, (count, rows) in enumerate(source_pieces(src_layouts, dst_layouts, parts)):
-        crossing: dict[tuple, list] = defaultdict(list)
-        for group, dst_rank, src_box, numel, s_isz, d_isz in rows:
-            h = host_of[dst_rank]
-            n_pieces[dst_rank] += count
-            iw[dst_rank] += count * numel * d_isz
-            here = [r for r in group if host_of[r] == h]
-            if here:
-                for r in here:
-                    ow[r] += count * numel * s_isz // len(here)
-                    n_pieces[r] += count if r != dst_rank else 0
-                continue
-            crossing[(h, group, s_isz)].append(src_box)
-            relayed[h].add(dst_rank)
-            fanout[h] += count * numel * d_isz
-        for (h, group, s_isz), boxes in crossing.items():
-            nbytes = count * s_isz * sum(math.prod(b - a for a, b in box) for box in _union(boxes))
-            ingress[h] += nbytes
-            for r in group:
-                oa[r] += nbytes // len(group)
-                n_pieces[r] += count * len(boxes) // len(group)
-    for h, readers in relayed.items():
-        for r in readers:
-            ia[r] += ingress[h] // len(readers)
-            ow[r] += fanout[h] // len(readers)
-    return Traffic(*(dict(sorted(d.items())) for d in (ow, iw, oa, ia, n_pieces)), dict(sorted(ingress.items())))

@@ -18,7 +18,7 @@ from ..layout import Layout
 from .dtypes import CASTABLE_DTYPES
 from .reshard import Plan, plan_reshard
 
-__all__ = ["BlockQuant", "QuantizedPlan", "SCALE_RULES", "FP8_DTYPE", "plan_quantized"]
+__all__ = ["BlockQuant", "QuantizedPlan", "SCALE_RULES", "FP8_DTYPE", "plan_quantized", "quantized_inputs"]
 
 #: ``"deepgemm"``: ``s = amax / 448``, ``q = x * (1 / s)`` (DeepGEMM's ``per_block_cast_to_fp8``, what
 #: vLLM and SGLang ship); ``"nemo_rl"``: ``q = x * (448 / amax)``, ``s = 1 / (448 / amax)`` (NeMo-RL, verl;
@@ -116,6 +116,21 @@ def plan_quantized(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, 
     """
     if not quant:
         return plan_reshard(src_layouts, dst_layouts, parts, rank=rank)
+    planned = quantized_inputs(src_layouts, dst_layouts, parts, quant)
+    plan = plan_reshard(src_layouts, planned, parts, rank=rank)
+    padded = sorted({f.name for f in plan.fills if f.name in quant})
+    if padded:
+        raise ValueError(f"plan_quantized: {padded} have zero padding (fills); quantized weights must be "
+                         f"built from sources only")
+    return QuantizedPlan(plan, dst_layouts, quant)
+
+
+def quantized_inputs(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout], parts,
+                     quant: Mapping[str, BlockQuant]) -> dict[str, Layout]:
+    """``quant`` checked against the layouts (one ``ValueError`` naming every problem), and the
+    destination layouts the planner plans: each quantized weight as a float32 copy of its geometry
+    (ops carry no dtype: they say where each value comes from), the scales left out (the quantizer
+    writes them, no op does)."""
     problems: list[str] = []
     if not isinstance(quant, Mapping):
         raise ValueError(f"quant must be a mapping name -> BlockQuant, got {type(quant).__name__}")
@@ -164,14 +179,6 @@ def plan_quantized(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, 
             problems.append(f"{where}: source {name!r} is {src_layouts[name].dtype}; quantized from {CASTABLE_DTYPES}")
     if problems:
         raise ValueError("plan_quantized: " + "; ".join(problems))
-    # Plan where each weight's values come from as a float32 copy of the same geometry (the ops do
-    # not carry dtypes); the scales are written by the quantizer, not by ops.
-    planned = {n: (Layout(lay.shape, lay.mesh, lay.placements, torch.float32) if n in quant else lay)
-               for n, lay in dst_layouts.items() if n not in scales}
-    plan = plan_reshard(src_layouts, planned, parts, rank=rank)
-    padded = sorted({f.name for f in plan.fills if f.name in quant})
-    if padded:
-        raise ValueError(f"plan_quantized: {padded} have zero padding (fills); quantized weights must be "
-                         f"built from sources only")
-    return QuantizedPlan(plan, dst_layouts, quant)
+    return {n: (Layout(lay.shape, lay.mesh, lay.placements, torch.float32) if n in quant else lay)
+            for n, lay in dst_layouts.items() if n not in scales}
 

@@ -25,108 +25,22 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from collections.abc import Mapping
+from functools import lru_cache
 from itertools import chain, product
 from operator import itemgetter
+from typing import NamedTuple
 
 from ..layout import Layout, Part, Segment, segments_by_mesh_index
 from . import replicas
+from .boxes import cut_global
 from .checks import check_inputs
-from .text import fmt_bytes, fmt_global, fmt_slices, render_table
+from .ops import FillOp, Plan, PlanStats, TransferOp, merge_plans, new_op
 from ._gc import gc_paused
 
+# Plan, its ops and merge_plans live in .ops; this module makes plans (they stay importable from here).
 __all__ = ["TransferOp", "FillOp", "Plan", "PlanStats", "merge_plans", "plan_reshard", "source_pieces"]
 
-
-class _DstBox:
-    """``shape`` / ``numel`` of an op's destination box (``dst_slices``), shared by both op kinds."""
-
-    __slots__ = ()
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(s.stop - s.start for s in self.dst_slices)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-@dataclass(frozen=True, eq=True)
-class TransferOp(_DstBox):
-    """Copy ``src_rank``'s local ``src_name[src_slices]`` into ``dst_rank``'s local ``name[dst_slices]``.
-
-    Slices are unit-step, one per tensor dim, of equal extent. ``global_index`` gives, per dim, the
-    intervals of the *source's* global index the op covers (several when a packed-block op spans
-    block boundaries). ``src_name`` is the source tensor's name; it equals ``name`` unless the plan
-    was given ``parts=`` (q/k/v -> qkv and the like). Consumers look sources up by ``src_name``.
-    """
-
-    name: str
-    src_rank: int
-    dst_rank: int
-    src_slices: tuple[slice, ...]
-    dst_slices: tuple[slice, ...]
-    global_index: tuple[tuple[tuple[int, int], ...], ...]
-    src_name: str | None = None
-
-    def __post_init__(self):
-        if self.src_name is None:
-            object.__setattr__(self, "src_name", self.name)
-
-    def __hash__(self) -> int:  # slices are unhashable before Python 3.12
-        return hash((self.name, self.src_name, self.src_rank, self.dst_rank,
-                     tuple((s.start, s.stop) for s in self.src_slices),
-                     tuple((s.start, s.stop) for s in self.dst_slices)))
-
-    @property
-    def is_local(self) -> bool:
-        """True when the destination rank reads its own source shard (colocated meshes)."""
-        return self.src_rank == self.dst_rank
-
-    def __str__(self) -> str:
-        frm = "" if self.src_name == self.name else f" from {self.src_name}"
-        return (f"{self.name}: {self.src_rank}->{self.dst_rank}{frm} global{fmt_global(self.global_index)} "
-                f"src{fmt_slices(self.src_slices)} -> dst{fmt_slices(self.dst_slices)} "
-                f"({'x'.join(map(str, self.shape))})")
-
-
-@dataclass(frozen=True, eq=True)
-class FillOp(_DstBox):
-    """Zero ``dst_rank``'s local ``name[dst_slices]`` (padding, e.g. vocab rows past the real vocab).
-
-    ``global_index``: per dim, the destination's global intervals the fill covers. No op writes these
-    elements, so a refit engine may zero them once when it allocates the destination.
-    """
-
-    name: str
-    dst_rank: int
-    dst_slices: tuple[slice, ...]
-    global_index: tuple[tuple[tuple[int, int], ...], ...]
-
-    def __hash__(self) -> int:
-        return hash((self.name, self.dst_rank, tuple((s.start, s.stop) for s in self.dst_slices)))
-
-    def __str__(self) -> str:
-        return (f"{self.name}: zeros->{self.dst_rank} global{fmt_global(self.global_index)} "
-                f"dst{fmt_slices(self.dst_slices)} ({'x'.join(map(str, self.shape))})")
-
-
-@dataclass(frozen=True)
-class PlanStats:
-    """Byte accounting of a plan. Destination bytes use the destination dtype, source bytes the
-    source dtype (they differ when the plan casts)."""
-
-    num_ops: int
-    total_bytes: int
-    local_bytes: int
-    remote_bytes: int
-    pair_bytes: Mapping[tuple[int, int], int]   # (src_rank, dst_rank) -> destination bytes
-    send_bytes: Mapping[int, int]               # src_rank -> source bytes it serves
-    recv_bytes: Mapping[int, int]               # dst_rank -> destination bytes it writes
-    fill_bytes: int = 0                          # destination bytes zero-filled (padding), not moved
 
 
 # One dim of an intersection: (src_local_start, dst_local_start, length, global intervals).
@@ -156,18 +70,6 @@ def _intersect_dim(src: tuple[Segment, ...], dst: tuple[Segment, ...]) -> list[_
     return out
 
 
-def cut_global(intervals: tuple[tuple[int, int], ...], start: int, stop: int) -> tuple[tuple[int, int], ...]:
-    """The global intervals covering positions [start, stop) of the concatenation of ``intervals``."""
-    out, pos = [], 0
-    for a, b in intervals:
-        n = b - a
-        lo, hi = max(start, pos), min(stop, pos + n)
-        if lo < hi:
-            out.append((a + lo - pos, a + hi - pos))
-        pos += n
-    return tuple(out)
-
-
 def _op_fields(dims: tuple[_DimPiece, ...]) -> tuple:
     """(src_slices, dst_slices, global_index) of a piece."""
     return (tuple(slice(s, s + n) for s, _, n, _ in dims),
@@ -192,180 +94,6 @@ def _split(dims: tuple[_DimPiece, ...], units: list[int]) -> list[tuple[_DimPiec
     assert pos == n
     return parts
 
-
-class Plan:
-    """An immutable reshard plan: ``ops`` (copies), ``fills`` (zero padding) plus the layouts and
-    parts it was derived from.
-
-    ``str(plan)`` is a readable table (ops, the byte matrix between ranks, per-rank totals).
-
-    ``rank``: None for the whole plan; else this is rank ``rank``'s plan (``plan_reshard(...,
-    rank=)``): its ``ops`` are exactly the whole plan's ops whose source or destination is ``rank``
-    (in the same order), its ``fills`` those of ``rank``'s destinations, and ``stats`` count only them.
-    """
-
-    def __init__(self, src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout],
-                 ops: tuple[TransferOp, ...], fills: tuple[FillOp, ...] = (),
-                 parts: Mapping[str, tuple[Part, ...]] | None = None, rank: int | None = None):
-        self.rank = rank
-        self._src = dict(src_layouts)
-        self._dst = dict(dst_layouts)
-        self._ops = ops
-        self._fills = fills
-        self._parts = dict(parts or {})
-
-    @property
-    def ops(self) -> tuple[TransferOp, ...]:
-        return self._ops
-
-    @property
-    def fills(self) -> tuple[FillOp, ...]:
-        """Regions of destination shards that no op writes and that must hold zeros (padding)."""
-        return self._fills
-
-    @property
-    def parts(self) -> Mapping[str, tuple[Part, ...]]:
-        """For each destination built from ``parts=``: its parts, boxes resolved to ints."""
-        return dict(self._parts)
-
-    def fills_for_dst(self, rank: int) -> tuple[FillOp, ...]:
-        """The zero fills of ``rank``'s destination shards."""
-        return tuple(f for f in self._fills if f.dst_rank == rank)
-
-    @property
-    def src_layouts(self) -> Mapping[str, Layout]:
-        return dict(self._src)
-
-    @property
-    def dst_layouts(self) -> Mapping[str, Layout]:
-        return dict(self._dst)
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        """Names the plan moves (the destination names), in plan order."""
-        return tuple(sorted(self._dst))
-
-    @cached_property
-    def src_ranks(self) -> tuple[int, ...]:
-        return tuple(sorted({r for lay in self._src.values() for r in lay.ranks}))
-
-    @cached_property
-    def dst_ranks(self) -> tuple[int, ...]:
-        return tuple(sorted({r for lay in self._dst.values() for r in lay.ranks}))
-
-    @cached_property
-    def _by_dst(self) -> dict[int, tuple[TransferOp, ...]]:
-        groups: dict[int, list[TransferOp]] = defaultdict(list)
-        for op in self._ops:
-            groups[op.dst_rank].append(op)
-        return {r: tuple(v) for r, v in groups.items()}
-
-    @cached_property
-    def _by_src(self) -> dict[int, tuple[TransferOp, ...]]:
-        groups: dict[int, list[TransferOp]] = defaultdict(list)
-        for op in self._ops:
-            groups[op.src_rank].append(op)
-        return {r: tuple(v) for r, v in groups.items()}
-
-    def ops_for_dst(self, rank: int) -> tuple[TransferOp, ...]:
-        """The ops that write ``rank``'s destination shards (what an inference rank executes)."""
-        return self._by_dst.get(rank, ())
-
-    def ops_for_src(self, rank: int) -> tuple[TransferOp, ...]:
-        """The ops that read ``rank``'s source shards (who a trainer must wait for at its fence)."""
-        return self._by_src.get(rank, ())
-
-    def readers_of(self, src_rank: int) -> tuple[int, ...]:
-        """Destination ranks that read ``src_rank``'s shards."""
-        return tuple(sorted({op.dst_rank for op in self.ops_for_src(src_rank)}))
-
-    def sources_of(self, dst_rank: int) -> tuple[int, ...]:
-        """Source ranks that ``dst_rank`` reads from."""
-        return tuple(sorted({op.src_rank for op in self.ops_for_dst(dst_rank)}))
-
-    def __len__(self) -> int:
-        return len(self._ops)
-
-    def __iter__(self):
-        return iter(self._ops)
-
-    @cached_property
-    def stats(self) -> PlanStats:
-        pair: dict[tuple[int, int], int] = defaultdict(int)
-        send: dict[int, int] = defaultdict(int)
-        recv: dict[int, int] = defaultdict(int)
-        local = 0
-        isz = {}
-        for op in self._ops:
-            key = (op.src_name, op.name)
-            if key not in isz:
-                isz[key] = (self._src[op.src_name].itemsize, self._dst[op.name].itemsize)
-            s_sz, d_sz = isz[key]
-            b = op.numel * d_sz
-            pair[(op.src_rank, op.dst_rank)] += b
-            send[op.src_rank] += op.numel * s_sz
-            recv[op.dst_rank] += b
-            if op.is_local:
-                local += b
-        total = sum(recv.values())
-        fill = sum(f.numel * self._dst[f.name].itemsize for f in self._fills)
-        return PlanStats(len(self._ops), total, local, total - local, dict(pair), dict(send), dict(recv), fill)
-
-    def summary(self) -> str:
-        st = self.stats
-        extra = ""
-        if self._parts:
-            extra += f", {len(self._parts)} built from parts"
-        if self._fills:
-            extra += f", {len(self._fills)} zero fills ({fmt_bytes(st.fill_bytes)})"
-        whose = "" if self.rank is None else f" (rank {self.rank}'s part)"
-        return (f"Plan{whose}: {len(self.names)} tensor(s), {st.num_ops} ops, {fmt_bytes(st.total_bytes)} to "
-                f"{len(self.dst_ranks)} destination rank(s) from {len(self.src_ranks)} source rank(s) "
-                f"({fmt_bytes(st.local_bytes)} local, {fmt_bytes(st.remote_bytes)} remote{extra})")
-
-    def table(self, max_ops: int | None = 64) -> str:
-        """The plan as text. ``max_ops`` caps the op rows (``None``: all)."""
-        st = self.stats
-        lines = [self.summary()]
-        renamed = any(op.src_name != op.name for op in self._ops)
-        # With parts, "global" is the source's index, so the source's name goes with it.
-        headers = ("tensor", "src->dst", "source[global]" if renamed else "global", "src local", "dst local",
-                   "shape", "bytes")
-
-        def op_row(op: TransferOp) -> tuple[str, ...]:
-            g = fmt_global(op.global_index)
-            return (op.name, f"{op.src_rank}->{op.dst_rank}", op.src_name + g if renamed else g,
-                    fmt_slices(op.src_slices), fmt_slices(op.dst_slices), "x".join(map(str, op.shape)) or "scalar",
-                    fmt_bytes(op.numel * self._dst[op.name].itemsize))
-
-        def fill_row(f: FillOp) -> tuple[str, ...]:
-            return (f.name, f"zeros->{f.dst_rank}", fmt_global(f.global_index), "-", fmt_slices(f.dst_slices),
-                    "x".join(map(str, f.shape)), fmt_bytes(f.numel * self._dst[f.name].itemsize))
-
-        rows = chain(map(op_row, self._ops), map(fill_row, self._fills))
-        lines += render_table(headers, rows, max_rows=max_ops,
-                              sections=(("ops", len(self._ops)), ("zero fills", len(self._fills))))
-        if self._parts:
-            lines.append("parts (destination box <- source):")
-            for name in sorted(self._parts)[:16 if max_ops is not None else None]:
-                lines.append(f"  {name}: " + "; ".join(map(str, self._parts[name])))
-            if max_ops is not None and len(self._parts) > 16:
-                lines.append(f"  ... {len(self._parts) - 16} more")
-        srcs, dsts = self.src_ranks, self.dst_ranks
-        if len(srcs) <= 16 and len(dsts) <= 16:
-            lines.append("bytes (rows: source rank, columns: destination rank)")
-            lines += render_table(["src\\dst"] + [str(d) for d in dsts],
-                                  [[str(s)] + [fmt_bytes(st.pair_bytes[(s, d)]) if (s, d) in st.pair_bytes
-                                               else "." for d in dsts] for s in srcs], right=True)
-        lines.append("send: " + ", ".join(f"{r}: {fmt_bytes(b)}" for r, b in sorted(st.send_bytes.items())))
-        lines.append("recv: " + ", ".join(f"{r}: {fmt_bytes(b)}" for r, b in sorted(st.recv_bytes.items())))
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.table()
-
-    def __repr__(self) -> str:
-        return f"<{self.summary()}>"
 
 
 @gc_paused
@@ -451,12 +179,53 @@ def _dst_segments(d_geo: tuple, box: tuple | None, src_start: tuple | None, dst_
     return tuple(_clip(s, lo, hi, st - lo) for s, (lo, hi), st in zip(segs, box, src_start))
 
 
-# One piece of a (source layout, destination layout) pair, independent of the tensor's name and
-# dtype (a model's layers repeat a geometry): (dst_rank, replica set index, replica set, ordinal in
-# the set's pieces for this dst_rank, dims, numel, template). ``template`` is ``(src_rank,
-# src_slices, dst_slices, global_index)`` when the source is fixed (one replica, or the destination
-# holds the data itself) and None when :func:`.replicas.share` picks the replicas.
-_Row = tuple
+class _Template(NamedTuple):
+    """A piece's op fields when its source is fixed (one replica, or the destination holds the data
+    itself), and its sort key: made once per geometry (layers repeat them)."""
+
+    src_rank: int
+    src_slices: tuple[slice, ...]
+    dst_slices: tuple[slice, ...]
+    global_index: tuple
+    sort_key: tuple   # (dst_rank, dst starts, src_rank): the plan's order within a tensor
+
+
+class _Row(NamedTuple):
+    """One piece of a (source layout, destination layout) pair, independent of the tensor's name and
+    dtype (a model's layers repeat a geometry). Made once per geometry and cached, so a NamedTuple's
+    construction cost is paid per geometry, not per op; the hot loops unpack it like a tuple."""
+
+    dst_rank: int
+    group_index: int             # which replica set of the source
+    group: tuple[int, ...]       # the replica set
+    ordinal: int                 # the piece's place among the set's pieces for this dst_rank
+    dims: tuple                  # per dim (src_local_start, dst_local_start, length, global intervals)
+    numel: int
+    template: _Template | None   # None: :func:`.replicas.share` picks the replicas
+
+
+class OpRow(NamedTuple):
+    """One op of the plan without its tensor's names (:func:`rows_into`): shared by every tensor of
+    the same geometry. ``group``: the replica set holding the source box (``src_rank`` is one)."""
+
+    src_rank: int
+    dst_rank: int
+    src_slices: tuple[slice, ...]
+    dst_slices: tuple[slice, ...]
+    global_index: tuple
+    group: tuple[int, ...]
+
+
+class Job(NamedTuple):
+    """The ops of one (destination tensor, source tensor) pair into some destination ranks
+    (:func:`rows_into`). Jobs of the same geometry have the same ``key`` and share one ``rows``;
+    ``source`` numbers the source's geometry (equal for sources of one geometry)."""
+
+    name: str
+    src_name: str
+    key: int
+    source: int
+    rows: tuple[OpRow, ...]
 
 
 def _rows(dst_rank: int, d_segs: tuple, g_idx: int, s_segs: tuple, group: tuple[int, ...]) -> list[_Row]:
@@ -470,8 +239,8 @@ def _rows(dst_rank: int, d_segs: tuple, g_idx: int, s_segs: tuple, group: tuple[
             src_rank = dst_rank if dst_rank in group else group[0]
             fields = _op_fields(dims)
             # The op's fields and its sort key, made once per geometry (layers repeat them).
-            template = (src_rank, *fields, (dst_rank, tuple(d.start for d in fields[1]), src_rank))
-        rows.append((dst_rank, g_idx, group, ordinal, dims, math.prod(p[2] for p in dims), template))
+            template = _Template(src_rank, *fields, (dst_rank, tuple(d.start for d in fields[1]), src_rank))
+        rows.append(_Row(dst_rank, g_idx, group, ordinal, dims, math.prod(p[2] for p in dims), template))
     return rows
 
 
@@ -511,12 +280,70 @@ def _emit(row: _Row, name: str, src_name: str, turn: int, s_isz: int, knobs: rep
     if template is not None:
         src_rank, ss, ds, g, _ = template
         return [TransferOp(name, src_rank, dst_rank, ss, ds, g, src_name)]
-    axis = replicas.split_axis([p[2] for p in dims])
-    shares = replicas.share(group, numel * s_isz, 1 if axis is None else dims[axis][2], turn, knobs)
+    return [_make_op(name, src_rank, dst_rank, part, src_name) for src_rank, part in _shares(row, turn, s_isz, knobs)]
+
+
+def _shares(row: _Row, turn: int, s_isz: int, knobs: replicas.Knobs) -> list[tuple[int, tuple]]:
+    """``(src_rank, dims)`` of each part of a piece whose replicas :func:`.replicas.share` picks."""
+    axis = replicas.split_axis([p[2] for p in row.dims])
+    shares = replicas.share(row.group, row.numel * s_isz, 1 if axis is None else row.dims[axis][2], turn, knobs)
     if len(shares) == 1:
-        return [_make_op(name, shares[0][0], dst_rank, dims, src_name)]
-    return [_make_op(name, src_rank, dst_rank, part, src_name)
-            for (src_rank, _), part in zip(shares, _split(dims, [u for _, u in shares]))]
+        return [(shares[0][0], row.dims)]
+    return [(src_rank, part) for (src_rank, _), part in zip(shares, _split(row.dims, [u for _, u in shares]))]
+
+
+def rows_into(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout], resolved: Mapping,
+              dst_ranks) -> list[Job]:
+    """The whole plan's ops into ``dst_ranks``, as jobs (:class:`Job`: one per destination tensor and
+    source it reads, in plan order), without making an op: jobs of the same geometry share one
+    tuple of rows. The same ops, with the same replica choices, as :func:`plan_reshard` (``resolved``:
+    :func:`.checks.check_inputs`' parts). A job whose pieces :func:`.replicas.share` spreads over
+    replicas has rows of its own (its turn depends on the tensor's place in the plan)."""
+    knobs = replicas.KNOBS
+    # (geometry of the pair) -> (key, source, rows), or None where replicas are chosen per job. One
+    # lookup per job: the geometry tuples are big, and hashing them is most of a job's cost.
+    classes: dict[tuple, tuple | None] = {}
+    sources: dict[tuple, int] = {}
+    jobs: list[Job] = []
+    next_key = 0
+    for t_idx, (name, d_lay) in enumerate(sorted(dst_layouts.items())):
+        mine = tuple(d for d in d_lay.ranks if d in dst_ranks)
+        if not mine:
+            continue
+        parts = resolved.get(name)
+        if parts is None:
+            parts = ((name, None, None),)
+        d_geo, n_dst, pos = _geometry(d_lay), len(d_lay.ranks), _positions(d_lay.ranks)
+        for j_idx, (src_name, box, start) in enumerate(parts):
+            if src_name is None:
+                continue
+            s_lay = src_layouts[src_name]
+            s_geo, s_isz = _geometry(s_lay), s_lay.itemsize
+            geo = (s_geo, s_isz, d_geo, box, start, mine)
+            seen = classes.get(geo, False)
+            if seen:
+                jobs.append(Job(name, src_name, *seen))
+                continue
+            out, fixed = [], True
+            base = (t_idx + j_idx) * n_dst
+            for d in mine:
+                for row in _dst_rows(s_geo, d_geo, box, start, d):
+                    t = row.template
+                    if t is not None:
+                        out.append(OpRow(t.src_rank, d, t.src_slices, t.dst_slices, t.global_index, row.group))
+                        continue
+                    fixed = False
+                    turn = replicas.rotation(base + pos[d], len(row.group)) + row.group_index + row.ordinal
+                    for src_rank, dims in _shares(row, turn, s_isz, knobs):
+                        out.append(OpRow(src_rank, d, *_op_fields(dims), row.group))
+            got = (next_key, sources.setdefault(s_geo, len(sources)), tuple(out))
+            next_key += 1
+            if seen is False:
+                # Where replicas are chosen, the choice depends on the tensor's place in the plan:
+                # each such job has rows of its own.
+                classes[geo] = got if fixed else None
+            jobs.append(Job(name, src_name, *got))
+    return jobs
 
 
 @lru_cache(maxsize=1024)
@@ -532,18 +359,6 @@ def _fill_pieces(d_geo: tuple, box: tuple) -> tuple:
 
 
 _first = itemgetter(0)
-_obj_new, _obj_set = object.__new__, object.__setattr__
-
-
-def _new_op(name, src_rank, dst_rank, src_slices, dst_slices, global_index, src_name) -> TransferOp:
-    """``TransferOp(...)`` without the frozen dataclass's per-field ``__setattr__`` (a third of a
-    big plan's time); the values are the planner's own, already checked. The ``__dict__`` is a
-    literal: half the cost of building it from the field names (a trainer's plan makes one op per
-    reader and piece)."""
-    op = _obj_new(TransferOp)
-    _obj_set(op, "__dict__", {"name": name, "src_rank": src_rank, "dst_rank": dst_rank, "src_slices": src_slices,
-                              "dst_slices": dst_slices, "global_index": global_index, "src_name": src_name})
-    return op
 
 
 @lru_cache(maxsize=128)
@@ -583,7 +398,7 @@ def _plan_cached(src_items: tuple[tuple[str, Layout], ...], dst_items: tuple[tup
                 template = row[6]
                 if template is not None:   # the source is fixed: the hot path of a big plan
                     if rank is None or template[0] == rank or row[0] == rank:
-                        block.append((template[4], _new_op(name, template[0], row[0], template[1], template[2],
+                        block.append((template[4], new_op(name, template[0], row[0], template[1], template[2],
                                                            template[3], src_name)))
                     continue
                 turn = replicas.rotation(base + pos[row[0]], len(row[2])) + row[1] + row[3]
@@ -598,27 +413,6 @@ def _plan_cached(src_items: tuple[tuple[str, Layout], ...], dst_items: tuple[tup
                       for name, rs in parts.items()}
     return Plan(src, dst, tuple(ops), tuple(fills), resolved_parts, rank=rank)
 
-
-@gc_paused
-def merge_plans(plans: Sequence[Plan]) -> Plan:
-    """The union of per-rank plans of one group (``plan_reshard(..., rank=r)`` for several r) as
-    one :class:`Plan`: every op and fill of any of them once, in the whole plan's order (by name,
-    then destination rank, destination start, source rank). Its ops are then exactly the whole
-    plan's ops whose source or destination is one of the ranks, without making the whole plan
-    (the host planner's input for one host: :func:`~.hosts.plan_hosts` with ``host=``).
-    ``rank`` of the result is None; its layouts and parts are the first plan's."""
-    if not plans:
-        raise ValueError("merge_plans: no plans to merge")
-    ops: dict[tuple, TransferOp] = {}
-    fills: dict[tuple, FillOp] = {}
-    for p in plans:
-        for op in p.ops:
-            ops.setdefault((op.name, op.dst_rank, tuple([s.start for s in op.dst_slices]), op.src_rank), op)
-        for f in p.fills:
-            fills.setdefault((f.name, f.dst_rank, tuple([s.start for s in f.dst_slices])), f)
-    first = plans[0]
-    return Plan(first.src_layouts, first.dst_layouts, tuple(ops[k] for k in sorted(ops)),
-                tuple(fills[k] for k in sorted(fills)), first.parts)
 
 
 def source_pieces(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout],

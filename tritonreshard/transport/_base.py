@@ -20,6 +20,8 @@ from typing import Sequence
 
 import torch
 
+from ..planning import RECV_ALIGN
+
 __all__ = [
     "ALIGN",
     "SHM_PREFIX",
@@ -29,9 +31,9 @@ __all__ = [
     "pack_offsets",
 ]
 
-#: Alignment of every tensor inside an arena, in bytes (covers 128-bit vector loads and the
-#: coalescing granularity of GPUs; also a multiple of every dtype's size).
-ALIGN = 256
+#: Alignment of every tensor inside an arena, in bytes: the planner's :data:`~tritonreshard.planning.RECV_ALIGN`
+#: (its one home; planning lays out receive buffers with it, so arena and buffer offsets agree).
+ALIGN = RECV_ALIGN
 
 #: Prefix of every name this package creates (/dev/shm entries, memfds, abstract sockets), so a
 #: survivor or an operator can recognise them.
