@@ -622,11 +622,27 @@ def test_bench_quantize_runs_the_three_methods_and_verifies():
     result equal bit for bit to bf16 refit + torch quantize (no speed assertion: machines are noisy)."""
     from tritonreshard.apps.bench.fp8 import run_fp8, table
 
-    out = run_fp8(8 << 20, trainers=3, inference=2, repeats=1, warmup=0)
+    lines = []
+    out = run_fp8(8 << 20, trainers=3, inference=2, repeats=1, warmup=0, progress=lines.append)
     assert out["verified"] is True and out["layers"] >= 1
     assert set(out["results"]) == {"bf16", "fp8_fused", "bf16_then_quantize"}
     assert all(r["seconds"] > 0 for r in out["results"].values())
     assert "verified: True" in table(out)
+    rounds = [ln for ln in lines if ln.startswith("round ")]
+    assert len(rounds) == 3 and {ln.split()[2] for ln in rounds} == {"bf16:", "fp8_fused:", "bf16_then_quantize:"}
+
+
+def test_bench_quantize_interleaves_the_methods_rounds():
+    """Round i of every method runs before round i+1 of any (load drift falls on all methods alike),
+    the order rotating within a round; warmup rounds are reported but not timed."""
+    from tritonreshard.apps.bench.fp8 import _time_rounds
+
+    calls, lines = [], []
+    fns = {m: (lambda m=m: calls.append(m)) for m in "abc"}
+    secs = _time_rounds(fns, repeats=3, warmup=1, device=torch.device("cpu"), progress=lines.append)
+    assert calls == list("abc" "bca" "cab" "abc")
+    assert set(secs) == set("abc") and all(s >= 0 for s in secs.values())
+    assert [ln.split(":")[0] for ln in lines[:4]] == ["warmup 1/1 a", "warmup 1/1 b", "warmup 1/1 c", "round 1/3 b"]
 
 
 def test_group_refuses_disagreeing_quantization():
