@@ -135,6 +135,41 @@ def test_ragged_unaligned_blocks_from_row_and_column_shards(backend, placement):
         assert torch.equal(_bits(got["w"]), _bits(q)) and torch.equal(got["s"], s), (ue8m0, rule)
 
 
+@pytest.mark.parametrize("chunk", [1, 2 * 128 * 384 * 4, None])
+def test_torch_backend_steps_of_any_size_share_one_scratch_exactly(chunk, monkeypatch):
+    """The torch backend quantizes a few MiB of block rows a step in one scratch shared by every weight:
+    at one block row a step, two, or the default, the result is the reference's bit for bit, with
+    short blocks inside a weight (partitions of 200 and 440 rows), Shard(1) column pieces, and the
+    padding columns of a 260-column weight where a 384-column weight of large values was just quantized
+    (run twice, so whichever weight goes first)."""
+    from tritonreshard.kernels import quantize
+
+    if chunk is not None:
+        monkeypatch.setattr(quantize, "_TORCH_CHUNK_BYTES", chunk)
+    g = torch.Generator().manual_seed(7)
+    full = {"a": (torch.randn(640, 384, generator=g) * 100).bfloat16(),
+            "w": (torch.randn(300, 260, generator=g) * 0.1).bfloat16()}
+    qa, qw = BlockQuant("a_s", (200, 440)), BlockQuant("w_s", (300,))
+    src = {"a": Layout((640, 384), [0, 1, 2], [Shard(0)], torch.bfloat16),
+           "w": Layout((300, 260), [0, 1, 2], [Shard(1)], torch.bfloat16)}
+    dst = {"a": Layout((640, 384), [3], [Shard(0)], FP8), "w": Layout((300, 260), [3], [Shard(0)], FP8),
+           "a_s": Layout(qa.scale_shape((640, 384)), [3], [Shard(0)], torch.float32),
+           "w_s": Layout(qw.scale_shape((300, 260)), [3], [Shard(0)], torch.float32)}
+    plan = plan_quantized(src, dst, None, {"a": qa, "w": qw})
+    shards = {r: {n: lay.shard(full[n], r) for n, lay in src.items()} for r in range(3)}
+    out = {n: (torch.full(lay.shape, 0x7F, dtype=torch.uint8).view(FP8) if lay.dtype == FP8
+               else torch.full(lay.shape, float("nan"))) for n, lay in dst.items()}
+    table = QuantizeTable.build([op for op in plan.ops if op.name in plan.quant], plan.quant,
+                                src=lambda op: shards[op.src_rank][op.src_name], dst=lambda op: out[op.name],
+                                scale=lambda r, n: out[n])
+    (q0, s0), (q1, s1) = (per_block_cast_to_fp8(full["a"][i:j]) for i, j in ((0, 200), (200, 640)))
+    qw_ref, sw_ref = per_block_cast_to_fp8(full["w"])
+    for _ in range(2):
+        table.run("torch")
+        assert torch.equal(_bits(out["a"]), _bits(torch.cat([q0, q1]))) and torch.equal(out["a_s"], torch.cat([s0, s1]))
+        assert torch.equal(_bits(out["w"]), _bits(qw_ref)) and torch.equal(out["w_s"], sw_ref)
+
+
 def test_reference_matches_vllm_per_block_cast_to_fp8():
     deep_gemm = pytest.importorskip("vllm.utils.deep_gemm")
     vllm_cast = getattr(deep_gemm.per_block_cast_to_fp8, "_torchdynamo_orig_callable",
