@@ -18,7 +18,7 @@ Three implementations, bit-identical (tests compare them with each other and wit
 ``per_block_cast_to_fp8``):
 
 * :func:`per_block_cast_to_fp8`: the reference on a whole tensor (torch ops);
-* the torch backend of :class:`QuantizeTable` (torch ops, a few MiB of block rows of one destination
+* the torch backend of :class:`QuantizeTable` (torch ops, about 1 MiB of block rows of one destination
   at a time in an fp32 scratch buffer: no copy of the weight is kept);
 * :func:`quantize_blocks_kernel`: one Triton program per destination block, reading the block whole
   from whatever source slices hold it (table-driven, like the gather kernels) and writing the e4m3
@@ -57,9 +57,11 @@ _NUM_WARPS = 16  # the 128x128 tile at 16 warps: 89 registers (bf16), 121 (fp32)
 _SRC_T = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 _RULE = {"deepgemm": 0, "nemo_rl": 1}
 # The torch backend quantizes this many bytes of fp32 scratch per step (as many block rows as fit,
-# at least one): each torch op on CPU is a parallel region, and on a loaded machine each region waits
-# for its threads to be scheduled, so a step per 128-row block row (~10 ops each) cost seconds there.
-_TORCH_CHUNK_BYTES = 4 << 20
+# at least one), in one scratch and one work buffer for the whole table: 2 MiB in all, which stays in
+# a core's L2 from step to step. Measured on a busy 2-core machine at 256 MiB: a scratch per weight
+# (144 MiB touched per refit) made every op there 3-4x slower and the quantize 2.5-5x slower; 1 MiB
+# steps are within 10% of the fastest single-threaded and take half the ops of one block row a step.
+_TORCH_CHUNK_BYTES = 1 << 20
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -301,7 +303,7 @@ class QuantizeTable:
     rank's ops into block-quantized weights, run every refit.
 
     ``run("triton")`` is one :func:`quantize_blocks_kernel` launch per (source dtype, block, mode)
-    group, one program per destination block; ``run("torch")`` quantizes a few MiB of block rows at a
+    group, one program per destination block; ``run("torch")`` quantizes about 1 MiB of block rows at a
     time with torch ops in one fp32 scratch and one work buffer shared by every weight of the table
     (its only allocations besides torch's temporaries: no copy of the weights). Both write every destination element and every scale.
     """
@@ -440,7 +442,7 @@ class QuantizeTable:
             sizes.append((per * bn, kp))
         numel = max((r * kp for r, kp in sizes), default=0)
         # one scratch and one work buffer for the whole table, reused by every chunk: no copy of the
-        # weights, and the same few MiB stay in cache from chunk to chunk
+        # weights, and the same 2 MiB stay in cache from chunk to chunk
         scratch_all = torch.empty(numel, dtype=torch.float32, device=self.device)
         work_all = torch.empty(numel, dtype=torch.float32, device=self.device)
         out = []

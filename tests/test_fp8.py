@@ -137,7 +137,7 @@ def test_ragged_unaligned_blocks_from_row_and_column_shards(backend, placement):
 
 @pytest.mark.parametrize("chunk", [1, 2 * 128 * 384 * 4, None])
 def test_torch_backend_steps_of_any_size_share_one_scratch_exactly(chunk, monkeypatch):
-    """The torch backend quantizes a few MiB of block rows a step in one scratch shared by every weight:
+    """The torch backend quantizes about 1 MiB of block rows a step in one scratch shared by every weight:
     at one block row a step, two, or the default, the result is the reference's bit for bit, with
     short blocks inside a weight (partitions of 200 and 440 rows), Shard(1) column pieces, and the
     padding columns of a 260-column weight where a 384-column weight of large values was just quantized

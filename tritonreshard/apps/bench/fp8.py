@@ -21,6 +21,7 @@ Backend: ``--backend`` (default: triton on CUDA, torch on CPU; the Triton interp
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -147,7 +148,10 @@ def run_fp8(size: int, trainers: int = 3, inference: int = 4, device: str = "cpu
     verified = all(torch.equal(out_fused[r][n].view(torch.uint8) if t.dtype == torch.float8_e4m3fn else out_fused[r][n],
                                t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t)
                    for r, ts in out_after.items() for n, t in ts.items())
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {"quantize": quantization, "backend": backend, "device": str(dev), "layers": config.num_hidden_layers,
+            "torch_threads": torch.get_num_threads(), "cores": cores,
+            "load_avg": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
             "bf16_bytes_read": read, "trainers": trainers, "inference": inference, "repeats": repeats,
             "results": {m: {"seconds": s, "GBps_bf16_read": read / s / 1e9} for m, s in secs.items()},
             "fused_vs_bf16": secs["bf16"] / secs["fp8_fused"],
@@ -158,6 +162,11 @@ def table(out: dict) -> str:
     lines = [f"FP8 refit ({out['quantize']}, {out['backend']} on {out['device']}): {out['layers']} layers, "
              f"{out['bf16_bytes_read'] / 2**20:.0f} MiB of bf16 read, {out['trainers']} trainers -> "
              f"{out['inference']} TP ranks, median of {out['repeats']}"]
+    if out["device"] == "cpu" and out.get("load_avg") is not None and out["load_avg"] > out["cores"]:
+        # each torch op is a parallel region that waits for all its threads: on an oversubscribed
+        # machine that wait, not the arithmetic, sets the times, and it varies several-fold per run
+        lines.append(f"  busy machine: load {out['load_avg']:.1f} on {out['cores']} cores, torch threads "
+                     f"{out['torch_threads']}; figures vary several-fold (OMP_NUM_THREADS=1 steadies them)")
     for m, r in out["results"].items():
         lines.append(f"  {m:20s} {r['seconds'] * 1e3:9.1f} ms  {r['GBps_bf16_read']:7.2f} GB/s")
     lines.append(f"  fused / bf16 refit time: {1 / out['fused_vs_bf16']:.2f}x; refit+quantize / fused: "
