@@ -661,7 +661,7 @@ def test_bench_quantize_runs_the_three_methods_and_verifies():
     out = run_fp8(8 << 20, trainers=3, inference=2, repeats=1, warmup=0, progress=lines.append)
     assert out["verified"] is True and out["layers"] >= 1
     assert set(out["results"]) == {"bf16", "fp8_fused", "bf16_then_quantize"}
-    assert all(r["seconds"] > 0 for r in out["results"].values())
+    assert all(r["seconds"] > 0 and r["spread"] >= 1 for r in out["results"].values())
     assert "verified: True" in table(out)
     rounds = [ln for ln in lines if ln.startswith("round ")]
     assert len(rounds) == 3 and {ln.split()[2] for ln in rounds} == {"bf16:", "fp8_fused:", "bf16_then_quantize:"}
@@ -676,8 +676,22 @@ def test_bench_quantize_interleaves_the_methods_rounds():
     fns = {m: (lambda m=m: calls.append(m)) for m in "abc"}
     secs = _time_rounds(fns, repeats=3, warmup=1, device=torch.device("cpu"), progress=lines.append)
     assert calls == list("abc" "bca" "cab" "abc")
-    assert set(secs) == set("abc") and all(s >= 0 for s in secs.values())
+    assert set(secs) == set("abc") and all(len(t) == 3 and min(t) >= 0 for t in secs.values())
     assert [ln.split(":")[0] for ln in lines[:4]] == ["warmup 1/1 a", "warmup 1/1 b", "warmup 1/1 c", "round 1/3 b"]
+
+
+def test_bench_quantize_table_names_a_busy_machine():
+    """Rounds that varied more than 1.5x get a line saying so (with the load and torch's threads);
+    steady rounds get none."""
+    from tritonreshard.apps.bench.fp8 import table
+
+    out = {"quantize": "fp8-block", "backend": "torch", "device": "cpu", "layers": 1, "bf16_bytes_read": 1 << 20,
+           "trainers": 3, "inference": 4, "repeats": 3, "torch_threads": 2, "cores": 2, "load_avg": 15.25,
+           "fused_vs_bf16": 0.5, "fused_vs_then_quantize": 1.7, "verified": True,
+           "results": {m: {"seconds": 0.1, "GBps_bf16_read": 0.01, "spread": 1.1} for m in ("bf16", "fp8_fused")}}
+    assert "busy machine" not in table(out)
+    out["results"]["fp8_fused"]["spread"] = 4.0
+    assert "rounds varied up to 4.0x (load 15.2 on 2 cores, torch threads 2): a busy machine" in table(out)
 
 
 def test_group_refuses_disagreeing_quantization():

@@ -58,7 +58,7 @@ def _sync(device):
 
 
 def _time_rounds(fns: dict, repeats: int, warmup: int, device, progress=None) -> dict:
-    """Median seconds of each method in ``fns``, its rounds interleaved: round ``i`` of every method
+    """The timed rounds' seconds of each method in ``fns`` (a list per method), its rounds interleaved: round ``i`` of every method
     before round ``i + 1`` of any, so a change of machine load during the run falls on every method
     alike (run one after another, a busy spell could make either look several times slower). The
     order within a round rotates, so no method always follows the same one. ``progress(line)``: one
@@ -78,7 +78,7 @@ def _time_rounds(fns: dict, repeats: int, warmup: int, device, progress=None) ->
             if progress is not None:
                 what = f"warmup {i + 1}/{warmup}" if i < warmup else f"round {i - warmup + 1}/{repeats}"
                 progress(f"{what} {n}: {dt * 1e3:.1f} ms")
-    return {n: statistics.median(t) for n, t in times.items()}
+    return times
 
 
 def run_fp8(size: int, trainers: int = 3, inference: int = 4, device: str = "cpu", backend: str | None = None,
@@ -143,8 +143,9 @@ def run_fp8(size: int, trainers: int = 3, inference: int = 4, device: str = "cpu
                     row, srow = row + n, srow + ss.shape[-2]
 
     read = sum(op.numel for op in p_plain.ops) * 2
-    secs = _time_rounds({"bf16": bf16, "fp8_fused": fused, "bf16_then_quantize": then_quantize}, repeats, warmup,
-                        dev, progress)
+    rounds = _time_rounds({"bf16": bf16, "fp8_fused": fused, "bf16_then_quantize": then_quantize}, repeats,
+                          warmup, dev, progress)
+    secs = {m: statistics.median(t) for m, t in rounds.items()}
     verified = all(torch.equal(out_fused[r][n].view(torch.uint8) if t.dtype == torch.float8_e4m3fn else out_fused[r][n],
                                t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t)
                    for r, ts in out_after.items() for n, t in ts.items())
@@ -153,7 +154,8 @@ def run_fp8(size: int, trainers: int = 3, inference: int = 4, device: str = "cpu
             "torch_threads": torch.get_num_threads(), "cores": cores,
             "load_avg": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
             "bf16_bytes_read": read, "trainers": trainers, "inference": inference, "repeats": repeats,
-            "results": {m: {"seconds": s, "GBps_bf16_read": read / s / 1e9} for m, s in secs.items()},
+            "results": {m: {"seconds": s, "GBps_bf16_read": read / s / 1e9, "spread": max(rounds[m]) / min(rounds[m])}
+                        for m, s in secs.items()},
             "fused_vs_bf16": secs["bf16"] / secs["fp8_fused"],
             "fused_vs_then_quantize": secs["bf16_then_quantize"] / secs["fp8_fused"], "verified": verified}
 
@@ -162,11 +164,14 @@ def table(out: dict) -> str:
     lines = [f"FP8 refit ({out['quantize']}, {out['backend']} on {out['device']}): {out['layers']} layers, "
              f"{out['bf16_bytes_read'] / 2**20:.0f} MiB of bf16 read, {out['trainers']} trainers -> "
              f"{out['inference']} TP ranks, median of {out['repeats']}"]
-    if out["device"] == "cpu" and out.get("load_avg") is not None and out["load_avg"] > out["cores"]:
-        # each torch op is a parallel region that waits for all its threads: on an oversubscribed
-        # machine that wait, not the arithmetic, sets the times, and it varies several-fold per run
-        lines.append(f"  busy machine: load {out['load_avg']:.1f} on {out['cores']} cores, torch threads "
-                     f"{out['torch_threads']}; figures vary several-fold (OMP_NUM_THREADS=1 steadies them)")
+    spread = max(r["spread"] for r in out["results"].values())
+    if spread > 1.5:
+        # on CPU each torch op is a parallel region that waits for all its threads: on an oversubscribed
+        # machine those waits, not the arithmetic, set the times, and they vary several-fold
+        load = f"load {out['load_avg']:.1f}" if out.get("load_avg") is not None else "load unknown"
+        lines.append(f"  rounds varied up to {spread:.1f}x ({load} on {out['cores']} cores, torch threads "
+                     f"{out['torch_threads']}): a busy machine; compare medians of more --repeats"
+                     + ("; OMP_NUM_THREADS=1 steadies CPU figures" if out["device"] == "cpu" else ""))
     for m, r in out["results"].items():
         lines.append(f"  {m:20s} {r['seconds'] * 1e3:9.1f} ms  {r['GBps_bf16_read']:7.2f} GB/s")
     lines.append(f"  fused / bf16 refit time: {1 / out['fused_vs_bf16']:.2f}x; refit+quantize / fused: "
