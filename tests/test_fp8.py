@@ -135,6 +135,41 @@ def test_ragged_unaligned_blocks_from_row_and_column_shards(backend, placement):
         assert torch.equal(_bits(got["w"]), _bits(q)) and torch.equal(got["s"], s), (ue8m0, rule)
 
 
+@pytest.mark.parametrize("chunk", [1, 2 * 128 * 384 * 4, None])
+def test_torch_backend_steps_of_any_size_share_one_scratch_exactly(chunk, monkeypatch):
+    """The torch backend quantizes about 1 MiB of block rows a step in one scratch shared by every weight:
+    at one block row a step, two, or the default, the result is the reference's bit for bit, with
+    short blocks inside a weight (partitions of 200 and 440 rows), Shard(1) column pieces, and the
+    padding columns of a 260-column weight where a 384-column weight of large values was just quantized
+    (run twice, so whichever weight goes first)."""
+    from tritonreshard.kernels import quantize
+
+    if chunk is not None:
+        monkeypatch.setattr(quantize, "_TORCH_CHUNK_BYTES", chunk)
+    g = torch.Generator().manual_seed(7)
+    full = {"a": (torch.randn(640, 384, generator=g) * 100).bfloat16(),
+            "w": (torch.randn(300, 260, generator=g) * 0.1).bfloat16()}
+    qa, qw = BlockQuant("a_s", (200, 440)), BlockQuant("w_s", (300,))
+    src = {"a": Layout((640, 384), [0, 1, 2], [Shard(0)], torch.bfloat16),
+           "w": Layout((300, 260), [0, 1, 2], [Shard(1)], torch.bfloat16)}
+    dst = {"a": Layout((640, 384), [3], [Shard(0)], FP8), "w": Layout((300, 260), [3], [Shard(0)], FP8),
+           "a_s": Layout(qa.scale_shape((640, 384)), [3], [Shard(0)], torch.float32),
+           "w_s": Layout(qw.scale_shape((300, 260)), [3], [Shard(0)], torch.float32)}
+    plan = plan_quantized(src, dst, None, {"a": qa, "w": qw})
+    shards = {r: {n: lay.shard(full[n], r) for n, lay in src.items()} for r in range(3)}
+    out = {n: (torch.full(lay.shape, 0x7F, dtype=torch.uint8).view(FP8) if lay.dtype == FP8
+               else torch.full(lay.shape, float("nan"))) for n, lay in dst.items()}
+    table = QuantizeTable.build([op for op in plan.ops if op.name in plan.quant], plan.quant,
+                                src=lambda op: shards[op.src_rank][op.src_name], dst=lambda op: out[op.name],
+                                scale=lambda r, n: out[n])
+    (q0, s0), (q1, s1) = (per_block_cast_to_fp8(full["a"][i:j]) for i, j in ((0, 200), (200, 640)))
+    qw_ref, sw_ref = per_block_cast_to_fp8(full["w"])
+    for _ in range(2):
+        table.run("torch")
+        assert torch.equal(_bits(out["a"]), _bits(torch.cat([q0, q1]))) and torch.equal(out["a_s"], torch.cat([s0, s1]))
+        assert torch.equal(_bits(out["w"]), _bits(qw_ref)) and torch.equal(out["w_s"], sw_ref)
+
+
 def test_reference_matches_vllm_per_block_cast_to_fp8():
     deep_gemm = pytest.importorskip("vllm.utils.deep_gemm")
     vllm_cast = getattr(deep_gemm.per_block_cast_to_fp8, "_torchdynamo_orig_callable",
@@ -622,11 +657,41 @@ def test_bench_quantize_runs_the_three_methods_and_verifies():
     result equal bit for bit to bf16 refit + torch quantize (no speed assertion: machines are noisy)."""
     from tritonreshard.apps.bench.fp8 import run_fp8, table
 
-    out = run_fp8(8 << 20, trainers=3, inference=2, repeats=1, warmup=0)
+    lines = []
+    out = run_fp8(8 << 20, trainers=3, inference=2, repeats=1, warmup=0, progress=lines.append)
     assert out["verified"] is True and out["layers"] >= 1
     assert set(out["results"]) == {"bf16", "fp8_fused", "bf16_then_quantize"}
-    assert all(r["seconds"] > 0 for r in out["results"].values())
+    assert all(r["seconds"] > 0 and r["spread"] >= 1 for r in out["results"].values())
     assert "verified: True" in table(out)
+    rounds = [ln for ln in lines if ln.startswith("round ")]
+    assert len(rounds) == 3 and {ln.split()[2] for ln in rounds} == {"bf16:", "fp8_fused:", "bf16_then_quantize:"}
+
+
+def test_bench_quantize_interleaves_the_methods_rounds():
+    """Round i of every method runs before round i+1 of any (load drift falls on all methods alike),
+    the order rotating within a round; warmup rounds are reported but not timed."""
+    from tritonreshard.apps.bench.fp8 import _time_rounds
+
+    calls, lines = [], []
+    fns = {m: (lambda m=m: calls.append(m)) for m in "abc"}
+    secs = _time_rounds(fns, repeats=3, warmup=1, device=torch.device("cpu"), progress=lines.append)
+    assert calls == list("abc" "bca" "cab" "abc")
+    assert set(secs) == set("abc") and all(len(t) == 3 and min(t) >= 0 for t in secs.values())
+    assert [ln.split(":")[0] for ln in lines[:4]] == ["warmup 1/1 a", "warmup 1/1 b", "warmup 1/1 c", "round 1/3 b"]
+
+
+def test_bench_quantize_table_names_a_busy_machine():
+    """Rounds that varied more than 1.5x get a line saying so (with the load and torch's threads);
+    steady rounds get none."""
+    from tritonreshard.apps.bench.fp8 import table
+
+    out = {"quantize": "fp8-block", "backend": "torch", "device": "cpu", "layers": 1, "bf16_bytes_read": 1 << 20,
+           "trainers": 3, "inference": 4, "repeats": 3, "torch_threads": 2, "cores": 2, "load_avg": 15.25,
+           "fused_vs_bf16": 0.5, "fused_vs_then_quantize": 1.7, "verified": True,
+           "results": {m: {"seconds": 0.1, "GBps_bf16_read": 0.01, "spread": 1.1} for m in ("bf16", "fp8_fused")}}
+    assert "busy machine" not in table(out)
+    out["results"]["fp8_fused"]["spread"] = 4.0
+    assert "rounds varied up to 4.0x (load 15.2 on 2 cores, torch threads 2): a busy machine" in table(out)
 
 
 def test_group_refuses_disagreeing_quantization():

@@ -6,7 +6,8 @@ What moves: a Llama-shaped bf16 model of about ``--size`` bytes built by the rea
 as many layers as fit; under 64 MiB hidden 512), from ``--trainers`` FSDP ranks (default 3) to ``--inference`` TP ranks
 (default 4), all in this process (:func:`tritonreshard.execute_local`: the copy and quantize work of
 every rank, without the engine's processes around it). Methods, each timed as the median of
-``--repeats`` runs after ``--warmup``:
+``--repeats`` runs after ``--warmup``, the methods' rounds interleaved (round i of each before round
+i+1 of any; one progress line per round and method on stderr):
 
 * ``bf16``: the plain refit (bf16 -> bf16, vLLM's unquantized layout);
 * ``fp8_fused``: the refit into vLLM's block-FP8 layout, each 128x128 block quantized as it is read;
@@ -20,6 +21,7 @@ Backend: ``--backend`` (default: triton on CUDA, torch on CPU; the Triton interp
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -55,25 +57,39 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _time(fn, repeats, warmup, device) -> float:
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _time_rounds(fns: dict, repeats: int, warmup: int, device, progress=None) -> dict:
+    """The timed rounds' seconds of each method in ``fns`` (a list per method), its rounds interleaved: round ``i`` of every method
+    before round ``i + 1`` of any, so a change of machine load during the run falls on every method
+    alike (run one after another, a busy spell could make either look several times slower). The
+    order within a round rotates, so no method always follows the same one. ``progress(line)``: one
+    line per method and round."""
+    names = list(fns)
+    times = {n: [] for n in names}
+    total = warmup + repeats
+    for i in range(total):
+        for n in names[i % len(names):] + names[:i % len(names)]:
+            _sync(device)
+            t0 = time.perf_counter()
+            fns[n]()
+            _sync(device)
+            dt = time.perf_counter() - t0
+            if i >= warmup:
+                times[n].append(dt)
+            if progress is not None:
+                what = f"warmup {i + 1}/{warmup}" if i < warmup else f"round {i - warmup + 1}/{repeats}"
+                progress(f"{what} {n}: {dt * 1e3:.1f} ms")
+    return times
 
 
 def run_fp8(size: int, trainers: int = 3, inference: int = 4, device: str = "cpu", backend: str | None = None,
-            repeats: int = 5, warmup: int = 1, quantization: str = "fp8-block") -> dict:
-    """Measure the three methods; returns the figures (see the module doc)."""
+            repeats: int = 5, warmup: int = 1, quantization: str = "fp8-block", progress=None) -> dict:
+    """Measure the three methods; returns the figures (see the module doc). ``progress``: called with
+    one line of text per step (building, then each method's round), e.g. a printer to stderr."""
+    say = progress or (lambda line: None)
     dev = torch.device(device)
     backend = backend or ("triton" if dev.type == "cuda" else "torch")
     config = fp8_config(size)
+    say(f"building a {config.num_hidden_layers}-layer Llama of about {size / 2**20:.0f} MiB and its plans")
     kw = dict(tp=inference, trainer_ranks=list(range(trainers)),
               inference_ranks=list(range(trainers, trainers + inference)), dtype=torch.bfloat16,
               src_dtype=torch.bfloat16)
@@ -97,6 +113,7 @@ def run_fp8(size: int, trainers: int = 3, inference: int = 4, device: str = "cpu
 
     # Tables built once and run every refit, as the engine's inference ranks do (execute_local
     # would also re-validate every tensor on each call); fills (vocab padding) are zero already.
+    say("validating the inputs (one fused refit) and building the tables")
     execute_local(p_fp8, src, out=out_fused, backend=backend)  # validates the inputs once
     get_src = lambda op: src[op.src_rank][op.src_name]  # noqa: E731
     t_bf16 = DescriptorTable.build(p_plain.ops, src=get_src, dst=lambda op: out_bf16[op.dst_rank][op.name])
@@ -126,14 +143,19 @@ def run_fp8(size: int, trainers: int = 3, inference: int = 4, device: str = "cpu
                     row, srow = row + n, srow + ss.shape[-2]
 
     read = sum(op.numel for op in p_plain.ops) * 2
-    secs = {"bf16": _time(bf16, repeats, warmup, dev), "fp8_fused": _time(fused, repeats, warmup, dev),
-            "bf16_then_quantize": _time(then_quantize, repeats, warmup, dev)}
+    rounds = _time_rounds({"bf16": bf16, "fp8_fused": fused, "bf16_then_quantize": then_quantize}, repeats,
+                          warmup, dev, progress)
+    secs = {m: statistics.median(t) for m, t in rounds.items()}
     verified = all(torch.equal(out_fused[r][n].view(torch.uint8) if t.dtype == torch.float8_e4m3fn else out_fused[r][n],
                                t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t)
                    for r, ts in out_after.items() for n, t in ts.items())
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {"quantize": quantization, "backend": backend, "device": str(dev), "layers": config.num_hidden_layers,
+            "torch_threads": torch.get_num_threads(), "cores": cores,
+            "load_avg": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
             "bf16_bytes_read": read, "trainers": trainers, "inference": inference, "repeats": repeats,
-            "results": {m: {"seconds": s, "GBps_bf16_read": read / s / 1e9} for m, s in secs.items()},
+            "results": {m: {"seconds": s, "GBps_bf16_read": read / s / 1e9, "spread": max(rounds[m]) / min(rounds[m])}
+                        for m, s in secs.items()},
             "fused_vs_bf16": secs["bf16"] / secs["fp8_fused"],
             "fused_vs_then_quantize": secs["bf16_then_quantize"] / secs["fp8_fused"], "verified": verified}
 
@@ -142,6 +164,14 @@ def table(out: dict) -> str:
     lines = [f"FP8 refit ({out['quantize']}, {out['backend']} on {out['device']}): {out['layers']} layers, "
              f"{out['bf16_bytes_read'] / 2**20:.0f} MiB of bf16 read, {out['trainers']} trainers -> "
              f"{out['inference']} TP ranks, median of {out['repeats']}"]
+    spread = max(r["spread"] for r in out["results"].values())
+    if spread > 1.5:
+        # on CPU each torch op is a parallel region that waits for all its threads: on an oversubscribed
+        # machine those waits, not the arithmetic, set the times, and they vary several-fold
+        load = f"load {out['load_avg']:.1f}" if out.get("load_avg") is not None else "load unknown"
+        lines.append(f"  rounds varied up to {spread:.1f}x ({load} on {out['cores']} cores, torch threads "
+                     f"{out['torch_threads']}): a busy machine; compare medians of more --repeats"
+                     + ("; OMP_NUM_THREADS=1 steadies CPU figures" if out["device"] == "cpu" else ""))
     for m, r in out["results"].items():
         lines.append(f"  {m:20s} {r['seconds'] * 1e3:9.1f} ms  {r['GBps_bf16_read']:7.2f} GB/s")
     lines.append(f"  fused / bf16 refit time: {1 / out['fused_vs_bf16']:.2f}x; refit+quantize / fused: "
@@ -155,7 +185,8 @@ def run_cli(args) -> int:
         return 2
     out = run_fp8(parse_size(args.size), trainers=args.trainers or 3, inference=args.inference,
                   device=args.device, backend=args.backend, repeats=args.repeats, warmup=args.warmup,
-                  quantization=args.quantize)
+                  quantization=args.quantize, progress=lambda line: print(f"bench --quantize: {line}",
+                                                                          file=sys.stderr, flush=True))
     print(table(out))
     if args.json:
         print(json.dumps(out))
