@@ -176,7 +176,8 @@ def test_megatron_tied_embedding_rank_plans_are_slices():
     block-FP8) is its slice of the whole, and both stages serve the embedding's reads."""
     transformers = pytest.importorskip("transformers")
     config = transformers.Qwen2Config(vocab_size=300, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
-                                      head_dim=128, intermediate_size=256, num_hidden_layers=2, tie_word_embeddings=True)
+                                      head_dim=128, intermediate_size=256, num_hidden_layers=2,
+                                      tie_word_embeddings=True)
     for quantization in (None, "fp8-block"):
         spec = trs.recipes.megatron_to_vllm(config, megatron=trs.recipes.Megatron(tp=2, pp=2), tp=2, trainer_ranks=4,
                                             inference_ranks=[4, 5], quantization=quantization)

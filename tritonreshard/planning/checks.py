@@ -143,11 +143,11 @@ def _resolve_parts(name: str, d: Layout, parts, src: Mapping[str, Layout], probl
     read_as: dict[str, object] = {}
     for src_, _, _ in resolved:
         for n in source_names(src_):
-            if read_as.setdefault(n, src_) != src_:
+            if read_as.setdefault(n, src_) not in (src_, None):
                 problems.append(f"{where} reads {n!r} as {' or '.join(source_names(read_as[n]))} and as "
                                 f"{' or '.join(source_names(src_))}: a destination reads each source under one "
                                 f"list of aliases")
-                break
+                read_as[n] = None   # said once
     if len(problems) == n_before:
         gaps = _tiling_gaps(d.shape, tuple(b for _, b, _ in resolved))
         for kind, *rest in gaps:

@@ -116,7 +116,9 @@ def plan_reshard(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, La
         parts: optional ``{dst_name: [trs.Part, ...]}``: boxes of the destination's global index
             and the source tensor (of any name) or zero padding each comes from. The parts must tile
             the destination exactly. This builds fused tensors (q/k/v -> qkv, gate/up -> gate_up),
-            replicated pieces (one source box feeding several boxes) and padded dims.
+            replicated pieces (one source box feeding several boxes) and padded dims. A part may
+            name aliases, ``Part((a, b), ...)``: copies of one tensor (equal shape and dtype, split
+            alike) whose ranks all serve the box as replicas; each op reads its rank's copy.
         rank: None (default) for the whole plan; a rank for that rank's plan only: the ops it
             executes as a destination (its reads) and serves as a source (what it must fence), and
             its destinations' fills, exactly as the whole plan has them. Its cost grows with that
@@ -130,8 +132,9 @@ def plan_reshard(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, La
     same plan on every rank.
 
     Raises ``ValueError`` listing every problem (missing source, shape mismatch, unsupported dtype
-    pair, a part out of bounds, a hole or an overlap in a destination, naming the tensor and the
-    range) before anything moves; ``TypeError`` for values that are not Layouts / Parts.
+    pair, a part out of bounds, a hole or an overlap in a destination, aliases that are not copies
+    of one tensor, naming the tensor and the range) before anything moves; ``TypeError`` for values
+    that are not Layouts / Parts.
     """
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
         raise ValueError(f"plan_reshard: rank={rank!r} must be None (the whole plan) or a rank >= 0")
