@@ -79,43 +79,56 @@ def simulate(hp, globals_):
     return out, out_idx, count, crossed
 
 
-def needed_from_elsewhere(plan, hosts):
+def needed_from_elsewhere(plan, hosts, copies=None):
     """Independent reference: host -> name -> sorted global indices its destination ranks need
-    that no source rank on the host holds."""
+    that no source rank on the host holds (``copies``: destination -> the aliases it is read from)."""
     out = {}
     for name, d_lay in plan.dst_layouts.items():
-        s_lay = plan.src_layouts[name]
+        s_lays = [plan.src_layouts[n] for n in (copies or {}).get(name, [name])]
         g = torch.arange(math.prod(d_lay.shape), dtype=torch.int64).reshape(d_lay.shape)
         for h in sorted(set(hosts.values())):
             need = set()
             for r in d_lay.ranks:
                 if hosts[r] == h:
                     need.update(d_lay.shard(g, r).reshape(-1).tolist())
-            for r in s_lay.ranks:
-                if hosts[r] == h:
-                    need.difference_update(s_lay.shard(g, r).reshape(-1).tolist())
+            for s_lay in s_lays:
+                for r in s_lay.ranks:
+                    if hosts[r] == h:
+                        need.difference_update(s_lay.shard(g, r).reshape(-1).tolist())
             if need:
                 out.setdefault(h, {})[name] = sorted(need)
     return out
 
 
-def check(src_layouts, dst_layouts, hosts, **kw):
-    plan = trs.plan_reshard(src_layouts, dst_layouts)
+def check(src_layouts, dst_layouts, hosts, parts=None, **kw):
+    """``parts``: optional, each destination read whole from aliases (copies of one tensor)."""
+    plan = trs.plan_reshard(src_layouts, dst_layouts, parts)
     hp = plan_hosts(plan, hosts, **kw)
     globals_ = _globals(dst_layouts)
+    copies = {}   # destination -> the aliases holding its data
+    for name, (p,) in (parts or {}).items():
+        assert p.dst == (None,) * dst_layouts[name].ndim
+        copies[name] = list(p.sources)
+        globals_.update((n, globals_[name]) for n in p.sources)
     out, out_idx, count, crossed = simulate(hp, globals_)
     for name, lay in dst_layouts.items():
-        typed = globals_[name].to(plan.src_layouts[name].dtype).to(lay.dtype)
+        typed = globals_[name].to(plan.src_layouts[copies.get(name, [name])[0]].dtype).to(lay.dtype)
         for r in lay.ranks:
             c = count[r][name]
             assert torch.all(c == 1), f"{name} on rank {r}: coverage {c.tolist()}"
             assert torch.equal(out_idx[r][name], lay.shard(globals_[name], r)), f"{name} on rank {r}"
             assert torch.equal(out[r][name].view(-1).view(torch.uint8),
                                lay.shard(typed, r).view(-1).view(torch.uint8)), f"{name} bits on rank {r}"
-    # Each byte a host needs from elsewhere crosses into it exactly once, and nothing else crosses.
-    need = needed_from_elsewhere(plan, hp.hosts)
-    assert {h: {n: sorted(v) for n, v in d.items()} for h, d in crossed.items()} == need
-    unique = sum(len(v) * plan.src_layouts[n].itemsize for d in need.values() for n, v in d.items())
+    # Each byte a host needs from elsewhere crosses into it exactly once (from any copy), and nothing
+    # else crosses.
+    need = needed_from_elsewhere(plan, hp.hosts, copies)
+    of = {n: d for d, ns in copies.items() for n in ns}
+    merged = {}
+    for h, d in crossed.items():
+        for n, v in d.items():
+            merged.setdefault(h, {}).setdefault(of.get(n, n), []).extend(v)
+    assert {h: {n: sorted(v) for n, v in d.items()} for h, d in merged.items()} == need
+    unique = sum(len(v) * plan.src_layouts[copies.get(n, [n])[0]].itemsize for d in need.values() for n, v in d.items())
     assert hp.cross_host_bytes == unique
     assert hp.cross_host_bytes <= hp.p2p_cross_host_bytes
     assert sum(hp.host_pair_bytes.values()) == unique
@@ -397,19 +410,19 @@ def test_receiver_runs_keep_arena_neighbours_in_few_messages():
 
 
 # ---------------------------------------------------------------- per-host parts (per-rank planning)
-def host_parts(srcs, dsts, hosts, src_offsets=None, numbered=True):
+def host_parts(srcs, dsts, hosts, src_offsets=None, numbered=True, parts_=None):
     """Each destination host's part of the host plan, made only from the per-rank plans of that
     host's destination ranks (``merge_plans``), numbered on from the parts before it: what the
     ranks of that host compute instead of the whole plan. ``{host: HostPlan}``."""
     from tritonreshard.planning import host_order, merge_plans
-    whole = trs.plan_reshard(srcs, dsts)
+    whole = trs.plan_reshard(srcs, dsts, parts_)
     ranks = set(whole.src_ranks) | set(whole.dst_ranks)
     parts, first = {}, 0
     for h in host_order({r: hosts[r] for r in ranks}):
         mine = [d for d in whole.dst_ranks if hosts[d] == h]
         if not mine:
             continue
-        sub = merge_plans([trs.plan_reshard(srcs, dsts, rank=d) for d in mine])
+        sub = merge_plans([trs.plan_reshard(srcs, dsts, parts_, rank=d) for d in mine])
         assert sub.ops == tuple(op for op in whole.ops if op.src_rank in mine or op.dst_rank in mine)
         parts[h] = plan_hosts(sub, hosts, host=h, first_index=first if numbered else 0, src_offsets=src_offsets)
         first += len(parts[h].transfers)
@@ -436,11 +449,12 @@ def check_parts(srcs, dsts, hosts, src_offsets=None, parts_=None):
     equals its slice of the whole host plan, field by field, transfer numbers included; and
     ``plan_host_part`` (from the layouts) makes each host's part exactly as ``plan_hosts`` does."""
     from tritonreshard.planning import plan_host_part
-    hp = plan_hosts(trs.plan_reshard(srcs, dsts), hosts, src_offsets=src_offsets)
-    parts = host_parts(srcs, dsts, hosts, src_offsets)
+    hp = plan_hosts(trs.plan_reshard(srcs, dsts, parts_), hosts, src_offsets=src_offsets)
+    parts = host_parts(srcs, dsts, hosts, src_offsets, parts_=parts_)
     first = 0
     for h, part in parts.items():
-        same_part(plan_host_part(srcs, dsts, None, None, hosts, h, src_offsets=src_offsets, first_index=first), part)
+        same_part(plan_host_part(srcs, dsts, parts_, None, hosts, h, src_offsets=src_offsets, first_index=first),
+                  part)
         first += len(part.transfers)
     assert sum((p.transfers for p in parts.values()), ()) == hp.transfers
     for r in hp.hosts:
@@ -460,14 +474,15 @@ def check_parts(srcs, dsts, hosts, src_offsets=None, parts_=None):
         assert sum((p.sends_of(r) for p in parts.values()), ()) == hp.sends_of(r)
     # What the engine does: each host's ranks make its part numbered from 0, the hosts' transfers
     # are exchanged, and every rank joins them with its own part.
-    own = host_parts(srcs, dsts, hosts, src_offsets, numbered=False)
+    own = host_parts(srcs, dsts, hosts, src_offsets, numbered=False, parts_=parts_)
     shared = {h: p.transfers for h, p in own.items()}
     for r in hp.hosts:
         h = hp.host_of(r)
         if h not in own:
             continue
         view = join_host_parts(own[h], h, shared)
-        fast = join_host_parts(plan_host_part(srcs, dsts, None, None, hosts, h, src_offsets=src_offsets), h, shared)
+        fast = join_host_parts(plan_host_part(srcs, dsts, parts_, None, hosts, h, src_offsets=src_offsets), h,
+                               shared)
         assert fast.transfers == view.transfers and fast.buffer_bytes == view.buffer_bytes
         assert fast.fanout_for_dst(r) == view.fanout_for_dst(r) and fast.buffer_readers(r) == view.buffer_readers(r)
         assert fast.local_ops_for_dst(r) == view.local_ops_for_dst(r)
@@ -510,3 +525,70 @@ def test_a_part_names_every_bad_argument():
     with pytest.raises(ValueError) as e:
         plan_hosts(plan, {0: "a", 1: "a", 2: "b"}, host="z", first_index=-1, align=0)
     assert "3 problem(s)" in str(e.value) and "'z'" in str(e.value) and "first_index" in str(e.value)
+
+
+# ------------------------------------------------ aliases: copies of one tensor on other ranks
+def _copy(draw, lay: Layout, fresh) -> Layout:
+    """A copy of ``lay`` split alike (optionally with a leading replicated mesh dim), each mesh
+    position on a fresh rank or, sometimes, on the rank holding that position in ``lay``."""
+    reps = draw(st.sampled_from([1, 2])) if len(lay.ranks) <= 4 else 1
+    ranks = []
+    for i in range(reps * len(lay.ranks)):
+        same = lay.ranks[i % len(lay.ranks)]
+        ranks.append(same if same not in ranks and draw(st.integers(0, 3)) == 0 else next(fresh))
+    mesh = torch.tensor(ranks).reshape((reps, *lay.mesh_shape) if reps > 1 else lay.mesh_shape).tolist()
+    return Layout(lay.shape, mesh, ([Replicate()] if reps > 1 else []) + list(lay.placements), lay.dtype)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), min_split=st.sampled_from([1, 16, 4096]))
+def test_property_aliases_cross_once_and_each_hosts_part_is_the_slice_of_the_whole(data, min_split):
+    """Destinations read from a tensor and its copies (Megatron's tied embedding): every element
+    exactly once, each byte a host needs crosses into it once (none where a copy is on the host),
+    and ``plan_host_part`` / per-rank parts equal the whole host plan's slices."""
+    from tritonreshard.planning import replicas
+
+    srcs, dsts, parts = {}, {}, {}
+    fresh = iter(range(9, 40))
+    for i in range(data.draw(st.integers(1, 2))):
+        srcs[f"t{i}"] = data.draw(layouts())
+        dsts[f"t{i}"] = data.draw(layouts(shape=srcs[f"t{i}"].shape))
+        if data.draw(st.integers(0, 3)):
+            names = [f"t{i}"] + [f"t{i}'{k}" for k in range(data.draw(st.integers(1, 2)))]
+            for n in names[1:]:
+                srcs[n] = _copy(data.draw, srcs[f"t{i}"], fresh)
+            parts[f"t{i}"] = [trs.Part(tuple(data.draw(st.permutations(names))), [None] * dsts[f"t{i}"].ndim)]
+    hosts = {r: f"h{data.draw(st.integers(0, 3))}" for r in range(40)}
+    offsets = None
+    if data.draw(st.booleans()):   # arenas in reverse name order
+        offsets = {(r, n): 4096 * (len(srcs) - i) for r in range(40) for i, n in enumerate(sorted(srcs))}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(replicas, "KNOBS", replicas.Knobs(min_split_bytes=min_split))
+        check(srcs, dsts, hosts, parts or None, src_offsets=offsets)
+        check_parts(srcs, dsts, hosts, offsets, parts_=parts or None)
+
+
+def test_aliases_read_the_copy_on_the_destination_host():
+    """Megatron's tied embedding: the first stage's copy on host a, the last stage's on host b, a vLLM
+    replica on each. Whichever copy the host-blind planner picked, each host reads its own: nothing
+    crosses. A host with no copy receives each byte once, sent by both copies' ranks."""
+    from tritonreshard.planning import plan_host_part
+
+    src = {"emb": Layout((256, 32), [0, 1], [Shard(0)]), "out": Layout((256, 32), [2, 3], [Shard(0)])}
+    dst = {"e": Layout((256, 32), [[4, 5], [6, 7]], [Replicate(), Shard(1)])}
+    parts = {"e": [trs.Part(("emb", "out"), [None, None])]}
+    plan = trs.plan_reshard(src, dst, parts)
+    assert {op.src_name for op in plan.ops_for_dst(6)} == {"emb", "out"}   # host-blind: both copies
+    hosts = _hosts({"a": [0, 1, 4, 5], "b": [2, 3, 6, 7]})
+    hp = check(src, dst, hosts, parts)
+    assert hp.transfers == () and hp.p2p_cross_host_bytes > 0
+    assert {(op.dst_rank, op.src_name) for op in hp.local_ops} == {(4, "emb"), (5, "emb"), (6, "out"), (7, "out")}
+    check_parts(src, dst, hosts, parts_=parts)
+    fast = plan_host_part(src, dst, parts, None, hosts, "b")
+    assert fast.local_ops == hp.local_ops_for_dst(6) + hp.local_ops_for_dst(7)
+    hosts = _hosts({"a": [0, 1], "b": [2, 3], "c": [4, 5, 6, 7]})
+    hp = check(src, dst, hosts, parts)
+    assert hp.cross_host_bytes == 256 * 32 * 4
+    assert {(t.src_rank, t.name) for t in hp.transfers} == {(0, "emb"), (1, "emb"), (2, "out"), (3, "out")}
+    assert {f.op.src_name for f in hp.fanout} == {"emb", "out"}
+    check_parts(src, dst, hosts, parts_=parts)

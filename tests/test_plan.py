@@ -275,7 +275,7 @@ def _expected_from_parts(dst_lay, parts, globals_):
             continue
         start = p.src_start or (0,) * dst_lay.ndim
         ext = [full[box].shape[d] for d in range(dst_lay.ndim)]
-        full[box] = globals_[p.src][tuple(slice(s, s + n) for s, n in zip(start, ext))]
+        full[box] = globals_[p.sources[0]][tuple(slice(s, s + n) for s, n in zip(start, ext))]
     return full
 
 
@@ -285,6 +285,9 @@ def check_parts_exactly_once(src_layouts, dst_layouts, parts):
     for n, lay in src_layouts.items():  # distinct, non-zero values in every source
         globals_[n] = torch.arange(offset, offset + math.prod(lay.shape), dtype=torch.int64).reshape(lay.shape)
         offset += math.prod(lay.shape)
+    for p in (p for ps in parts.values() for p in ps):   # aliases are copies of one tensor
+        for n in p.sources[1:]:
+            globals_[n] = globals_[p.sources[0]]
     src_shards = {}
     for name, lay in plan.src_layouts.items():
         for r in lay.ranks:
@@ -318,7 +321,7 @@ def test_exactly_once_random_parts(data):
     dim = data.draw(st.integers(0, dst.ndim - 1))
     cuts = sorted(data.draw(st.lists(st.integers(0, dst.shape[dim]), max_size=3)))
     edges = [0, *cuts, dst.shape[dim]]
-    srcs, parts = {}, []
+    srcs, parts, read_as = {}, [], {}
     for i, (a, b) in enumerate(zip(edges, edges[1:])):
         if a == b and data.draw(st.booleans()):
             continue  # empty boxes may be listed or left out
@@ -336,7 +339,7 @@ def test_exactly_once_random_parts(data):
             if fits:
                 start = [0] * dst.ndim
                 start[dim] = data.draw(st.integers(0, srcs[name].shape[dim] - (b - a)))
-                parts.append(trs.Part(name, box, start))
+                parts.append(trs.Part(read_as[name], box, start))   # a name is read as its part's aliases
                 continue
         extra = data.draw(st.integers(0, 3))
         shape = list(dst.shape)
@@ -345,10 +348,110 @@ def test_exactly_once_random_parts(data):
         srcs[name] = data.draw(layouts(shape=tuple(shape)))
         start = [0] * dst.ndim
         start[dim] = data.draw(st.integers(0, extra))
-        parts.append(trs.Part(name, box, start))
+        names = data.draw(alias_names(srcs, name))   # sometimes copies of it on other ranks too
+        parts.append(trs.Part(names, box, start))
+        for n in parts[-1].sources:
+            read_as[n] = parts[-1].src
     plan = check_parts_exactly_once(srcs, {"t": dst}, {"t": parts})
     assert sum(op.numel for op in plan.ops) + sum(f.numel for f in plan.fills) == sum(
         dst.local_numel(r) for r in dst.ranks)
+
+
+# -- aliases: a part read from any of several copies of one tensor (Megatron's tied embedding) ------
+
+def alias_copy(draw, lay: Layout, fresh) -> Layout:
+    """A copy of ``lay`` split alike: the same placements (after an optional leading replicated
+    mesh dim: more replicas of each region), each mesh position on a fresh rank or, sometimes, on
+    the rank that holds that position in ``lay`` (a rank holding both copies holds the same region)."""
+    reps = draw(st.sampled_from([1, 1, 2]))
+    ranks = []
+    for i in range(reps * len(lay.ranks)):
+        same = lay.ranks[i % len(lay.ranks)]
+        ranks.append(same if same not in ranks and draw(st.integers(0, 3)) == 0 else next(fresh))
+    mesh = torch.tensor(ranks).reshape((reps, *lay.mesh_shape) if reps > 1 else lay.mesh_shape).tolist()
+    return Layout(lay.shape, mesh, ([Replicate()] if reps > 1 else []) + list(lay.placements), lay.dtype)
+
+
+@st.composite
+def alias_names(draw, srcs: dict, name: str, always: bool = False):
+    """``name`` alone, or (a third of the time, or always) ``name`` and 1-2 copies of it, added to
+    ``srcs``, in any order."""
+    if not always and draw(st.integers(0, 2)):
+        return name
+    fresh = iter(r for r in range(12, 100) if r not in srcs[name].ranks and r not in
+                 {r for lay in srcs.values() for r in lay.ranks})
+    names = [name]
+    for k in range(draw(st.integers(1, 2))):
+        names.append(f"{name}'{k}")
+        srcs[names[-1]] = alias_copy(draw, srcs[name], fresh)
+    return tuple(draw(st.permutations(names)))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), min_split=st.sampled_from([1, 8, 4096]))
+def test_exactly_once_from_aliases(data, min_split):
+    """A destination read whole from a tensor and its copies on other ranks: exactly once, the right
+    data, each op reading the copy its source rank holds (small knobs cut pieces over the copies)."""
+    from tritonreshard.planning import replicas
+
+    dst = data.draw(layouts())
+    srcs = {"s": data.draw(layouts(shape=dst.shape))}
+    names = data.draw(alias_names(srcs, "s", always=True))
+    parts = {"t": [trs.Part(names, [None] * dst.ndim)]}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(replicas, "KNOBS", replicas.Knobs(min_split_bytes=min_split))
+        plan = check_parts_exactly_once(srcs, {"t": dst}, parts)
+    for op in plan.ops:
+        assert op.src_rank in srcs[op.src_name].ranks, op
+        # a rank holding two copies reads the first listed
+        assert op.src_name == next(n for n in trs.Part(names, [None]).sources if op.src_rank in srcs[n].ranks)
+
+
+def test_aliases_spread_reads_over_every_copy():
+    """Two copies on two ranks each (Megatron's first and last stage): every destination piece is cut
+    between them, so each copy serves half the bytes, each op naming the copy it reads."""
+    src = {"emb": Layout((64, 32), [0, 1], [Shard(0)]), "out": Layout((64, 32), [2, 3], [Shard(0)])}
+    dst = {"e": Layout((64, 32), [4, 5], [Shard(1)])}
+    plan = check_parts_exactly_once(src, dst, {"e": [trs.Part(("emb", "out"), [None, None])]})
+    assert {(op.src_name, op.src_rank) for op in plan.ops} == {("emb", 0), ("emb", 1), ("out", 2), ("out", 3)}
+    assert plan.stats.send_bytes == {r: 64 * 32 * 4 // 4 for r in range(4)}
+    assert "<- emb or out" in str(plan) and " out[" in str(plan)   # the parts, and each op's copy
+    # A destination rank holding a copy reads it locally; the plain name reads that copy only.
+    dst = {"e": Layout((64, 32), [2, 5], [Shard(0)])}
+    plan = check_parts_exactly_once(src, dst, {"e": [trs.Part(("emb", "out"), [None, None])]})
+    assert {(op.src_name, op.src_rank) for op in plan.ops_for_dst(2)} == {("out", 2)}
+    assert {op.src_name for op in trs.plan_reshard(src, dst, {"e": [trs.Part("emb", [None, None])]}).ops} == {"emb"}
+
+
+def test_mismatched_aliases_are_refused_with_every_other_problem():
+    src = {"a": Layout((8, 4), [0, 1], [Shard(0)]), "b": Layout((8, 4), [2, 3], [Shard(0)]),
+           "short": Layout((6, 4), [2, 3], [Shard(0)]), "half": Layout((8, 4), [2, 3], [Shard(0)], torch.bfloat16),
+           "cols": Layout((8, 4), [2, 3], [Shard(1)]), "swap": Layout((8, 4), [1, 0], [Shard(0)]),
+           "rep": Layout((8, 4), [[2, 3], [4, 5]], [Replicate(), Shard(0)])}
+    dst = {n: Layout((8, 4), [6], [Replicate()]) for n in ("x", "y", "z", "w", "v", "u", "ok")}
+    parts = {"x": [trs.Part(("a", "short"), [None, None])], "y": [trs.Part(("a", "half"), [None, None])],
+             "z": [trs.Part(("a", "cols"), [None, None])], "w": [trs.Part(("a", "swap"), [None, None])],
+             "v": [trs.Part(("a", "nope", "a"), [None, None])],
+             "u": [trs.Part(("a", "b"), [(0, 4), None]), trs.Part("a", [(4, 8), None], (4, 0))],
+             "ok": [trs.Part(("a", "b", "rep"), [None, None])]}
+    with pytest.raises(ValueError) as e:
+        trs.plan_reshard(src, dst, parts)
+    msg = str(e.value)
+    assert "8 problem(s)" in msg, msg
+    assert ("parts['x'][0]=[:, :] <- a or short: aliases must be copies of one tensor, but src_layouts['a'] is "
+            "(8, 4) torch.float32 and src_layouts['short'] is (6, 4) torch.float32") in msg
+    assert "src_layouts['half'] is (8, 4) torch.bfloat16" in msg
+    assert ("aliases must be split alike (the same regions, on any ranks), but src_layouts['a']=[S(0)]@(0,1) "
+            "and src_layouts['cols']=[S(1)]@(2,3) split (8, 4) differently") in msg
+    assert "rank(s) [0, 1] hold different regions of src_layouts['a']=[S(0)]@(0,1) and src_layouts['swap']" in msg
+    assert "src_layouts has no 'nope'" in msg and "aliases ['a'] are listed more than once" in msg
+    assert "parts['u'] reads 'a' as a or b and as a: a destination reads each source under one list" in msg
+    trs.plan_reshard(src, {"ok": dst["ok"]}, {"ok": parts["ok"]})   # more replicas of each region: fine
+    assert trs.Part(["a"], [None]) == trs.Part("a", [None]) and trs.Part(["a", "b"], [None]).src == ("a", "b")
+    with pytest.raises(TypeError, match="tuple of names of aliases"):
+        trs.Part(("a", 3), [None])
+    with pytest.raises(TypeError, match="tuple of names of aliases"):
+        trs.Part((), [None])
 
 
 def test_qkv_with_replicated_kv_and_padding_op_by_op():

@@ -117,7 +117,7 @@ def _placements(draw, ndim, mesh_ndim):
 @st.composite
 def _case(draw):
     n_tensors = draw(st.integers(1, 3))
-    src, dst = {}, {}
+    src, dst, parts = {}, {}, {}
     for i in range(n_tensors):
         ndim = draw(st.integers(1, 3))
         shape = tuple(draw(st.integers(0, 9)) for _ in range(ndim))
@@ -133,19 +133,27 @@ def _case(draw):
             layouts.append(Layout(shape, mesh, _placements(draw, ndim, len(mesh_shape)),
                                   draw(st.sampled_from([torch.float32, torch.bfloat16]))))
         src[f"t{i}"], dst[f"t{i}"] = layouts
-    return src, dst
+        if draw(st.integers(0, 2)) == 0:   # read from the tensor or a copy of it on other ranks (aliases)
+            lay, shift = layouts[0], draw(st.sampled_from([3, 10]))   # 3: the meshes may overlap
+            copy = Layout(lay.shape, torch.tensor(lay.ranks).reshape(lay.mesh_shape).add(shift).tolist(),
+                          lay.placements, lay.dtype)
+            if all(lay.segments(r) == copy.segments(r) for r in set(lay.ranks) & set(copy.ranks)):
+                src[f"c{i}"] = copy
+                parts[f"t{i}"] = [Part(draw(st.sampled_from([(f"t{i}", f"c{i}"), (f"c{i}", f"t{i}")])),
+                                       [None] * len(lay.shape))]
+    return src, dst, parts
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=_case(), min_split=st.sampled_from([1, 8, 4096]), slack=st.sampled_from([1.0, 1.05, 3.0]))
 def test_property_rank_plans_are_exactly_slices_of_the_whole_plan(case, min_split, slack):
-    src, dst = case
+    src, dst, parts = case
     with _knobs(min_split_bytes=min_split, slack=slack):
-        whole = trs.plan_reshard(src, dst)
+        whole = trs.plan_reshard(src, dst, parts)
         ranks = sorted({r for lay in (*src.values(), *dst.values()) for r in lay.ranks})
         union = set()
         for r in ranks + [99]:   # 99: in no mesh, so it has nothing to do
-            mine = trs.plan_reshard(src, dst, rank=r)
+            mine = trs.plan_reshard(src, dst, parts, rank=r)
             assert mine.rank == r and (mine.ops, mine.fills) == _slice(whole, r), r
             union.update(mine.ops)
         assert union == set(whole.ops)
@@ -161,6 +169,24 @@ def test_recipe_rank_plans_are_slices_with_parts_fills_and_replicas():
         assert f"rank {r}'s part" in mine.summary()
     with pytest.raises(ValueError, match=r"rank=-1 must be None"):
         spec.plan(rank=-1)
+
+
+def test_megatron_tied_embedding_rank_plans_are_slices():
+    """Megatron's tied embedding on two stages is one aliased part: every rank's plan (plain and
+    block-FP8) is its slice of the whole, and both stages serve the embedding's reads."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(vocab_size=300, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                      head_dim=128, intermediate_size=256, num_hidden_layers=2,
+                                      tie_word_embeddings=True)
+    for quantization in (None, "fp8-block"):
+        spec = trs.recipes.megatron_to_vllm(config, megatron=trs.recipes.Megatron(tp=2, pp=2), tp=2, trainer_ranks=4,
+                                            inference_ranks=[4, 5], quantization=quantization)
+        whole = spec.plan()
+        assert {(op.src_name, op.src_rank) for op in whole.ops if op.name == "model.embed_tokens.weight"} == {
+            ("embedding.word_embeddings.weight", 0), ("embedding.word_embeddings.weight", 1),
+            ("output_layer.weight", 2), ("output_layer.weight", 3)}
+        for r in range(6):
+            assert (spec.plan(rank=r).ops, spec.plan(rank=r).fills) == _slice(whole, r), (quantization, r)
 
 
 def test_rank_plan_cost_follows_the_rank_not_the_world():

@@ -375,7 +375,14 @@ class Part:
 
     Args:
         src: the source tensor's name (a key of the plan's source layouts), or ``None`` for padding
-            that the refit fills with zeros.
+            that the refit fills with zeros, or a tuple of names of *aliases*: source tensors that
+            hold the same global data (equal global shape and dtype, split into the same regions),
+            e.g. Megatron's tied ``("embedding.word_embeddings.weight", "output_layer.weight")``
+            on its first and last pipeline stages. Every rank holding any of them is a replica of
+            the box: the planner spreads the reads over all of them (and the host planner reads a
+            copy on the destination's host where there is one); each op names the alias it reads
+            (``op.src_name``). A rank listed by several aliases reads the first. A tuple of one
+            name is that name.
         dst: one ``(start, stop)`` per destination dim (a ``slice`` or ``None`` also works; ``None``
             is the whole dim, resolved against the destination's shape when planning).
         src_start: where the box begins in the source's global index, one int per dim (default: the
@@ -385,7 +392,7 @@ class Part:
     destination must tile its global shape exactly (a hole or an overlap is a ``ValueError``).
     """
 
-    src: str | None
+    src: str | tuple[str, ...] | None
     dst: tuple[tuple[int, int] | None, ...]
     src_start: tuple[int, ...] | None = None
 
@@ -408,17 +415,25 @@ class Part:
                 raise TypeError(f"Part(dst={dst!r}): each dim is (start, stop), a slice or None, got {iv!r}")
             return pair
 
-        if src is not None and not isinstance(src, str):
-            raise TypeError(f"Part(src={src!r}) must be a source tensor name (str) or None for padding")
+        if isinstance(src, (list, tuple)) and src and all(isinstance(n, str) for n in src):
+            src = src[0] if len(src) == 1 else tuple(src)
+        elif src is not None and not isinstance(src, str):
+            raise TypeError(f"Part(src={src!r}) must be a source tensor name (str), a non-empty tuple of "
+                            f"names of aliases (copies of one tensor), or None for padding")
         if isinstance(dst, (str, bytes)) or not isinstance(dst, Sequence):
             raise TypeError(f"Part(dst={dst!r}) must be a sequence of (start, stop) per dim")
         object.__setattr__(self, "src", src)
         object.__setattr__(self, "dst", tuple(norm(iv) for iv in dst))
         object.__setattr__(self, "src_start", None if src_start is None else ints(src_start, f"src_start={src_start!r}"))
 
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """The source names the box may be read from: ``()`` for padding, one name, or the aliases."""
+        return () if self.src is None else (self.src,) if isinstance(self.src, str) else self.src
+
     def __str__(self) -> str:
         box = ", ".join(":" if iv is None else f"{iv[0]}:{iv[1]}" for iv in self.dst)
         if self.src is None:
             return f"[{box}] <- zeros"
         at = "" if self.src_start is None or not any(self.src_start) else f" @{list(self.src_start)}"
-        return f"[{box}] <- {self.src}{at}"
+        return f"[{box}] <- {' or '.join(self.sources)}{at}"

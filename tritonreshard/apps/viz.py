@@ -147,12 +147,12 @@ def _figure(plan: Plan, name: str | None, title: str | None):
     else:
         setup(ax_src, rows, cols, f"{_short(name)} {_shape_text(dst.shape)}\nbuilt from {len(parts)} part(s)")
         pcolor = matplotlib.colormaps["Pastel1"]
-        sources = sorted({p.src for p in parts if p.src is not None})
+        sources = sorted({p.sources for p in parts if p.src is not None})   # aliases: one colour
         for p in parts:
-            text = "zeros" if p.src is None else _short(p.src)
+            text = "zeros" if p.src is None else " or ".join(map(_short, p.sources))
             if p.src is not None and p.src_start and any(p.src_start):  # a replica's source rows
                 text += f" @{list(p.src_start)}"
-            face = "white" if p.src is None else pcolor(sources.index(p.src) % pcolor.N)
+            face = "white" if p.src is None else pcolor(sources.index(p.sources) % pcolor.N)
             for (r0, r1), (c0, c1) in _rect_2d([(iv,) for iv in p.dst]):
                 ax_src.add_patch(Rectangle((c0, r0), c1 - c0, r1 - r0, facecolor=face, edgecolor="black",
                                            linewidth=1.0, hatch="//" if p.src is None else None))

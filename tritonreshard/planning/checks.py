@@ -9,14 +9,64 @@ from functools import lru_cache
 
 import torch
 
-from ..layout import Layout, Part
+from ..layout import Layout, Part, segments_by_mesh_index
 from . import dtypes
 from .text import fmt_box
 
-__all__ = ["Resolved", "check_inputs"]
+__all__ = ["Resolved", "check_inputs", "source_names", "used_sources"]
 
-#: A resolved part: (source name or None for zeros, destination box, source start).
-Resolved = tuple[str | None, tuple[tuple[int, int], ...], tuple[int, ...]]
+#: A resolved part: (source, destination box, source start). The source is a name, a tuple of
+#: aliases' names (copies of one tensor: :class:`~tritonreshard.layout.Part`), or None for zeros.
+Resolved = tuple[str | tuple[str, ...] | None, tuple[tuple[int, int], ...], tuple[int, ...]]
+
+
+def source_names(src: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    """The names a resolved part's source reads: none (zeros), one, or its aliases."""
+    return () if src is None else (src,) if isinstance(src, str) else src
+
+
+def used_sources(dst: Mapping[str, Layout], resolved: Mapping[str, tuple[Resolved, ...]]) -> set[str]:
+    """The source names a plan reads: destinations without parts read their namesakes."""
+    used = {n for n in dst if n not in resolved}
+    used.update(n for rs in resolved.values() for p in rs for n in source_names(p[0]))
+    return used
+
+
+@lru_cache(maxsize=1024)
+def _regions(shape, mesh_shape, placements) -> frozenset:
+    """The distinct non-empty regions (per dim, segments with local offsets) a geometry's ranks hold."""
+    return frozenset(s for s in segments_by_mesh_index(shape, mesh_shape, placements) if all(s))
+
+
+def _alias_problems(w: str, p: Part, src: Mapping[str, Layout]) -> list[str]:
+    """Aliases must be copies of one tensor, split alike: equal shape and dtype, the same regions
+    (whichever ranks hold them), and a rank listed by two of them holding the same region of both.
+    (A replica set then spans the aliases, with one local offset per region for all its ranks.)"""
+    names = p.sources
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        return [f"{w}={p}: aliases {twice} are listed more than once"]
+    if not all(n in src for n in names):   # reported with the part's other names
+        return []
+    out = []
+    for i, b in enumerate(names[1:], 1):
+        a = names[0]
+        la, lb = src[a], src[b]
+        if la.shape != lb.shape or la.dtype != lb.dtype:
+            out.append(f"{w}={p}: aliases must be copies of one tensor, but src_layouts[{a!r}] is "
+                       f"{la.shape} {la.dtype} and src_layouts[{b!r}] is {lb.shape} {lb.dtype}")
+            continue
+        if _regions(la.shape, la.mesh_shape, la.placements) != _regions(lb.shape, lb.mesh_shape, lb.placements):
+            out.append(f"{w}={p}: aliases must be split alike (the same regions, on any ranks), but "
+                       f"src_layouts[{a!r}]={la} and src_layouts[{b!r}]={lb} split {la.shape} differently")
+            continue
+        for c in names[:i]:
+            lc = src[c]
+            odd = sorted(r for r in set(lc.ranks) & set(lb.ranks) if lc.segments(r) != lb.segments(r))
+            if odd:
+                out.append(f"{w}={p}: rank(s) {odd} hold different regions of src_layouts[{c!r}]={lc} and "
+                           f"src_layouts[{b!r}]={lb}; a rank holding two aliases must hold the same region of both")
+    return out
 
 
 @lru_cache(maxsize=4096)
@@ -65,26 +115,39 @@ def _resolve_parts(name: str, d: Layout, parts, src: Mapping[str, Layout], probl
                             f"{d.shape} ({'; '.join(bad)})")
             continue
         start = p.src_start if p.src_start is not None else (0,) * d.ndim
-        if p.src is not None:
-            s = src.get(p.src)
+        found = len(problems)
+        for sname in p.sources:
+            s = src.get(sname)
             if s is None:
-                problems.append(f"{w}={p}: src_layouts has no {p.src!r}")
+                problems.append(f"{w}={p}: src_layouts has no {sname!r}")
                 continue
             if s.ndim != d.ndim or len(start) != d.ndim:
-                problems.append(f"{w}={p}: src_layouts[{p.src!r}].shape={s.shape} and src_start={start} "
+                problems.append(f"{w}={p}: src_layouts[{sname!r}].shape={s.shape} and src_start={start} "
                                 f"must have the destination's {d.ndim} dims")
                 continue
             stop = tuple(a + (hi - lo) for a, (lo, hi) in zip(start, box))
             if any(a < 0 or b > n for a, b, n in zip(start, stop, s.shape)):
                 problems.append(f"{w}={p}: source box {fmt_box(tuple(zip(start, stop)))} is outside "
-                                f"src_layouts[{p.src!r}].shape={s.shape}")
+                                f"src_layouts[{sname!r}].shape={s.shape}")
                 continue
             if not dtypes.castable(s.dtype, d.dtype):
                 problems.append(f"{w}: dst_layouts[{name!r}].dtype={d.dtype} cannot be produced from "
-                                f"src_layouts[{p.src!r}].dtype={s.dtype}")
-                continue
+                                f"src_layouts[{sname!r}].dtype={s.dtype}")
+        if len(p.sources) > 1:
+            problems += _alias_problems(w, p, src)
+        if len(problems) > found:
+            continue
         resolved.append((p.src, box, start))
         labels.append(f"[{i}] {p}")
+    # The host planner tells an op's source by (destination, the name it reads): one source per name.
+    read_as: dict[str, object] = {}
+    for src_, _, _ in resolved:
+        for n in source_names(src_):
+            if read_as.setdefault(n, src_) not in (src_, None):
+                problems.append(f"{where} reads {n!r} as {' or '.join(source_names(read_as[n]))} and as "
+                                f"{' or '.join(source_names(src_))}: a destination reads each source under one "
+                                f"list of aliases")
+                read_as[n] = None   # said once
     if len(problems) == n_before:
         gaps = _tiling_gaps(d.shape, tuple(b for _, b, _ in resolved))
         for kind, *rest in gaps:

@@ -2,7 +2,11 @@
 :func:`~.hosts.plan_hosts` and :func:`~.hostpart.plan_host_part`: each box's sender
 (:func:`choose_senders`), its receiver (:func:`assign_receivers`) and its place in the receiver's
 buffer (:func:`lay_out_buffers`); and the checks of the host map both entry points run
-(:func:`check_hosts`)."""
+(:func:`check_hosts`).
+
+A crossing's ``name`` is its source as the planner reads it: a tensor's name, or a tuple of
+aliases' names (copies of one tensor, :class:`~tritonreshard.layout.Part`) whose replica set spans
+them. The transfer names the alias its sender holds (:func:`sender_name`)."""
 from __future__ import annotations
 
 import math
@@ -16,7 +20,25 @@ from . import replicas
 from .boxes import Box, box_extent, box_is_contiguous, box_nbytes, box_part, slices_of
 from .hostplan import CrossTransfer, new_transfer
 
-__all__ = ["Crossing", "assign_receivers", "check_hosts", "choose_senders", "lay_out_buffers", "new_crossing"]
+__all__ = ["Crossing", "assign_receivers", "check_hosts", "choose_senders", "lay_out_buffers", "name_key",
+           "new_crossing", "sender_name"]
+
+
+def name_key(name: str | tuple[str, ...]) -> tuple[str, ...]:
+    """A source (a name or aliases' names) as a sort key: names and aliases compare."""
+    return (name,) if isinstance(name, str) else name
+
+
+def sender_name(name: str | tuple[str, ...], sender: int, src_lay) -> str:
+    """The tensor ``sender`` reads for source ``name``: the name, or the first alias it holds."""
+    if isinstance(name, str):
+        return name
+    return next(n for n in name if sender in src_lay[n].ranks)
+
+
+def _layout(src_lay, name: str | tuple[str, ...]):
+    """The layout of a source (aliases share shape and dtype: the first's)."""
+    return src_lay[name if isinstance(name, str) else name[0]]
 
 
 def check_hosts(ranks, hosts, host: str | None, align, first_index, who: str) -> dict[int, str]:
@@ -51,7 +73,7 @@ class Crossing(NamedTuple):
     filled in by the steps that choose them (-1 until then)."""
 
     host: str
-    name: str
+    name: str | tuple[str, ...]   # the source: a name, or aliases' names (read as one source)
     group: tuple[int, ...]   # the source replicas holding the box
     box: Box
     sender: int = -1
@@ -71,8 +93,8 @@ def choose_senders(crossings: list[Crossing], src_lay, knobs: replicas.Knobs) ->
     resulting box has exactly one sender."""
     if all(len(c.group) == 1 for c in crossings):   # no choice (sources not replicated): boxes stay whole
         return [c if c.sender == c.group[0] else c._replace(sender=c.group[0]) for c in crossings]
-    pieces = [replicas.Piece(c.group, box_nbytes(src_lay[c.name], c.box), box_extent(c.box),
-                             (c.host, c.name, c.group, c.box)) for c in crossings]
+    pieces = [replicas.Piece(c.group, box_nbytes(_layout(src_lay, c.name), c.box), box_extent(c.box),
+                             (c.host, name_key(c.name), c.group, c.box)) for c in crossings]
     out = []
     for c, shares in zip(crossings, replicas.spread(pieces, replicas.Loads(), knobs)):
         u0 = 0
@@ -91,11 +113,15 @@ def assign_receivers(crossings: list[Crossing], receivers: set[int], src_lay, ar
     ``crossings``: one host's; ``receivers``: its ranks that read from other hosts."""
     if not crossings:
         return []
-    if arena_pos is None:   # every arena offset 0: (sender, name, box), compared in C
+    aliased = any(type(c.name) is not str for c in crossings)
+    if arena_pos is None and not aliased:   # every arena offset 0: (sender, name, box), compared in C
         seq = sorted(crossings, key=_by_sender)
+    elif arena_pos is None:
+        seq = sorted(crossings, key=lambda c: (c.sender, name_key(c.name), c.box))
     else:
-        seq = sorted(crossings, key=lambda c: (c.sender, arena_pos(c.sender, c.name), c.name, c.box))
-    isz = {name: src_lay[name].itemsize for name in {c.name for c in seq}}
+        seq = sorted(crossings, key=lambda c: (c.sender, arena_pos(c.sender, sender_name(c.name, c.sender, src_lay)),
+                                               name_key(c.name), c.box))
+    isz = {name: _layout(src_lay, name).itemsize for name in {c.name for c in seq}}
     sizes = [_size(c.box, isz[c.name]) for c in seq]
     recvs = sorted(receivers)
     out = []
@@ -134,20 +160,26 @@ def lay_out_buffers(crossings: list[Crossing], host_of: Mapping[int, str], src_l
     transfers: list[CrossTransfer] = []
     buffer_bytes: dict[int, int] = defaultdict(int)
     shapes: dict[tuple[str, int], tuple] = {}
-    if arena_pos is None:
+    aliased = any(type(c.name) is not str for c in crossings)
+    if arena_pos is None and not aliased:
         order = sorted(crossings, key=_by_receiver)
+    elif arena_pos is None:
+        order = sorted(crossings, key=lambda c: (c.receiver, c.sender, name_key(c.name), c.box))
     else:
-        order = sorted(crossings, key=lambda c: (c.receiver, c.sender, arena_pos(c.sender, c.name), c.name, c.box))
-    facts = {name: (src_lay[name].itemsize, src_lay[name].dtype) for name in {c.name for c in order}}
+        order = sorted(crossings, key=lambda c: (c.receiver, c.sender,
+                                                 arena_pos(c.sender, sender_name(c.name, c.sender, src_lay)),
+                                                 name_key(c.name), c.box))
+    facts = {name: (_layout(src_lay, name).itemsize, _layout(src_lay, name).dtype) for name in {c.name for c in order}}
     for h, name, _, box, sender, receiver in order:
         itemsize, dtype = facts[name]
-        shape = shapes.get((name, sender))
+        read = name if type(name) is str else sender_name(name, sender, src_lay)
+        shape = shapes.get((read, sender))
         if shape is None:
-            shape = shapes[(name, sender)] = (tuple(src_lay[name].local_shape(sender)) if shape_of is None
+            shape = shapes[(read, sender)] = (tuple(src_lay[read].local_shape(sender)) if shape_of is None
                                               else shape_of(name, sender))
         slices, size, contiguous = _facts(box, shape, itemsize)
         pos = -(-buffer_bytes[receiver] // align) * align
-        transfers.append(new_transfer(first + len(transfers), name, sender, receiver, host_of[sender], h,
+        transfers.append(new_transfer(first + len(transfers), read, sender, receiver, host_of[sender], h,
                                       slices, dtype, pos, size, contiguous))
         buffer_bytes[receiver] = pos + size
     return transfers, {r: -(-b // align) * align for r, b in buffer_bytes.items()}, order

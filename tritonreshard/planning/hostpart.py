@@ -14,13 +14,14 @@ from typing import NamedTuple
 
 from . import replicas
 from .boxes import RECV_ALIGN, Box, box_of, cut_global, intersect_boxes, union_boxes
-from .checks import check_inputs
-from .crossings import Crossing, assign_receivers, check_hosts, choose_senders, lay_out_buffers, new_crossing
+from .checks import check_inputs, used_sources
+from .crossings import (Crossing, assign_receivers, check_hosts, choose_senders, lay_out_buffers, name_key,
+                        new_crossing, sender_name)
 from .hostplan import CrossTransfer, FanoutOp, HostPlan, Traffic, new_fanout
 from .hosts import plan_hosts
 from .ops import Plan, TransferOp, merge_plans, new_op
 from .quant import QuantizedPlan, plan_quantized, quantized_inputs
-from .reshard import Job, OpRow, rows_into
+from .reshard import Job, OpRow, rows_into, source_itemsize
 from ._gc import gc_paused
 
 __all__ = ["host_part", "plan_host_part"]
@@ -95,7 +96,7 @@ class _Source(NamedTuple):
     sorted order) and, per need, its transfers aligned with the union boxes (None where the senders
     or receivers cut a box: the fan-out then intersects the transfers)."""
 
-    name: str
+    name: str | tuple[str, ...]   # a name, or aliases' names (read as one source)
     jobs: tuple[Job, ...]
     needs: dict                 # group -> _Need
     transfers: dict             # group -> list[CrossTransfer] (all of this need's)
@@ -154,10 +155,11 @@ class _HostPart(HostPlan):
         if got is None:
             keyed = []
             for job, by_dst in self._local_jobs:
+                alias = job.alias
                 for row in by_dst.get(rank, ()):
                     keyed.append(((job.name, tuple([s.start for s in row.dst_slices]), row.src_rank),
                                   new_op(job.name, row.src_rank, rank, row.src_slices, row.dst_slices,
-                                         row.global_index, job.src_name)))
+                                         row.global_index, job.src_name if alias is None else alias[row.src_rank])))
             keyed.sort(key=_first)
             got = self._local_cache[rank] = tuple(op for _, op in keyed)
         return got
@@ -169,7 +171,6 @@ class _HostPart(HostPlan):
             keyed = []
             shift = self._shift
             for src in self._sources:
-                sname = src.name
                 for group, need in src.needs.items():
                     aligned = src.aligned[group]
                     if aligned is not None:
@@ -178,7 +179,7 @@ class _HostPart(HostPlan):
                             name = src.jobs[rd.job].name
                             keyed.append(((name, rd.starts, t.index + shift),
                                           new_fanout(t.index + shift, new_op(name, t.receiver, rank, rd.rel,
-                                                                             rd.dst_slices, rd.global_index, sname))))
+                                                                             rd.dst_slices, rd.global_index, t.name))))
                         continue
                     for j, row in need.rows.get(rank, ()):   # a cut box: intersect the transfers
                         sb = box_of(row.src_slices)
@@ -190,7 +191,7 @@ class _HostPart(HostPlan):
                                 rel, dst, g, starts = _reads(row, sb, cut, tb)
                                 keyed.append(((name, starts, t.index + shift),
                                               new_fanout(t.index + shift, new_op(name, t.receiver, rank, rel, dst,
-                                                                                 g, sname))))
+                                                                                 g, t.name))))
             keyed.sort(key=_first)
             got = self._fan_cache[rank] = tuple(f for _, f in keyed)
         return got
@@ -237,6 +238,8 @@ class _HostPart(HostPlan):
         """As :meth:`HostPlan.traffic`, summed per geometry (no op is made)."""
         ow, iw, oa, ia, pc = (defaultdict(int) for _ in range(5))
         s_isz = {n: lay.itemsize for n, lay in self._src_layouts.items()}
+        s_isz.update((src.name, source_itemsize(self._src_layouts, src.name)) for src in self._sources)
+        s_isz.update((job.src_name, source_itemsize(self._src_layouts, job.src_name)) for job, _ in self._local_jobs)
         d_isz = {n: lay.itemsize for n, lay in self._dst_layouts.items()}
         # What each destination rank writes (every row into it), per geometry times its tensors.
         times: dict[tuple[int, int], int] = defaultdict(int)
@@ -329,8 +332,7 @@ def plan_host_part(src_layouts, dst_layouts, parts=None, quant=None, hosts: Mapp
         if padded:
             raise ValueError(f"plan_quantized: {padded} have zero padding (fills); quantized weights must be "
                              f"built from sources only")
-    used = {n for n in planned if n not in resolved} | {p[0] for rs in resolved.values() for p in rs
-                                                       if p[0] is not None}
+    used = used_sources(planned, resolved)
     ranks = {r for n in used for r in src_layouts[n].ranks} | {r for lay in planned.values() for r in lay.ranks}
     host_of = check_hosts(ranks, hosts, host, align, first_index, "plan_host_part")
     if host is None:
@@ -383,7 +385,7 @@ def host_part(src_layouts, dst_layouts, parts, quant, planned, resolved, hosts, 
     sources: list[_Source] = []
     crossings: list[Crossing] = []
     receivers: set[int] = set()
-    for name in sorted(by_source):
+    for name in sorted(by_source, key=name_key):
         src_jobs = tuple(by_source[name])
         key = tuple(j.key for j in src_jobs)
         needs = need_of.get(key)
@@ -409,11 +411,11 @@ def host_part(src_layouts, dst_layouts, parts, quant, planned, resolved, hosts, 
     geometry = {src.name: src.jobs[0].source for src in sources}
     shapes: dict[tuple, tuple] = {}
 
-    def shape_of(name: str, sender: int) -> tuple:   # per (source geometry, rank): layers share it
+    def shape_of(name, sender: int) -> tuple:   # per (source geometry, rank): layers share it
         key = (geometry[name], sender)
         got = shapes.get(key)
         if got is None:
-            got = shapes[key] = tuple(src_lay[name].local_shape(sender))
+            got = shapes[key] = tuple(src_lay[sender_name(name, sender, src_lay)].local_shape(sender))
         return got
 
     transfers, buffers, order = lay_out_buffers(boxes, host_of, src_lay, arena_pos, align, first_index, shape_of)

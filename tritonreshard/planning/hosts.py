@@ -46,7 +46,7 @@ from collections.abc import Mapping
 
 from . import replicas
 from .boxes import RECV_ALIGN, box_of, cut_global, intersect_boxes, union_boxes
-from .crossings import Crossing, assign_receivers, check_hosts, choose_senders, lay_out_buffers
+from .crossings import Crossing, assign_receivers, check_hosts, choose_senders, lay_out_buffers, name_key, sender_name
 from .hostplan import CrossTransfer, FanoutOp, HostPlan, host_order
 from .ops import Plan, TransferOp
 from ._gc import gc_paused
@@ -98,10 +98,11 @@ def plan_hosts(plan: Plan, hosts: Mapping[int, str], *,
     # (sender, name) -> the shard's offset in the sender's arena; None: every offset 0
     arena_pos = None if src_offsets is None else (lambda sender, name: src_offsets.get((sender, name), 0))
 
-    replica_sets = _replica_sets(plan)
-    into: dict[str, list[TransferOp]] = defaultdict(list)   # destination host -> its ops, in plan order
-    for op in plan.ops:
-        into[host_of[op.dst_rank]].append(op)
+    source_of = _sources(plan)
+    replica_sets = _replica_sets(plan, source_of)
+    into: dict[str, list[tuple[TransferOp, object]]] = defaultdict(list)   # destination host -> its ops
+    for op in plan.ops:                                                   # (and sources), in plan order
+        into[host_of[op.dst_rank]].append((op, source_of(op)))
     local: list[TransferOp] = []
     transfers: list[CrossTransfer] = []
     fanout: list[FanoutOp] = []
@@ -111,9 +112,9 @@ def plan_hosts(plan: Plan, hosts: Mapping[int, str], *,
         boxes = choose_senders(_union_needs(needs), src_lay, knobs)
         receivers = {op.dst_rank for ops in needs.values() for op in ops}
         boxes = assign_receivers(boxes, receivers, src_lay, arena_pos, knobs)
-        h_transfers, h_buffers, _ = lay_out_buffers(boxes, host_of, src_lay, arena_pos, align,
-                                                     first_index + len(transfers))
-        fanout += _fan_out(needs, h_transfers, replica_sets)
+        h_transfers, h_buffers, order = lay_out_buffers(boxes, host_of, src_lay, arena_pos, align,
+                                                         first_index + len(transfers))
+        fanout += _fan_out(needs, h_transfers, order)
         local += h_local
         transfers += h_transfers
         buffer_bytes.update(h_buffers)
@@ -123,22 +124,45 @@ def plan_hosts(plan: Plan, hosts: Mapping[int, str], *,
 
 
 
-_Needs = dict[tuple[str, str, tuple[int, ...]], list[TransferOp]]
+# (destination host, source, replica set) -> the host's ops reading it; a source is a name or a
+# tuple of aliases' names (:func:`_sources`).
+_Needs = dict[tuple[str, object, tuple[int, ...]], list[TransferOp]]
 
 
-def _replica_sets(plan: Plan) -> dict[tuple[str, int], tuple[int, ...]]:
-    """(source name, rank) -> the replica set of that rank's shard (:func:`.replicas.group_replicas`),
-    for every source tensor an op reads (``parts=`` may read other names than the destinations')."""
-    out: dict[tuple[str, int], tuple[int, ...]] = {}
-    for name in sorted({op.src_name for op in plan.ops}):
-        lay = plan.src_layouts[name]
-        for group in replicas.group_replicas({r: lay.segments(r) for r in lay.ranks}).values():
-            out.update(((name, r), group) for r in group)
+def _sources(plan: Plan):
+    """``source_of(op)``: the source an op's part reads, its ``src_name`` or, for a part naming
+    aliases (copies of one tensor), the tuple of their names: any alias's replica may serve it.
+    (:func:`.checks.check_inputs` made sure a destination reads each name under one source.)"""
+    keys = {(name, n): p.src for name, ps in plan.parts.items() for p in ps if len(p.sources) > 1
+            for n in p.sources}
+    if not keys:
+        return _src_name
+    return lambda op: keys.get((op.name, op.src_name), op.src_name)
+
+
+def _src_name(op: TransferOp) -> str:
+    return op.src_name
+
+
+def _replica_sets(plan: Plan, source_of) -> dict[tuple[object, int], tuple[int, ...]]:
+    """(source, rank) -> the replica set of that rank's shard (:func:`.replicas.group_replicas`),
+    for every source an op reads (``parts=`` may read other names than the destinations'). The
+    replica sets of aliases span them: a rank holds a region of whichever alias lists it first."""
+    out: dict[tuple[object, int], tuple[int, ...]] = {}
+    lays = plan.src_layouts
+    for src in sorted({source_of(op) for op in plan.ops}, key=name_key):
+        segs: dict[int, tuple] = {}
+        for name in name_key(src):
+            lay = lays[name]
+            for r in lay.ranks:
+                segs.setdefault(r, lay.segments(r))
+        for group in replicas.group_replicas(segs).values():
+            out.update(((src, r), group) for r in group)
     return out
 
 
-def _resource_locally(ops: list[TransferOp], src_lay, host_of: Mapping[int, str],
-                      replica_sets: Mapping[tuple[str, int], tuple[int, ...]]) -> tuple[list[TransferOp], _Needs]:
+def _resource_locally(ops: list[tuple[TransferOp, object]], src_lay, host_of: Mapping[int, str],
+                      replica_sets: Mapping[tuple[object, int], tuple[int, ...]]) -> tuple[list[TransferOp], _Needs]:
     """Step 1, for the ``ops`` into one host (in plan order): the ops that stay within the host,
     and what the host needs from others. (A rank's reads served are counted only for readers on
     its own host, so each host's choices depend on its own ops alone.)
@@ -146,22 +170,25 @@ def _resource_locally(ops: list[TransferOp], src_lay, host_of: Mapping[int, str]
     An op whose source and destination share a host stays as it is. A cross-host op whose source
     shard has a replica on the destination's host is re-sourced to the replica there that serves
     the fewest bytes so far (the reshard planner chose replicas blind to hosts): nothing crosses.
-    The other cross-host ops are grouped by (destination host, source name, replica set)."""
-    local = [op for op in ops if host_of[op.src_rank] == host_of[op.dst_rank]]
+    The other cross-host ops are grouped by (destination host, source, replica set). An op reading
+    one of several aliases may be re-sourced to any alias's replica (it then reads that alias)."""
+    local = [op for op, _ in ops if host_of[op.src_rank] == host_of[op.dst_rank]]
     reads = replicas.Loads()   # source bytes each rank serves to ranks of its own host
     for op in local:
         reads.add(op.src_rank, op.numel * src_lay[op.src_name].itemsize)
     needs: _Needs = defaultdict(list)
-    for op in (op for op in ops if host_of[op.src_rank] != host_of[op.dst_rank]):
-        group = replica_sets[(op.src_name, op.src_rank)]
+    for op, src in ops:
+        if host_of[op.src_rank] == host_of[op.dst_rank]:
+            continue
+        group = replica_sets[(src, op.src_rank)]
         here = [r for r in group if host_of[r] == host_of[op.dst_rank]]
         if here:
             r = reads.least(here)
             local.append(TransferOp(op.name, r, op.dst_rank, op.src_slices, op.dst_slices, op.global_index,
-                                    op.src_name))
+                                    sender_name(src, r, src_lay)))
             reads.add(r, op.numel * src_lay[op.src_name].itemsize)
         else:
-            needs[(host_of[op.dst_rank], op.src_name, group)].append(op)
+            needs[(host_of[op.dst_rank], src, group)].append(op)
     return local, needs
 
 
@@ -169,18 +196,19 @@ def _union_needs(needs: _Needs) -> list[Crossing]:
     """Step 2: per (host, source name, replica set), the union of the source boxes the host's ranks
     need, as disjoint boxes merged as far as possible (:func:`.boxes.union_boxes`): a whole shard needed on a
     host is one box, so it can be sent straight from the sender's memory as one message."""
-    return [Crossing(h, name, group, box) for (h, name, group), ops in sorted(needs.items())
+    return [Crossing(h, name, group, box)
+            for (h, name, group), ops in sorted(needs.items(), key=lambda kv: (kv[0][0], name_key(kv[0][1]), kv[0][2]))
             for box in union_boxes([box_of(op.src_slices) for op in ops])]
 
 
-def _fan_out(needs: _Needs, transfers: list[CrossTransfer],
-             replica_sets: Mapping[tuple[str, int], tuple[int, ...]]) -> list[FanoutOp]:
+def _fan_out(needs: _Needs, transfers: list[CrossTransfer], order: list[Crossing]) -> list[FanoutOp]:
     """Step 6: each cross-host op of the plan becomes reads of the parts of its source box from the
     transfers that hold them, each from the transfer's receive buffer (same host), with source
-    slices relative to the transfer's box."""
-    by_need: dict[tuple[str, str, tuple[int, ...]], list[CrossTransfer]] = defaultdict(list)
-    for t in transfers:
-        by_need[(t.dst_host, t.name, replica_sets[(t.name, t.src_rank)])].append(t)
+    slices relative to the transfer's box. ``order``: each transfer's crossing (its need). A read
+    names the tensor its transfer carries (for aliases, the sender's alias)."""
+    by_need: dict[tuple[str, object, tuple[int, ...]], list[CrossTransfer]] = defaultdict(list)
+    for c, t in zip(order, transfers):
+        by_need[(c.host, c.name, c.group)].append(t)
     fanout: list[FanoutOp] = []
     for key, ops in needs.items():
         for op in ops:
@@ -194,5 +222,5 @@ def _fan_out(needs: _Needs, transfers: list[CrossTransfer],
                             for (a, b), (sa, _), ds in zip(cut, src_box, op.dst_slices))
                 g = tuple(cut_global(gi, a - sa, b - sa) for (a, b), (sa, _), gi in zip(cut, src_box, op.global_index))
                 fanout.append(FanoutOp(t.index, TransferOp(op.name, t.receiver, op.dst_rank, rel, dst, g,
-                                                           op.src_name)))
+                                                           t.name)))
     return fanout

@@ -172,9 +172,10 @@ def quantized_inputs(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str
                                 f"grid of {name!r} {ws} is {q.scale_shape(ws)}")
                 break
         for p in (parts or {}).get(name, ()):
-            sl = src_layouts.get(p.src) if getattr(p, "src", None) is not None else None
-            if sl is not None and sl.dtype not in CASTABLE_DTYPES:
-                problems.append(f"{where}: source {p.src!r} is {sl.dtype}; quantized from {CASTABLE_DTYPES}")
+            for sname in getattr(p, "sources", ()):
+                sl = src_layouts.get(sname)
+                if sl is not None and sl.dtype not in CASTABLE_DTYPES:
+                    problems.append(f"{where}: source {sname!r} is {sl.dtype}; quantized from {CASTABLE_DTYPES}")
         if name not in (parts or {}) and name in src_layouts and src_layouts[name].dtype not in CASTABLE_DTYPES:
             problems.append(f"{where}: source {name!r} is {src_layouts[name].dtype}; quantized from {CASTABLE_DTYPES}")
     if problems:

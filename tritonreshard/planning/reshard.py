@@ -20,12 +20,18 @@ A destination may be built from other sources than its namesake (``parts=``): ea
 tensor, or marks it as padding. The planner clips the destination ranks' segments to the box and
 shifts them into the source's coordinates, then intersects as usual; padding becomes
 :class:`FillOp`s (zeros). The parts must tile the destination exactly.
+
+A part may name several *aliases*, source tensors holding the same data (Megatron's tied embedding
+on its first and last stages): the planner reads them as one source whose geometry
+(:class:`_Aliases`) is their ranks together, so a replica set spans the aliases and the usual
+spreading serves the part from all of them. Each op reads the alias its source rank holds.
 """
 from __future__ import annotations
 
 import math
 from collections import defaultdict
 from collections.abc import Mapping
+from dataclasses import dataclass
 from functools import lru_cache
 from itertools import chain, product
 from operator import itemgetter
@@ -34,7 +40,7 @@ from typing import NamedTuple
 from ..layout import Layout, Part, Segment, segments_by_mesh_index
 from . import replicas
 from .boxes import cut_global
-from .checks import check_inputs
+from .checks import check_inputs, used_sources
 from .ops import FillOp, Plan, PlanStats, TransferOp, merge_plans, new_op
 from ._gc import gc_paused
 
@@ -110,7 +116,9 @@ def plan_reshard(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, La
         parts: optional ``{dst_name: [trs.Part, ...]}``: boxes of the destination's global index
             and the source tensor (of any name) or zero padding each comes from. The parts must tile
             the destination exactly. This builds fused tensors (q/k/v -> qkv, gate/up -> gate_up),
-            replicated pieces (one source box feeding several boxes) and padded dims.
+            replicated pieces (one source box feeding several boxes) and padded dims. A part may
+            name aliases, ``Part((a, b), ...)``: copies of one tensor (equal shape and dtype, split
+            alike) whose ranks all serve the box as replicas; each op reads its rank's copy.
         rank: None (default) for the whole plan; a rank for that rank's plan only: the ops it
             executes as a destination (its reads) and serves as a source (what it must fence), and
             its destinations' fills, exactly as the whole plan has them. Its cost grows with that
@@ -124,15 +132,14 @@ def plan_reshard(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, La
     same plan on every rank.
 
     Raises ``ValueError`` listing every problem (missing source, shape mismatch, unsupported dtype
-    pair, a part out of bounds, a hole or an overlap in a destination, naming the tensor and the
-    range) before anything moves; ``TypeError`` for values that are not Layouts / Parts.
+    pair, a part out of bounds, a hole or an overlap in a destination, aliases that are not copies
+    of one tensor, naming the tensor and the range) before anything moves; ``TypeError`` for values
+    that are not Layouts / Parts.
     """
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
         raise ValueError(f"plan_reshard: rank={rank!r} must be None (the whole plan) or a rank >= 0")
     resolved = check_inputs(src_layouts, dst_layouts, parts)
-    used = set(n for n in dst_layouts if n not in resolved)
-    used.update(p[0] for rs in resolved.values() for p in rs if p[0] is not None)
-    needed = tuple(sorted((n, src_layouts[n]) for n in used))
+    needed = tuple(sorted((n, src_layouts[n]) for n in used_sources(dst_layouts, resolved)))
     return _plan_cached(needed, tuple(sorted(dst_layouts.items())), tuple(sorted(resolved.items())),
                         replicas.KNOBS, rank)
 
@@ -142,10 +149,48 @@ def _geometry(layout: Layout) -> tuple:
     return (layout.shape, layout.mesh_shape, layout.ranks, layout.placements)
 
 
+@dataclass(frozen=True)
+class _Aliases:
+    """The geometry of a part's aliases read as one source (:class:`~tritonreshard.layout.Part`):
+    one :func:`_geometry` per alias, in the part's order. Its ranks are all the aliases' ranks (a
+    rank listed twice reads the first alias listing it); :func:`.checks.check_inputs` made sure
+    they split alike, so ranks of several aliases holding one region form one replica set."""
+
+    geometries: tuple
+
+
+def source_geometry(src_layouts: Mapping[str, Layout], src) -> "tuple | _Aliases":
+    """The geometry of a resolved part's source: a name's layout's, or its aliases' together."""
+    if isinstance(src, str):
+        return _geometry(src_layouts[src])
+    return _Aliases(tuple(_geometry(src_layouts[n]) for n in src))
+
+
+def source_itemsize(src_layouts: Mapping[str, Layout], src) -> int:
+    """The element size of a resolved part's source (aliases share their dtype)."""
+    return src_layouts[src if isinstance(src, str) else src[0]].itemsize
+
+
 @lru_cache(maxsize=1024)
-def _segments_of(geometry: tuple) -> dict:
+def _segments_of(geometry) -> dict:
+    if isinstance(geometry, _Aliases):
+        merged: dict = {}
+        for g in geometry.geometries:
+            for r, segs in _segments_of(g).items():
+                merged.setdefault(r, segs)
+        return merged
     shape, mesh_shape, ranks, placements = geometry
     return dict(zip(ranks, segments_by_mesh_index(shape, mesh_shape, placements)))
+
+
+@lru_cache(maxsize=1024)
+def alias_of(src: tuple[str, ...], geometry: _Aliases) -> dict[int, str]:
+    """``{rank: the alias it reads}`` for aliases ``src`` of ``geometry`` (the first listing it)."""
+    out: dict[int, str] = {}
+    for name, g in zip(src, geometry.geometries):
+        for r in g[2]:
+            out.setdefault(r, name)
+    return out
 
 
 @lru_cache(maxsize=1024)
@@ -219,13 +264,16 @@ class OpRow(NamedTuple):
 class Job(NamedTuple):
     """The ops of one (destination tensor, source tensor) pair into some destination ranks
     (:func:`rows_into`). Jobs of the same geometry have the same ``key`` and share one ``rows``;
-    ``source`` numbers the source's geometry (equal for sources of one geometry)."""
+    ``source`` numbers the source's geometry (equal for sources of one geometry). ``src_name``: the
+    source's name, or its aliases' names (a tuple); then ``alias`` maps each source rank to the
+    alias it reads (:func:`alias_of`), else it is None."""
 
     name: str
-    src_name: str
+    src_name: str | tuple[str, ...]
     key: int
     source: int
     rows: tuple[OpRow, ...]
+    alias: Mapping[int, str] | None = None
 
 
 def _rows(dst_rank: int, d_segs: tuple, g_idx: int, s_segs: tuple, group: tuple[int, ...]) -> list[_Row]:
@@ -272,15 +320,14 @@ def _src_rows(s_geo: tuple, d_geo: tuple, box: tuple | None, src_start: tuple | 
     return tuple(out)
 
 
-def _emit(row: _Row, name: str, src_name: str, turn: int, s_isz: int, knobs: replicas.Knobs) -> list[TransferOp]:
-    """The op(s) of one piece. ``turn`` rotates which replica of a set serves it; it is derived from
-    the piece's place in the plan (tensor, part, destination rank, replica set, ordinal), never from
-    other pieces' choices, so any rank derives the choice for any piece on its own."""
-    dst_rank, g_idx, group, ordinal, dims, numel, template = row
-    if template is not None:
-        src_rank, ss, ds, g, _ = template
-        return [TransferOp(name, src_rank, dst_rank, ss, ds, g, src_name)]
-    return [_make_op(name, src_rank, dst_rank, part, src_name) for src_rank, part in _shares(row, turn, s_isz, knobs)]
+def _emit(row: _Row, name: str, src_name: str, alias: Mapping[int, str] | None, turn: int, s_isz: int,
+          knobs: replicas.Knobs) -> list[TransferOp]:
+    """The op(s) of one piece whose replicas :func:`.replicas.share` picks. ``turn`` rotates which
+    replica of a set serves it; it is derived from the piece's place in the plan (tensor, part,
+    destination rank, replica set, ordinal), never from other pieces' choices, so any rank derives
+    the choice for any piece on its own. ``alias``: for aliased sources, the alias each rank reads."""
+    return [_make_op(name, src_rank, row.dst_rank, part, src_name if alias is None else alias[src_rank])
+            for src_rank, part in _shares(row, turn, s_isz, knobs)]
 
 
 def _shares(row: _Row, turn: int, s_isz: int, knobs: replicas.Knobs) -> list[tuple[int, tuple]]:
@@ -317,12 +364,12 @@ def rows_into(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layou
         for j_idx, (src_name, box, start) in enumerate(parts):
             if src_name is None:
                 continue
-            s_lay = src_layouts[src_name]
-            s_geo, s_isz = _geometry(s_lay), s_lay.itemsize
+            s_geo, s_isz = source_geometry(src_layouts, src_name), source_itemsize(src_layouts, src_name)
+            alias = None if isinstance(src_name, str) else alias_of(src_name, s_geo)
             geo = (s_geo, s_isz, d_geo, box, start, mine)
             seen = classes.get(geo, False)
             if seen:
-                jobs.append(Job(name, src_name, *seen))
+                jobs.append(Job(name, src_name, *seen, alias))
                 continue
             out, fixed = [], True
             base = (t_idx + j_idx) * n_dst
@@ -342,7 +389,7 @@ def rows_into(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layou
                 # Where replicas are chosen, the choice depends on the tensor's place in the plan:
                 # each such job has rows of its own.
                 classes[geo] = got if fixed else None
-            jobs.append(Job(name, src_name, *got))
+            jobs.append(Job(name, src_name, *got, alias))
     return jobs
 
 
@@ -384,8 +431,8 @@ def _plan_cached(src_items: tuple[tuple[str, Layout], ...], dst_items: tuple[tup
                     if rank is None or dst_rank == rank:
                         fills.append(FillOp(name, dst_rank, ds, g))
                 continue
-            s_lay = src[src_name]
-            s_geo, s_isz = _geometry(s_lay), s_lay.itemsize
+            s_geo, s_isz = source_geometry(src, src_name), source_itemsize(src, src_name)
+            alias = None if isinstance(src_name, str) else alias_of(src_name, s_geo)
             base = (t_idx + j_idx) * n_dst
             if rank is None:
                 rows = chain.from_iterable(_dst_rows(s_geo, d_geo, box, start, d) for d in d_lay.ranks)
@@ -399,10 +446,11 @@ def _plan_cached(src_items: tuple[tuple[str, Layout], ...], dst_items: tuple[tup
                 if template is not None:   # the source is fixed: the hot path of a big plan
                     if rank is None or template[0] == rank or row[0] == rank:
                         block.append((template[4], new_op(name, template[0], row[0], template[1], template[2],
-                                                           template[3], src_name)))
+                                                           template[3], src_name if alias is None else
+                                                           alias[template[0]])))
                     continue
                 turn = replicas.rotation(base + pos[row[0]], len(row[2])) + row[1] + row[3]
-                for op in _emit(row, name, src_name, turn, s_isz, knobs):
+                for op in _emit(row, name, src_name, alias, turn, s_isz, knobs):
                     if rank is None or op.dst_rank == rank or op.src_rank == rank:
                         block.append(((op.dst_rank, tuple([s.start for s in op.dst_slices]), op.src_rank), op))
         block.sort(key=_first)
@@ -428,15 +476,15 @@ def source_pieces(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, L
     piece's box in the source rank's local shard (``((start, stop), ...)`` per dim). Checked like
     :func:`plan_reshard` (one ``ValueError`` listing every problem)."""
     resolved = check_inputs(src_layouts, dst_layouts, parts)
-    readers: dict[str, list[tuple]] = defaultdict(list)
+    readers: dict[str | tuple[str, ...], list[tuple]] = defaultdict(list)
     for name, d_lay in sorted(dst_layouts.items()):
         for src_name, box, start in resolved.get(name, ((name, None, None),)):
             if src_name is not None:
                 readers[src_name].append((_geometry(d_lay), d_lay.itemsize, box, start))
     classes: dict[tuple, int] = defaultdict(int)
     for src_name, jobs in readers.items():
-        s_lay = src_layouts[src_name]
-        classes[(_geometry(s_lay), s_lay.itemsize, tuple(jobs))] += 1
+        geo = source_geometry(src_layouts, src_name)
+        classes[(geo, source_itemsize(src_layouts, src_name), tuple(jobs))] += 1
     out = []
     for (s_geo, s_isz, jobs), count in classes.items():
         rows = []

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import fields
 
 from .boxes import RECV_ALIGN
-from .checks import check_inputs
+from .checks import check_inputs, used_sources
 from .crossings import check_hosts
 from .hostpart import host_part
 from .hostplan import Traffic, host_order
@@ -33,8 +33,7 @@ def refit_traffic(src_layouts, dst_layouts, parts=None, hosts: Mapping[int, str]
     ``{host: bytes}`` for every host that receives any."""
     planned = quantized_inputs(src_layouts, dst_layouts, parts, quant) if quant else dst_layouts
     resolved = check_inputs(src_layouts, planned, parts)
-    used = {n for n in planned if n not in resolved} | {p[0] for rs in resolved.values() for p in rs
-                                                       if p[0] is not None}
+    used = used_sources(planned, resolved)
     ranks = {r for n in used for r in src_layouts[n].ranks} | {r for lay in planned.values() for r in lay.ranks}
     if hosts is None:
         hosts = {r: "host" for r in ranks}

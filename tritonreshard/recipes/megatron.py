@@ -21,10 +21,9 @@ Megatron-Core facts used (checked against megatron-core 0.19.2 on CPU, ``tests/t
   final norm and ``output_layer``. Tied embeddings: no ``output_layer`` with pp = 1; with pp > 1 the
   last stage's ``output_layer.weight`` is a real copy of the embedding, kept equal by Megatron (the
   first stage's copy initialises it and their gradients are all-reduced), under its own name. The
-  recipe reads both copies: of each Megatron TP shard's real rows, the first half from
-  ``embedding.word_embeddings.weight``, the rest from ``output_layer.weight``, so each copy's ranks
-  serve half the bytes (the planner knows no replicas across names; within a copy it spreads reads
-  over the DP replicas as usual).
+  recipe names both copies as aliases of one source (``Part((embedding, output_layer), ...)``): the
+  planner treats every rank of either copy as a replica, spreads the reads over both stages (and
+  their DP replicas), and a host planner reads whichever copy is on the destination's host.
 * The vocab is padded to a multiple of ``vocab_divisible_by * tp``; only rows ``[0, V)`` move (the
   dummy rows hold trained junk), vLLM's own padding is zero-filled.
 
@@ -175,8 +174,8 @@ def megatron_to_vllm(config: Any, *, megatron: Megatron, tp: int, trainer_ranks,
         return [[src_ranks[m.dense_rank(t, d, stage, dp)] for t in range(mtp)] for d in range(dp)]
 
     src: dict[str, Layout] = {}
-    # HF name -> [(hf box start, hf box stop, Megatron name, Megatron start)]
-    pieces: dict[str, list[tuple[tuple[int, ...], tuple[int, ...], str, tuple[int, ...]]]] = {}
+    # HF name -> [(hf box start, hf box stop, Megatron name (or aliases: copies), Megatron start)]
+    pieces: dict[str, list[tuple[tuple[int, ...], tuple[int, ...], str | tuple[str, ...], tuple[int, ...]]]] = {}
 
     def dense(name, shape, placement, stage):
         src[name] = Layout(shape, dense_mesh(stage), [Replicate(), placement], src_dtype)
@@ -187,23 +186,14 @@ def megatron_to_vllm(config: Any, *, megatron: Megatron, tp: int, trainer_ranks,
         pieces[hf_name] = [((0,) * len(shape), shape, name, (0,) * len(shape))]
 
     # Embedding: rows [0, V) of Megatron's padded vocab. Tied, pp = 1: output_layer is the
-    # embedding's own tensor; tied, pp > 1: the last stage's copy serves the second half of each
-    # TP shard's real rows.
+    # embedding's own tensor; tied, pp > 1: the last stage's copy is an alias of the first's.
     emb, out = "embedding.word_embeddings.weight", "output_layer.weight"
     dense(emb, (Vm, H), Shard(0), 0)
     if not tied or pp > 1:
         dense(out, (Vm, H), Shard(0), pp - 1)
     if not tied:
         pieces["lm_head.weight"] = [((0, 0), (V, H), out, (0, 0))]
-    if tied and pp > 1:
-        rows, halves = Vm // mtp, []
-        for lo in range(0, V, rows):
-            hi = min(lo + rows, V)
-            mid = lo + (hi - lo + 1) // 2
-            halves += [((lo, 0), (mid, H), emb, (lo, 0))] + ([((mid, 0), (hi, H), out, (mid, 0))] if mid < hi else [])
-        pieces["model.embed_tokens.weight"] = halves
-    else:
-        pieces["model.embed_tokens.weight"] = [((0, 0), (V, H), emb, (0, 0))]
+    pieces["model.embed_tokens.weight"] = [((0, 0), (V, H), (emb, out) if tied and pp > 1 else emb, (0, 0))]
     same("model.norm.weight", "decoder.final_layernorm.weight", pp - 1)
 
     for i in range(L):
