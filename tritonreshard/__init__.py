@@ -10,6 +10,9 @@ and their descriptor tables), :mod:`~tritonreshard.execute` (all ranks in one pr
 the library never imports.
 """
 import importlib
+import sys
+
+from . import _compat
 
 __all__ = [
     "Layout", "Shard", "Replicate", "Part", "Plan", "FillOp", "PlanStats", "TransferOp", "plan_reshard",
@@ -33,6 +36,13 @@ _EXPORTS = {
 }
 #: The layers, reachable as attributes too (``trs.planning.fmt_bytes``) once anything asks.
 _SUBMODULES = {"errors", "layout", "planning", "recipes", "kernels", "execute", "transport", "engine"}
+
+
+if "torch" in sys.modules:
+    # The script imported torch before us (so it may call init_process_group next): disarm torch's
+    # process-group trap now, as an eagerly loaded package did. Without torch loaded (the command
+    # line), nothing here loads it; the engine disarms it when it is first imported.
+    _compat.disarm_process_group_pin()
 
 
 def __getattr__(name: str):
