@@ -63,7 +63,7 @@ def measure(config: Path, trainers: int, tp: int, replicas: int, what: str, host
     if hosts_of:
         ranks = range(trainers + replicas * tp)
         host = {r: f"host{r // hosts_of}" for r in ranks}
-        if rank is not None:   # the engine's input for the rank's host part (engine.group.validate_members)
+        if rank is not None:   # the engine's input for the rank's host part (trs.planning.plan_rank)
             mine = [d for d in range(trainers, trainers + replicas * tp) if host[d] == host[rank] and d != rank]
             plan = trs.planning.merge_plans([plan] + [spec.plan(rank=d) for d in mine])
         hp = trs.planning.plan_hosts(plan, host, host=None if rank is None else host[rank])

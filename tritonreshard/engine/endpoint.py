@@ -466,7 +466,11 @@ class _InferenceMethods:
         timeout = check_timeout("rejoin", timeout, self.timeout)
         self._epoch.close()
         self._epoch = Epoch(self._new_group(epoch, timeout), inference=self._inference, device=self.device)
-        self._epoch.set_up(self._member)
+        try:
+            self._epoch.set_up(self._member)
+        except BaseException:  # what the failed set-up opened goes; the serving buffers stay
+            self._epoch.close()
+            raise
         self.group.timeout = self.timeout
         return epoch
 

@@ -9,9 +9,8 @@ Who calls what (a trainer rank; :class:`tritonreshard.RefitTrainer` builds both)
     pub.publish()        # -> version start_version + 1, + 2, ...
 
 One arena per rank holds all its local shards, in the group's buffer order
-(:func:`~tritonreshard.planning.tensor_order`) (same-geometry shards back
-to back, as the readers' buffers are: their copies then differ by a constant address step). Next to
-it a control block: the published version, one ack word per reader, heartbeats, the abort word and
+(:func:`~tritonreshard.planning.tensor_order`: same-geometry shards back to back, as the readers'
+buffers are, so their copies differ by a constant address step). Next to it a control block: the published version, one ack word per reader, heartbeats, the abort word and
 the doorbell that wakes waiters.
 """
 from __future__ import annotations
