@@ -25,7 +25,8 @@ from __future__ import annotations
 from ..planning import HostPlan, RankPlan, Route, host_outbox, plan_rank
 from .crosshost import CrossHost
 from .group import Group
-from .members import Member, group_error, hello, inputs_wanted, side_inputs, validate_members, with_inputs
+from .members import (Member, device_problems, group_error, hello, inputs_wanted, side_inputs, validate_members,
+                      with_inputs)
 
 __all__ = ["Epoch"]
 
@@ -50,19 +51,19 @@ class Epoch:
     def set_up(self, member: Member) -> None:
         """Every set-up step (see the module docstring), in order."""
         group = self.group
-        rp = self.agree(member)
-        for side in self.sides:
+        rp = self.agree(member)                                   # 1-3: hello, inputs, rank plan
+        for side in self.sides:                                   #      (arena, serving buffers)
             side.prepare(group, rp)
-        exported = self._exports()
+        exported = self._exports()                                # 4: exports
         offsets = {(b.owner, n): o for b, e in exported.items() for n, o in e.offsets.items()}
         part = rp.host_part(offsets)
-        self.route = route = self._transfers(rp, part, offsets)
+        self.route = route = self._transfers(rp, part, offsets)  # 5: transfers -> the route
         if route.spans_hosts:
-            exported.update(self._relays(route))
-        for side in self.sides:
+            exported.update(self._relays(route))                 # 6: relays
+        for side in self.sides:                                   #    publisher, subscriber (maps)
             side.open(group, route, exported, own=self._own_buffers())
-        group.exchange("mapped", True)
-        self._done()
+        group.exchange("mapped", True)                            # 7: mapped
+        self._done()                                              # 8: done
 
     def agree(self, member: Member) -> RankPlan:
         """Steps 1-3 (hello, inputs, rank plan): the group agrees on its inputs, or every rank raises
@@ -103,6 +104,9 @@ class Epoch:
                                parts=agreed.parts, quant=agreed.quant)
             except (ValueError, TypeError) as exc:  # the planner's problems, named like the group's
                 raise group_error(group.world_size, [str(exc)]) from None
+            bad = device_problems(list(self._members.values())) if rp.several_hosts else []
+            if bad:
+                raise group_error(group.world_size, bad)
         except (ValueError, NotImplementedError):
             group.outlive_store_readers("hello-read")
             raise

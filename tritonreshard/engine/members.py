@@ -15,7 +15,7 @@ from ..layout import Layout
 from ..planning import BlockQuant
 from . import rendezvous as rdv
 
-__all__ = ["GroupInputs", "Member", "group_error", "hello", "inputs_digest", "inputs_wanted", "side_inputs",
+__all__ = ["GroupInputs", "Member", "device_problems", "group_error", "hello", "inputs_digest", "inputs_wanted", "side_inputs",
            "validate_members", "with_inputs"]
 
 
@@ -115,8 +115,7 @@ def validate_members(members: list[Member], world_size: int) -> GroupInputs:
     come from :func:`~tritonreshard.planning.plan_rank`.
 
     Ranks agree when their digests (:func:`inputs_digest`) and group sizes agree; the destination
-    side's ``dst_parts`` and ``dst_quant`` are compared like its layouts. A group on several hosts
-    must use one kind of device (one NCCL or gloo group carries the cross-host bytes)."""
+    side's ``dst_parts`` and ``dst_quant`` are compared like its layouts."""
     problems = [f"rank {m.rank}: {p}" for m in members for p in m.problems]
     sizes = {m.rank: m.world_size for m in members if m.world_size != world_size}
     if sizes:
@@ -157,15 +156,19 @@ def validate_members(members: list[Member], world_size: int) -> GroupInputs:
                                     f"{missing}, which did not join as {role} ranks")
         layouts[side] = ref_layouts
     hosts = {m.rank: m.host for m in members}
-    if len(set(hosts.values())) > 1:
-        # One point-to-point process group carries the cross-host bytes: gloo or NCCL, not both.
-        kinds = {m.rank: m.device.split(":")[0] for m in members}
-        if len(set(kinds.values())) > 1:
-            problems.append(f"ranks on several hosts must all use cuda or all use cpu (the cross-host "
-                            f"transfers run over one NCCL or gloo group), got devices {kinds}")
     if problems:
         raise group_error(world_size, problems)
     return GroupInputs(layouts["src"], layouts["dst"], parts or {}, quant or {}, hosts)
+
+def device_problems(members: list[Member]) -> list[str]:
+    """A group whose plan spans hosts (``RankPlan.several_hosts``) must use one kind of device: one
+    point-to-point process group carries the cross-host bytes, gloo or NCCL, not both."""
+    kinds = {m.rank: m.device.split(":")[0] for m in members}
+    if len(set(kinds.values())) > 1:
+        return [f"ranks on several hosts must all use cuda or all use cpu (the cross-host transfers run "
+                f"over one NCCL or gloo group), got devices {kinds}"]
+    return []
+
 
 def _quant_digest(quant: dict | None) -> str:
     if quant is None:
