@@ -22,6 +22,7 @@ import os
 import socket
 import threading
 import time
+
 import torch.distributed as dist
 
 if dist.is_available() and not dist.is_initialized():
@@ -34,10 +35,10 @@ if dist.is_available() and not dist.is_initialized():
     import torch.distributed.nn  # noqa: F401
 
 from ..errors import PeerDiedError, RefitError
-from . import rendezvous as rdv
-from .liveness import Liveness
 from ..transport import STATE_ABORT
 from ..transport import wait as _wait
+from . import rendezvous as rdv
+from .liveness import Liveness
 from .members import Member
 
 __all__ = ["Group", "host_identity", "connect", "check_timeout", "HOST_ENV"]
