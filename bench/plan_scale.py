@@ -41,7 +41,8 @@ def measure(config: Path, trainers: int, tp: int, replicas: int, what: str, host
     """One measurement in this process (call it in a fresh one: caches must be cold).
 
     ``hosts_of``: 0 for one host; else ranks ``[k * hosts_of, (k + 1) * hosts_of)`` share host k,
-    and the rank makes its host's part of the host plan from the layouts (``plan_host_part``; every
+    and the rank plans as the engine's set-up does: ``plan_rank`` (its own ops), then its host's part
+    of the host plan from the layouts (``RankPlan.host_part``, through ``plan_host_part``; every
     rank of a host makes the same part, relay or not), then asks it for its own ops, sends, receives
     and readers (``ops``: the ops it runs). ``merged``: the part the way before ``plan_host_part``,
     from the merged per-rank plans of the host's destination ranks (``plan_hosts(..., host=)``).
@@ -73,8 +74,9 @@ def measure(config: Path, trainers: int, tp: int, replicas: int, what: str, host
             mine = [d for d in range(trainers, trainers + replicas * tp) if host[d] == host[rank]]
             plan = trs.planning.merge_plans([spec.plan(rank=d) for d in sorted({rank, *mine})])
             hp = trs.planning.plan_hosts(plan, host, host=host[rank])
-        else:          # its host's part from the layouts (no plan made), and what the rank asks of it
-            hp = trs.planning.plan_host_part(spec.src, spec.dst, spec.parts, spec.quant, host, host[rank])
+        else:          # what the engine's set-up plans (engine.epoch): the rank plan, then its host's part
+            rp = trs.planning.plan_rank(spec.src, spec.dst, host, rank, parts=spec.parts, quant=spec.quant)
+            hp = rp.host_part(None)
         if rank is not None:
             mine_ops = hp.local_ops_for_dst(rank) + hp.fanout_for_dst(rank)
             hp.sends_of(rank), hp.buffer_readers(rank), hp.local_readers_of(rank)

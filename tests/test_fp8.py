@@ -502,7 +502,7 @@ def _engine_worker(rank, world, port, tp, modes, versions, hosts):
                 assert torch.equal(_bits(tensors[name]), _bits(w)), f"rank {rank} {name} v{v}"
             assert torch.equal(tensors["model.norm.weight"], full["model.norm.weight"])
             report["checked"] += 1
-            report["staging"], report["backend"] = ep.buffers.staging_bytes, backend
+            report["staging"], report["backend"] = ep._inference.buffers.staging_bytes, backend
             report["relay_reads"] = sum(r.buffer.kind == "relay" for r in ep.route.reads)
         if rank in plan.src_ranks:
             ep.fence()
@@ -696,12 +696,15 @@ def test_bench_quantize_table_names_a_busy_machine():
 
 def test_group_refuses_disagreeing_quantization():
     """What every rank derives from the members' hellos: inference ranks must agree on ``quant``
-    (one ValueError naming it), before any arena is exchanged."""
+    (one ValueError naming it), before any arena is exchanged; FP8 layouts without ``quant`` are
+    the planner's error (``plan_rank``), which the set-up names like the group's own."""
     from dataclasses import replace
 
-    from tritonreshard.engine.group import Member, inputs_digest, validate_members
+    from tritonreshard.engine import Member, validate_members
+    from tritonreshard.engine.members import inputs_digest
+    from tritonreshard.planning import plan_rank
 
-    def joined(m):  # what Group.join adds to a rank's hello
+    def joined(m):  # what a rank's hello adds
         return replace(m, world_size=5, src_digest=inputs_digest(m.src_layouts),
                        dst_digest=inputs_digest(m.dst_layouts, m.dst_parts))
 
@@ -712,12 +715,17 @@ def test_group_refuses_disagreeing_quantization():
         return joined(Member(rank, 100 + rank, host, "cpu", dst_layouts=dict(spec.dst), dst_parts=dict(spec.parts),
                              dst_quant=quant))
 
-    plan = validate_members(trainers + [inference(3, spec.quant), inference(4, spec.quant)], 5)
-    assert isinstance(plan, QuantizedPlan) and plan.quant == spec.quant
+    def plan(members, rank=3):
+        agreed = validate_members(members, 5)
+        return plan_rank(agreed.src_layouts, agreed.dst_layouts, agreed.hosts, rank, parts=agreed.parts,
+                         quant=agreed.quant).plan
+
+    got = plan(trainers + [inference(3, spec.quant), inference(4, spec.quant)])
+    assert isinstance(got, QuantizedPlan) and got.quant == spec.quant
     with pytest.raises(ValueError, match="every inference rank must pass the same quantization"):
         validate_members(trainers + [inference(3, spec.quant), inference(4, {})], 5)
     with pytest.raises(ValueError, match="float8_e4m3fn destination|cannot be produced"):
-        validate_members(trainers + [inference(3, {}), inference(4, {})], 5)  # FP8 layouts without quant
+        plan(trainers + [inference(3, {}), inference(4, {})])  # FP8 layouts without quant
 
 
 def test_fp8_replicas_hold_what_one_tp_group_holds():

@@ -9,7 +9,7 @@ import time
 
 import torch.distributed as dist
 
-from tritonreshard.engine.group import Member
+from tritonreshard.engine import Member
 from tritonreshard.engine.liveness import Liveness
 
 

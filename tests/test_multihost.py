@@ -279,8 +279,11 @@ def _engine_worker(rank, world, port, sc):
                     assert torch.equal(t, want)
         report["staging"] = ep.stats.staging_bytes
         report["handles"] = ep.stats.handles_opened
-        hp = ep.host_plan
-        report["hp_cross"] = hp.cross_host_bytes if hp is not None else None
+        hp = ep.host_plan   # this rank's view: its host's part and its own sends
+        # What its set-up fetched of the other hosts' transfers: the ones it sends, nothing more.
+        report["fetched"], report["sends"] = ep.stats.setup_transfers, len(ep.route.sends)
+        report["receives"] = len(ep.route.receives)
+        report["known"] = len(hp.transfers) if hp is not None else 0
         # Ranks on another host never map this rank's memory: every arena it opened is on its host.
         report["sources"] = hp.local_sources_of(rank) if hp is not None and infer else ()
     del ep, hp
@@ -306,6 +309,17 @@ def test_engine_seed_example_across_two_hosts():
     assert {r: res[r]["staging"] for r in (2, 3, 4, 5)} == {r: hp.buffer_bytes.get(r, 0) for r in (2, 3, 4, 5)}
     assert all(res[r]["sources"] == () for r in (2, 3, 4, 5))  # nothing read from host a's memory
     assert all(res[r]["leftover"] == [] for r in res), {r: res[r]["leftover"] for r in res}
+    _fetched_only_own_transfers(res, hp)
+
+
+def _fetched_only_own_transfers(res, hp):
+    """Each rank's set-up fetched exactly the transfers it sends (its host's receives it planned
+    itself), so all ranks together fetched each transfer once: never every host's transfers each."""
+    assert all(res[r]["fetched"] == res[r]["sends"] for r in res), {r: (res[r]["fetched"], res[r]["sends"]) for r in res}
+    assert sum(res[r]["fetched"] for r in res) == sum(res[r]["receives"] for r in res) > 0
+    for r in res:  # and it knows its host's transfers and its own sends, not the others'
+        into_host = sum(res[x]["receives"] for x in res if hp.host_of(x) == hp.host_of(r))
+        assert res[r]["known"] == into_host + res[r]["sends"], (r, res[r])
 
 
 def test_engine_columns_to_replicas_four_inference_ranks_on_one_host():
@@ -333,6 +347,7 @@ def test_engine_overlapping_meshes_across_hosts():
     for v in range(3):
         assert sum(res[r]["cross"][v] for r in (2, 3, 4, 5)) == hp.cross_host_bytes > 0
     assert 3 in res[4]["sources"]  # rank 4 reads colocated rank 3's arena on its own host
+    _fetched_only_own_transfers(res, hp)
 
 
 @pytest.mark.parametrize("kill_delay", [0, 4.5])

@@ -183,6 +183,26 @@ def test_bad_arguments_are_rejected_before_joining():
         trs.RefitInference({"w": Layout((4,), 1, [Shard(0)])}, rank=5, world_size=2)
 
 
+TRAINER_METHODS = {"publish", "fence", "published", "source_tensors"}
+INFERENCE_METHODS = {"pull", "start_pull", "pull_done", "pulling", "pull_error", "discard", "swap", "version",
+                     "consistent", "last_pull", "available_version", "rejoin"}
+SHARED = {"tensors", "stats", "close", "members", "epoch", "alive", "dead_peers", "store"}
+
+
+def test_each_role_has_its_side_only_and_a_colocated_rank_both():
+    """Roles are built from sides, not by hiding methods: a trainer cannot pull, an inference
+    rank cannot publish; a colocated RefitEndpoint does both."""
+    def public(cls):
+        return {n for n in dir(cls) if not n.startswith("_")}
+    assert TRAINER_METHODS | SHARED <= public(trs.RefitTrainer)
+    assert not INFERENCE_METHODS & public(trs.RefitTrainer)
+    assert INFERENCE_METHODS | SHARED <= public(trs.RefitInference)
+    assert not TRAINER_METHODS & public(trs.RefitInference)
+    assert TRAINER_METHODS | INFERENCE_METHODS | SHARED <= public(trs.RefitEndpoint)
+    with pytest.raises(ValueError, match="RefitTrainer has no inference side"):
+        trs.RefitTrainer({}, {}, rank=0, world_size=1, dst_layouts={})
+
+
 def test_module_parameters_move_into_the_arena_once_and_train_there():
     # One process, both sides (a colocated rank): the module's parameters become arena views, the
     # optimizer updates them in place, and every pull (cast to bf16) sees exactly that version.

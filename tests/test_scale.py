@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 
 import tritonreshard as trs
 from tritonreshard import Layout, Part, Replicate, Shard
-from tritonreshard.engine.group import Member, inputs_digest, validate_members
-from tritonreshard.planning import plan_hosts, replicas
+from tritonreshard.engine import Member, validate_members
+from tritonreshard.engine.members import inputs_digest
+from tritonreshard.planning import plan_hosts, plan_rank, replicas
 
 from _mp import free_port, run_ranks
 
@@ -211,7 +212,9 @@ def _members(dst_for_rank2=None, world=3, parts2=None):
 
 def test_disagreement_is_one_and_the_same_error_on_every_rank():
     ok = _members()
-    plans = [validate_members(ok, 3, r) for r in range(3)]
+    agreed = validate_members(ok, 3)
+    plans = [plan_rank(agreed.src_layouts, agreed.dst_layouts, agreed.hosts, r, parts=agreed.parts,
+                       quant=agreed.quant).plan for r in range(3)]
     assert [p.rank for p in plans] == [0, 1, 2] and sum(len(p.ops_for_dst(r)) for r, p in enumerate(plans)) == 2
     bad_cases = [
         (_members(dst_for_rank2={"w": Layout((4, 4), [1, 2], [Shard(1)])}),
@@ -224,10 +227,11 @@ def test_disagreement_is_one_and_the_same_error_on_every_rank():
                                   dst_digest=_members()[2].dst_digest)], "rank(s) [2] joined with world_size [4]"),
     ]
     for members, expect in bad_cases:
+        # Every rank checks the same members (in any order they arrived): one and the same error.
         messages = set()
-        for r in range(3):
+        for order in (members, members[::-1]):
             with pytest.raises(ValueError) as e:
-                validate_members(members, 3, r)
+                validate_members(sorted(order, key=lambda m: m.rank), 3)
             messages.add(str(e.value))
         assert len(messages) == 1, messages
         assert expect in messages.pop()
@@ -239,61 +243,36 @@ def test_disagreement_is_one_and_the_same_error_on_every_rank():
                          ids=["trainers-apart", "mixed", "colocated"])
 def test_routes_across_hosts_from_host_parts_are_the_whole_plans_routes(hosts):
     """On several hosts each rank plans only its host (its own plan and its host's destination
-    ranks'), the hosts swap their transfers once, and every rank's route (reads, fences, sends,
-    receives, buffers, messages) is the one the whole plan gives."""
-    import threading
-    from tritonreshard.engine.route import build_route
+    ranks'), each host posts its part's transfers, and every rank's route (reads, fences, sends,
+    receives, buffers, messages), from the summaries and its own sends only, is the one the whole
+    plan gives."""
+    from test_route import assert_route_is, reference_route, routes_of
 
     spec = _llama(2, 2)   # two replicas of TP-2 on ranks 2..5, FP32 trainers 0, 1
     world = 6
-
-    def member(r):
-        s = spec.src if r in TRAINERS else None
-        d, parts = (spec.dst, dict(spec.parts)) if r not in TRAINERS else (None, None)
-        return Member(r, 100 + r, hosts[r], "cpu", s, d, (), parts, world_size=world,
-                      src_digest=inputs_digest(s), dst_digest=inputs_digest(d, parts))
-    members = [member(r) for r in range(world)]
     whole = spec.plan()
     offsets, pos = {}, {}
     for n in sorted(spec.src):   # arenas: each rank's shards back to back, in name order
         for r in spec.src[n].ranks:
             offsets[(r, n)] = pos.get(r, 0)
             pos[r] = pos.get(r, 0) + -(-spec.src[n].local_numel(r) * spec.src[n].itemsize // 256) * 256
-    gathered, barrier = {}, threading.Barrier(world)
-
-    def exchange(r):
-        def gather(obj):
-            gathered[r] = obj
-            barrier.wait(60)
-            return dict(gathered)
-        return gather
-
-    routes, plans = {}, {}
-
-    def rank_main(r):
-        plans[r] = validate_members(members, world, r)
-        routes[r] = build_route(plans[r], hosts, r, offsets, exchange=exchange(r))
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    src, dst = dict(spec.src), dict(spec.dst)
+    routes = routes_of(src, dst, hosts, offsets, parts=dict(spec.parts))
     assert sorted(routes) == list(range(world))
     for r in range(world):
-        want = build_route(whole, hosts, r, offsets)
-        assert routes[r] == want, r
-        assert routes[r].transfers == want.transfers
+        assert_route_is(routes[r], reference_route(whole, hosts, r, offsets))
         # Planned from its host's ranks only: never an op between two ranks off its host.
-        on_host = {x for x in range(world) if hosts[x] == hosts[r]}
-        assert all(op.dst_rank in on_host or r in (op.src_rank, op.dst_rank) for op in plans[r].ops)
+        rp = plan_rank(src, dst, hosts, r, parts=dict(spec.parts))
+        assert all(hosts[r] in (hosts[op.src_rank], hosts[op.dst_rank]) for op in rp.plan.ops)
     assert any(route.sends for route in routes.values())
 
 
 def _join_all(members, world):
-    """Every rank's ``Group.join`` on one store (threads): ``{rank: plan or the ValueError text}``
-    and the store's keys as the ranks left them."""
+    """Every rank's first set-up steps (``Epoch.agree``) on one store (threads): ``{rank: rank
+    plan or the ValueError text}`` and the store's keys as the ranks left them."""
     import threading
     from tritonreshard.engine import rendezvous as rdv
+    from tritonreshard.engine.epoch import Epoch
     from tritonreshard.engine.group import Group
 
     master = rdv.connect_store("127.0.0.1:0", world_size=1, is_master=True, timeout=30)
@@ -301,13 +280,13 @@ def _join_all(members, world):
 
     def run(m):
         store = rdv.connect_store(f"127.0.0.1:{master.port}", world_size=1, is_master=False, timeout=30)
-        g = Group(store, rank=m.rank, world_size=world, timeout=30, name="slim")
+        epoch = Epoch(Group(store, rank=m.rank, world_size=world, timeout=30, name="slim"))
         try:
-            out[m.rank] = g.join(m)
+            out[m.rank] = epoch.agree(m)   # hello, inputs, rank plan
         except ValueError as exc:
             out[m.rank] = str(exc)
         finally:
-            g.close()
+            epoch.close()
     threads = [threading.Thread(target=run, args=(m,)) for m in members]
     for t in threads:
         t.start()

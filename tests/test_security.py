@@ -25,8 +25,9 @@ import torch.distributed as dist
 
 import tritonreshard as trs
 from tritonreshard import Layout, Part, Replicate, Shard
-from tritonreshard.engine.group import Member
-from tritonreshard.engine.route import BufferRef, Exported
+from tritonreshard.engine import Member
+from tritonreshard.engine.sources import Exported
+from tritonreshard.planning import BufferRef
 from tritonreshard.engine import rendezvous as rdv
 from tritonreshard.transport import (ArenaHandle, create_arena, create_control_block, open_arena,
                                      open_control_block)
@@ -118,7 +119,7 @@ def _attack_worker(rank, port, secret_hex):
             ep.publish()
             ep.fence()
             report["texts"] = [repr(ep), str(ep), repr(ep.group), repr(ep.group.secret), str(ep.group.secret),
-                               repr(ep.arena.exported), repr(ep.arena.control), str(ep.route), repr(ep.route), repr(ep.members),
+                               repr(ep._trainer.arena.exported), repr(ep._trainer.arena.control), str(ep.route), repr(ep.route), repr(ep.members),
                                str(ep.plan), repr(ep.plan)]
     else:
         if rank == 2:  # maps the trainer's arena only after the attack: the owner must still serve it
@@ -134,7 +135,7 @@ def _attack_worker(rank, port, secret_hex):
             assert ep.pull() == 1
             report["exact"] = torch.equal(ep.tensors["w"], torch.arange(24.0).reshape(4, 6))
             report["texts"] = [repr(ep), repr(ep.route),
-                               repr(ep.subscriber.sources.controls), repr(ep.last_pull)]
+                               repr(ep._inference.subscriber.sources.controls), repr(ep.last_pull)]
     # A set-up that fails: its message must not carry the secret either.
     try:
         trs.RefitInference({"w": "not a layout"}, rank=0, world_size=1, store=f"127.0.0.1:{free_port()}",

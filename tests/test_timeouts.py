@@ -19,7 +19,7 @@ import tritonreshard as trs
 from tritonreshard import Layout, Replicate
 from tritonreshard.engine import rendezvous as rdv
 from tritonreshard.engine.liveness import HEARTBEAT_S, proc_state
-from tritonreshard.engine.route import Sources
+from tritonreshard.engine.sources import Sources
 
 from _faults import die, fd_targets, our_fds, our_maps
 from _mp import free_port, run_ranks
@@ -175,7 +175,7 @@ def _dead_trainer_worker(rank, port):
     assert ep.pull() == 1 and torch.equal(ep.tensors["w"], value(1))
     report = {}
     if rank in (0, 2):
-        ep.subscriber.sources.hold = True
+        ep._inference.subscriber.sources.hold = True
     try:
         if rank == 1:
             store.set("waiting/1", b"1")

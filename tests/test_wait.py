@@ -17,7 +17,7 @@ import torch
 import tritonreshard as trs
 from tritonreshard import Layout, Replicate, Shard
 from tritonreshard.transport import wait as _wait
-from tritonreshard.engine.route import Sources
+from tritonreshard.engine.sources import Sources
 from tritonreshard.transport import create_control_block, open_control_block
 
 from _mp import free_port, run_ranks

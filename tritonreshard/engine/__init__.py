@@ -1,14 +1,23 @@
 """The refit engine: processes meet in a group, each takes its route, publishes or pulls.
 
 * :mod:`.rendezvous`: the store (``torch.distributed.TCPStore``), the group secret, plain-data exchange;
-* :mod:`.group`: one epoch of a group: who is in it, the agreed plan, liveness, the one wait;
+* :mod:`.members`: who joins an epoch (:class:`Member`) and whether they agree (:func:`validate_members`);
+* :mod:`.group`: one epoch of a group: membership, liveness, the one wait, the exchange primitive;
+* :mod:`.epoch`: the set-up script: every step of an epoch's set-up, in order, once;
+* :mod:`.sides`: a rank's trainer side and inference side;
 * :mod:`.publisher`: a trainer rank's arena, ``publish`` and ``fence``;
+* :mod:`.sender`: a trainer rank's cross-host sends;
 * :mod:`.subscriber`: an inference rank's buffers and pulls;
-* :mod:`.relay`: cross-host sends and receive buffers;
+* :mod:`.relay`: an inference rank's receiving relay (boxes that cross into its host);
+* :mod:`.crosshost`: the point-to-point link and signals a group spanning hosts shares;
+* :mod:`.sources`: where a pull's bytes come from (arenas and relay buffers on this host);
+* :mod:`.liveness`: heartbeats and dead peers; :mod:`.checks`: an endpoint's arguments;
 * :mod:`.fsdp`: FSDP2 models as sources;
-* :mod:`.endpoint`: :class:`RefitEndpoint`, composing the above.
+* :mod:`.endpoint`: :class:`RefitTrainer`, :class:`RefitInference`, :class:`RefitEndpoint`.
 """
 from .endpoint import PullStats, RefitEndpoint, RefitInference, RefitStats, RefitTrainer
+from .members import GroupInputs, Member, validate_members
 from .rendezvous import secret_for_children
 
-__all__ = ["PullStats", "RefitEndpoint", "RefitInference", "RefitStats", "RefitTrainer", "secret_for_children"]
+__all__ = ["GroupInputs", "Member", "PullStats", "RefitEndpoint", "RefitInference", "RefitStats", "RefitTrainer",
+           "secret_for_children", "validate_members"]

@@ -16,16 +16,18 @@ Who calls what::
 
 An endpoint is a composition, data flowing one way:
 
-* :class:`~tritonreshard.engine.group.Group` (one per epoch): rendezvous in the store under
-  ``trs/<group>/e<epoch>/``, validation of the whole group (a bad rank makes *every* rank raise the
-  same ``ValueError`` before any data moves), liveness, and the one wait;
-* :class:`~tritonreshard.engine.route.Route` (one per epoch): what this rank reads, sends, relays and
-  fences, from the plan and the host map; one host is a route with no transfers;
-* a trainer's :class:`~tritonreshard.engine.publisher.SourceArena` (its shards, exported once) and
-  :class:`~tritonreshard.engine.publisher.Publisher` (``publish``, ``fence``);
-* an inference rank's :class:`~tritonreshard.engine.subscriber.ServingBuffers` (outliving epochs)
-  and :class:`~tritonreshard.engine.subscriber.Subscriber` (pulls, over the route's reads);
-* a :class:`~tritonreshard.engine.relay.Relay` when the group spans hosts.
+* :class:`~tritonreshard.engine.epoch.Epoch` (one per epoch): the set-up script over a
+  :class:`~tritonreshard.engine.group.Group` (membership, liveness, the one wait): validation of
+  the whole group (a bad rank makes *every* rank raise the same ``ValueError`` before any data
+  moves), the rank's plan and :class:`~tritonreshard.planning.Route` (what it reads, sends, relays
+  and fences; one host is a route with no transfers);
+* a :class:`~tritonreshard.engine.sides.TrainerSide` (arena, publisher, cross-host sender) and/or an
+  :class:`~tritonreshard.engine.sides.InferenceSide` (serving buffers, sources, subscriber,
+  receiving relay).
+
+:class:`RefitTrainer` has the trainer side's methods, :class:`RefitInference` the inference side's,
+:class:`RefitEndpoint` (colocated ranks) both; all three share the group's (``members``, ``epoch``,
+``alive``, ``dead_peers``, ``store``, ``stats``, ``close``).
 
 Every refit: the trainer bumps its published version. An inference rank waits until all of its
 sources published the same version, runs its descriptor table (one gather-kernel launch per dtype
@@ -51,11 +53,12 @@ from ..recipes import RecipeSpec
 from . import fsdp as _fsdp
 from .checks import (argument_problems, default_rank, local_destinations, local_parts, local_sources,
                      short)
-from .group import Group, Member, check_timeout, connect, host_identity
-from .publisher import Publisher, SourceArena, tensor_order
-from .relay import Relay
-from .route import Sources, build_route
-from .subscriber import PullStats, ServingBuffers, Subscriber
+from .epoch import Epoch
+from .group import Group, check_timeout, connect, host_identity
+from .members import Member
+from .sides import InferenceSide, TrainerSide
+from .sources import Sources
+from .subscriber import PullStats, Subscriber
 
 __all__ = ["RefitEndpoint", "RefitTrainer", "RefitInference", "RefitStats", "PullStats"]
 
@@ -70,7 +73,8 @@ class RefitStats:
     buffers mapped (one per peer, never one per tensor); ``staging_bytes``: the most extra memory
     one pull allocated, as measured, plus the cross-host receive and packing buffers;
     ``cross_host_bytes``: bytes this rank received from other hosts in its last refit (summed over
-    the ranks: the bytes per refit that crossed between hosts).
+    the ranks: the bytes per refit that crossed between hosts); ``setup_transfers``: cross-host
+    transfers this rank fetched at set-up (the ones it sends: never another rank's).
     """
 
     pulls: int = 0
@@ -80,11 +84,13 @@ class RefitStats:
     handles_opened: int = 0
     staging_bytes: int = 0
     cross_host_bytes: int = 0
+    setup_transfers: int = 0
 
 
-class RefitEndpoint:
-    """One process of a refit group: a source side (trainer), a destination side (inference), or
-    both (colocated meshes). Use :class:`RefitTrainer` / :class:`RefitInference` for one role.
+class _Rank:
+    """What every refit rank has, whatever its role: construction and set-up of its group epoch,
+    the group's properties, statistics and lifetime. Roles add their side's methods
+    (:class:`_TrainerMethods`, :class:`_InferenceMethods`).
 
     Args:
         rank: this process's global rank (the ranks used in the layouts' meshes). None: the
@@ -127,9 +133,12 @@ class RefitEndpoint:
             whose process is gone is noticed at once).
         group: namespace of this group's keys in the store.
         sources: destination side: where source bytes come from, a subclass of
-            :class:`~tritonreshard.engine.route.Sources` (the default: the arenas and relay buffers
+            :class:`~tritonreshard.engine.sources.Sources` (the default: the arenas and relay buffers
             of this host, mapped once and read in place).
     """
+
+
+    _ROLES: tuple[str, ...] = ("trainer", "inference")
 
     def __init__(self, *, rank: int | None = None, world_size: int | None = None, store=None,
                  src_tensors=None, src_layouts=None, dst_layouts=None, dst_tensors=None,
@@ -146,10 +155,14 @@ class RefitEndpoint:
         if isinstance(src_tensors, _fsdp.FSDP2Source):  # (also one built with a rank_map)
             fsdp2 = src_tensors
             src_layouts = fsdp2.layouts if src_layouts is None else src_layouts
-        bad = argument_problems(rank, world_size, mode, backend, src_tensors, src_layouts, dst_layouts, parts,
+        roles = type(self)._ROLES
+        bad = [f"a {type(self).__name__} has no {side} side ({what} given): use RefitEndpoint for a colocated rank"
+               for side, what, given in (("trainer", "src_layouts", src_layouts), ("inference", "dst_layouts", dst_layouts))
+               if given is not None and side not in roles]
+        bad += argument_problems(rank, world_size, mode, backend, src_tensors, src_layouts, dst_layouts, parts,
                                  timeout, peer_timeout, epoch, start_version)
         if bad:  # nothing to tell the group: these make joining it impossible
-            raise ValueError("RefitEndpoint: " + "; ".join(bad))
+            raise ValueError(f"{type(self).__name__}: " + "; ".join(bad))
 
         self.rank, self.world_size, self.mode = rank, world_size, mode
         self.timeout, self.peer_timeout, self._group_name = float(timeout), float(peer_timeout), group
@@ -169,7 +182,6 @@ class RefitEndpoint:
         self.device = dst_device if dst_layouts is not None else (
             next(iter(src_map.values())).device if src_map else torch.device("cpu"))
         self.backend = backend if backend != "auto" else ("triton" if self.device.type == "cuda" else "torch")
-        self._sources = sources
         self._member = Member(rank, os.getpid(), host_identity(), str(self.device),
                               dict(src_layouts) if src_layouts is not None else None,
                               dict(dst_layouts) if dst_layouts is not None else None, tuple(problems),
@@ -177,27 +189,16 @@ class RefitEndpoint:
                               dst_quant=dict(quant or {}) if dst_layouts is not None else None)
         self._base_store, self._hosts_store = connect(store, rank=rank, world_size=world_size,
                                                       timeout=self.timeout, host_store=host_store)
-        self.arena: SourceArena | None = None
-        self.buffers: ServingBuffers | None = None
-        self.publisher: Publisher | None = None
-        self.subscriber: Subscriber | None = None
-        self.relay: Relay | None = None
-        self.route = None
-        self.group = self._new_group(epoch, self.timeout)
-        self.plan = self.group.join(self._member)  # every rank raises the same ValueError here
-
-        # Arenas from here on: every handle and resource is released by close().
+        self._trainer = TrainerSide(src_map, params=params, start_version=start_version, fsdp2=fsdp2) \
+            if src_layouts is not None else None
+        self._inference = InferenceSide(rank, dst_map, device=dst_device, mode=mode, backend=self.backend,
+                                        sources=sources) if dst_layouts is not None else None
+        self._epoch = Epoch(self._new_group(epoch, self.timeout), trainer=self._trainer, inference=self._inference,
+                            device=self.device)
+        # From here on every handle and resource is released by close(), also when set-up fails.
         self._released = False
         try:
-            plan = self.plan
-            if rank in plan.src_ranks:
-                self.arena = SourceArena(self.group, plan, src_map, params=params, start_version=start_version,
-                                         fsdp2=fsdp2)
-            dst_here = {n: lay for n, lay in plan.dst_layouts.items() if rank in lay.ranks}
-            if dst_here:
-                self.buffers = ServingBuffers(rank, dst_here, tensor_order(plan, dst_here), tensors=dst_map,
-                                              device=dst_device, mode=mode, fills=plan.fills_for_dst(rank))
-            self._open(self.group, plan)
+            self._epoch.set_up(self._member)  # every rank raises the same ValueError for a bad group
         except BaseException:
             self.close(abort=True)
             raise
@@ -207,37 +208,12 @@ class RefitEndpoint:
                      name=self._group_name, timeout=timeout, peer_timeout=self.peer_timeout,
                      hosts_store=self._hosts_store)
 
-    def _open(self, group: Group, plan) -> None:
-        """Take this epoch's route and build its parts: exchange the arenas, derive the route, open
-        the relay (a group spanning hosts), the publisher and the subscriber, finish set-up."""
-        exported = _merged(group.exchange("exports", (self.arena.exported,) if self.arena else ()))
-        offsets = {(b.owner, n): o for b, e in exported.items() for n, o in e.offsets.items()}
-        several = len(set(group.hosts.values())) > 1   # each rank planned its host only: hosts swap transfers
-        swap = (lambda obj: group.exchange("host-transfers", obj)) if several else None
-        self.route = route = build_route(plan, group.hosts, self.rank, offsets, exchange=swap)
-        if route.spans_hosts:  # every rank takes part: the point-to-point process group is collective
-            self.relay = Relay(group, route, arena=self.arena, device=self.device)
-            exported.update(_merged(group.exchange("relays", self.relay.exported)))
-        if self.arena is not None and self.publisher is None:
-            self.publisher = Publisher(group, route, self.arena, sender=self.relay)
-        if self.buffers is not None:
-            own = [b for b in (self.arena.own() if self.arena else None,
-                               self.relay.own() if self.relay else None) if b is not None]
-            sources = self._sources(group, route, exported, own={b.buffer: b for b in own}, device=self.device)
-            try:
-                self.subscriber = Subscriber(group, route, self.buffers, sources, backend=self.backend,
-                                             quant=getattr(plan, "quant", None))
-            except BaseException:
-                sources.close()
-                raise
-        group.finish_setup()  # everyone mapped what it needs ...
-        if self.arena is not None:
-            self.arena.unlink()  # ... so owners stop handing their buffers out
-        if self.relay is not None:
-            self.relay.unlink()
-            self.relay.start()
+    # ------------------------------------------------------------------ the group
+    @property
+    def group(self) -> Group:
+        """This epoch's :class:`~tritonreshard.engine.group.Group`."""
+        return self._epoch.group
 
-    # ------------------------------------------------------------------ membership and liveness
     @property
     def epoch(self) -> int:
         return self.group.epoch
@@ -253,6 +229,25 @@ class RefitEndpoint:
         """``{rank: Member(rank, pid, host, device, ...)}`` of this epoch."""
         return dict(self.group.members)
 
+    @property
+    def plan(self):
+        """The :class:`~tritonreshard.planning.Plan` this rank planned from this epoch (its own ops;
+        on several hosts also its host's destination ranks')."""
+        rp = self._epoch.rank_plan
+        return rp.plan if rp is not None else None
+
+    @property
+    def route(self):
+        """This rank's :class:`~tritonreshard.planning.Route` this epoch."""
+        return self._epoch.route
+
+    @property
+    def host_plan(self):
+        """This rank's view of the host plan (its host's local ops, fan-out and receives, and the
+        transfers it sends; never the other hosts' transfers), None when the group is on one host."""
+        route = self.route
+        return route.host_plan if route is not None and route.spans_hosts else None
+
     def dead_peers(self) -> list[int]:
         """Ranks of this epoch known dead now, without waiting (see ``Group.dead_peers``)."""
         self._check_open("dead_peers")
@@ -265,122 +260,147 @@ class RefitEndpoint:
         """True while this epoch has no dead peer (a cheap check: no waiting, no side effects)."""
         return not self.dead_peers()
 
-    def rejoin(self, epoch: int | None = None, timeout: float | None = None) -> int:
-        """Inference side, after its trainers died: join the group's next epoch (default
-        ``self.epoch + 1``) formed by the restarted trainers, without restarting this process.
-
-        The serving weights and ``version`` stay as they are until a later pull; any pull in
-        flight is discarded. Blocks until every rank of the new epoch met (``timeout``: the
-        endpoint's). Returns the new epoch. On failure (e.g. a timeout) this rank reads from no
-        epoch, keeps serving, and may call ``rejoin`` again. A trainer restarts as a new process
-        with ``epoch=`` instead.
-        """
-        self._check_open("rejoin")
-        if self.arena is not None or self.buffers is None:
-            raise ValueError(f"rejoin: only an inference-only endpoint rejoins (rank {self.rank} has "
-                             f"{'a trainer side' if self.arena is not None else 'no inference side'}); "
-                             f"a trainer restarts as a new process with epoch=")
-        epoch = self.group.epoch + 1 if epoch is None else epoch
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch <= self.group.epoch:
-            raise ValueError(f"rejoin: epoch must be an int > the current epoch {self.group.epoch}, "
-                             f"got epoch={epoch!r}")
-        timeout = check_timeout("rejoin", timeout, self.timeout)
-        self._close_epoch()
-        self.group = group = self._new_group(epoch, timeout)
-        self.plan = group.join(self._member)
-        self._open(group, self.plan)
-        group.timeout = self.timeout
-        return epoch
-
-    # ------------------------------------------------------------------ trainer side
-    @property
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """Source side: the arena-backed local shards (train on these). Destination side: the serving
-        weights (in shadow mode a new dict after each ``swap``; re-read it)."""
-        self._check_open("tensors")
-        if self.buffers is not None:
-            return self.buffers.tensors
-        return self.source_tensors
-
-    @property
-    def source_tensors(self) -> dict[str, torch.Tensor]:
-        """Source side: the arena-backed local shards (also on a colocated rank, whose ``tensors``
-        are the serving weights)."""
-        return dict(self.arena.tensors) if self.arena is not None else {}
-
-    @property
-    def published(self) -> int:
-        """Source side: the last version published (``start_version`` before the first)."""
-        return self.publisher.published if self.publisher is not None else 0
-
-    def _pub(self, what) -> Publisher:
-        self._check_open(what)
-        if self.publisher is None:
-            raise ValueError(f"{what}: rank {self.rank} has no source side (src_layouts was not given)")
-        return self.publisher
-
-    def publish(self) -> int:
-        """Source side, after ``optimizer.step()``: publish the arena's contents as a new version.
-        Returns the version. Call ``fence()`` before changing the weights again."""
-        return self._pub("publish").publish()
-
-    def fence(self, timeout: float | None = None) -> None:
-        """Source side, before the next ``optimizer.step()``: wait until every rank that reads this
-        rank's arena acked the last published version (see ``Publisher.fence``)."""
-        self._pub("fence").fence(timeout)
-
-    # ------------------------------------------------------------------ inference side
-    def _sub(self, what) -> Subscriber:
-        self._check_open(what)
-        if self.buffers is None:
-            raise ValueError(f"{what}: rank {self.rank} has no destination side (dst_layouts was not given "
-                             f"or places nothing on this rank)")
-        if self.subscriber is None:
-            raise RefitError(f"{what}: rank {self.rank} reads from no group epoch now (its last epoch "
-                             f"ended; call rejoin())")
-        return self.subscriber
-
-    @property
-    def version(self) -> int:
-        """Destination side: the version being served (0: none yet)."""
-        return self.buffers.version if self.buffers is not None else 0
-
-    @property
-    def consistent(self) -> bool:
-        """Destination side, in-place mode: False after a pull that failed part-way (torn)."""
-        return self.buffers.consistent if self.buffers is not None else True
-
-    @property
-    def last_pull(self) -> PullStats | None:
-        """Destination side: the last successful pull, measured (wait, copy, total ms, staging)."""
-        return self.buffers.last_pull if self.buffers is not None else None
-
-    @property
-    def host_plan(self):
-        """The group's :class:`~tritonreshard.planning.HostPlan` (None when it is on one host)."""
-        return self.route.host_plan if self.route is not None and self.route.spans_hosts else None
-
     @property
     def stats(self) -> RefitStats:
         """What this endpoint measured and holds now (see :class:`RefitStats`)."""
-        sub, bufs, relay = self.subscriber, self.buffers, self.relay
+        inf = self._inference
+        sub = inf.subscriber if inf is not None else None
+        bufs = inf.buffers if inf is not None else None
+        relay = inf.relay if inf is not None else None
         return RefitStats(
             pulls=bufs.pulls if bufs is not None else 0,
             bytes_per_refit=sub.bytes_per_refit if sub is not None else 0,
             num_descriptors=sub.num_descriptors if sub is not None else 0,
             num_copies=sub.num_copies if sub is not None else 0,
             handles_opened=sub.sources.handles_opened if sub is not None and sub.sources is not None else 0,
-            staging_bytes=(bufs.staging_bytes if bufs is not None else 0)
-            + (relay.staging_bytes if relay is not None else 0),
-            cross_host_bytes=relay.bytes_received if relay is not None else 0)
+            staging_bytes=sum(side.staging_bytes for side in (self._trainer, inf) if side is not None),
+            cross_host_bytes=relay.bytes_received if relay is not None else 0,
+            setup_transfers=self._epoch.fetched_transfers)
+
+    # ------------------------------------------------------------------ lifetime
+    def _check_open(self, what):
+        if self._released:
+            raise RuntimeError(f"{what}: this endpoint (rank {self.rank}) is closed")
+
+    def close(self, abort: bool = False) -> None:
+        """Release everything (arenas, mappings, control blocks, threads). Idempotent; safe after an
+        exception or a peer's death. ``abort=True`` also sets the abort word in every control block
+        this rank shares, so peers stop waiting for it at once (their epoch is over)."""
+        if getattr(self, "_released", True):
+            return
+        self._released = True
+        sides = [s for s in (self._inference, self._trainer) if s is not None]
+        if abort:
+            for side in sides:
+                side.abort()
+        self._epoch.close()
+        for side in sides:
+            side.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.close(abort=exc_type is not None)
+        return False
+
+    def __del__(self):
+        if not getattr(self, "_released", True):
+            self.close()
+
+    def __repr__(self):
+        roles = [r for r, side in (("trainer", getattr(self, "_trainer", None)),
+                                   ("inference", getattr(self, "_inference", None))) if side is not None]
+        state = [f"{k}={getattr(self, k)}" for k in ("published", "version") if hasattr(type(self), k)]
+        return (f"<{type(self).__name__} rank {self.rank}/{self.world_size} epoch {self.group.epoch} "
+                f"{'+'.join(roles) or '-'} {' '.join(state)} mode={self.mode} backend={self.backend}>")
+
+
+class _TrainerMethods:
+    """The trainer side's methods (a rank with ``src_layouts``)."""
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The arena-backed local shards (train on these)."""
+        self._check_open("tensors")
+        return self.source_tensors
+
+    @property
+    def source_tensors(self) -> dict[str, torch.Tensor]:
+        """The arena-backed local shards (also on a colocated rank, whose ``tensors`` are the
+        serving weights)."""
+        arena = self._trainer.arena if self._trainer is not None else None
+        return dict(arena.tensors) if arena is not None else {}
+
+    @property
+    def published(self) -> int:
+        """The last version published (``start_version`` before the first)."""
+        pub = self._trainer.publisher if self._trainer is not None else None
+        return pub.published if pub is not None else 0
+
+    def _pub(self, what):
+        self._check_open(what)
+        pub = self._trainer.publisher if self._trainer is not None else None
+        if pub is None:
+            raise ValueError(f"{what}: rank {self.rank} has no source side (src_layouts was not given)")
+        return pub
+
+    def publish(self) -> int:
+        """After ``optimizer.step()``: publish the arena's contents as a new version. Returns the
+        version. Call ``fence()`` before changing the weights again."""
+        return self._pub("publish").publish()
+
+    def fence(self, timeout: float | None = None) -> None:
+        """Before the next ``optimizer.step()``: wait until every rank that reads this rank's arena
+        acked the last published version (see ``Publisher.fence``)."""
+        self._pub("fence").fence(timeout)
+
+
+class _InferenceMethods:
+    """The inference side's methods (a rank with ``dst_layouts``)."""
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The serving weights (in shadow mode a new dict after each ``swap``; re-read it)."""
+        self._check_open("tensors")
+        return self._buffers.tensors if self._buffers is not None else {}
+
+    @property
+    def _buffers(self):
+        return self._inference.buffers if self._inference is not None else None
+
+    def _sub(self, what) -> Subscriber:
+        self._check_open(what)
+        if self._buffers is None:
+            raise ValueError(f"{what}: rank {self.rank} has no destination side (dst_layouts was not given "
+                             f"or places nothing on this rank)")
+        if self._inference.subscriber is None:
+            raise RefitError(f"{what}: rank {self.rank} reads from no group epoch now (its last epoch "
+                             f"ended; call rejoin())")
+        return self._inference.subscriber
+
+    @property
+    def version(self) -> int:
+        """The version being served (0: none yet)."""
+        return self._buffers.version if self._buffers is not None else 0
+
+    @property
+    def consistent(self) -> bool:
+        """In-place mode: False after a pull that failed part-way (torn)."""
+        return self._buffers.consistent if self._buffers is not None else True
+
+    @property
+    def last_pull(self) -> PullStats | None:
+        """The last successful pull, measured (wait, copy, total ms, staging)."""
+        return self._buffers.last_pull if self._buffers is not None else None
 
     def available_version(self) -> int:
-        """Destination side: the newest version every source of this rank has published."""
+        """The newest version every source of this rank has published."""
         return self._sub("available_version").available_version()
 
     def pull(self, version: int | None = None, timeout: float | None = None) -> int:
-        """Destination side: wait for and install the next version (default: the newest available,
-        at least one newer than the serving version). Returns the version now served.
+        """Wait for and install the next version (default: the newest available, at least one newer
+        than the serving version). Returns the version now served.
 
         Shadow mode pulls into the spare buffer set and swaps; in-place mode writes the serving
         tensors (pause generation meanwhile). A failure fails this pull only (the group stays
@@ -397,12 +417,14 @@ class RefitEndpoint:
 
     def pull_done(self) -> bool:
         """Shadow mode: True when the background pull finished (successfully or not)."""
-        return self.subscriber is not None and self.subscriber.pull_done()
+        sub = self._inference.subscriber if self._inference is not None else None
+        return sub is not None and sub.pull_done()
 
     @property
     def pulling(self) -> bool:
         """Shadow mode: a background pull is in flight (or finished and not yet swapped)."""
-        return self.subscriber is not None and self.subscriber.pulling
+        sub = self._inference.subscriber if self._inference is not None else None
+        return sub is not None and sub.pulling
 
     def pull_error(self) -> BaseException | None:
         """Shadow mode, once ``pull_done()``: the background pull's error, or None if it succeeded.
@@ -412,8 +434,9 @@ class RefitEndpoint:
     def discard(self) -> None:
         """Shadow mode: abandon the pull in flight or drop a finished one without installing it
         (the serving weights and ``version`` stay); fails that pull only."""
-        if self.subscriber is not None:
-            self.subscriber.discard(self.timeout)
+        sub = self._inference.subscriber if self._inference is not None else None
+        if sub is not None:
+            sub.discard(self.timeout)
 
     def swap(self, timeout: float | None = None) -> int:
         """Shadow mode: wait for the background pull and install it as the serving weights (one
@@ -421,61 +444,35 @@ class RefitEndpoint:
         sub = self._sub("swap")
         return sub.swap(self.timeout * 2 if timeout is None else timeout)
 
-    # ------------------------------------------------------------------ lifetime
-    def _check_open(self, what):
-        if self._released:
-            raise RuntimeError(f"{what}: this endpoint (rank {self.rank}) is closed")
+    def rejoin(self, epoch: int | None = None, timeout: float | None = None) -> int:
+        """After its trainers died: join the group's next epoch (default ``self.epoch + 1``) formed
+        by the restarted trainers, without restarting this process.
 
-    def _close_epoch(self) -> None:
-        """Release what belongs to the current epoch (subscriber, relay, group); buffers and the
-        trainer's arena stay."""
-        self.group.close()  # stops heartbeats and ends every wait of this rank
-        if self.subscriber is not None:
-            self.subscriber.close()
-            self.subscriber = None
-        if self.relay is not None:
-            self.relay.close()
-            self.relay = None
-
-    def close(self, abort: bool = False) -> None:
-        """Release everything (arenas, mappings, control blocks, threads). Idempotent; safe after an
-        exception or a peer's death. ``abort=True`` also sets the abort word in every control block
-        this rank shares, so peers stop waiting for it at once (their epoch is over)."""
-        if getattr(self, "_released", True):
-            return
-        self._released = True
-        if abort:
-            for part in (self.subscriber, self.arena, self.relay):
-                if part is not None:
-                    part.abort()
-        self._close_epoch()
-        self.publisher = None
-        if self.arena is not None:
-            self.arena.close()
-        if self.buffers is not None:
-            self.buffers.release()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        self.close(abort=exc_type is not None)
-        return False
-
-    def __del__(self):
-        if not getattr(self, "_released", True):
-            self.close()
-
-    def __repr__(self):
-        roles = [r for r, on in (("trainer", self.arena is not None), ("inference", self.buffers is not None)) if on]
-        return (f"<{type(self).__name__} rank {self.rank}/{self.world_size} epoch {self.group.epoch} "
-                f"{'+'.join(roles) or '-'} published={self.published} version={self.version} "
-                f"mode={self.mode} backend={self.backend}>")
-
-
-def _merged(exchanged: dict) -> dict:
-    """``{BufferRef: Exported}`` from an exchange of each rank's tuple of exported buffers."""
-    return {e.buffer: e for es in exchanged.values() for e in es}
+        The serving weights and ``version`` stay as they are until a later pull; any pull in
+        flight is discarded. Blocks until every rank of the new epoch met (``timeout``: the
+        endpoint's). Returns the new epoch. On failure (e.g. a timeout) this rank reads from no
+        epoch, keeps serving, and may call ``rejoin`` again. A trainer restarts as a new process
+        with ``epoch=`` instead.
+        """
+        self._check_open("rejoin")
+        if self._trainer is not None or self._buffers is None:
+            raise ValueError(f"rejoin: only an inference-only endpoint rejoins (rank {self.rank} has "
+                             f"{'a trainer side' if self._trainer is not None else 'no inference side'}); "
+                             f"a trainer restarts as a new process with epoch=")
+        epoch = self.group.epoch + 1 if epoch is None else epoch
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch <= self.group.epoch:
+            raise ValueError(f"rejoin: epoch must be an int > the current epoch {self.group.epoch}, "
+                             f"got epoch={epoch!r}")
+        timeout = check_timeout("rejoin", timeout, self.timeout)
+        self._epoch.close()
+        self._epoch = Epoch(self._new_group(epoch, timeout), inference=self._inference, device=self.device)
+        try:
+            self._epoch.set_up(self._member)
+        except BaseException:  # what the failed set-up opened goes; the serving buffers stay
+            self._epoch.close()
+            raise
+        self.group.timeout = self.timeout
+        return epoch
 
 
 def _recipe_spec(spec, what: str):
@@ -485,12 +482,28 @@ def _recipe_spec(spec, what: str):
     return spec
 
 
-class RefitTrainer(RefitEndpoint):
-    """Trainer (source) side of a refit group; see :class:`RefitEndpoint` for the arguments.
+class RefitEndpoint(_InferenceMethods, _TrainerMethods, _Rank):
+    """One process of a refit group with a source side (trainer), a destination side (inference),
+    or both (colocated meshes): every method of :class:`RefitTrainer` and :class:`RefitInference`.
+    Use those for one role. Arguments: see :class:`_Rank`."""
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Destination side: the serving weights (in shadow mode a new dict after each ``swap``;
+        re-read it). A trainer-only endpoint: the arena-backed local shards."""
+        self._check_open("tensors")
+        return self._buffers.tensors if self._buffers is not None else self.source_tensors
+
+
+class RefitTrainer(_TrainerMethods, _Rank):
+    """Trainer (source) side of a refit group: ``publish``, ``fence``, ``published``, ``tensors``;
+    see :class:`RefitEndpoint` for the other arguments.
 
     ``tensors``: this rank's local shards ``{name: tensor}`` or an ``nn.Module``; ``layouts``: the
     trainer group's global layouts (same on every trainer rank).
     """
+
+    _ROLES = ("trainer",)
 
     def __init__(self, tensors, layouts, *, rank: int | None = None, world_size: int | None = None,
                  store=None, **kwargs):
@@ -505,14 +518,17 @@ class RefitTrainer(RefitEndpoint):
         return cls(tensors, _recipe_spec(spec, "RefitTrainer.from_recipe").src, **kwargs)
 
 
-class RefitInference(RefitEndpoint):
-    """Inference (destination) side of a refit group; see :class:`RefitEndpoint` for the arguments.
+class RefitInference(_InferenceMethods, _Rank):
+    """Inference (destination) side of a refit group: ``pull`` (or ``start_pull`` ... ``swap``),
+    ``version``, ``tensors``, ``rejoin``, ...; see :class:`RefitEndpoint` for the other arguments.
 
     ``layouts``: the inference group's global layouts (same on every inference rank); ``tensors``:
     optional tensors to write (e.g. the engine's parameters); ``parts``: optional
     ``{name: [trs.Part, ...]}`` building destinations from other sources or zero padding (recipes:
     :meth:`from_recipe`).
     """
+
+    _ROLES = ("inference",)
 
     def __init__(self, layouts, *, rank: int | None = None, world_size: int | None = None, store=None,
                  mode: str = "shadow", tensors=None, **kwargs):

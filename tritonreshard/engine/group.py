@@ -1,10 +1,10 @@
-"""Group / membership layer of the refit engine: rendezvous, validation, liveness, the one wait.
+"""Group / membership layer of the refit engine: who is in an epoch, liveness, the one wait.
 
 Who calls what: every process of a refit group (trainers, inference ranks, colocated ranks) builds
-one :class:`Group` per *epoch* and calls, in this order, ``join`` (roles and layouts -> the plan,
-validated identically on every rank), ``exchange("exports", ...)`` (arena handles), and
-``finish_setup`` (everyone mapped what it needs; heartbeats start). The publisher, subscriber and
-relay register the control blocks and peers they share with the epoch's
+one :class:`Group` per *epoch*; the set-up script (:mod:`~tritonreshard.engine.epoch`) exchanges
+through it (:meth:`Group.exchange`, :meth:`Group.post` / :meth:`Group.fetch`), hands it the members
+(:meth:`Group.admit`) and starts its heartbeats. The publisher, subscriber, sender and relay
+register the control blocks and peers they share with the epoch's
 :class:`~tritonreshard.engine.liveness.Liveness` and wait only through :meth:`Group.wait`.
 
 Epochs: every key lives under ``trs/<name>/e<epoch>/`` in the store, so a new group (restarted
@@ -13,39 +13,29 @@ peer ends the epoch: every later wait of this group raises :class:`PeerDiedError
 survivors form the next epoch (``RefitInference.rejoin``).
 
 Host identity: a rank's host is ``$TRITONRESHARD_HOST`` if set, else the machine's hostname. Ranks
-with different identities never share memory: their bytes cross through the relay (see
-:mod:`~tritonreshard.engine.route`).
+with different identities never share memory: their bytes cross through the relays (see
+:mod:`~tritonreshard.planning.rank`).
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import socket
 import threading
 import time
-from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 
-if dist.is_available() and not dist.is_initialized():
-    # torch.distributed.nn's functions take ``group.WORLD`` as a default argument, evaluated when
-    # the module is first imported. Imported after init_process_group (torch.optim's first step
-    # and torch._dynamo import it), they keep the job's process group, and its gloo threads, alive
-    # past destroy_process_group; those threads then release tensors during interpreter shutdown
-    # and abort the process ("terminate called without an active exception"). Imported now, the
-    # defaults are None. Not imported when a group already exists: that would pin it.
-    import torch.distributed.nn  # noqa: F401
-
+from .. import _compat
 from ..errors import PeerDiedError, RefitError
+from ..transport import STATE_ABORT
+from ..transport import wait as _wait
 from . import rendezvous as rdv
 from .liveness import Liveness
-from ..transport import wait as _wait
-from ..layout import Layout
-from ..planning import BlockQuant, Plan, QuantizedPlan, merge_plans, plan_quantized
-from ..transport import STATE_ABORT
+from .members import Member
 
-__all__ = ["Group", "Member", "host_identity", "connect", "inputs_digest",
-           "HOST_ENV"]
+__all__ = ["Group", "host_identity", "connect", "check_timeout", "HOST_ENV"]
+
+_compat.disarm_process_group_pin()  # before the job may call init_process_group (see there)
 
 HOST_ENV = "TRITONRESHARD_HOST"
 
@@ -53,38 +43,6 @@ HOST_ENV = "TRITONRESHARD_HOST"
 def host_identity() -> str:
     """This process's host identity: ``$TRITONRESHARD_HOST`` (simulated hosts), else the hostname."""
     return os.environ.get(HOST_ENV) or socket.gethostname()
-
-
-@dataclass(frozen=True)
-class Member:
-    """What a rank tells the group when it joins an epoch (no handles yet)."""
-
-    rank: int
-    pid: int
-    host: str
-    device: str
-    src_layouts: dict | None = None
-    dst_layouts: dict | None = None
-    problems: tuple[str, ...] = ()
-    #: Destination side: ``{dst name: (Part, ...)}`` (``plan_reshard``'s ``parts=``); ``{}`` for none.
-    dst_parts: dict | None = None
-    #: Destination side: ``{weight name: BlockQuant}`` of block-FP8 weights (``plan_quantized``'s ``quant=``).
-    dst_quant: dict | None = None
-    #: Filled in by :meth:`Group.join`: the group size this rank was given and the digests of the
-    #: planning inputs it brings (:func:`inputs_digest`; "" for a side it does not hold).
-    world_size: int = 0
-    src_digest: str = ""
-    dst_digest: str = ""
-    #: Digest of ``dst_quant`` (compared on its own: a quantization mismatch is named as such).
-    quant_digest: str = ""
-
-    def __repr__(self):
-        roles = [r for r, on in (("trainer", self.src_layouts is not None),
-                                 ("inference", self.dst_layouts is not None)) if on]
-        return f"Member(rank={self.rank}, pid={self.pid}, host={self.host!r}, {'+'.join(roles)}, {self.device})"
-
-
-rdv.register_plain(Member, BlockQuant)  # they travel through the store in each rank's hello
 
 
 def connect(store, *, rank: int, world_size: int, timeout: float, host_store: bool | None):
@@ -108,175 +66,6 @@ def connect(store, *, rank: int, world_size: int, timeout: float, host_store: bo
     hosts = rank == 0 if host_store is None else bool(host_store)
     return rdv.connect_store(store, world_size=world_size, is_master=hosts, timeout=timeout), hosts
 
-
-def inputs_digest(layouts: dict | None, parts: dict | None = None) -> str:
-    """A digest of one side's planning inputs (layouts, and parts on the destination side): equal
-    digests mean equal inputs, so ranks that each plan only their own part of the group's plan
-    (``plan_reshard(..., rank=)``) provably plan from the same inputs. "" for a side not held.
-    ``repr`` of a Layout / Part is exact (shape, mesh, placements, dtype)."""
-    if layouts is None:
-        return ""
-    h = hashlib.sha256()
-    for name in sorted(layouts):
-        h.update(f"{name!r}={layouts[name]!r};".encode())
-    for name in sorted(parts or {}):
-        p = parts[name]
-        h.update(f"parts {name!r}={tuple(p) if isinstance(p, list) else p!r};".encode())
-    return h.hexdigest()
-
-
-def _desc(layout) -> str:
-    return "missing" if layout is None else str(layout) + f" {tuple(layout.shape)} {layout.dtype}"
-
-
-def _parts_desc(parts) -> str:
-    return "missing" if parts is None else "[" + ", ".join(map(str, parts)) + "]"
-
-
-def _disagreements(holders: list[Member], get, label: str, describe, rule: str) -> list[str]:
-    """One problem per (rank, name) where ``get(rank's member)`` differs from the first holder's."""
-    ref, ref_map = holders[0], get(holders[0]) or {}
-    out = []
-    for m in holders[1:]:
-        other = get(m) or {}
-        for name in sorted(set(ref_map) | set(other)):
-            a, b = ref_map.get(name), other.get(name)
-            if a != b:
-                out.append(f"rank {m.rank} joined with {label}[{name!r}]={describe(b)} but rank "
-                           f"{ref.rank} has {describe(a)}: {rule}")
-    return out
-
-
-def validate_members(members: list[Member], world_size: int, rank: int | None = None) -> Plan:
-    """The group's plan from every rank's :class:`Member`; raises one ``ValueError`` listing every
-    problem (each rank computes the same, so every rank raises the same).
-
-    The destination side's ``dst_parts`` (recipes: q/k/v -> qkv, padded vocab, ...) go into
-    ``plan_reshard`` with the layouts, so every rank derives the same plan; inference ranks that
-    disagree on them are rejected like ranks that disagree on layouts.
-
-    Ranks agree when their digests (:func:`inputs_digest`) and group sizes agree; only then is
-    the plan made. With ``rank``, it is ``rank``'s plan only (``plan_reshard(..., rank=)``: the ops
-    it reads and serves) on one host; on several hosts, that merged with the per-rank plans of the
-    destination ranks on ``rank``'s host (:func:`~tritonreshard.planning.merge_plans`): every op
-    into its host, what its host's part of the host plan needs, and never another host's ops."""
-    problems = [f"rank {m.rank}: {p}" for m in members for p in m.problems]
-    sizes = {m.rank: m.world_size for m in members if m.world_size != world_size}
-    if sizes:
-        problems.append(f"rank(s) {sorted(sizes)} joined with world_size {sorted(set(sizes.values()))} but "
-                        f"this group has {world_size} ranks: every rank must pass the same world_size")
-    layouts = {}
-    parts = quant = None
-    for side in ("src", "dst"):
-        holders = [m for m in members if getattr(m, f"{side}_layouts") is not None]
-        role = "trainer" if side == "src" else "inference"
-        if not holders:
-            problems.append(f"no rank joined with {side}_layouts (no {role} side)")
-            continue
-        ref_layouts = getattr(holders[0], f"{side}_layouts")
-        if side == "dst":
-            parts = holders[0].dst_parts or {}
-        ref_digest = getattr(holders[0], f"{side}_digest")
-        odd = [m for m in holders if getattr(m, f"{side}_digest") != ref_digest]
-        if odd:  # say what differs, naming the layouts or parts (the digests alone say that something does)
-            found = _disagreements([holders[0], *odd], lambda m: getattr(m, f"{side}_layouts"), f"{side}_layouts",
-                                   _desc, f"every {role} rank must pass the same layouts")
-            if side == "dst":
-                found += _disagreements([holders[0], *odd], lambda m: m.dst_parts, "parts", _parts_desc,
-                                        "every inference rank must pass the same parts")
-            problems += found or [f"rank(s) {[m.rank for m in odd]} joined with {side} inputs of another digest "
-                                  f"than rank {holders[0].rank}'s ({ref_digest[:12]}): every {role} rank must "
-                                  f"pass the same layouts and parts"]
-        if side == "dst":
-            problems += _disagreements(holders, lambda m: m.dst_quant, "quant", repr,
-                                       "every inference rank must pass the same quantization")
-            quant = holders[0].dst_quant or {}
-        ranks = {m.rank for m in holders}
-        for name, lay in ref_layouts.items():
-            if isinstance(lay, Layout):
-                missing = sorted(set(lay.ranks) - ranks)
-                if missing:
-                    problems.append(f"{side}_layouts[{name!r}]={lay} places shards on rank(s) "
-                                    f"{missing}, which did not join as {role} ranks")
-        layouts[side] = ref_layouts
-    plan = None
-    host = {m.rank: m.host for m in members}
-    one_host = len(set(host.values())) == 1
-    if not problems:
-        try:
-            plan = plan_quantized(layouts["src"], layouts["dst"], parts or None, quant or None, rank=rank)
-            if rank is not None and not one_host:
-                plan = _host_inputs(plan, layouts, parts, quant, host, rank)
-        except (ValueError, TypeError) as exc:
-            problems.append(str(exc))
-    if problems:
-        raise ValueError(f"refit group {world_size} ranks: {len(problems)} problem(s), "
-                         f"nothing was moved:\n  - " + "\n  - ".join(problems))
-    if not one_host:
-        # One point-to-point process group carries the cross-host bytes: gloo or NCCL, not both. A
-        # rank plans only its host's part, so the rule is the group's, not its own plan's (every
-        # rank sees the same members, so every rank raises).
-        kinds = {m.rank: m.device.split(":")[0] for m in members}
-        if len(set(kinds.values())) > 1:
-            raise ValueError(f"refit group {world_size} ranks: ranks on several hosts must all use cuda or all "
-                             f"use cpu (the cross-host transfers run over one NCCL or gloo group), got "
-                             f"devices {kinds}; nothing was moved")
-    return plan
-
-
-def _host_inputs(own: Plan, layouts: dict, parts, quant, host: dict, rank: int) -> Plan:
-    """What rank ``rank`` of a group on several hosts plans from: its own plan merged with the
-    per-rank plans of the destination ranks on its host (every op into its host: the input of its
-    host's part of the host plan, ``plan_hosts(..., host=)``), never the other hosts' ops. The
-    cross-host transfers of the other hosts come from their ranks (:func:`~.route.build_route`)."""
-    dst_ranks = sorted({r for lay in layouts["dst"].values() for r in lay.ranks})
-    plans = [own] + [plan_quantized(layouts["src"], layouts["dst"], parts or None, quant or None, rank=d)
-                     for d in dst_ranks if d != rank and host.get(d) == host[rank]]
-    merged = merge_plans(plans)
-    return QuantizedPlan(merged, own.dst_layouts, own.quant) if isinstance(own, QuantizedPlan) else merged
-
-
-def _quant_digest(quant: dict | None) -> str:
-    if quant is None:
-        return ""
-    return hashlib.sha256("".join(f"{n!r}={quant[n]!r};" for n in sorted(quant)).encode()).hexdigest()
-
-
-def _side_inputs(member: Member, side: str) -> tuple:
-    if side == "src":
-        return (member.src_layouts,)
-    return (member.dst_layouts, member.dst_parts, member.dst_quant)
-
-
-def _inputs_wanted(hellos: list[Member]) -> list[tuple[str, int]]:
-    """``(side, rank)`` whose full planning inputs the group fetches: each side's first rank, and
-    any rank whose digests differ from it (every rank derives the same list from the hellos)."""
-    out = []
-    for side in ("src", "dst"):
-        holders = [m for m in hellos if getattr(m, f"{side}_layouts") is not None]
-        if not holders:
-            continue
-        key = (lambda m: (m.src_digest,)) if side == "src" else (lambda m: (m.dst_digest, m.quant_digest))
-        out += [(side, m.rank) for m in holders if m is holders[0] or key(m) != key(holders[0])]
-    return out
-
-
-def _with_inputs(hellos: list[Member], inputs: dict) -> list[Member]:
-    """The hellos with their planning inputs: fetched ones as sent, the others the side's first
-    rank's (their digests are equal to it)."""
-    out = []
-    for m in hellos:
-        for side in ("src", "dst"):
-            if getattr(m, f"{side}_layouts") is None:
-                continue
-            first = next(r for s, r in inputs if s == side)
-            got = inputs.get((side, m.rank), inputs[(side, first)])
-            if side == "src":
-                m = replace(m, src_layouts=got[0])
-            else:
-                m = replace(m, dst_layouts=got[0], dst_parts=got[1], dst_quant=got[2])
-        out.append(m)
-    return out
 
 
 class Group:
@@ -308,58 +97,35 @@ class Group:
         self._closed = threading.Event()
         self._lock = threading.Lock()
 
-    # ------------------------------------------------------------------ set-up
-    def join(self, member: Member) -> Plan:
-        """Phase 1: gather every rank's :class:`Member`, validate, return this rank's plan (see
-        :func:`validate_members`; every rank raises the same ValueError).
+    # ------------------------------------------------------------------ exchange
+    def exchange(self, key: str, obj) -> dict:
+        """Every rank contributes ``obj``; returns ``{rank: obj}`` (collective)."""
+        return {r: o for r, o in enumerate(rdv.all_gather_obj(self.store, key, self.rank, self.world_size,
+                                                                obj, timeout=self.timeout))}
 
-        The hello is slim: every rank sends its digests, group size, host and device, not its
-        layouts. The full inputs travel once per side, from that side's first rank (and, only when
-        digests disagree, from the ranks that disagree, so the error can name what differs); equal
-        digests mean equal inputs, so the others take the first rank's."""
-        member = replace(member, world_size=self.world_size,
-                         src_digest=inputs_digest(member.src_layouts),
-                         dst_digest=inputs_digest(member.dst_layouts, member.dst_parts),
-                         quant_digest=_quant_digest(member.dst_quant))
-        slim = replace(member, src_layouts=None if member.src_layouts is None else {},
-                       dst_layouts=None if member.dst_layouts is None else {}, dst_parts=None, dst_quant=None)
-        hellos = rdv.all_gather_obj(self.store, "hello", self.rank, self.world_size, slim, timeout=self.timeout)
-        wanted = _inputs_wanted(hellos)
-        for side, r in wanted:
-            if r == self.rank:
-                rdv.publish(self.store, f"inputs/{side}/{r}", _side_inputs(member, side))
-        inputs = {(side, r): rdv.fetch(self.store, f"inputs/{side}/{r}", timeout=self.timeout,
-                                       what=f"the {side} planning inputs of rank {r}")
-                  for side, r in wanted}
-        members = _with_inputs(hellos, inputs)
-        self.members = {m.rank: m for m in members}
-        rdv.publish(self.store, f"hello-read/{self.rank}", True)
-        try:
-            plan = validate_members(members, self.world_size, self.rank)
-        except (ValueError, NotImplementedError):
-            self._outlive_store_readers("hello-read")  # so every rank reads the hellos and raises too
-            raise
+    def post(self, key: str, obj) -> None:
+        """Write ``obj`` under ``key`` of this epoch, for the ranks that fetch it."""
+        rdv.publish(self.store, key, obj)
+
+    def fetch(self, key: str, what: str):
+        """Wait (set-up timeout) for ``key`` of this epoch and read it; ``what`` names it in a timeout."""
+        return rdv.fetch(self.store, key, timeout=self.timeout, what=what)
+
+    def admit(self, members: dict[int, Member]) -> None:
+        """The epoch's members, agreed: liveness can watch them (heartbeats start with
+        :meth:`start_heartbeats`)."""
+        self.members = dict(members)
         self.liveness = Liveness(self.rank, self.members, self.host, self.peer_timeout, self.store)
-        return plan
 
     @property
     def hosts(self) -> dict[int, str]:
         """``{rank: host identity}`` of this epoch's members."""
         return {r: m.host for r, m in self.members.items()}
 
-    def exchange(self, key: str, obj) -> dict:
-        """Every rank contributes ``obj``; returns ``{rank: obj}``."""
-        return {r: o for r, o in enumerate(rdv.all_gather_obj(self.store, key, self.rank, self.world_size,
-                                                                obj, timeout=self.timeout))}
-
-    def finish_setup(self) -> None:
-        """Last set-up step: everyone mapped what it needs; heartbeats start."""
-        self.exchange("mapped", True)
-        rdv.publish(self.store, f"setup-done/{self.rank}", True)
-        self._outlive_store_readers("setup-done")
+    def start_heartbeats(self) -> None:
         self.liveness.start()
 
-    def _outlive_store_readers(self, key: str) -> None:
+    def outlive_store_readers(self, key: str) -> None:
         """The store's host must not return (and perhaps exit) before every rank published ``key``,
         i.e. read everything it needs from the store. Other ranks return at once."""
         if not self.hosts_store:

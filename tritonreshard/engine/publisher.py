@@ -2,15 +2,15 @@
 
 Who calls what (a trainer rank; :class:`tritonreshard.RefitTrainer` builds both)::
 
-    arena = SourceArena(group, plan, tensors)      # once: the shards move into an exported arena
-    pub = Publisher(group, route, arena)           # each epoch, with the rank's route
+    arena = SourceArena(group, rank_plan.src_order, tensors)  # once: the shards move into an exported arena
+    pub = Publisher(group, route, arena, sender=sender)      # each epoch, with the rank's route
     pub.fence()          # every reader of this arena acked the last version (and sends completed)
     optimizer.step()     # on arena.tensors (no copy per step)
     pub.publish()        # -> version start_version + 1, + 2, ...
 
-One arena per rank holds all its local shards, in the plan's tensor order (same-geometry shards back
-to back, as the readers' buffers are: their copies then differ by a constant address step). Next to
-it a control block: the published version, one ack word per reader, heartbeats, the abort word and
+One arena per rank holds all its local shards, in the group's buffer order
+(:func:`~tritonreshard.planning.tensor_order`: same-geometry shards back to back, as the readers'
+buffers are, so their copies differ by a constant address step). Next to it a control block: the published version, one ack word per reader, heartbeats, the abort word and
 the doorbell that wakes waiters.
 """
 from __future__ import annotations
@@ -18,29 +18,19 @@ from __future__ import annotations
 import torch
 
 from ..transport import create_arena, create_control_block, pack_offsets
+from ..planning import BufferRef, Route
 from .group import Group, check_timeout
-from .route import BufferRef, Exported, OwnBuffer, Route
+from .sources import Exported, OwnBuffer
 
-__all__ = ["Publisher", "SourceArena", "tensor_order"]
-
-
-def tensor_order(plan, names) -> list[str]:
-    """``names`` in the group's one buffer order: by geometry (local shapes, dtypes, both sides'
-    layouts), then name. Trainers' arenas and inference ranks' buffers both use it, so shards of
-    the same geometry sit back to back on both sides."""
-    def key(n):
-        lay = plan.src_layouts.get(n) or plan.dst_layouts.get(n)
-        other = plan.dst_layouts.get(n) if n in plan.src_layouts else plan.src_layouts.get(n)
-        return (lay.shape, str(lay.dtype), lay.ranks, tuple(map(str, lay.placements)),
-                (other.shape, other.ranks, tuple(map(str, other.placements))) if other is not None else (), n)
-    return sorted(names, key=key)
+__all__ = ["Publisher", "SourceArena"]
 
 
 class SourceArena:
     """A trainer rank's local shards in one exported arena, with its control block.
 
     Args:
-        group: the rank's group (joined). plan: the group's plan.
+        group: the rank's group (joined). order: the names of ``tensors`` in the group's buffer
+            order (``RankPlan.src_order``).
         tensors: ``{name: local shard}`` (validated by the endpoint), all on one device; copied into
             the arena once. ``params``: ``{name: nn.Parameter}`` re-pointed at the arena views.
         start_version: the version before the first ``publish()`` (a restarted trainer resumes its
@@ -49,9 +39,10 @@ class SourceArena:
             ``fully_shard`` model's shards: each moves into the arena with FSDP's padding (``rebind``).
     """
 
-    def __init__(self, group: Group, plan, tensors: dict, *, params=None, start_version: int = 0, fsdp2=None):
+    def __init__(self, group: Group, order, tensors: dict, *, params=None, start_version: int = 0, fsdp2=None):
         self.rank = group.rank
-        names = tensor_order(plan, tensors)
+        names = list(order)
+        assert set(names) == set(tensors), (names, sorted(tensors))
 
         def room(n):  # FSDP2 all-gathers its padded shard, so the arena holds the padding too
             return fsdp2.padded_numel(n) if fsdp2 is not None else tensors[n].numel()
@@ -116,12 +107,14 @@ class Publisher:
     Args:
         group: the epoch's group. route: this rank's route (``fenced``: the readers on this host).
         arena: the rank's :class:`SourceArena`. sender: the rank's
-            :class:`~tritonreshard.engine.relay.Relay` when its route sends to other hosts, else None.
+            :class:`~tritonreshard.engine.sender.Sender` when its route sends to other hosts, else
+            None. The publisher tells it each version (``sender.published``) and the fence asks it
+            (``sender.sent``, ``sender.doorbell``, ``sender.raise_error``); nothing else passes.
     """
 
     def __init__(self, group: Group, route: Route, arena: SourceArena, *, sender=None):
         self.group, self.rank, self.route, self.arena = group, group.rank, route, arena
-        self.sender = sender if route.sends else None
+        self.sender = sender
         self.published = arena.control.published_version
         self._fenced_version = 0  # what fence() waits for: nothing read from this arena yet
         group.liveness.beat_into(arena.control)
@@ -158,8 +151,11 @@ class Publisher:
         def behind():
             return {r: control.acked_version(r) for r in readers if control.acked_version(r) < v}
 
-        def done():  # the sender rings this arena's doorbell when its sends completed
+        def done():
             return not behind() and (sender is None or sender.sent(v))
+
+        def doorbell():  # acks ring the arena's control block; the sender rings its own bell
+            return control.doorbell() if sender is None or behind() else sender.doorbell()
 
         def status():
             out = f"still behind, rank: acked version = {behind()}"
@@ -169,6 +165,6 @@ class Publisher:
         what = f"readers {readers} to ack version {v}" + (
             f" and the sends to ranks {list(self.route.receivers)}" if sender is not None else "")
         self.group.wait(done, what, timeout, peers=[r for r in readers if r != self.rank], controls=[control],
-                        doorbell=control.doorbell, status=status)
+                        doorbell=doorbell, status=status)
         if sender is not None:
-            sender.raise_send_error()
+            sender.raise_error()

@@ -11,7 +11,7 @@ The buffer sets (one in in-place mode, two in shadow mode) and the serving versi
 :class:`Subscriber` belongs to one epoch. A rank keeps serving the last complete version while its
 trainers restart, and then pulls from the new ones through a new subscriber over the same buffers.
 
-Where the bytes come from is the route's reads over :class:`~tritonreshard.engine.route.Sources`
+Where the bytes come from is the route's reads over :class:`~tritonreshard.engine.sources.Sources`
 (arenas and relay buffers on this host, mapped once): one descriptor table per buffer set, built
 once, run every pull.
 
@@ -33,7 +33,8 @@ from ..errors import RefitError
 from ..kernels import DescriptorTable, QuantizeTable
 from ..transport import pack_offsets
 from .group import Group, check_timeout
-from .route import BufferRef, Route, Sources
+from ..planning import BufferRef, Route
+from .sources import Sources
 
 __all__ = ["PullStats", "ServingBuffers", "Subscriber"]
 
@@ -190,7 +191,7 @@ class Subscriber:
 
     Args:
         group: the epoch's group. route: this rank's route. buffers: the rank's
-            :class:`ServingBuffers`. sources: the epoch's :class:`~tritonreshard.engine.route.Sources`
+            :class:`ServingBuffers`. sources: the epoch's :class:`~tritonreshard.engine.sources.Sources`
             (mapped; the subscriber closes them). backend: ``"triton"`` or ``"torch"``.
     """
 

@@ -21,7 +21,8 @@ Modules, bottom up (each imports only those above it in this list):
 * :mod:`.wire`: what travels: one rank's view joined from the hosts' parts (:func:`join_host_parts`)
   and the point-to-point messages (:func:`plan_messages`);
 * :mod:`.traffic`: :func:`refit_traffic`, each rank's bytes per link kind at a scale where the whole
-  plan is too big to make.
+  plan is too big to make;
+* :mod:`.rank`: one rank's whole plan (:func:`plan_rank` -> :class:`RankPlan`, then its :class:`Route`).
 """
 from .boxes import RECV_ALIGN, box_is_contiguous, cut_global
 from .dtypes import CASTABLE_DTYPES, castable
@@ -34,9 +35,11 @@ from .reshard import plan_reshard, source_pieces
 from .text import fmt_bytes, fmt_global, fmt_slices
 from .traffic import Traffic, refit_traffic
 from .wire import Message, join_host_parts, plan_messages
+from .rank import BufferRef, HostTransfers, RankPlan, Read, Route, host_outbox, plan_rank, tensor_order
 
 __all__ = ["BlockQuant", "CASTABLE_DTYPES", "CrossTransfer", "FP8_DTYPE", "FanoutOp", "FillOp", "HostPlan",
            "Message", "Plan", "PlanStats", "QuantizedPlan", "RECV_ALIGN", "SCALE_RULES", "Traffic", "TransferOp",
            "box_is_contiguous", "castable", "cut_global", "fmt_bytes", "fmt_global", "fmt_slices", "host_order",
            "join_host_parts", "merge_plans", "plan_host_part", "plan_hosts", "plan_messages", "plan_quantized", "plan_reshard",
-           "refit_traffic", "source_pieces"]
+           "refit_traffic", "source_pieces",
+           "BufferRef", "HostTransfers", "RankPlan", "Read", "Route", "host_outbox", "plan_rank", "tensor_order"]

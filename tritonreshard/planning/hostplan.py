@@ -341,6 +341,13 @@ def new_transfer(*values) -> CrossTransfer:
     return t
 
 
+def renumbered(transfers, by: int) -> list[CrossTransfer]:
+    """``transfers`` with their indices moved on by ``by`` (made like :func:`new_transfer`: joining
+    a host's part into the group's numbering renumbers tens of thousands)."""
+    return [new_transfer(t.index + by, t.name, t.src_rank, t.receiver, t.src_host, t.dst_host, t.box, t.dtype,
+                         t.offset, t.nbytes, t.contiguous) for t in transfers]
+
+
 def new_fanout(transfer: int, op: TransferOp, _new=_obj_new, _cls=FanoutOp, _s=_set_fan) -> FanoutOp:
     """``FanoutOp(transfer, op)``, made like :func:`new_transfer`."""
     f = _new(_cls)

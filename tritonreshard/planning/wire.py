@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .boxes import RECV_ALIGN
-from .hostplan import CrossTransfer, HostPlan, host_order, new_transfer
+from .hostplan import CrossTransfer, HostPlan, host_order, renumbered
 from ._gc import gc_paused
 
 __all__ = ["Message", "join_host_parts", "plan_messages"]
@@ -29,9 +29,7 @@ def join_host_parts(part: HostPlan, host: str, transfers: Mapping[str, Sequence[
         base = len(everything)
         if h == host:
             shift = base
-        # renumbered without dataclasses.replace (a group's join renumbers every host's transfers)
-        everything += [new_transfer(t.index + base, t.name, t.src_rank, t.receiver, t.src_host, t.dst_host, t.box,
-                                    t.dtype, t.offset, t.nbytes, t.contiguous) for t in transfers.get(h, ())]
+        everything += renumbered(transfers.get(h, ()), base)
     buffers: dict[int, int] = {}
     for t in everything:   # a buffer ends where its last box does, rounded up (as _lay_out_buffers)
         buffers[t.receiver] = max(buffers.get(t.receiver, 0), -(-(t.offset + t.nbytes) // align) * align)

@@ -1,0 +1,155 @@
+"""What every rank of a group spanning hosts shares for the cross-host path: the link and the signals.
+
+Every rank of a group whose plan reads across hosts opens one :class:`CrossHost` at set-up (the
+point-to-point process group, :class:`~tritonreshard.transport.DistLink`, is collective), even a
+rank without transfers. Its trainer side's :class:`~tritonreshard.engine.sender.Sender` and its
+inference side's :class:`~tritonreshard.engine.relay.ReceivingRelay` both use it.
+
+Readiness crosses hosts as :class:`Signals`: small JSON messages pushed to the receiving rank's queue
+in the group's store. One thread per rank blocks in ``queue_pop`` on a connection of its own (no
+polling) and rings a :class:`~tritonreshard.transport.wait.Doorbell`; the sender and relay threads
+wait on it with ``Group.wait``, like every other wait of the engine. A data transfer is only posted
+when both ends are ready, so the process group's timeout bounds the transfer itself, never the time a
+trainer trains or an inference rank waits to pull.
+
+Failures: a peer on another host that dies closes its connections, so a pending transfer fails at
+once and becomes :class:`~tritonreshard.PeerDiedError` naming it; between transfers cross-host peers
+are watched through their store heartbeats (:mod:`~tritonreshard.engine.liveness`).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import threading
+
+import torch
+import torch.distributed as dist
+
+from ..errors import RefitError
+from ..planning import Route
+from ..transport import DistLink
+from ..transport.wait import Doorbell
+from .group import Group
+
+__all__ = ["CrossHost", "Signals", "FOREVER"]
+
+FOREVER = float("inf")   # a sender / relay waits as long as training or serving takes
+_STORE_WAIT = datetime.timedelta(days=365)  # a blocked queue_pop ends by a message, never by timing out
+
+
+def _clone(store):
+    """A new connection to the same store and namespace (``PrefixStore.clone`` keeps the prefix):
+    a blocked ``queue_pop`` holds its connection, so the rank's other store calls must not queue
+    behind it."""
+    out = store.clone()
+    out.set_timeout(_STORE_WAIT)
+    return out
+
+
+class Signals:
+    """This rank's cross-host signals, through the group's store.
+
+    ``send(rank, kind, k, value)`` pushes one to ``rank``'s queue; ``has(kind, peers, k)`` says
+    whether each of ``peers`` sent it; :attr:`bell` rings when one arrives. A thread of its own
+    pops this rank's queue on a separate connection; ``close()`` pushes a stop to it.
+    """
+
+    def __init__(self, store, rank: int):
+        self.rank = rank
+        self._store = dist.PrefixStore("signals/", store)
+        self._queue = _clone(self._store)
+        self.bell = Doorbell()
+        self._seen: dict[tuple[str, int, int], str] = {}
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, daemon=True, name=f"trs-signals-{rank}")
+        self._thread.start()
+
+    def send(self, rank: int, kind: str, k: int, value: str = "") -> None:
+        self._store.queue_push(f"q/{rank}", json.dumps([kind, self.rank, k, value]))
+
+    def has(self, kind: str, peers, k: int) -> bool:
+        return self.error is not None or all((kind, p, k) in self._seen for p in peers)
+
+    def get(self, kind: str, peer: int, k: int) -> str:
+        return self._seen[(kind, peer, k)]
+
+    def raise_error(self, what: str) -> None:
+        if self.error is not None:
+            raise RefitError(f"rank {self.rank}: the group's store failed while waiting for {what}: "
+                             f"{self.error}") from None
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                kind, frm, k, value = json.loads(self._queue.queue_pop(f"q/{self.rank}", True))
+                if kind == "stop" and frm == self.rank:
+                    return
+                self._seen[(str(kind), int(frm), int(k))] = str(value)
+                self.bell.ring()
+        except (RuntimeError, dist.DistError, ValueError) as exc:  # the store's host is gone; a bad message
+            self.error = exc
+            self.bell.ring()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            try:
+                self.send(self.rank, "stop", 0)
+            except (RuntimeError, dist.DistError):  # the store is gone: the popping thread saw it too
+                pass
+            self._thread.join(5.0)
+
+
+class CrossHost:
+    """This rank's link to the other hosts for one epoch: the point-to-point process group and,
+    when the rank sends or receives, its :class:`Signals`.
+
+    Args:
+        group: the epoch's group. route: this rank's route (``spans_hosts``). device: this rank's
+            device (cpu -> gloo, cuda -> NCCL; every rank of a cross-host group uses one kind).
+    """
+
+    def __init__(self, group: Group, route: Route, device):
+        self.group, self.rank, self.route = group, group.rank, route
+        self.link = self.signals = None
+        try:
+            self.link = DistLink(group.base_store, rank=self.rank, world_size=group.world_size,
+                                 device=torch.device(device if device is not None else "cpu"),
+                                 timeout=group.timeout, prefix=f"trs/{group.name}/e{group.epoch}/dist/")
+            group.liveness.watch_remote(set(route.receivers) | set(route.senders))
+            if route.sends or route.receives:
+                self.signals = Signals(group.store, self.rank)
+        except BaseException:
+            self.close()
+            raise
+
+    def use_device(self) -> None:
+        """In a sender / relay thread: NCCL calls and syncs of this thread go to the link's GPU."""
+        if self.link.device.type == "cuda":
+            torch.cuda.set_device(self.link.device)
+
+    def wait_signals(self, kind: str, peers, k: int, what: str, cancel: threading.Event) -> None:
+        signals = self.signals
+        self.group.wait(lambda: signals.has(kind, peers, k), what, FOREVER, peers=peers,
+                        doorbell=signals.bell.doorbell, cancel=cancel)
+        signals.raise_error(what)
+
+    def transfer(self, pending, peers, what: str, cancel: threading.Event) -> None:
+        """Wait for posted sends / receives; a closed endpoint or a dead peer ends the wait."""
+        def check():
+            if cancel.is_set():
+                raise RefitError(f"rank {self.rank}: endpoint closed during {what}")
+            self.group.check_peers(peers, what, closed_is_gone=False)
+        pending.wait(check=check)
+
+    def close(self) -> None:
+        """Release the signals and the process group (idempotent; after the sender and relay
+        threads stopped). Signals and heartbeats go through the group's store, so the process
+        hosting it stays until every rank with cross-host peers closed (or is dead)."""
+        if self.signals is not None:
+            self.signals.close()
+            self.signals = None
+        if self.link is not None:
+            if self.group.hosts_store:
+                self.group.liveness.outlive_store_users(self.route.cross_host_ranks, self.group.timeout)
+            self.link.close()
+            self.link = None
