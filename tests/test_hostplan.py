@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tritonreshard as trs
+from _aliases import alias_copy
 from tritonreshard import Layout, Replicate, Shard
 from tritonreshard.planning import RECV_ALIGN, box_is_contiguous, join_host_parts, plan_hosts
 
@@ -528,16 +529,6 @@ def test_a_part_names_every_bad_argument():
 
 
 # ------------------------------------------------ aliases: copies of one tensor on other ranks
-def _copy(draw, lay: Layout, fresh) -> Layout:
-    """A copy of ``lay`` split alike (optionally with a leading replicated mesh dim), each mesh
-    position on a fresh rank or, sometimes, on the rank holding that position in ``lay``."""
-    reps = draw(st.sampled_from([1, 2])) if len(lay.ranks) <= 4 else 1
-    ranks = []
-    for i in range(reps * len(lay.ranks)):
-        same = lay.ranks[i % len(lay.ranks)]
-        ranks.append(same if same not in ranks and draw(st.integers(0, 3)) == 0 else next(fresh))
-    mesh = torch.tensor(ranks).reshape((reps, *lay.mesh_shape) if reps > 1 else lay.mesh_shape).tolist()
-    return Layout(lay.shape, mesh, ([Replicate()] if reps > 1 else []) + list(lay.placements), lay.dtype)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -555,8 +546,9 @@ def test_property_aliases_cross_once_and_each_hosts_part_is_the_slice_of_the_who
         dsts[f"t{i}"] = data.draw(layouts(shape=srcs[f"t{i}"].shape))
         if data.draw(st.integers(0, 3)):
             names = [f"t{i}"] + [f"t{i}'{k}" for k in range(data.draw(st.integers(1, 2)))]
+            reps = (1, 2) if len(srcs[f"t{i}"].ranks) <= 4 else (1,)
             for n in names[1:]:
-                srcs[n] = _copy(data.draw, srcs[f"t{i}"], fresh)
+                srcs[n] = alias_copy(data.draw, srcs[f"t{i}"], fresh, reps)
             parts[f"t{i}"] = [trs.Part(tuple(data.draw(st.permutations(names))), [None] * dsts[f"t{i}"].ndim)]
     hosts = {r: f"h{data.draw(st.integers(0, 3))}" for r in range(40)}
     offsets = None

@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tritonreshard as trs
+from _aliases import alias_copy
 from tritonreshard import Layout, Replicate, Shard
 
 SIZES = [0, 1, 2, 3, 5, 7, 8, 13]
@@ -358,18 +359,6 @@ def test_exactly_once_random_parts(data):
 
 
 # -- aliases: a part read from any of several copies of one tensor (Megatron's tied embedding) ------
-
-def alias_copy(draw, lay: Layout, fresh) -> Layout:
-    """A copy of ``lay`` split alike: the same placements (after an optional leading replicated
-    mesh dim: more replicas of each region), each mesh position on a fresh rank or, sometimes, on
-    the rank that holds that position in ``lay`` (a rank holding both copies holds the same region)."""
-    reps = draw(st.sampled_from([1, 1, 2]))
-    ranks = []
-    for i in range(reps * len(lay.ranks)):
-        same = lay.ranks[i % len(lay.ranks)]
-        ranks.append(same if same not in ranks and draw(st.integers(0, 3)) == 0 else next(fresh))
-    mesh = torch.tensor(ranks).reshape((reps, *lay.mesh_shape) if reps > 1 else lay.mesh_shape).tolist()
-    return Layout(lay.shape, mesh, ([Replicate()] if reps > 1 else []) + list(lay.placements), lay.dtype)
 
 
 @st.composite

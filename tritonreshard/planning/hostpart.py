@@ -17,7 +17,7 @@ from .boxes import RECV_ALIGN, Box, box_of, cut_global, intersect_boxes, union_b
 from .checks import check_inputs, used_sources
 from .crossings import (Crossing, assign_receivers, check_hosts, choose_senders, lay_out_buffers, name_key,
                         new_crossing, sender_name)
-from .hostplan import CrossTransfer, FanoutOp, HostPlan, Traffic, new_fanout
+from .hostplan import CrossTransfer, FanoutOp, HostPlan, Traffic, new_fanout, tally_transfers
 from .hosts import plan_hosts
 from .ops import Plan, TransferOp, merge_plans, new_op
 from .quant import QuantizedPlan, plan_quantized, quantized_inputs
@@ -289,12 +289,7 @@ class _HostPart(HostPlan):
             for d, rds in needs_by_id[i].by_dst.items():
                 pc[d] += len(rds) * count
         ingress: dict[str, int] = defaultdict(int)
-        for t in self.transfers:
-            oa[t.src_rank] += t.nbytes
-            ia[t.receiver] += t.nbytes
-            pc[t.src_rank] += 1
-            ingress[t.dst_host] += t.nbytes
-        return Traffic(*(dict(sorted(x.items())) for x in (ow, iw, oa, ia, pc)), dict(sorted(ingress.items())))
+        return tally_transfers(self.transfers, ow, iw, oa, ia, pc, ingress)
 
     def joined(self, transfers, buffer_bytes, shift: int) -> HostPlan:
         part = _HostPart(self._make_plan, self._src_layouts, self._dst_layouts, self._hosts, self._host, transfers,

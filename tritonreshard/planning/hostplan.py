@@ -155,12 +155,7 @@ class HostPlan:
             ow[server] += n * src[op.src_name].itemsize
             pc[op.dst_rank] += 1
             pc[server] += 1
-        for t in self.transfers:
-            oa[t.src_rank] += t.nbytes
-            ia[t.receiver] += t.nbytes
-            pc[t.src_rank] += 1
-            ingress[t.dst_host] += t.nbytes
-        return Traffic(*(dict(sorted(x.items())) for x in (ow, iw, oa, ia, pc)), dict(sorted(ingress.items())))
+        return tally_transfers(self.transfers, ow, iw, oa, ia, pc, ingress)
 
     def joined(self, transfers: tuple[CrossTransfer, ...], buffer_bytes: Mapping[int, int], shift: int) -> HostPlan:
         """This host plan with the group's ``transfers`` and receive buffers instead of its own, its
@@ -339,6 +334,18 @@ def new_transfer(*values) -> CrossTransfer:
     for s, v in zip(_set_ct, values):
         s(t, v)
     return t
+
+
+def tally_transfers(transfers, ow, iw, oa, ia, pc, ingress) -> Traffic:
+    """:class:`Traffic` from the counts within hosts (``ow``, ``iw``, op counts ``pc``) and
+    ``transfers``, which add each sender's and receiver's bytes across hosts and each host's
+    ingress (both host planners' ``traffic()``)."""
+    for t in transfers:
+        oa[t.src_rank] += t.nbytes
+        ia[t.receiver] += t.nbytes
+        pc[t.src_rank] += 1
+        ingress[t.dst_host] += t.nbytes
+    return Traffic(*(dict(sorted(x.items())) for x in (ow, iw, oa, ia, pc)), dict(sorted(ingress.items())))
 
 
 def renumbered(transfers, by: int) -> list[CrossTransfer]:
