@@ -94,3 +94,31 @@ def wheels() -> list[VllmSource] | None:
     if not found:
         raise FileNotFoundError(f"${WHEELS_ENV}={folder} holds no vllm-*.whl")
     return [wheel(p) for p in found]
+
+
+# The two imports of base.py that need vLLM's config package (importing it takes ~20 s and imports most
+# of vLLM). Both names are used only in WeightTransferEngine.__init__'s annotations, which Python
+# evaluates when it defines the function: they are bound to placeholder classes of the same names.
+# Nothing else of base.py changes: ParamMeta, Replicate, Shard and WeightSource run as vLLM wrote them.
+_CONFIG_IMPORTS = ("from vllm.config.parallel import ParallelConfig\n",
+                   "from vllm.config.weight_transfer import WeightTransferConfig\n")
+
+
+def weight_transfer_base(src: VllmSource):
+    """``vllm/distributed/weight_transfer/base.py`` of ``src`` executed in isolation (only torch is
+    imported), as a module named ``trs_vllm_<version>_weight_transfer_base``."""
+    import sys
+    import types
+
+    text = src.read("vllm/distributed/weight_transfer/base.py")
+    for line in _CONFIG_IMPORTS:
+        assert text.count(line) == 1, (src.label, line)
+        text = text.replace(line, "")
+    name = f"trs_vllm_{src.version.replace('.', '_')}_weight_transfer_base"
+    module = types.ModuleType(name)
+    module.__file__ = f"{src.label}:vllm/distributed/weight_transfer/base.py"
+    module.ParallelConfig = type("ParallelConfig", (), {})
+    module.WeightTransferConfig = type("WeightTransferConfig", (), {})
+    sys.modules[name] = module  # dataclasses look their module up
+    exec(compile(text, module.__file__, "exec"), module.__dict__)
+    return module

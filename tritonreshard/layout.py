@@ -297,6 +297,80 @@ class Layout:
         its global shape, dtype, device mesh ranks and placements."""
         return cls(tuple(dtensor.shape), dtensor.device_mesh, tuple(dtensor.placements), dtensor.dtype)
 
+    @classmethod
+    def from_param_meta(cls, meta, ranks) -> "Layout":
+        """The layout vLLM's trainer-side ``ParamMeta`` describes (vLLM >= 0.33,
+        ``vllm.distributed.weight_transfer.base``): ``ParamMeta(name, dtype, shape, owners=,
+        mesh_shape=, placements=)``, what ``WeightSource.iter_local()`` yields on each owner.
+
+        ``owners`` are trainer ranks (vLLM's ``TrainerInitInfo.rank``), ``None`` for every trainer
+        rank; ``mesh_shape`` lays them out row-major (default ``(len(owners),)``); ``placements``
+        holds one ``Replicate`` / ``Shard(dim)`` per mesh axis, ``None`` for replicated. vLLM's
+        ``Shard`` splits like ``torch.chunk``, outer mesh axis first when two axes shard one dim:
+        exactly this module's ``Shard(dim)``. ``ranks``: the refit-group rank of each trainer rank
+        (``ranks[r]`` for trainer rank ``r``; an int ``n`` is ``range(n)``), e.g. the
+        ``trainer_ranks`` of :class:`tritonreshard.vllm.Trainer`. A 0.32 ``ParamMeta`` (no
+        ownership fields) is replicated on every trainer rank.
+
+        Duck-typed: vLLM is not imported. Raises ``ValueError`` naming the parameter and every
+        problem (owners not among ``ranks``, a mesh that does not cover the owners, a placement
+        count that is not the mesh's, an unknown placement, ...).
+        """
+        name = getattr(meta, "name", "?")
+        problems: list[str] = []
+        if isinstance(ranks, int) and not isinstance(ranks, bool):
+            ranks = range(ranks)
+        if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence) or any(
+                isinstance(r, bool) or not isinstance(r, int) for r in ranks):
+            raise ValueError(f"Layout.from_param_meta({name!r}): ranks must be an int or a sequence of "
+                             f"refit-group ranks (one per trainer rank), got {ranks!r}")
+        ranks = tuple(ranks)
+        owners, mesh_shape, placements = (getattr(meta, a, None) for a in ("owners", "mesh_shape", "placements"))
+        if owners is None:
+            if mesh_shape is not None or placements is not None:
+                problems.append(f"mesh_shape={mesh_shape!r} / placements={placements!r} without owners")
+            owners = tuple(range(len(ranks)))
+        owners = tuple(owners)
+        bad = [o for o in owners if isinstance(o, bool) or not isinstance(o, int) or not 0 <= o < len(ranks)]
+        if bad:
+            problems.append(f"owners {list(bad)} are not trainer ranks 0..{len(ranks) - 1} (ranks={list(ranks)})")
+        if not owners:
+            problems.append("owners is empty")
+        mesh_shape = (len(owners),) if mesh_shape is None else tuple(mesh_shape)
+        if math.prod(mesh_shape) != len(owners) or any(isinstance(d, bool) or not isinstance(d, int) or d <= 0
+                                                       for d in mesh_shape):
+            problems.append(f"mesh_shape={mesh_shape} does not lay out its {len(owners)} owners")
+        converted: list[Placement] = []
+        for i, p in enumerate((Replicate(),) * len(mesh_shape) if placements is None else tuple(placements)):
+            kind = type(p).__name__  # vLLM's own Replicate / Shard(dim), ours, or torch's
+            if isinstance(p, (Shard, Replicate)) and not (isinstance(p, Shard) and (p.blocks or p.balanced)):
+                converted.append(p)
+            elif kind == "Replicate":
+                converted.append(Replicate())
+            elif kind == "Shard" and isinstance(getattr(p, "dim", None), int):
+                converted.append(Shard(p.dim))
+            else:
+                problems.append(f"placements[{i}]={p!r} is neither Replicate nor Shard(dim)")
+        ndim = len(tuple(getattr(meta, "shape", ())))
+        problems += [f"placements[{i}]: shard dim {p.dim} of a {ndim}-D tensor" for i, p in enumerate(converted)
+                     if isinstance(p, Shard) and not 0 <= p.dim < ndim]
+        if placements is not None and len(tuple(placements)) != len(mesh_shape):
+            problems.append(f"{len(tuple(placements))} placements for a {len(mesh_shape)}-D mesh {mesh_shape}")
+        if problems:
+            raise ValueError(f"Layout.from_param_meta({name!r}): " + "; ".join(problems))
+        flat = [ranks[o] for o in owners]
+
+        def nest(items, shp):
+            if len(shp) == 1:
+                return list(items)
+            step = len(items) // shp[0]
+            return [nest(items[i * step:(i + 1) * step], shp[1:]) for i in range(shp[0])]
+
+        try:
+            return cls(tuple(meta.shape), nest(flat, mesh_shape), converted, meta.dtype)
+        except ValueError as exc:
+            raise ValueError(f"Layout.from_param_meta({name!r}): {exc}") from None
+
     # -- queries --------------------------------------------------------------------------------
     def __str__(self) -> str:
         def fmt(m):
