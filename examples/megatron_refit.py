@@ -15,6 +15,11 @@ style update); after every refit, vLLM's greedy generation (float32,
 eager) must equal transformers' on the same weights (converted back from Megatron's shards by this
 script, independently of the recipe), token for token.
 
+``--model tiny-qwen3-moe --megatron-ep 2`` does the same for Megatron-Core MoE ranks: a tiny
+Qwen3-MoE (q/k norms, 8 experts of intermediate 48, top 2; layer 1 a dense MLP, the others sparse)
+whose experts live on Megatron's expert grid (EP 2, expert TP 1), into vLLM's fused ``w13`` / ``w2``
+experts split by vLLM's TP.
+
 Run: ``python examples/megatron_refit.py --refits 2 --json`` (vLLM TP 2; a few minutes on 2 cores).
 The last stdout line (``--json``) is one JSON object with ``refits``, ``tokens_compared``,
 ``mismatches``, ``greedy`` and ``refit_ms``.
@@ -22,6 +27,7 @@ The last stdout line (``--json``) is one JSON object with ``refits``, ``tokens_c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -48,10 +54,22 @@ CONFIG = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, hea
               num_hidden_layers=4, intermediate_size=256, tie_word_embeddings=False, max_position_embeddings=256)
 
 
-def model_config():
+MODELS = {  # name: (transformers config class, fields)
+    "tiny-llama": ("LlamaConfig", CONFIG),
+    "tiny-qwen3-moe": ("Qwen3MoeConfig", dict(CONFIG, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                                              decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True)),
+}
+
+
+def model_config(name: str = "tiny-llama"):
     import transformers
 
-    return transformers.LlamaConfig(**CONFIG, architectures=["LlamaForCausalLM"])
+    cls, fields = MODELS[name]
+    return getattr(transformers, cls)(**fields, architectures=[cls.replace("Config", "ForCausalLM")])
+
+
+def _moe_layer(cfg, i: int) -> bool:
+    return cfg.model_type == "qwen3_moe" and i not in cfg.mlp_only_layers
 
 
 # --------------------------------------------------------------- HF <-> Megatron (full tensors)
@@ -71,6 +89,16 @@ def hf_to_megatron(cfg, hf: dict, vocab_rows: int) -> dict:
         out[f"{m}.self_attention.linear_qkv.weight"] = torch.cat([q, k, v], 1).reshape(-1, cfg.hidden_size)
         out[f"{m}.self_attention.linear_qkv.layer_norm_weight"] = hf[f"{p}.input_layernorm.weight"]
         out[f"{m}.self_attention.linear_proj.weight"] = hf[f"{p}.self_attn.o_proj.weight"]
+        if cfg.model_type == "qwen3_moe":
+            out[f"{m}.self_attention.q_layernorm.weight"] = hf[f"{p}.self_attn.q_norm.weight"]
+            out[f"{m}.self_attention.k_layernorm.weight"] = hf[f"{p}.self_attn.k_norm.weight"]
+        if _moe_layer(cfg, i):  # transformers 5 fuses the experts: gate_up_proj [E, 2I, H] = [gate; up] each
+            out[f"{m}.pre_mlp_layernorm.weight"] = hf[f"{p}.post_attention_layernorm.weight"]
+            out[f"{m}.mlp.router.weight"] = hf[f"{p}.mlp.gate.weight"]
+            for e in range(cfg.num_experts):
+                out[f"{m}.mlp.experts.local_experts.{e}.linear_fc1.weight"] = hf[f"{p}.mlp.experts.gate_up_proj"][e:e + 1]
+                out[f"{m}.mlp.experts.local_experts.{e}.linear_fc2.weight"] = hf[f"{p}.mlp.experts.down_proj"][e:e + 1]
+            continue
         out[f"{m}.mlp.linear_fc1.weight"] = torch.cat([hf[f"{p}.mlp.gate_proj.weight"], hf[f"{p}.mlp.up_proj.weight"]])
         out[f"{m}.mlp.linear_fc1.layer_norm_weight"] = hf[f"{p}.post_attention_layernorm.weight"]
         out[f"{m}.mlp.linear_fc2.weight"] = hf[f"{p}.mlp.down_proj.weight"]
@@ -90,6 +118,18 @@ def megatron_to_hf(cfg, meg: dict) -> dict:
         out[f"{p}.self_attn.v_proj.weight"] = qkv[:, -1].reshape(nkv * hd, -1)
         out[f"{p}.input_layernorm.weight"] = meg[f"{m}.self_attention.linear_qkv.layer_norm_weight"]
         out[f"{p}.self_attn.o_proj.weight"] = meg[f"{m}.self_attention.linear_proj.weight"]
+        if cfg.model_type == "qwen3_moe":
+            out[f"{p}.self_attn.q_norm.weight"] = meg[f"{m}.self_attention.q_layernorm.weight"]
+            out[f"{p}.self_attn.k_norm.weight"] = meg[f"{m}.self_attention.k_layernorm.weight"]
+        if _moe_layer(cfg, i):
+            experts = f"{m}.mlp.experts.local_experts"
+            out[f"{p}.post_attention_layernorm.weight"] = meg[f"{m}.pre_mlp_layernorm.weight"]
+            out[f"{p}.mlp.gate.weight"] = meg[f"{m}.mlp.router.weight"]
+            out[f"{p}.mlp.experts.gate_up_proj"] = torch.cat([meg[f"{experts}.{e}.linear_fc1.weight"]
+                                                              for e in range(cfg.num_experts)])
+            out[f"{p}.mlp.experts.down_proj"] = torch.cat([meg[f"{experts}.{e}.linear_fc2.weight"]
+                                                           for e in range(cfg.num_experts)])
+            continue
         gate, up = meg[f"{m}.mlp.linear_fc1.weight"].chunk(2)
         out[f"{p}.mlp.gate_proj.weight"], out[f"{p}.mlp.up_proj.weight"] = gate, up
         out[f"{p}.post_attention_layernorm.weight"] = meg[f"{m}.mlp.linear_fc1.layer_norm_weight"]
@@ -120,7 +160,7 @@ def unshard(layouts: dict, shards: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------- trainers
-def trainer(rank, world, meg_fields, train_path, tp, store, gloo, commands, results) -> None:
+def trainer(rank, world, model_name, meg_fields, train_path, tp, store, gloo, commands, results) -> None:
     """One Megatron-Core rank: builds its GPTModel chunk, loads its shards, publishes through vLLM's backend."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     torch.set_num_threads(1)
@@ -137,17 +177,30 @@ def trainer(rank, world, meg_fields, train_path, tp, store, gloo, commands, resu
     import tritonreshard as trs
     import tritonreshard.vllm as trs_vllm
 
-    cfg, meg = model_config(), trs.recipes.Megatron(**meg_fields)
+    cfg, meg = model_config(model_name), trs.recipes.Megatron(**meg_fields)
+    moe = cfg.model_type == "qwen3_moe"
     dist.init_process_group("gloo", init_method=f"tcp://{gloo}", rank=rank, world_size=world)
-    ps.initialize_model_parallel(meg.tp, meg.pp)
+    ps.initialize_model_parallel(meg.tp, meg.pp, expert_model_parallel_size=meg.ep,
+                                 expert_tensor_parallel_size=meg.etp)
     tc = TransformerConfig(num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
                            num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_key_value_heads,
                            kv_channels=cfg.head_dim, ffn_hidden_size=cfg.intermediate_size, gated_linear_unit=True,
                            activation_func=torch.nn.functional.silu, normalization="RMSNorm", add_bias_linear=False,
-                           use_cpu_initialization=True,
+                           use_cpu_initialization=True, qk_layernorm=moe,
                            tensor_model_parallel_size=meg.tp, pipeline_model_parallel_size=meg.pp,
-                           pipeline_dtype=torch.float32)
-    model = GPTModel(tc, get_gpt_layer_local_spec(normalization="RMSNorm"),
+                           pipeline_dtype=torch.float32, expert_model_parallel_size=meg.ep,
+                           expert_tensor_parallel_size=meg.etp,
+                           **(dict(num_moe_experts=cfg.num_experts, moe_ffn_hidden_size=cfg.moe_intermediate_size,
+                                   moe_router_topk=cfg.num_experts_per_tok, moe_token_dispatcher_type="allgather",
+                                   moe_grouped_gemm=False) if moe else {}))
+    if moe:  # dense and MoE layers mixed: Megatron's per-layer pattern
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        tc.moe_layer_freq = [int(_moe_layer(cfg, i)) for i in range(cfg.num_hidden_layers)]
+        layer_spec = get_gpt_decoder_block_spec(tc, use_transformer_engine=False, normalization="RMSNorm")
+    else:
+        layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    model = GPTModel(tc, layer_spec,
                      vocab_size=trs.recipes.megatron_vocab_size(cfg.vocab_size, meg), max_sequence_length=256,
                      pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                      share_embeddings_and_output_weights=False, position_embedding_type="rope")
@@ -195,6 +248,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--tp", type=int, default=2, help="vLLM tensor parallelism (default 2)")
     ap.add_argument("--megatron-tp", type=int, default=2, help="Megatron tensor parallelism (default 2)")
     ap.add_argument("--megatron-pp", type=int, default=2, help="Megatron pipeline stages (default 2)")
+    ap.add_argument("--megatron-ep", type=int, default=1, help="Megatron expert parallelism (MoE; default 1)")
+    ap.add_argument("--megatron-etp", type=int, default=None,
+                    help="Megatron expert tensor parallelism (default: Megatron's, the TP size)")
+    ap.add_argument("--model", choices=sorted(MODELS), default="tiny-llama",
+                    help="tiny-llama (default) or tiny-qwen3-moe (Megatron-Core MoE ranks)")
     ap.add_argument("--refits", type=int, default=2, help="refits to run and check (default 2)")
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=8)
@@ -209,8 +267,8 @@ def main(argv=None) -> dict:
     import tritonreshard.vllm as trs_vllm
 
     torch.manual_seed(SEED)
-    cfg = model_config()
-    meg = trs.recipes.Megatron(tp=args.megatron_tp, pp=args.megatron_pp)
+    cfg = model_config(args.model)
+    meg = trs.recipes.Megatron(tp=args.megatron_tp, pp=args.megatron_pp, ep=args.megatron_ep, etp=args.megatron_etp)
     world = meg.tp * meg.pp
     hf = AutoModelForCausalLM.from_config(cfg).float().eval()
     model_dir = tempfile.mkdtemp(prefix="trs-megatron-")
@@ -219,7 +277,7 @@ def main(argv=None) -> dict:
     save_file({n: p.detach().contiguous() for n, p in hf.named_parameters()}, train_path)
     g = torch.Generator().manual_seed(SEED + 1)
     prompts = [torch.randint(0, cfg.vocab_size, (12 + i,), generator=g).tolist() for i in range(args.prompts)]
-    summary = {"megatron": {"tp": meg.tp, "pp": meg.pp}, "tp": args.tp, "refits": 0, "prompts": len(prompts),
+    summary = {"model": args.model, "megatron": {"tp": meg.tp, "pp": meg.pp, "ep": meg.ep, "etp": meg.etp}, "tp": args.tp, "refits": 0, "prompts": len(prompts),
                "tokens_compared": 0, "mismatches": 0, "refit_ms": [], "worker": [], "greedy": []}
     spec = trs.recipes.megatron_to_vllm(cfg, megatron=meg, tp=args.tp, trainer_ranks=world,
                                         inference_ranks=list(range(world, world + args.tp)),
@@ -229,7 +287,7 @@ def main(argv=None) -> dict:
     ctx = mp.get_context("spawn")
     store, gloo = f"127.0.0.1:{_port()}", f"127.0.0.1:{_port()}"
     results, commands = ctx.Queue(), {r: ctx.Queue() for r in range(world)}
-    procs = {r: ctx.Process(target=trainer, args=(r, world, dict(tp=meg.tp, pp=meg.pp), train_path, args.tp, store,
+    procs = {r: ctx.Process(target=trainer, args=(r, world, args.model, dataclasses.asdict(meg), train_path, args.tp, store,
                                                   gloo, commands[r], results), daemon=True) for r in range(world)}
     for p in procs.values():
         p.start()
@@ -247,7 +305,8 @@ def main(argv=None) -> dict:
         llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": info})
         for _ in range(world):
             _expect(results, "ready", procs)
-        print(f"refit group formed: Megatron TP {meg.tp} x PP {meg.pp} ({world} ranks), vLLM TP {args.tp}", flush=True)
+        print(f"refit group formed: {args.model}, Megatron TP {meg.tp} x PP {meg.pp} x EP {meg.ep} ({world} ranks), "
+              f"vLLM TP {args.tp}", flush=True)
         compare(llm, hf, prompts, args.max_tokens, "version 0 (checkpoint)", summary)
         for k in range(1, args.refits + 1):
             for r in range(world):

@@ -435,15 +435,19 @@ def test_megatron_vocab_padding_depends_on_tp():
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_vllm_engine_refit_from_megatron_ranks():
-    """examples/megatron_refit.py: real Megatron-Core TP 2 x PP 2 ranks refit a live vLLM TP=2 engine
-    through the backend (``Trainer(megatron=...)``, ``init_info(megatron=...)``); after each of 2
-    refits vLLM's greedy tokens equal transformers' on the trainers' weights, and each refit changed them."""
+def test_vllm_engine_refit_from_megatron_moe_ranks():
+    """examples/megatron_refit.py --model tiny-qwen3-moe: real Megatron-Core TP 2 x PP 2 x EP 2 ranks
+    (expert TP 1; q/k norms; layer 1 a dense MLP, the other three MoE layers of 8 experts) refit a
+    live vLLM TP=2 engine through the backend (``Trainer(megatron=...)``, ``init_info(megatron=...)``):
+    after each of 2 refits vLLM's greedy tokens equal transformers' on the trainers' weights
+    (converted back from Megatron's shards by the example, not by the recipe), and each refit
+    changed them. One engine covers the dense path too (attention, the dense layer, embeddings)."""
     pytest.importorskip("vllm")
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1")
-    proc = subprocess.run([sys.executable, str(root / "examples" / "megatron_refit.py"), "--refits", "2", "--json"],
-                          capture_output=True, text=True, timeout=540, env=env, cwd=root)
+    proc = subprocess.run([sys.executable, str(root / "examples" / "megatron_refit.py"), "--model", "tiny-qwen3-moe",
+                           "--megatron-tp", "2", "--megatron-pp", "2", "--megatron-ep", "2", "--megatron-etp", "1",
+                           "--refits", "2", "--json"], capture_output=True, text=True, timeout=540, env=env, cwd=root)
     lines = proc.stdout.strip().splitlines()
     assert lines and lines[-1].startswith("{"), (proc.returncode, proc.stdout[-3000:], proc.stderr[-4000:])
     summary = json.loads(lines[-1])
@@ -451,19 +455,23 @@ def test_vllm_engine_refit_from_megatron_ranks():
     assert summary["refits"] == 2 and summary["tokens_compared"] == 3 * 3 * 8 and summary["mismatches"] == 0
     g = summary["greedy"]
     assert g[0] != g[1] and g[1] != g[2]
+    # vLLM's own experts step ran for each of the 3 MoE layers on every refit (see docs/vllm.md).
+    assert [w["experts_processed"] for w in summary["worker"]] == [3, 3]
     # Each vLLM TP rank pulls exactly its shards: Megatron's 24 dummy vocab rows never move, and vLLM's
     # 24 padding rows of embed_tokens and lm_head (on TP rank 1) are zero-filled there, not pulled.
-    spec = _tiny_llama_spec()
+    spec = _tiny_moe_spec()
     full = [sum(torch.Size(lay.local_shape(r)).numel() for lay in spec.dst.values()) * 4 for r in (4, 5)]
     assert summary["worker_bytes"] == [full[0], full[1] - 2 * 24 * 128 * 4], summary["worker_bytes"]
     left = [f for f in os.listdir("/dev/shm") if f.startswith("trs-")]
     assert left == [], left
 
 
-def _tiny_llama_spec():
-    cfg = transformers.LlamaConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                   vocab_size=1000, num_hidden_layers=4, intermediate_size=256)
-    return trs.recipes.megatron_to_vllm(cfg, megatron=Megatron(tp=2, pp=2), tp=2, trainer_ranks=4,
+def _tiny_moe_spec():
+    cfg = transformers.Qwen3MoeConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                      vocab_size=1000, num_hidden_layers=4, intermediate_size=256, num_experts=8,
+                                      num_experts_per_tok=2, moe_intermediate_size=48, decoder_sparse_step=1,
+                                      mlp_only_layers=[1], tie_word_embeddings=False)
+    return trs.recipes.megatron_to_vllm(cfg, megatron=Megatron(tp=2, pp=2, ep=2, etp=1), tp=2, trainer_ranks=4,
                                         inference_ranks=[4, 5], dtype=torch.float32, src_dtype=torch.float32)
 
 
