@@ -112,7 +112,7 @@ def main(case):
     from transformers import AutoModelForCausalLM
 
     import tritonreshard as trs
-    from tritonreshard.vllm._lora import LORA_WORKER_EXTENSION, lora_init_info, refit_lora
+    from tritonreshard.vllm._lora import LORA_WORKER_EXTENSION, lora_init_info, refit_lora, setup_lora_refit
 
     workdir, refits = case["workdir"], case["refits"]
     base = AutoModelForCausalLM.from_pretrained(case["base_dir"]).float().eval()
@@ -150,7 +150,16 @@ def main(case):
         info = lora_init_info(peft.LoraConfig(**LORA), lora_name=NAME, lora_id=LORA_ID, store=store,
                               trainer_ranks=TRAINERS, inference_ranks=list(range(2, 2 + TP)), fsdp=True,
                               timeout=300.0)
-        llm.collective_rpc("init_lora_refit", kwargs={"info": info})
+        # Bad input, before any worker is asked: a rank above the engine's max_lora_rank, a module
+        # the recipe does not lay out.
+        too_big = lora_init_info(peft.LoraConfig(r=32, target_modules=["q_proj", "lm_head"]), lora_name=NAME,
+                                 lora_id=LORA_ID, store=store, trainer_ranks=TRAINERS,
+                                 inference_ranks=list(range(2, 2 + TP)))
+        try:
+            setup_lora_refit(llm, too_big)
+        except ValueError as exc:
+            summary["bad_input_error"] = str(exc)
+        setup_lora_refit(llm, info)
         for _ in TRAINERS:
             assert results.get(timeout=300)[0] == "ready"
         request = LoRARequest(NAME, LORA_ID, "tritonreshard:in-memory")  # the path is never read
@@ -178,6 +187,12 @@ def main(case):
             print(f"refit {step} (version {version}): vLLM greedy {'==' if not bad else '!='} transformers+peft",
                   flush=True)
         summary["base_unchanged"] = greedy_vllm(llm, prompts, None) == base_tokens
+        # A version nobody publishes: every worker's pull times out, nothing is installed anywhere.
+        try:
+            refit_lora(llm, refits + 1, timeout=2.0)
+        except RuntimeError as exc:
+            summary["fault_error"] = str(exc)
+        summary["fault_serves_previous"] = greedy_vllm(llm, prompts, request) == summary["greedy"][-1]
         for name, lora_id, path in case["probe"]:
             assert llm.llm_engine.add_lora(LoRARequest(name, lora_id, path)), name
         torch.save(llm.collective_rpc(read_slots), case["slots_out"])

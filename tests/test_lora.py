@@ -271,6 +271,12 @@ def test_lora_refit_in_place_equals_transformers_peft(live):
     g = summary["greedy"]
     assert g[0] != g[1] and g[1] != g[2], g
     assert summary["base_unchanged"] and summary["disk_equal"], summary
+    # bad input is refused on the driver, before any worker is asked, naming each problem
+    for part in ("adapter rank 32", "exceeds the engine's max_lora_rank=16", "['lm_head'] are not laid out"):
+        assert part in summary["bad_input_error"], summary["bad_input_error"]
+    # a failed refit installs nothing: the adapter keeps serving version 3 on every rank
+    assert "refit of version 4 failed" in summary["fault_error"] and "keeps serving version 3" in summary["fault_error"]
+    assert summary["fault_serves_previous"] is True
     assert [[w["version"] for w in step] for step in summary["worker"]] == [[1, 1], [2, 2], [3, 3]]
     # each worker pulled exactly its slot views, minus the rank padding it zero-fills itself
     spec = trs.recipes.lora_to_vllm(dict(r=8, lora_alpha=12, target_modules=ALL7), _config(), 2, TRAINERS, [2, 3],

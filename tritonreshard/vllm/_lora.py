@@ -6,8 +6,11 @@ A/B factors in PEFT's names, ``trs.recipes.lora_to_vllm(...).src``). Worker side
 adapter once with vLLM's own manager (zeros, pinned in its slot, so vLLM never reloads it from a
 path) and whose ``update_lora`` pulls a version into shadow buffers, agrees over the TP group, then
 writes every slot view in place and folds the scaling into ``lora_B`` once, as vLLM's loader does.
-Driver: :func:`lora_init_info`, :func:`refit_lora` (which also resets the prefix cache: vLLM keys cached
-KV blocks by the adapter's name and path only). Importing this module does not import vLLM.
+Driver: :func:`lora_init_info`, :func:`setup_lora_refit` (checks the adapter against the engine
+before any worker is asked), :func:`refit_lora` (which also resets the prefix cache: vLLM keys cached
+KV blocks by the adapter's name and path only). The worker methods never raise: vLLM 0.32's
+executor stops reading replies at the first failed rank, so each returns its outcome and the
+driver functions raise. Importing this module does not import vLLM.
 """
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ import torch
 from .. import RefitInference, RefitTrainer, recipes
 from . import SRC_DTYPES, WorkerExtension
 
-__all__ = ["LoraTrainer", "LoraWorkerExtension", "LORA_WORKER_EXTENSION", "lora_init_info", "refit_lora"]
+__all__ = ["LoraTrainer", "LoraWorkerExtension", "LORA_WORKER_EXTENSION", "lora_init_info", "setup_lora_refit",
+           "refit_lora"]
 
 LORA_WORKER_EXTENSION = f"{__name__}.LoraWorkerExtension"
 
@@ -154,10 +158,14 @@ class LoraWorkerExtension(WorkerExtension):
     """vLLM worker extension (``worker_extension_cls=LORA_WORKER_EXTENSION``) with the LoRA refit's
     worker methods, next to :class:`~tritonreshard.vllm.WorkerExtension`'s."""
 
-    def init_lora_refit(self, info: dict) -> None:
+    def init_lora_refit(self, info: dict) -> dict:
         if self.__dict__.get("trs_lora") is not None:
-            raise RuntimeError("init_lora_refit was already called (call shutdown_lora_refit first)")
-        self.__dict__["trs_lora"] = _LoraSlot(self, info)
+            return {"ok": False, "error": "init_lora_refit was already called (call shutdown_lora_refit first)"}
+        try:  # broad on purpose: the outcome is returned, the driver raises (see the module docstring)
+            self.__dict__["trs_lora"] = _LoraSlot(self, info)
+        except Exception as exc:  # noqa: BLE001
+            return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        return {"ok": True}
 
     def update_lora(self, version: int, timeout: float | None = None) -> dict:
         slot = self.__dict__.get("trs_lora")
@@ -169,6 +177,24 @@ class LoraWorkerExtension(WorkerExtension):
         slot = self.__dict__.pop("trs_lora", None)
         if slot is not None:
             slot.close()
+
+
+def setup_lora_refit(llm, info: dict) -> None:
+    """Driver: check the adapter (``info`` from :func:`lora_init_info`) against the engine's LoRA
+    settings (``max_lora_rank``, its ``target_modules`` filter, TP size, model) with one
+    ``ValueError`` naming every problem before any worker is asked, then register it on every
+    worker and join the refit group. Raises ``RuntimeError`` naming the workers that failed."""
+    config = llm.llm_engine.vllm_config
+    lc = config.lora_config
+    if lc is None:
+        raise ValueError("setup_lora_refit: the engine has no LoRA: start it with enable_lora=True")
+    recipes.lora_to_vllm(info["adapter"], config.model_config.hf_config, config.parallel_config.tensor_parallel_size,
+                         info["trainer_ranks"], info["inference_ranks"], max_lora_rank=lc.max_lora_rank,
+                         served_modules=lc.target_modules)
+    failed = [o["error"] for o in llm.collective_rpc("init_lora_refit", kwargs={"info": info}) if not o["ok"]]
+    if failed:
+        llm.collective_rpc("shutdown_lora_refit")
+        raise RuntimeError(f"tritonreshard setup_lora_refit failed: {failed[0]}")
 
 
 def refit_lora(llm, version: int, timeout: float | None = None) -> list[dict]:
