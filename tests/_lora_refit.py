@@ -206,6 +206,14 @@ def main(case):
             summary["load_lora_adapter_ms"].append(round((time.perf_counter() - t1) * 1e3, 2))
         summary["disk_equal"] = greedy_vllm(llm, prompts, LoRARequest("from-disk", 99, os.path.join(workdir, "saved"))) \
             == summary["greedy"][-1]
+        # Bit for bit: the refitted slot (scaled once by the refit) == the slot vLLM's own loader
+        # filled from the saved adapter (scaled once by vLLM), on every TP rank and buffer.
+        summary["slots_equal_disk"] = []
+        for held in llm.collective_rpc(read_slots):
+            mine, disk = held["index_to_id"].index(LORA_ID), held["index_to_id"].index(99)
+            bufs = [n for n in held if ".lora_" in n]
+            summary["slots_equal_disk"].append(
+                [n for n in bufs if not torch.equal(held[n][mine], held[n][disk])] if bufs else ["no buffers"])
     finally:
         for q in commands:
             q.put(("stop", 0))

@@ -271,6 +271,9 @@ def test_lora_refit_in_place_equals_transformers_peft(live):
     g = summary["greedy"]
     assert g[0] != g[1] and g[1] != g[2], g
     assert summary["base_unchanged"] and summary["disk_equal"], summary
+    # the refitted slots equal, bit for bit, the slots vLLM's loader fills from the saved adapter:
+    # the scaling was applied exactly once (no buffer differs on either TP rank)
+    assert summary["slots_equal_disk"] == [[], []], summary["slots_equal_disk"]
     # bad input is refused on the driver, before any worker is asked, naming each problem
     for part in ("adapter rank 32", "exceeds the engine's max_lora_rank=16", "['lm_head'] are not laid out"):
         assert part in summary["bad_input_error"], summary["bad_input_error"]
