@@ -10,6 +10,7 @@ above it in this list):
 * :mod:`~tritonreshard.recipes.deepseek`: DeepSeek-V2 / V3 (MLA, dense-then-MoE layers, shared experts);
 * :mod:`~tritonreshard.recipes.hf`: Hugging Face parameters under FSDP (``hf_to_vllm``), dispatched by
   ``config.model_type`` through the registry :data:`RECIPES`;
+* :mod:`~tritonreshard.recipes.lora`: PEFT LoRA adapters -> vLLM's per-TP-rank LoRA slots (``lora_to_vllm``);
 * :mod:`~tritonreshard.recipes.megatron`: Megatron-Core TP x PP x DP x EP shards (``megatron_to_vllm``,
   ``megatron_tensors``, ``megatron_bind``).
 """
@@ -17,8 +18,10 @@ from .builder import RecipeBuilder, RecipeSpec, pad_vocab_size, vllm_layout
 from .deepseek import DEEPSEEK_MODEL_TYPES, build_deepseek, deepseek_to_vllm
 from .dense import FAMILIES, Family, build_dense
 from .hf import RECIPES, hf_to_vllm
+from .lora import LORA_MODEL_TYPES, LORA_MODULES, PEFT_PREFIX, LoraSpec, lora_to_vllm
 from .megatron import Megatron, megatron_bind, megatron_tensors, megatron_to_vllm, megatron_vocab_size
 
 __all__ = ["hf_to_vllm", "RECIPES", "RecipeSpec", "RecipeBuilder", "vllm_layout", "Family", "FAMILIES",
            "pad_vocab_size", "build_dense", "build_deepseek", "deepseek_to_vllm", "DEEPSEEK_MODEL_TYPES", "Megatron",
-           "megatron_to_vllm", "megatron_tensors", "megatron_bind", "megatron_vocab_size"]
+           "megatron_to_vllm", "megatron_tensors", "megatron_bind", "megatron_vocab_size", "lora_to_vllm", "LoraSpec",
+           "LORA_MODEL_TYPES", "LORA_MODULES", "PEFT_PREFIX"]
