@@ -348,8 +348,9 @@ def main(argv=None) -> dict:
         tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
         assert not unexpected and set(missing) <= tied, (missing, unexpected)  # tied: lm_head is embed_tokens
         w = summary["worker"][-1]
-        print(f"{what}: {summary['refit_ms'][-1]} ms (in each worker: pull {w['pull_ms']:.2f} ms, "
-              f"apply {w['apply_ms']:.2f} ms)", flush=True)
+        print(f"{what}: {summary['refit_ms'][-1]} ms (in each worker: wait {w['wait_ms']:.2f} ms, agree "
+              f"{w['agree_ms']:.2f} ms, copy {w['copy_ms']:.2f} ms, post-processing {w['post_ms']:.2f} ms; "
+              f"{'prefetched' if w['prefetched'] else 'pulled in update_weights'})", flush=True)
         compare(llm, hf, prompts, args.max_tokens, f"{what}, version {version}", summary)
         return weights
 
