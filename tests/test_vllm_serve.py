@@ -138,18 +138,24 @@ def server():
             time.sleep(1.0)
         yield srv
     finally:
-        _stop(proc)
+        left = _stop(proc)
+        if left:
+            print(f"vLLM left {len(left)} shared-memory segment(s) of its workers, removed: {left}")
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _stop(proc) -> None:
-    """SIGTERM the server's session (engine core and workers with it), SIGKILL what outlives 40 s."""
+def _stop(proc) -> list[str]:
+    """Stop the server as a user would (SIGTERM to the API server: it shuts its engine and workers
+    down), SIGKILL whatever of its session outlives 60 s, and remove the shared-memory segments its
+    workers had mapped that vLLM left behind (its CPU TP communicator's). Returns those names."""
+    segments = sorted({line.split()[-1] for pid in _session(proc.pid) for line in _maps(pid)
+                       if "/dev/shm/vllm_dist_" in line})
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(40)
+            proc.wait(60)
         except subprocess.TimeoutExpired:
             pass
     try:
@@ -157,6 +163,33 @@ def _stop(proc) -> None:
     except ProcessLookupError:
         pass
     proc.wait(10)
+    left = [s for s in segments if os.path.exists(s)]
+    for path in left:
+        os.unlink(path)
+    return left
+
+
+def _session(sid: int) -> list[int]:
+    """The pids of session ``sid`` (the server and every process it started)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:  # gone meanwhile
+                continue
+            if int(fields[3]) == sid:  # field 6 of stat: the session id
+                pids.append(int(entry))
+    return pids
+
+
+def _maps(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return f.read().splitlines()
+    except OSError:
+        return []
 
 
 class Trainers:
