@@ -411,6 +411,25 @@ def test_refits_over_http_with_background_pull(server):
         ms_other = refit(server, 4, weight_version="4", windows=windows)
         served.append((windows[-1][1], v4))
         assert server.greedy() == v4 and server.weight_version() == "4"
+
+        # Two versions published before any update: the newest pulled replaces the one never
+        # installed (an arena holds only its newest version), so 5 can no longer be installed;
+        # neither can the installed 4; no version installs 6.
+        trainers.step(5)
+        trainers.step(6)  # its fence() waited for the workers' background pull of 5
+        assert [trainers.send(r, "fence 60")["fenced"] for r in (0, 1)] == [True, True]
+        v6 = hf_greedy(server, trainers.weights())
+        for version, why in ((5, "this rank already pulled version 6, published after it"),
+                             (4, "version 4 is installed already")):
+            server.ok("/start_weight_update")
+            begin = time.monotonic()
+            status, out = server.post("/update_weights", {"update_info": {"version": version}})
+            windows.append((begin, time.monotonic()))
+            assert status >= 400 and why in json.dumps(out), (version, status, out)
+        assert server.greedy() == v4
+        refit(server, None, weight_version="6", windows=windows)
+        served.append((windows[-1][1], v6))
+        assert server.greedy() == v6 and server.weight_version() == "6"
     finally:
         load.stop()
         trainers.stop()
@@ -426,8 +445,8 @@ def test_refits_over_http_with_background_pull(server):
         checked += 1
     assert checked >= 3, (checked, len(load.outputs))
     lines = [ln for ln in installed_lines(server)]
-    assert {(r, v) for r, v, *_ in lines} >= {("2", "1"), ("3", "1"), ("2", "2"), ("3", "2"), ("2", "4")}, lines
-    assert all(kind == "prefetched" for _, v, kind, *_ in lines if v in ("1", "2")), lines
+    assert {(r, v) for r, v, *_ in lines} >= {("2", "1"), ("3", "1"), ("2", "2"), ("3", "2"), ("2", "4"), ("2", "6")}, lines
+    assert all(kind == "prefetched" for _, v, kind, *_ in lines if v in ("1", "2", "6")), lines
     print(f"update_weights over HTTP: {ms_prefetched:.1f} ms (version 1, prefetched), {ms_other:.1f} ms (version 4); "
           f"worker splits (rank, version, kind, total, wait, agree, copy, post ms): {lines}")
 
