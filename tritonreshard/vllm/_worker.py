@@ -4,21 +4,37 @@ Imported only inside vLLM (the ``vllm.general_plugins`` entry point registers it
 worker (TP rank ``t``) joins the refit group as global rank ``inference_ranks[t]`` and pulls exactly
 its own TP shards of vLLM's parameters (names, layouts and parts from ``trs.recipes.hf_to_vllm`` for
 the served model's config; vocab padding rows are zero-filled by the engine, never pulled) out of
-the trainers' shared arenas into its own buffer set (shadow mode: the serving
-weights are untouched while the copy runs). Then the TP group agrees; only when every TP rank pulled
-the same version does any rank apply it:
+the trainers' shared arenas into its own buffer sets (shadow mode: vLLM's parameters are untouched
+while the copy runs).
+
+**Background pull** (``init_info`` ``prefetch=True``, the default). A thread of the worker
+(``trs-prefetch-<rank>``) watches the trainers' version words; as soon as every trainer this rank
+reads from published a version newer than the one it holds, it pulls it into the spare buffer set
+(on CUDA on its own stream) and acks it, while vLLM keeps generating. The trainers' ``fence()``
+therefore returns without any vLLM call. A prefetched version is not installed: vLLM's parameters
+change only in ``update_weights``. The trainers cannot publish over a version a worker is still
+pulling (``fence()`` waits for its ack); once it acked, a newer version replaces the prefetched one
+that was never installed (the arenas hold only the newest version anyway). A background pull that
+failed is reported by the next ``update_weights``; the thread retries only once a newer version is
+published.
+
+**update_weights** waits for a pull still running (or pulls the version itself when it was not
+prefetched), the TP group agrees, and only when every TP rank holds the same version does any rank
+apply it:
 
 * layers whose live parameters are not their load format (vLLM's CPU backend repacks linear
   weights into oneDNN handles, leaving ``weight`` of shape [0]; quantized layers) go through vLLM's
   layerwise reload: the load-format parameters are materialized, filled from the pulled buffers,
   and vLLM's own ``process_weights_after_loading`` runs and copies into the kernel tensors;
-* plain layers (unquantized on CUDA, norms) are written in place from the pulled buffers.
+* when no layer needs that (unquantized on CUDA), every parameter is written in place by one
+  multi-tensor copy (``torch._foreach_copy_``): the addresses CUDA graphs captured stay valid.
 
 A failed pull on any rank raises on every rank, naming the failed rank(s), before anything is
 applied: the engine keeps serving the previous version.
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -42,7 +58,9 @@ from . import SRC_DTYPES
 
 __all__ = ["TritonreshardInitInfo", "TritonreshardUpdateInfo", "TritonreshardWeightTransferEngine"]
 
-logger = init_logger(__name__)
+# Under vLLM's logger, so these lines go through its handler and level (VLLM_LOGGING_LEVEL) in
+# every worker; a logger outside "vllm" has no handler there, and INFO lines would be lost.
+logger = init_logger(f"vllm.{__name__}")
 
 @dataclass
 class TritonreshardInitInfo(WeightTransferInitInfo):
@@ -58,12 +76,14 @@ class TritonreshardInitInfo(WeightTransferInitInfo):
     peer_timeout: float = 10.0
     replica: int = 0   # which replica (engine) these workers are: inference_ranks[replica * tp + tp rank]
     megatron: dict | None = None  # trs.recipes.Megatron's fields: the trainers are Megatron-Core ranks
+    prefetch: bool = True  # pull each published version in the background (see the module docstring)
 
 
 @dataclass
 class TritonreshardUpdateInfo(WeightTransferUpdateInfo):
-    """``update_weights`` payload: the version to install (None: the next one) and how long to wait
-    for it (None: the init timeout)."""
+    """``update_weights`` payload: the version to install (None: the newest one every TP rank
+    pulled, or the next one to be published when none is newer than the installed one) and how long
+    to wait for it (None: the init timeout)."""
 
     version: int | None = None
     timeout: float | None = None
@@ -107,6 +127,16 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         self.applied_version = 0
         self.stats: dict = {}
         self.worker = None
+        # The background pull: the watcher thread and what it shares with update_weights. The lock
+        # is held by the watcher while it swaps a finished pull in or starts one, and by
+        # update_weights for the whole call, so a set being applied is never pulled into.
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self._inflight: int | None = None     # the version the background pull is pulling
+        self._bg_error: tuple[int, BaseException] | None = None  # (version, error), until reported
+        self._failed = 0                      # the last version a background pull failed on
+        self._group_version = 0               # the version of this group installed (0: none yet)
 
     def bind_worker(self, worker) -> None:
         """Called once per engine by :class:`~tritonreshard.vllm.WorkerExtension`, in the worker's
@@ -142,7 +172,8 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
                 # What vLLM's worker does when update_weights raises (its except clause; 0.32 has no
                 # public call for it). Not the worker's finish_weight_update: that also drops LoRA
                 # adapters, which the last rank (where vLLM's own except clause runs) would keep.
-                self.worker._weight_update_active = False
+                if self.worker is not None:  # (none: init_weight_transfer_engine refuses to start)
+                    self.worker._weight_update_active = False
                 self.reset_weight_update_target()
                 self._session = False
             return
@@ -164,6 +195,14 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
                 self._sub.close(abort=True)
                 self._sub = None
             self._fail(outcomes, error, what="init_weight_transfer_engine")
+            return
+        # A new group numbers its versions from 1 again; vLLM keeps serving what it serves.
+        self._inflight, self._bg_error, self._failed, self._group_version = None, None, 0, 0
+        if init_info.prefetch:
+            self._stop.clear()
+            self._watcher = threading.Thread(target=self._watch, args=(self._sub,), daemon=True,
+                                             name=f"trs-prefetch-{self.rank}")
+            self._watcher.start()
 
     def _init(self, init_info: TritonreshardInitInfo) -> None:
         pc = self.parallel_config
@@ -175,6 +214,8 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
             problems.append(f"enable_expert_parallel with enable_eplb={pc.enable_eplb}, expert_placement_strategy="
                             f"{pc.expert_placement_strategy!r}: only vLLM's default linear placement (no redundant "
                             f"experts) is laid out")
+        if not isinstance(init_info.prefetch, bool):
+            problems.append(f"init_info prefetch={init_info.prefetch!r} must be true or false")
         if init_info.src_dtype not in SRC_DTYPES:
             problems.append(f"init_info src_dtype={init_info.src_dtype!r} must be one of {list(SRC_DTYPES)}")
         if self.worker is None:
@@ -203,9 +244,19 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         self._check_model()
         self._timeout = float(init_info.timeout)
         world = len(init_info.trainer_ranks) + len(init_info.inference_ranks)
+        # Two buffer sets for the background pull (one is pulled into while the other holds the
+        # newest complete version); without it one set is enough: vLLM's own parameters are what is
+        # served, and they are written only after every TP rank pulled the whole version.
         self._sub = RefitInference.from_recipe(self.spec, rank=self.rank, world_size=world, store=init_info.store,
-                                               mode="shadow", device=self.device, timeout=init_info.timeout,
+                                               mode="shadow" if init_info.prefetch else "inplace",
+                                               device=self.device, timeout=init_info.timeout,
                                                peer_timeout=init_info.peer_timeout, group=init_info.group)
+        # What the refit costs in memory on this rank, beyond vLLM's own weights (docs/vllm.md).
+        self.buffer_sets = 2 if init_info.prefetch else 1
+        self.buffer_bytes = sum(lay.local_numel(self.rank) * lay.itemsize for lay in self.spec.dst.values())
+        logger.info("tritonreshard (rank %s): joined refit group %r; background pull %s; %d buffer set(s) of %.1f MB",
+                    self.rank, init_info.group, "on" if init_info.prefetch else "off", self.buffer_sets,
+                    self.buffer_bytes / 1e6)
 
     def _check_model(self) -> None:
         """Every recipe destination is a vLLM parameter with the load-format shape the recipe gives
@@ -267,48 +318,173 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         return any(tuple(p.shape) != self._restore_shapes[f"{mname}.{n}"] for n, p in
                    mod.named_parameters(recurse=False) if f"{mname}.{n}" in self._restore_shapes)
 
+    # ------------------------------------------------------------------ the background pull
+    # How often the watcher looks at the trainers' version words (a read of shared memory): a
+    # published version starts pulling within this much, at a negligible CPU cost.
+    POLL_S = 0.005
+
+    def _watch(self, sub: RefitInference) -> None:
+        """The watcher thread: swap each finished background pull into the engine's buffer sets
+        (not into vLLM: that is update_weights' job), and start the next one as soon as a newer
+        version is published."""
+        while not self._stop.wait(self.POLL_S):
+            with self._lock:
+                if self._sub is not sub:  # shut down, or re-initialized: a new watcher runs
+                    return
+                # Broad on purpose: the thread must not die silently; whatever failed is reported
+                # by the next update_weights (with vLLM's weights untouched) and retried only for
+                # a newer version.
+                try:
+                    self._watch_step(sub)
+                except Exception as exc:  # noqa: BLE001
+                    self._background_failed(self._inflight, exc)
+
+    def _watch_step(self, sub: RefitInference) -> None:
+        if sub.pulling:
+            if not sub.pull_done():
+                return
+            target, self._inflight = self._inflight, None
+            try:
+                sub.swap(timeout=0)  # the engine's sets only: vLLM's parameters stay as they are
+            except Exception as exc:  # noqa: BLE001  (a failed pull: reported, see _watch)
+                self._background_failed(target, exc)
+            return
+        newest = sub.available_version()
+        if newest > max(sub.version, self._failed):
+            self._inflight = sub.start_pull(newest)
+
+    def _background_failed(self, version, exc: BaseException) -> None:
+        self._inflight = None
+        self._failed = max(self._failed, version or 0)
+        self._bg_error = (version, exc)
+        logger.warning("tritonreshard (rank %s): background pull of version %s failed: %s: %s (reported at the "
+                       "next update_weights; vLLM keeps serving version %s)", self.rank, version,
+                       type(exc).__name__, exc, self.applied_version)
+
+    def _stop_watcher(self) -> None:
+        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.join(60.0)
+            self._watcher = None
+
     # ------------------------------------------------------------------ phases 2-4
     def start_weight_update(self) -> None:
-        if self._sub is None:
-            raise RuntimeError(f"tritonreshard (TP rank {get_tensor_model_parallel_rank()}): start_weight_update "
-                               f"before init_weight_transfer_engine")
+        # Before init_weight_transfer_engine too: raising here would raise on every TP rank, and
+        # vLLM 0.32's executor would then leave the later ranks' replies queued (see _fail); the
+        # update_weights that follows fails on every rank together instead, naming the cause.
         self._session = True
 
     def receive_weights(self, update_info: TritonreshardUpdateInfo) -> None:
         if not self._session:
             raise RuntimeError(f"tritonreshard (rank {self.rank}): update_weights outside start/finish_weight_update")
+        if self._sub is None:  # every rank fails together, as a failed refit does
+            error = RuntimeError("update_weights before init_weight_transfer_engine: call "
+                                 "init_weight_transfer_engine first")
+            self._fail(self._agree(0, error), error)
+            return
+        with self._lock:  # the watcher neither swaps nor starts a pull until this call is done
+            self._receive(update_info)
+
+    def _receive(self, update_info: TritonreshardUpdateInfo) -> None:
         t0 = time.perf_counter()
-        error = None
-        # Broad on purpose: whatever failed here, every TP rank must reach the agreement below (or
-        # the others would wait in it for vLLM's collective timeout); the error is re-raised.
+        sub, requested = self._sub, update_info.version
+        # Broad on purpose, both times: whatever failed here, every TP rank must reach the
+        # agreements below (or the others would wait in them for vLLM's collective timeout); the
+        # error is re-raised there, naming every rank's reason.
+        error, holds = None, 0
         try:
-            version = self._sub.pull(update_info.version, update_info.timeout)
+            timeout = float(self._timeout if update_info.timeout is None else update_info.timeout)
+            self._check_request(requested, timeout)
+            if self._bg_error is not None:
+                (failed, exc), self._bg_error = self._bg_error, None
+                raise RefitError(f"the background pull of version {failed} failed: {type(exc).__name__}: {exc}") \
+                    from exc
+            holds = max(sub.version, self._inflight or 0)
         except Exception as exc:  # noqa: BLE001
-            error, version = exc, None
-        t_agree = time.perf_counter()
-        outcomes = self._agree(version, error)
+            error = exc
         t1 = time.perf_counter()
+        outcomes = self._agree(holds, error)
+        t2 = time.perf_counter()
+        if any(e is not None for _, _, e in outcomes):
+            self._fail(outcomes, error)
+            return
+        # The version: the one asked for; else the newest any TP rank pulled or is pulling (the
+        # others wait for theirs, or pull it now); else the next one to be published.
+        target = requested if requested is not None else max(max(v for _, v, _ in outcomes), self._group_version + 1)
+        prefetched = sub.version == target
+        try:
+            self._obtain(sub, target, timeout)
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+        t3 = time.perf_counter()
+        outcomes = self._agree(sub.version if error is None else None, error)
+        t4 = time.perf_counter()
         if any(e is not None for _, _, e in outcomes) or len({v for _, v, _ in outcomes}) > 1:
             self._fail(outcomes, error)
             return
-        self._apply(self._sub.tensors)
-        t2 = time.perf_counter()
-        self.applied_version = version
-        self.stats = {"version": version, "pull_ms": (t_agree - t0) * 1e3, "apply_ms": (t2 - t1) * 1e3,
-                      "agree_ms": (t1 - t_agree) * 1e3,
-                      "copy_ms": self._sub.last_pull.copy_ms,
-                      "wait_ms": self._sub.last_pull.wait_ms, "staging_bytes": self._sub.last_pull.staging_bytes,
-                      "bytes": self._sub.stats.bytes_per_refit, **self._apply_split}
+        split = self._apply(sub.tensors)
+        self.applied_version = self._group_version = target
+        pull = sub.last_pull
+        self.stats = {"version": target, "prefetched": prefetched,
+                      # update_weights' own time: waiting for (or doing) the pull, the two
+                      # agreements, and the apply (copy into vLLM's tensors, vLLM's post-processing)
+                      "wait_ms": ((t1 - t0) + (t3 - t2)) * 1e3, "agree_ms": ((t2 - t1) + (t4 - t3)) * 1e3,
+                      "apply_ms": (time.perf_counter() - t4) * 1e3, **split,
+                      "total_ms": (time.perf_counter() - t0) * 1e3,
+                      # the pull of this version (in the background when prefetched)
+                      "pull_wait_ms": pull.wait_ms, "pull_copy_ms": pull.copy_ms, "pull_total_ms": pull.total_ms,
+                      "staging_bytes": pull.staging_bytes, "bytes": sub.stats.bytes_per_refit}
+        logger.info("tritonreshard (rank %s): installed version %s (%s) in %.1f ms: wait %.1f, agree %.1f, copy %.1f, "
+                    "post-processing %.1f ms", self.rank, target, "prefetched" if prefetched else "pulled now",
+                    self.stats["total_ms"], self.stats["wait_ms"], self.stats["agree_ms"], split["copy_ms"],
+                    split["post_ms"])
+
+    def _check_request(self, requested, timeout: float) -> None:
+        if requested is not None and (isinstance(requested, bool) or not isinstance(requested, int)):
+            raise ValueError(f"update_info version must be an int (or None: the newest pulled), got {requested!r}")
+        if not timeout >= 0:
+            raise ValueError(f"update_info timeout must be a number of seconds >= 0, got {timeout!r}")
+        if requested is not None and requested <= self._group_version:
+            raise ValueError(f"update_info version={requested}: version {self._group_version} is installed "
+                             f"already; only a newer one can be installed")
+
+    def _obtain(self, sub: RefitInference, target: int, timeout: float) -> None:
+        """Make ``target`` the engine's serving buffer set (never vLLM's tensors): a prefetched
+        version is there already; a pull in flight is waited for; otherwise pull it now."""
+        if sub.version < target and sub.pulling:
+            inflight, self._inflight = self._inflight, None
+            try:
+                sub.swap(timeout)
+            except TimeoutError:
+                self._inflight = inflight  # it goes on; the watcher swaps it in later
+                raise
+            except Exception as exc:
+                self._failed = max(self._failed, inflight or 0)
+                raise RefitError(f"the background pull of version {inflight} failed: {type(exc).__name__}: "
+                                 f"{exc}") from exc
+        if sub.version > target:
+            raise ValueError(f"update_info version={target}: this rank already pulled version {sub.version}, "
+                             f"published after it; a trainer's arena holds only its newest version: install "
+                             f"{sub.version} (or pass no version)")
+        if sub.version < target:
+            try:
+                sub.pull(target, timeout)
+            except TimeoutError as exc:
+                newest = sub.available_version()
+                if newest < target:
+                    raise RefitError(f"update_info version={target} was never published: the newest version "
+                                     f"the trainers published is {newest} (waited {timeout:g} s)") from exc
+                raise
 
     @torch.no_grad()
-    def _apply(self, bufs: dict[str, torch.Tensor]) -> None:
+    def _apply(self, bufs: dict[str, torch.Tensor]) -> dict:
         """Copy the pulled buffers (``{vLLM name: this rank's load-format shard}``, padding rows
-        already zero) into vLLM's parameters."""
+        already zero) into vLLM's parameters. Returns the split: ``copy_ms`` (into vLLM's tensors)
+        and ``post_ms`` (vLLM's post-processing and the layerwise reload around it)."""
         if self._processed or self._mla:
             t0 = time.perf_counter()
             initialize_layerwise_reload(self.model)
-            t1 = time.perf_counter()
-            experts = 0
+            copy_s, experts = 0.0, 0
             for mname in sorted(self._layers):
                 mod, params = self._layers[mname]
                 info = _layerwise.get_layerwise_info(mod)
@@ -316,8 +492,10 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
                 # Copy, never alias the shadow buffers: some post-processing keeps views of the
                 # load-format weight (zentorch), and a later pull into an aliased buffer would then
                 # change the served weights unprocessed.
+                tc = time.perf_counter()
                 for pname, name, _ in params:
                     getattr(mod, pname).data.copy_(bufs[name])
+                copy_s += time.perf_counter() - tc
                 # vLLM's own post-load processing; for a plain layer it only copies into the kernel tensors.
                 experts += self._process(mod, info)
             # Layers nothing of ours lands in (rotary caches): put vLLM's own tensors back as
@@ -329,16 +507,24 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
                         and info.kernel_tensors is not None and not is_deferred_attention_layer(mod)):
                     _layerwise._place_kernel_tensors(mod, info)
                     info.reset()
-            t2 = time.perf_counter()
             finalize_layerwise_reload(self.model, self.model_config)
-            self._apply_split = {"layerwise_init_ms": (t1 - t0) * 1e3, "process_ms": (t2 - t1) * 1e3,
-                                 "finalize_ms": (time.perf_counter() - t2) * 1e3, "experts_processed": experts}
-            return
-        self._apply_split = {}
-        for mod, params in self._layers.values():
-            for pname, name, tied in params:
-                if not tied:  # a tied parameter is the same tensor as the one written here
-                    getattr(mod, pname).data.copy_(bufs[name])
+            return {"copy_ms": copy_s * 1e3, "post_ms": (time.perf_counter() - t0 - copy_s) * 1e3,
+                    "layerwise": True, "experts_processed": experts}
+        # Plain layers: one multi-tensor copy in place, so every parameter keeps its address (CUDA
+        # graphs captured on them stay valid); a tied parameter is the tensor written here already.
+        t0 = time.perf_counter()
+        dst, src = self._plain_copy(bufs)
+        torch._foreach_copy_(dst, src)
+        if self.device.type == "cuda":  # the copy is done (and timed) before update_weights returns
+            torch.cuda.current_stream(self.device).synchronize()
+        return {"copy_ms": (time.perf_counter() - t0) * 1e3, "post_ms": 0.0, "layerwise": False,
+                "experts_processed": 0}
+
+    def _plain_copy(self, bufs: dict[str, torch.Tensor]) -> tuple[list, list]:
+        """``(vLLM's tensors, the pulled buffers)`` of the in-place apply, in one order."""
+        pairs = [(getattr(mod, pname).data, bufs[name]) for mod, params in self._layers.values()
+                 for pname, name, tied in params if not tied]
+        return [d for d, _ in pairs], [s for _, s in pairs]
 
     @staticmethod
     def _process(mod: torch.nn.Module, info) -> bool:
@@ -367,6 +553,7 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         self._session = False
 
     def shutdown(self) -> None:
+        self._stop_watcher()
         if self._sub is not None:
             self._sub.close()
             self._sub = None
