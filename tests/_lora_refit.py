@@ -4,7 +4,7 @@ Usage: python _lora_refit.py CASE.json
 
 ``CASE.json``: ``{"workdir", "base_dir", "refits", "probe": [[name, id, adapter dir], ...], "slots_out"}``.
 
-1. **In-place refits.** Two FSDP trainer processes (:class:`~tritonreshard.vllm._lora.LoraTrainer`)
+1. **In-place refits.** Two FSDP trainer processes (:class:`~tritonreshard.vllm.lora.LoraTrainer`)
    refit a LoRA adapter into the engine ``refits`` times. The engine never sees an adapter file:
    ``init_lora_refit`` registers the adapter (zeros) in vLLM's own manager under a ``LoRARequest``
    name and id, and each refit pulls the trainers' A/B factors into its slots. After each refit,
@@ -40,7 +40,7 @@ def trainer(rank, workdir, base_dir, store, commands, results):
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    from tritonreshard.vllm._lora import LoraTrainer
+    from tritonreshard.vllm.lora import LoraTrainer
 
     torch.set_num_threads(1)
     full = load_file(os.path.join(workdir, "adapter0.safetensors"))
@@ -112,7 +112,7 @@ def main(case):
     from transformers import AutoModelForCausalLM
 
     import tritonreshard as trs
-    from tritonreshard.vllm._lora import LORA_WORKER_EXTENSION, lora_init_info, refit_lora, setup_lora_refit
+    from tritonreshard.vllm.lora import LORA_WORKER_EXTENSION, lora_init_info, refit_lora, setup_lora_refit
 
     workdir, refits = case["workdir"], case["refits"]
     base = AutoModelForCausalLM.from_pretrained(case["base_dir"]).float().eval()
