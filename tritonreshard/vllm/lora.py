@@ -18,6 +18,7 @@ import json
 import time
 
 import torch
+import torch.distributed as dist
 
 from .. import RefitInference, RefitTrainer, recipes
 from . import SRC_DTYPES, WorkerExtension
@@ -75,6 +76,7 @@ class _LoraSlot:
     """One worker's in-place refit of one adapter (see the module docstring)."""
 
     def __init__(self, worker, info: dict):
+        # vLLM is imported only inside its workers: importing this module must not import vLLM
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
         from vllm.lora.lora_model import LoRAModel
         from vllm.lora.peft_helper import PEFTHelper
@@ -122,8 +124,7 @@ class _LoraSlot:
         """Pull ``version``, agree over the TP group, then write every slot view and scale ``lora_B``
         once. Never raises (vLLM's executor stops reading replies at the first failed rank): every
         rank returns its outcome and :func:`refit_lora` raises."""
-        import torch.distributed as dist
-        from vllm.distributed import get_tp_group
+        from vllm.distributed import get_tp_group  # vLLM only inside its workers (module docstring)
 
         t0 = time.perf_counter()
         error = None
