@@ -58,6 +58,8 @@ class TritonreshardInitInfo(WeightTransferInitInfo):
     peer_timeout: float = 10.0
     replica: int = 0   # which replica (engine) these workers are: inference_ranks[replica * tp + tp rank]
     megatron: dict | None = None  # trs.recipes.Megatron's fields: the trainers are Megatron-Core ranks
+    delta: str = "auto"           # cross-host deltas, as the trainers' (tritonreshard.vllm.Trainer(delta=))
+    delta_anchor: int = 64
 
 
 @dataclass
@@ -205,7 +207,8 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         world = len(init_info.trainer_ranks) + len(init_info.inference_ranks)
         self._sub = RefitInference.from_recipe(self.spec, rank=self.rank, world_size=world, store=init_info.store,
                                                mode="shadow", device=self.device, timeout=init_info.timeout,
-                                               peer_timeout=init_info.peer_timeout, group=init_info.group)
+                                               peer_timeout=init_info.peer_timeout, group=init_info.group,
+                                               delta=init_info.delta, delta_anchor=init_info.delta_anchor)
 
     def _check_model(self) -> None:
         """Every recipe destination is a vLLM parameter with the load-format shape the recipe gives
