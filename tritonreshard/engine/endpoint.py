@@ -78,7 +78,9 @@ class RefitStats:
     transfers this rank fetched at set-up (the ones it sends: never another rank's).
     ``cross_host_delta_bytes`` / ``cross_host_dense_bytes``: of ``cross_host_bytes``, the bytes that
     came as deltas / as whole messages; ``cross_host_changed``: the fraction of the elements compared
-    with the receive buffer's base that changed (None when the last refit came whole).
+    with the receive buffer's base that changed (None when the last refit came whole);
+    ``cross_host_encode_s``: a trainer's last cross-host send, seconds spent comparing with its
+    snapshot and encoding the deltas.
     """
 
     pulls: int = 0
@@ -92,6 +94,7 @@ class RefitStats:
     cross_host_delta_bytes: int = 0
     cross_host_dense_bytes: int = 0
     cross_host_changed: float | None = None
+    cross_host_encode_s: float = 0.0
 
 
 class _Rank:
@@ -292,7 +295,9 @@ class _Rank:
             setup_transfers=self._epoch.fetched_transfers,
             cross_host_delta_bytes=relay.delta_bytes if relay is not None else 0,
             cross_host_dense_bytes=relay.dense_bytes if relay is not None else 0,
-            cross_host_changed=relay.changed if relay is not None else None)
+            cross_host_changed=relay.changed if relay is not None else None,
+            cross_host_encode_s=self._trainer.sender.detect_s if self._trainer is not None
+            and self._trainer.sender is not None else 0.0)
 
     # ------------------------------------------------------------------ lifetime
     def _check_open(self, what):
