@@ -72,7 +72,8 @@ class RefitStats:
     ``num_descriptors``: rows of its descriptor table; ``num_copies``: work items per pull (kernel
     launches on the triton backend, coalesced ``copy_`` calls on torch); ``handles_opened``: peer
     buffers mapped (one per peer, never one per tensor); ``staging_bytes``: the most extra memory
-    one pull allocated, as measured, plus the cross-host receive and packing buffers;
+    one pull allocated, as measured, plus the cross-host receive and packing buffers and a sender's
+    snapshot of what it last sent (cross-host deltas);
     ``cross_host_bytes``: bytes this rank received from other hosts in its last refit (summed over
     the ranks: the bytes per refit that crossed between hosts); ``setup_transfers``: cross-host
     transfers this rank fetched at set-up (the ones it sends: never another rank's).

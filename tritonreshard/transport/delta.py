@@ -38,6 +38,7 @@ KINDS = {DENSE: "dense", BITMASK: "bitmask", INDEX32: "index32", GAP16: "gap16"}
 _MAX_GAP = 65535                      # the largest distance one uint16 gap holds
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _SECTION = 8                          # payload sections start at multiples of this
+_GATHER_BITS = 0x0102040810204080     # see encode (BITMASK)
 
 
 def _align(n: int) -> int:
@@ -134,8 +135,9 @@ def encode(new: torch.Tensor, old: torch.Tensor, word: int, *, force_sparse: boo
         nmask = _align(-(-n // 8))
         bits = torch.zeros(nmask * 8, dtype=torch.uint8, device=new.device)
         bits[:n] = mask
-        weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=new.device)
-        payload[:nmask] = (bits.view(-1, 8) * weights).sum(1, dtype=torch.uint8)
+        # Eight 0/1 bytes (an int64, little-endian) -> one byte, first byte lowest bit: the product
+        # gathers byte i into bit 56 + i, with no carries between them.
+        payload[:nmask] = ((bits.view(torch.int64) * _GATHER_BITS) >> 56).to(torch.uint8)
         payload[nmask:].view(wd).copy_(nw[idx])
         return Encoded(BITMASK, sizes[kind], n, word, changed, changed, payload)
     if kind == INDEX32:
