@@ -121,8 +121,12 @@ def encode(new: torch.Tensor, old: torch.Tensor, word: int, *, force_sparse: boo
     nw, ow = new.view(wd), old.view(wd)
     n = nw.numel()
     mask = nw != ow
-    idx = torch.nonzero(mask).view(-1)   # (a bool sum() is slower than this on CPU: it widens to int64)
-    changed = idx.numel()
+    changed = int(torch.count_nonzero(mask))
+    # Every sparse encoding costs at least its values plus 2 bytes an entry or 1 bit a word: when
+    # none of those bounds beats dense, the positions are never compacted.
+    if not force_sparse and min(changed * (word + 2), _align(-(-n // 8)) + changed * word) >= n * word:
+        return Encoded(DENSE, n * word, n, word, changed, changed)
+    idx = torch.nonzero(mask).view(-1)
     # Entries of GAP16: the changed words plus one filler per 65535 words of an unchanged run.
     pos = _gap_positions(idx) if changed else idx
     sizes = encoded_sizes(n, word, changed, pos.numel())
