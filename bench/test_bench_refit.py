@@ -159,3 +159,34 @@ def test_p2p(refit_rows, benchmark, session):
 
 def test_gather_broadcast(refit_rows, benchmark, session):
     assert _bench_method(refit_rows, benchmark, session, "gather_broadcast") > 0
+
+
+# ---------------------------------------------------------------- cross-host deltas
+@pytest.fixture(scope="module")
+def delta_session():
+    """Two simulated hosts, every refit an Adam-sized bf16 update at lr 1e-6 (``bench --update-lr``)."""
+    s = BenchSession(BenchConfig(size=16 * MiB, layout="fsdp-tp", trainers=2, inference=2, hosts=2, timeout=300.0,
+                                 update_lr=1e-6, methods=("tritonreshard",)))
+    yield s
+    leaked = s.close()
+    assert not leaked, f"/dev/shm entries left behind: {leaked}"
+
+
+def test_tritonreshard_cross_host_delta(benchmark, delta_session):
+    """A refit across two hosts that sends only the elements that changed (the first, whole, is the
+    warm-up). ``extra_info``: the cross-host bytes per refit against the model's, and their ratio."""
+    s = delta_session
+    s.refits("tritonreshard", 1)
+    crossed = []
+
+    def one():
+        r = s.refits("tritonreshard", 1, each_stats=True)
+        crossed.append(sum(x["cross_host_bytes"] for x in r["each_stats"][0]))
+        return r["seconds"][0]
+
+    seconds = _rounds(benchmark, one)
+    assert s.verify("tritonreshard"), "destination shards differ from the trainers' last version"
+    ratio = statistics.median(crossed) / s.model_bytes
+    benchmark.extra_info.update({"cross_host_bytes": statistics.median(crossed), "dense_bytes": s.model_bytes,
+                                 "delta_ratio": ratio, "seconds_median": statistics.median(seconds)})
+    assert 0 < ratio <= 0.10, ratio

@@ -85,6 +85,11 @@ def test_bench_rejects_bad_arguments(tmp_path):
     out = subprocess.run([sys.executable, str(script), "--layout", "replicated-sources", "--trainers", "3"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "even --trainers" in out.stderr
+    out = subprocess.run([sys.executable, str(script), "--update-lr", "1e-6"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "needs --hosts >= 2" in out.stderr
+    out = subprocess.run([sys.executable, str(script), "--update-lr", "1e-6,fast", "--hosts", "2"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and "got 'fast'" in out.stderr
 
 
 def test_parse_size_and_model():

@@ -37,8 +37,8 @@ def test_bad_input_fails_before_joining():
     """init_info reports every problem at once; the Trainer rejects its input before it touches the
     store (nothing listens on port 9, so reaching it would fail differently)."""
     with pytest.raises(ValueError) as e:
-        init_info(store="nohost", trainer_ranks=[0, 1], inference_ranks=[1, 2], src_dtype="int8")
-    for part in ("store must be 'host:port'", "src_dtype must be", "overlap"):
+        init_info(store="nohost", trainer_ranks=[0, 1], inference_ranks=[1, 2], src_dtype="int8", delta="fast")
+    for part in ("store must be 'host:port'", "src_dtype must be", "overlap", "delta='fast'"):
         assert part in str(e.value), part
     from transformers import LlamaConfig
 
@@ -49,6 +49,9 @@ def test_bad_input_fails_before_joining():
     with pytest.raises(ValueError, match=r"trainer_ranks=\[0, 1\] and inference_ranks=\[1, 2\] overlap"):
         Trainer(cfg, {"x": torch.zeros(2)}, rank=0, tp=2, trainer_ranks=[0, 1], inference_ranks=[1, 2],
                 store="127.0.0.1:9")
+    with pytest.raises(ValueError, match=r"delta must be one of \['auto', 'off', 'always'\], got delta='on'"):
+        Trainer(cfg, {"x": torch.zeros(2)}, rank=0, tp=2, trainer_ranks=[0, 1], inference_ranks=[2, 3],
+                store="127.0.0.1:9", delta="on")
     with pytest.raises(ValueError, match="hf_to_vllm: .*num_attention_heads=4 is not divisible by tp=3"):
         Trainer(cfg, {"x": torch.zeros(2)}, rank=0, tp=3, trainer_ranks=[0, 1], inference_ranks=[2, 3, 4],
                 store="127.0.0.1:9")

@@ -50,6 +50,7 @@ import torch
 from ..errors import RefitError
 from ..planning import BlockQuant
 from ..recipes import RecipeSpec
+from ..transport import delta_problems
 from . import fsdp as _fsdp
 from .checks import (argument_problems, default_rank, local_destinations, local_parts, local_sources,
                      short)
@@ -71,10 +72,16 @@ class RefitStats:
     ``num_descriptors``: rows of its descriptor table; ``num_copies``: work items per pull (kernel
     launches on the triton backend, coalesced ``copy_`` calls on torch); ``handles_opened``: peer
     buffers mapped (one per peer, never one per tensor); ``staging_bytes``: the most extra memory
-    one pull allocated, as measured, plus the cross-host receive and packing buffers;
+    one pull allocated, as measured, plus the cross-host receive and packing buffers and a sender's
+    snapshot of what it last sent (cross-host deltas);
     ``cross_host_bytes``: bytes this rank received from other hosts in its last refit (summed over
     the ranks: the bytes per refit that crossed between hosts); ``setup_transfers``: cross-host
     transfers this rank fetched at set-up (the ones it sends: never another rank's).
+    ``cross_host_delta_bytes`` / ``cross_host_dense_bytes``: of ``cross_host_bytes``, the bytes that
+    came as deltas / as whole messages; ``cross_host_changed``: the fraction of the elements compared
+    with the receive buffer's base that changed (None when the last refit came whole);
+    ``cross_host_encode_s``: a trainer's last cross-host send, seconds spent comparing with its
+    snapshot and encoding the deltas.
     """
 
     pulls: int = 0
@@ -85,6 +92,10 @@ class RefitStats:
     staging_bytes: int = 0
     cross_host_bytes: int = 0
     setup_transfers: int = 0
+    cross_host_delta_bytes: int = 0
+    cross_host_dense_bytes: int = 0
+    cross_host_changed: float | None = None
+    cross_host_encode_s: float = 0.0
 
 
 class _Rank:
@@ -135,6 +146,11 @@ class _Rank:
         sources: destination side: where source bytes come from, a subclass of
             :class:`~tritonreshard.engine.sources.Sources` (the default: the arenas and relay buffers
             of this host, mapped once and read in place).
+        delta: cross-host transfers only: ``"auto"`` sends each host only the elements that changed
+            since the version its receive buffer holds, when that is smaller (bits compared, exact);
+            ``"off"`` sends every byte every refit; ``"always"`` (tests) a sparse encoding even where
+            whole is smaller. Every rank passes the same (see docs/hosts.md).
+        delta_anchor: a whole cross-host transfer every that many versions (default 64).
     """
 
 
@@ -145,7 +161,7 @@ class _Rank:
                  mode: str = "shadow", device=None, backend: str = "auto", timeout: float = 60.0,
                  peer_timeout: float = 10.0, group: str = "default", epoch: int = 0,
                  host_store: bool | None = None, start_version: int = 0, sources=Sources,
-                 parts=None, quant=None):
+                 parts=None, quant=None, delta: str = "auto", delta_anchor: int = 64):
         self._released = True  # until set-up succeeded far enough to need closing (see close())
         rank, world_size = default_rank(rank, world_size)
         # A fully_shard model brings its layouts, and FSDP2 keeps training on the arena (see fsdp).
@@ -161,6 +177,7 @@ class _Rank:
                if given is not None and side not in roles]
         bad += argument_problems(rank, world_size, mode, backend, src_tensors, src_layouts, dst_layouts, parts,
                                  timeout, peer_timeout, epoch, start_version)
+        bad += delta_problems(delta, delta_anchor)
         if bad:  # nothing to tell the group: these make joining it impossible
             raise ValueError(f"{type(self).__name__}: " + "; ".join(bad))
 
@@ -186,13 +203,14 @@ class _Rank:
                               dict(src_layouts) if src_layouts is not None else None,
                               dict(dst_layouts) if dst_layouts is not None else None, tuple(problems),
                               dst_parts if dst_layouts is not None else None,
-                              dst_quant=dict(quant or {}) if dst_layouts is not None else None)
+                              dst_quant=dict(quant or {}) if dst_layouts is not None else None,
+                              delta=(delta, delta_anchor))
         self._base_store, self._hosts_store = connect(store, rank=rank, world_size=world_size,
                                                       timeout=self.timeout, host_store=host_store)
-        self._trainer = TrainerSide(src_map, params=params, start_version=start_version, fsdp2=fsdp2) \
-            if src_layouts is not None else None
+        self._trainer = TrainerSide(src_map, params=params, start_version=start_version, fsdp2=fsdp2,
+                                    delta=delta, delta_anchor=delta_anchor) if src_layouts is not None else None
         self._inference = InferenceSide(rank, dst_map, device=dst_device, mode=mode, backend=self.backend,
-                                        sources=sources) if dst_layouts is not None else None
+                                        sources=sources, delta=delta) if dst_layouts is not None else None
         self._epoch = Epoch(self._new_group(epoch, self.timeout), trainer=self._trainer, inference=self._inference,
                             device=self.device)
         # From here on every handle and resource is released by close(), also when set-up fails.
@@ -275,7 +293,12 @@ class _Rank:
             handles_opened=sub.sources.handles_opened if sub is not None and sub.sources is not None else 0,
             staging_bytes=sum(side.staging_bytes for side in (self._trainer, inf) if side is not None),
             cross_host_bytes=relay.bytes_received if relay is not None else 0,
-            setup_transfers=self._epoch.fetched_transfers)
+            setup_transfers=self._epoch.fetched_transfers,
+            cross_host_delta_bytes=relay.delta_bytes if relay is not None else 0,
+            cross_host_dense_bytes=relay.dense_bytes if relay is not None else 0,
+            cross_host_changed=relay.changed if relay is not None else None,
+            cross_host_encode_s=self._trainer.sender.detect_s if self._trainer is not None
+            and self._trainer.sender is not None else 0.0)
 
     # ------------------------------------------------------------------ lifetime
     def _check_open(self, what):

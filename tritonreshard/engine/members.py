@@ -41,6 +41,8 @@ class Member:
     dst_digest: str = ""
     #: Digest of ``dst_quant`` (compared on its own: a quantization mismatch is named as such).
     quant_digest: str = ""
+    #: The cross-host deltas this rank joined with: ``(delta, delta_anchor)`` (every rank the same).
+    delta: tuple = ("auto", 64)
 
     def __repr__(self):
         roles = [r for r, on in (("trainer", self.src_layouts is not None),
@@ -155,6 +157,11 @@ def validate_members(members: list[Member], world_size: int) -> GroupInputs:
                     problems.append(f"{side}_layouts[{name!r}]={lay} places shards on rank(s) "
                                     f"{missing}, which did not join as {role} ranks")
         layouts[side] = ref_layouts
+    odd = {m.rank: m.delta for m in members if m.delta != members[0].delta} if members else {}
+    if odd:
+        problems.append(f"rank(s) {sorted(odd)} joined with (delta, delta_anchor) {sorted(set(odd.values()))} but "
+                        f"rank {members[0].rank} has {members[0].delta}: every rank must pass the same delta= "
+                        f"and delta_anchor=")
     hosts = {m.rank: m.host for m in members}
     if problems:
         raise group_error(world_size, problems)

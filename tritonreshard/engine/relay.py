@@ -10,6 +10,13 @@ Per refit the relay thread waits until every rank reading the buffer acked the p
 tells its senders it is ready, waits for their announcements, receives, checks the headers, and
 publishes the version on its control block.
 
+Deltas: the receive buffer is the base of the cross-host deltas (see
+:mod:`~tritonreshard.engine.sender`). The relay's "ready" names the version the buffer holds whole,
+or 0 once it does not: the relay marks the base invalid before any byte of a refit lands and valid
+again only after every byte arrived, the headers matched and the deltas were applied, so a refit
+that fails or is interrupted is followed by a whole one (in a new epoch: a new relay, no base).
+Readers see a version only when it is published, so none is ever served torn.
+
 Failures: a relay that sees a peer die sets its control block's abort word to the dead rank, so the
 ranks reading its buffer raise the same ``PeerDiedError`` (a cross-host rank cannot set an abort
 word itself: see ``Group.check_abort``). Ranks with different host identities never map each
@@ -17,6 +24,7 @@ other's memory: only the route's boxes cross.
 """
 from __future__ import annotations
 
+import json
 import threading
 
 import torch
@@ -36,9 +44,10 @@ class ReceivingRelay:
     Args:
         cross: the epoch's :class:`~tritonreshard.engine.crosshost.CrossHost`. route: this rank's
             route (``receives``, ``buffer_bytes``, ``buffer_readers``). device: of the buffer.
+            delta: as the senders' (the group agreed on it at hello).
     """
 
-    def __init__(self, cross: CrossHost, route: Route, device):
+    def __init__(self, cross: CrossHost, route: Route, device, *, delta: str = "off"):
         group = cross.group
         self.group, self.rank, self.cross, self.route = group, group.rank, cross, route
         self._stop = threading.Event()
@@ -46,6 +55,12 @@ class ReceivingRelay:
         self._buffer = self.control = None
         self.error: BaseException | None = None
         self.bytes_received = 0          # cross-host bytes this rank received in its last refit
+        #: The last refit's bytes received as deltas / whole and the changed fraction of the words
+        #: compared with the base (None when none was: a whole transfer).
+        self.delta_bytes = self.dense_bytes = 0
+        self.changed: float | None = None
+        #: The version the receive buffer holds whole (0: none, or a refit in progress or failed).
+        self.base = 0
         try:
             self._buffer = create_arena(route.buffer_bytes, torch.device(device), secret=group.secret)
             self.control = create_control_block(group.world_size, group.world_size, secret=group.secret)
@@ -55,7 +70,8 @@ class ReceivingRelay:
                     group.liveness.watch(r, self.control)
             self.copy = CrossHostCopy(cross.link, [m for m in route.messages if m.receiver == self.rank],
                                       route.transfers,
-                                      recv_buffer=self._buffer.tensor(0, (route.buffer_bytes,), torch.uint8))
+                                      recv_buffer=self._buffer.tensor(0, (route.buffer_bytes,), torch.uint8),
+                                      delta=delta)
         except BaseException:
             self.close()
             raise
@@ -93,20 +109,30 @@ class ReceivingRelay:
                                 FOREVER, peers=[r for r in readers if r != self.rank],
                                 doorbell=control.doorbell, cancel=self._stop)
                 for s in senders:
-                    cross.signals.send(s, "ready", k)
+                    cross.signals.send(s, "ready", k, str(self.base))
                 cross.wait_signals("sent", senders, k, f"senders {senders} to send refit {k}", self._stop)
-                versions = {s: int(cross.signals.get("sent", s, k)) for s in senders}
+                described = {s: json.loads(cross.signals.get("sent", s, k)) for s in senders}
+                versions = {s: d["v"] for s, d in described.items()}
                 v = versions[senders[0]]
                 if set(versions.values()) != {v} or v <= last:
                     raise RefitError(f"rank {self.rank}: senders announced versions {versions} after "
                                      f"version {last}: they must send one newer version together")
-                cross.transfer(self.copy.start_recvs(), senders, f"the cross-host receives of version {v}",
-                               self._stop)
+                wrong = {s: d["base"] for s, d in described.items() if d["base"] not in (0, self.base)}
+                if wrong:  # never applied to a buffer that does not hold their base
+                    raise RefitError(f"rank {self.rank}: senders {sorted(wrong)} sent deltas against versions "
+                                     f"{wrong}, the receive buffer holds {self.base or 'no whole version'}")
+                self.base = 0   # from the first byte that lands until the last delta is applied
+                cross.transfer(self.copy.start_recvs(described), senders,
+                               f"the cross-host receives of version {v}", self._stop)
                 self.copy.check_headers(v)
+                self.copy.apply()
                 if self._buffer.device.type == "cuda":
                     torch.cuda.current_stream(self._buffer.device).synchronize()
-                self.bytes_received = self.copy.bytes_received_per_refit
-                last = v
+                got = self.copy.last_received
+                self.delta_bytes, self.dense_bytes = got["delta_bytes"], got["dense_bytes"]
+                self.bytes_received = self.delta_bytes + self.dense_bytes
+                self.changed = got["changed"] / got["compared"] if got["compared"] else None
+                self.base = last = v
                 control.publish(v)
         except BaseException as exc:  # readers learn of it through the control block
             if isinstance(exc, RefitError) and self._stop.is_set():

@@ -9,10 +9,22 @@ Per version the sender thread waits until each of its receivers is ready for the
 announces the version, and sends its boxes straight from the arena (``DistLink``: gloo / NCCL
 point-to-point); the arena may change once they completed, so the thread then rings its own
 doorbell, on which the fence sleeps.
+
+Deltas (``delta=``, see :mod:`~tritonreshard.transport.delta`): each receiver's "ready" names the
+version its buffer holds whole (its base, 0 for none). When that is the version this rank last sent
+it, the sender encodes only the words that changed against its snapshot of what it sent, and its
+"sent" signal carries the descriptors (version, base, per message its encoding and size), so the
+receiver posts receives of the right sizes. Anything else (a receiver that skipped a version or lost
+its base, a new epoch: a new sender, whose snapshot is empty; an anchor every ``delta_anchor``
+versions) travels whole. The snapshot is one copy of the bytes this rank sends to other hosts, on
+the arena's device: on CUDA the comparison then runs at device-memory speed with no copy over PCIe,
+and on CPU it is host memory like the arena. It moves on only once the sends completed.
 """
 from __future__ import annotations
 
+import json
 import threading
+import time
 
 import torch
 
@@ -31,14 +43,18 @@ class Sender:
     Args:
         cross: the epoch's :class:`~tritonreshard.engine.crosshost.CrossHost`. route: this rank's
             route (``sends``, ``messages``). arena: the rank's flat arena (``uint8``) and ``shard``:
-            its shards (views into it), for boxes that are not one range of it.
+            its shards (views into it), for boxes that are not one range of it. delta, delta_anchor:
+            see the module docstring.
     """
 
-    def __init__(self, cross: CrossHost, route: Route, *, arena: torch.Tensor, shard: dict):
+    def __init__(self, cross: CrossHost, route: Route, *, arena: torch.Tensor, shard: dict, delta: str = "off",
+                 delta_anchor: int = 64):
         self.group, self.rank, self.cross = cross.group, cross.rank, cross
         self.receivers = list(route.receivers)
         self.copy = CrossHostCopy(cross.link, [m for m in route.messages if m.sender == self.rank],
-                                  route.transfers, arena=arena, shard=shard)
+                                  route.transfers, arena=arena, shard=shard, delta=delta, anchor=delta_anchor)
+        #: The last version's encoding time (seconds: comparing with the snapshot and compacting).
+        self.detect_s = 0.0
         self._stop = threading.Event()
         self._bell = Doorbell()            # rung when a version's sends completed (or failed)
         self._queued: list[int] = []
@@ -48,8 +64,9 @@ class Sender:
 
     @property
     def staging_bytes(self) -> int:
-        """The packing buffer (boxes that are not one range of the arena)."""
-        return self.copy.send_staging_bytes
+        """The packing buffer (boxes that are not one range of the arena) and the snapshot of what
+        this rank last sent (with deltas on)."""
+        return self.copy.send_staging_bytes + self.copy.snapshot_bytes
 
     def start(self) -> None:
         """After set-up: the sender thread starts."""
@@ -88,9 +105,14 @@ class Sender:
                 k += 1
                 cross.wait_signals("ready", receivers, k, f"receivers {receivers} to be ready for version {v}",
                                    self._stop)
+                bases = {r: int(cross.signals.get("ready", r, k)) for r in receivers}
+                t0 = time.perf_counter()
+                described = self.copy.prepare_sends(v, bases)
+                self.detect_s = time.perf_counter() - t0
                 for r in receivers:
-                    cross.signals.send(r, "sent", k, str(v))
+                    cross.signals.send(r, "sent", k, json.dumps(described[r]))
                 cross.transfer(self.copy.start_sends(v), receivers, f"the sends of version {v}", self._stop)
+                self.copy.commit_sends()
                 self._sent_version = v
                 self._bell.ring()
         except BaseException as exc:  # handed to fence(), which raises it in the trainer's thread

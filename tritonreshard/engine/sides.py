@@ -27,10 +27,13 @@ __all__ = ["InferenceSide", "TrainerSide"]
 
 class TrainerSide:
     """A trainer rank's side. ``tensors``: its validated local shards; ``params``: parameters to
-    re-point at the arena; ``fsdp2``: an FSDP2 source, see :class:`SourceArena`."""
+    re-point at the arena; ``fsdp2``: an FSDP2 source, see :class:`SourceArena`; ``delta``,
+    ``delta_anchor``: its cross-host sends' deltas (see :class:`Sender`)."""
 
-    def __init__(self, tensors: dict, *, params=None, start_version: int = 0, fsdp2=None):
+    def __init__(self, tensors: dict, *, params=None, start_version: int = 0, fsdp2=None, delta: str = "auto",
+                 delta_anchor: int = 64):
         self._tensors, self._params, self._start, self._fsdp2 = tensors, params, start_version, fsdp2
+        self._delta = (delta, delta_anchor)
         self.arena: SourceArena | None = None
         self.publisher: Publisher | None = None
         self.sender: Sender | None = None
@@ -52,7 +55,8 @@ class TrainerSide:
     def open_cross_host(self, cross, route: Route) -> tuple:
         """Relays step: the sender, when this rank's route sends. Exports nothing."""
         if route.sends:
-            self.sender = Sender(cross, route, arena=self.arena.flat, shard=self.arena.tensors)
+            self.sender = Sender(cross, route, arena=self.arena.flat, shard=self.arena.tensors,
+                                 delta=self._delta[0], delta_anchor=self._delta[1])
         return ()
 
     def open(self, group: Group, route: Route, exported, *, own) -> None:
@@ -87,10 +91,12 @@ class TrainerSide:
 
 class InferenceSide:
     """An inference rank's side. ``tensors``: given destination tensors (validated); ``device``,
-    ``mode``, ``backend``: as the endpoint's; ``sources``: the :class:`Sources` class to map with."""
+    ``mode``, ``backend``: as the endpoint's; ``sources``: the :class:`Sources` class to map with;
+    ``delta``: its receiving relay's (see :class:`ReceivingRelay`)."""
 
-    def __init__(self, rank: int, tensors: dict, *, device, mode: str, backend: str, sources):
+    def __init__(self, rank: int, tensors: dict, *, device, mode: str, backend: str, sources, delta: str = "auto"):
         self.rank, self._tensors, self.device, self.mode = rank, tensors, device, mode
+        self._delta = delta
         self.backend, self._sources = backend, sources
         self.buffers: ServingBuffers | None = None
         self.relay: ReceivingRelay | None = None
@@ -114,7 +120,7 @@ class InferenceSide:
     def open_cross_host(self, cross, route: Route) -> tuple:
         """Relays step: the receiving relay, when this rank's route receives; its buffer's handles."""
         if route.receives:
-            self.relay = ReceivingRelay(cross, route, self.device)
+            self.relay = ReceivingRelay(cross, route, self.device, delta=self._delta)
             return self.relay.exported
         return ()
 

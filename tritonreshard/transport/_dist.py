@@ -15,6 +15,17 @@ store under its own prefix, so it neither needs nor disturbs a default process g
   ``wait(pending)`` checks every header names ``version``. Ranks on the receiver's host then read
   the buffer through the ordinary arena path.
 
+Deltas (``delta="auto"`` / ``"always"``, :mod:`~tritonreshard.transport.delta`): the sender keeps a
+snapshot of the bytes it last sent in each message, and ``prepare_sends(version, bases)`` encodes
+each message to a receiver whose buffer holds exactly that last version (its *base*) as only the
+words that changed; any other receiver (no base, another base, an anchor due every ``anchor``
+versions) gets the message whole. The descriptors it returns travel ahead of the bytes (the engine
+sends them with its "sent" signal), so the receiver posts receives of the right sizes:
+``start_recvs(described)`` receives dense messages straight into its buffer and sparse ones into
+payloads of their own, and ``apply()`` writes those into the buffer once every byte arrived and the
+headers (version, base, bytes) matched. ``commit_sends()`` moves the snapshot on after the sends
+completed.
+
 Failures: a peer that dies closes its connections, so a pending send or receive fails at once and
 becomes :class:`PeerDiedError` naming that peer; a silent peer is bounded by ``timeout`` (the process
 group's timeout too). A link whose exchange failed is broken: later exchanges raise at once, since
@@ -32,11 +43,24 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PeerDiedError
+from . import delta as dc
 from .wait import Doorbell, wait_until
 
-__all__ = ["DistLink", "CrossHostCopy", "PendingExchange", "LinkError"]
+__all__ = ["DistLink", "CrossHostCopy", "PendingExchange", "LinkError", "DELTA_MODES", "delta_problems"]
 
-_HEADER_WORDS = 2   # (version, message bytes) per (sender, receiver) pair and refit
+
+def delta_problems(delta, anchor) -> list[str]:
+    """Problems of a ``delta=`` / ``delta_anchor=`` pair (empty when both are valid)."""
+    out = []
+    if not isinstance(delta, str) or delta not in DELTA_MODES:
+        out.append(f"delta must be one of {list(DELTA_MODES)}, got delta={delta!r}")
+    if isinstance(anchor, bool) or not isinstance(anchor, int) or anchor < 1:
+        out.append(f"delta_anchor must be an int >= 1 (a whole transfer every that many versions), "
+                   f"got delta_anchor={anchor!r}")
+    return out
+
+_HEADER_WORDS = 3   # (version, base version, bytes) per (sender, receiver) pair and refit (base 0: whole)
+DELTA_MODES = ("auto", "off", "always")
 
 
 class LinkError(RuntimeError):
@@ -202,13 +226,17 @@ class CrossHostCopy:
             the boxes that are not one range of it.
         recv_buffer: receiver side: this rank's receive buffer, a flat ``uint8`` tensor of
             ``host_plan.buffer_bytes[rank]`` bytes.
+        delta: ``"off"`` (every message whole), ``"auto"`` (per message the smallest encoding of
+            :mod:`~tritonreshard.transport.delta`, dense included) or ``"always"`` (tests: a sparse
+            encoding even where dense is smaller). anchor: a whole transfer every that many versions.
 
     ``send_staging_bytes`` is the packing buffer this rank allocated (0 when every box it sends is
     one range of its arena).
     """
 
     def __init__(self, link: DistLink, messages, transfers, *, arena: torch.Tensor | None = None,
-                 shard: Mapping[str, torch.Tensor] | None = None, recv_buffer: torch.Tensor | None = None):
+                 shard: Mapping[str, torch.Tensor] | None = None, recv_buffer: torch.Tensor | None = None,
+                 delta: str = "off", anchor: int = 64):
         rank = link.rank
         self.link = link
         self._sends = [m for m in messages if m.sender == rank]
@@ -232,8 +260,10 @@ class CrossHostCopy:
             if over:
                 problems.append(f"arena has {arena.numel()} bytes; message(s) read up to "
                                 f"{max(m.src_offset + m.nbytes for m in over)}")
+        problems += delta_problems(delta, anchor)
         if problems:
             raise ValueError("CrossHostCopy: " + "; ".join(problems))
+        self.delta, self.anchor = delta, anchor
 
         # Sender: one view per message, straight into the arena or into the packing buffer.
         packed = [m for m in self._sends if m.src_offset is None]
@@ -263,6 +293,23 @@ class CrossHostCopy:
         self._headers_out = {p: torch.zeros(_HEADER_WORDS, dtype=torch.int64, device=link.device)
                              for p in self.receivers}
 
+        # Deltas: each message compared in words of its elements' width (bits, not values).
+        def word(m):
+            return dc.word_size(*(transfers[i].dtype.itemsize for i in m.transfers), m.nbytes, m.recv_offset,
+                                m.src_offset or 0)
+        self._send_word = [word(m) for m in self._sends]
+        self._recv_word = [word(m) for m in self._recvs]
+        self._snap: torch.Tensor | None = None      # sender: what it last sent, allocated at the first delta
+        self._snap_views: list[torch.Tensor] = []
+        self._last_sent = {p: 0 for p in self.receivers}   # the version the snapshot holds for p's messages
+        self._deltas = {p: 0 for p in self.receivers}      # deltas to p since its last whole transfer
+        self._out: tuple | None = None             # (version, {receiver: descriptor}, [Encoded per message])
+        self._in: tuple | None = None              # (version, {sender: descriptor}, [payload or None])
+        #: Receiver, after ``apply()``: what its last refit received. ``delta_bytes`` / ``dense_bytes``:
+        #: bytes received as sparse encodings / whole messages; ``changed`` / ``compared``: words
+        #: that changed among the words compared with the base (the whole ones were not).
+        self.last_received = {"delta_bytes": 0, "dense_bytes": 0, "changed": 0, "compared": 0}
+
     @property
     def bytes_sent_per_refit(self) -> int:
         return sum(self._send_bytes.values())
@@ -275,40 +322,160 @@ class CrossHostCopy:
     def num_messages(self) -> int:
         return len(self._sends) + len(self._recvs)
 
-    def start_sends(self, version: int) -> PendingExchange | None:
-        """Sender, right after publishing ``version``: pack, then post the header and data messages
-        to every receiver. None when this rank sends nothing."""
-        if not self._sends:
-            return None
+    @property
+    def snapshot_bytes(self) -> int:
+        """The sender's snapshot of what it last sent (0 until its first transfer with deltas on)."""
+        return self._snap.numel() if self._snap is not None else 0
+
+    def prepare_sends(self, version: int, bases: Mapping[int, int] | None = None) -> dict[int, dict]:
+        """Sender, after publishing ``version``: pack, then encode each receiver's messages.
+
+        ``bases``: ``{receiver: the version its buffer holds whole}`` (0: none). A receiver whose
+        base is the version this rank last sent it, with deltas on and no anchor due, gets deltas
+        against the snapshot; any other gets its messages whole. Returns ``{receiver: descriptor}``
+        (JSON-able: ``v``, ``base`` (0: whole), ``enc``: ``[kind, bytes, entries, changed, words]``
+        per message, ``changed`` -1 where nothing was compared), for the receiver's ``start_recvs``.
+        """
+        bases = bases or {}
         for src, dst in self._pack_jobs:
             dst.copy_(src)
         if self.link.device.type == "cuda":
             torch.cuda.current_stream(self.link.device).synchronize()  # data before NCCL reads it
+        use = {p: self.delta != "off" and bases.get(p, 0) > 0 and bases[p] == self._last_sent[p]
+               and self._deltas[p] + 1 < self.anchor for p in self.receivers}
+        encs = []
+        for i, (p, view) in enumerate(self._send_views):
+            w = self._send_word[i]
+            if use[p]:
+                encs.append(dc.encode(view, self._snap_views[i], w, force_sparse=self.delta == "always"))
+            else:
+                encs.append(dc.Encoded(dc.DENSE, view.numel(), view.numel() // w, w, -1))
+        if self.link.device.type == "cuda":
+            torch.cuda.current_stream(self.link.device).synchronize()  # payloads before NCCL reads them
+        out = {p: {"v": version, "base": bases[p] if use[p] else 0, "enc": []} for p in self.receivers}
+        for (p, _), e in zip(self._send_views, encs):
+            out[p]["enc"].append([e.kind, e.nbytes, e.entries, e.changed, e.words])
+        self._out = (version, out, encs)
+        return out
+
+    def start_sends(self, version: int) -> PendingExchange | None:
+        """Sender, right after publishing ``version`` (and ``prepare_sends``; without it, every
+        message travels whole): post the header and data messages to every receiver. None when
+        this rank sends nothing."""
+        if not self._sends:
+            return None
+        if self._out is None or self._out[0] != version:
+            self.prepare_sends(version)
+        _, described, encs = self._out
         sends = []
         for p in self.receivers:
             h = self._headers_out[p]
-            h[0], h[1] = version, self._send_bytes[p]
+            d = described[p]
+            h[0], h[1], h[2] = version, d["base"], sum(e[1] for e in d["enc"])
             sends.append((p, h))
-        sends += self._send_views
+        for (p, view), e in zip(self._send_views, encs):
+            if e.nbytes:
+                sends.append((p, view if e.kind == dc.DENSE else e.payload))
         return self.link.post(sends, [])
 
-    def start_recvs(self) -> PendingExchange | None:
-        """Receiver: post the header and data receives from every sender. None when none."""
+    def commit_sends(self) -> None:
+        """Sender, once the sends of the prepared version completed (the receivers hold it): the
+        snapshot becomes that version (a whole message is copied, a delta applied to it, as the
+        receiver did). With ``delta="off"`` there is no snapshot."""
+        if self._out is None:
+            return
+        version, described, encs = self._out
+        self._out = None
+        if self.delta == "off":
+            return
+        if self._snap is None:
+            self._snap = torch.empty(sum(v.numel() for _, v in self._send_views), dtype=torch.uint8,
+                                     device=self.link.device)
+            pos = 0
+            for _, v in self._send_views:
+                self._snap_views.append(self._snap[pos:pos + v.numel()])
+                pos += v.numel()
+        for (p, view), snap, e in zip(self._send_views, self._snap_views, encs):
+            if e.kind == dc.DENSE:
+                snap.copy_(view)
+            else:
+                dc.decode(e.kind, e.payload, snap, e.word, e.entries)
+        for p in self.receivers:
+            self._last_sent[p] = version
+            self._deltas[p] = self._deltas[p] + 1 if described[p]["base"] else 0
+
+    def start_recvs(self, described: Mapping[int, dict] | None = None) -> PendingExchange | None:
+        """Receiver: post the header and data receives from every sender. ``described``:
+        ``{sender: its prepare_sends descriptor for this rank}`` (None: every message whole).
+        Whole messages land in the buffer; sparse ones in payloads of their own, written into the
+        buffer by :meth:`apply`, so a transfer that fails leaves the buffer's untouched parts as
+        they were. None when this rank receives nothing."""
         if not self._recvs:
             return None
-        recvs = [(p, self._headers_in[p]) for p in self.senders] + self._recv_views
+        described = described or {}
+        problems = []
+        for p in self.senders:
+            d = described.get(p)
+            n = sum(1 for m in self._recvs if m.sender == p)
+            if d is not None and len(d["enc"]) != n:
+                problems.append(f"sender {p} described {len(d['enc'])} messages, this rank receives {n}")
+        if problems:
+            self.link.broken = "bad descriptors"
+            raise RuntimeError(f"rank {self.link.rank}: " + "; ".join(problems))
+        nth = {p: iter(described[p]["enc"]) if p in described else None for p in self.senders}
+        payloads, recvs = [], [(p, self._headers_in[p]) for p in self.senders]
+        for i, (p, view) in enumerate(self._recv_views):
+            w = self._recv_word[i]
+            e = next(nth[p]) if nth[p] is not None else [dc.DENSE, view.numel(), 0, -1, view.numel() // w]
+            kind, nbytes = int(e[0]), int(e[1])
+            if kind == dc.DENSE:
+                if nbytes != view.numel():
+                    self.link.broken = "bad descriptors"
+                    raise RuntimeError(f"rank {self.link.rank}: sender {p} described a whole message of "
+                                       f"{nbytes} bytes, this rank expects {view.numel()}")
+                payloads.append(None)
+                recvs.append((p, view))
+            else:
+                buf = torch.empty(nbytes, dtype=torch.uint8, device=self.link.device)
+                payloads.append(buf)
+                if nbytes:
+                    recvs.append((p, buf))
+        self._in = ({p: described.get(p) for p in self.senders}, payloads)
         return self.link.post([], recvs)
 
     def check_headers(self, version: int) -> None:
-        """Receiver, after the receives completed: every sender sent ``version`` and the bytes
-        this rank expected. Raises ``RuntimeError`` (a protocol mismatch, never silently accepted)."""
-        bad = {}
+        """Receiver, after the receives completed: every sender sent ``version`` against the
+        base it described, and the bytes it described. Raises ``RuntimeError`` (a protocol
+        mismatch, never silently accepted)."""
+        described = self._in[0] if self._in is not None else {}
+        bad, want = {}, {}
         for p in self.senders:
-            v, n = (int(x) for x in self._headers_in[p].tolist())
-            if (v, n) != (version, self._recv_bytes[p]):
-                bad[p] = (v, n)
+            d = described.get(p)
+            expect = (version, d["base"], sum(int(e[1]) for e in d["enc"])) if d else (version, 0, self._recv_bytes[p])
+            got = tuple(int(x) for x in self._headers_in[p].tolist())
+            if got != expect:
+                bad[p], want[p] = got, expect
         if bad:
-            want = {p: (version, self._recv_bytes[p]) for p in bad}
             self.link.broken = f"header mismatch {bad}"
-            raise RuntimeError(f"rank {self.link.rank}: cross-host headers (version, bytes) {bad} != expected "
-                               f"{want}: sender and receiver disagree on the refit")
+            self._in = None
+            raise RuntimeError(f"rank {self.link.rank}: cross-host headers (version, base, bytes) {bad} != "
+                               f"expected {want}: sender and receiver disagree on the refit")
+
+    def apply(self) -> None:
+        """Receiver, after ``check_headers``: write the sparse payloads into the buffer (the base
+        they were encoded against) and tally :attr:`last_received`."""
+        described, payloads = self._in if self._in is not None else ({}, [None] * len(self._recvs))
+        self._in = None
+        nth = {p: iter(d["enc"]) if d else None for p, d in described.items()}
+        tally = {"delta_bytes": 0, "dense_bytes": 0, "changed": 0, "compared": 0}
+        for i, ((p, view), payload) in enumerate(zip(self._recv_views, payloads)):
+            e = next(nth[p]) if nth.get(p) is not None else None
+            if payload is None:
+                tally["dense_bytes"] += view.numel()
+            else:
+                dc.decode(int(e[0]), payload, view, self._recv_word[i], int(e[2]))
+                tally["delta_bytes"] += payload.numel()
+            if e is not None and int(e[3]) >= 0:
+                tally["changed"] += int(e[3])
+                tally["compared"] += int(e[4])
+        self.last_received = tally

@@ -39,6 +39,7 @@ from types import MappingProxyType
 import torch
 
 from .. import Layout, RefitTrainer, recipes
+from ..transport import delta_problems
 
 __all__ = ["Trainer", "WorkerExtension", "init_info", "register", "BACKEND", "WORKER_EXTENSION", "SRC_DTYPES"]
 
@@ -99,7 +100,7 @@ class WorkerExtension:
 
 def init_info(*, store: str, trainer_ranks, inference_ranks, src_dtype: str = "float32", group: str = "vllm",
               timeout: float = 60.0, peer_timeout: float = 10.0, replica: int = 0, megatron=None,
-              prefetch: bool = True) -> dict:
+              prefetch: bool = True, delta: str = "auto", delta_anchor: int = 64) -> dict:
     """The plain dict to pass to ``init_weight_transfer_engine``. ``store``: ``"host:port"`` of the
     refit group's TCPStore (trainer rank 0 hosts it); ``inference_ranks``: the global ranks of every
     replica's TP ranks in the refit group, replica after replica (``inference_ranks[i]`` is TP rank
@@ -110,8 +111,10 @@ def init_info(*, store: str, trainer_ranks, inference_ranks, src_dtype: str = "f
     Megatron-Core ranks, ``trainer_ranks`` in Megatron rank order) is given; it crosses as a dict.
     ``prefetch``: each worker pulls every published version in the background into its spare
     buffer set, so ``update_weights`` only applies it (False: the pull runs inside
-    ``update_weights``, and the trainers' ``fence()`` waits for it; see docs/vllm.md)."""
-    problems = []
+    ``update_weights``, and the trainers' ``fence()`` waits for it; see docs/vllm.md).
+    ``delta``, ``delta_anchor``: the cross-host deltas, the same as the trainers' (``Trainer(delta=)``;
+    see :class:`~tritonreshard.RefitEndpoint`)."""
+    problems = list(delta_problems(delta, delta_anchor))
     if megatron is not None and not isinstance(megatron, recipes.Megatron):
         problems.append(f"megatron must be a trs.recipes.Megatron or None, got megatron={megatron!r}")
     trainer_ranks, inference_ranks = [int(r) for r in trainer_ranks], [int(r) for r in inference_ranks]
@@ -130,7 +133,8 @@ def init_info(*, store: str, trainer_ranks, inference_ranks, src_dtype: str = "f
     return {"store": store, "trainer_ranks": trainer_ranks, "inference_ranks": inference_ranks,
             "src_dtype": src_dtype, "group": group,
             "timeout": float(timeout), "peer_timeout": float(peer_timeout), "replica": replica,
-            "megatron": None if megatron is None else dataclasses.asdict(megatron), "prefetch": prefetch}
+            "megatron": None if megatron is None else dataclasses.asdict(megatron), "prefetch": prefetch,
+            "delta": delta, "delta_anchor": delta_anchor}
 
 
 class Trainer(RefitTrainer):

@@ -77,6 +77,8 @@ class TritonreshardInitInfo(WeightTransferInitInfo):
     replica: int = 0   # which replica (engine) these workers are: inference_ranks[replica * tp + tp rank]
     megatron: dict | None = None  # trs.recipes.Megatron's fields: the trainers are Megatron-Core ranks
     prefetch: bool = True  # pull each published version in the background (see the module docstring)
+    delta: str = "auto"           # cross-host deltas, as the trainers' (tritonreshard.vllm.Trainer(delta=))
+    delta_anchor: int = 64
 
 
 @dataclass
@@ -250,7 +252,8 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         self._sub = RefitInference.from_recipe(self.spec, rank=self.rank, world_size=world, store=init_info.store,
                                                mode="shadow" if init_info.prefetch else "inplace",
                                                device=self.device, timeout=init_info.timeout,
-                                               peer_timeout=init_info.peer_timeout, group=init_info.group)
+                                               peer_timeout=init_info.peer_timeout, group=init_info.group,
+                                               delta=init_info.delta, delta_anchor=init_info.delta_anchor)
         # What the refit costs in memory on this rank, beyond vLLM's own weights (docs/vllm.md).
         self.buffer_sets = 2 if init_info.prefetch else 1
         self.buffer_bytes = sum(lay.local_numel(self.rank) * lay.itemsize for lay in self.spec.dst.values())

@@ -49,6 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="simulate N hosts on this machine (a TRITONRESHARD_HOST per rank): trainers on "
                              "host 0, inference ranks spread over hosts 1..N-1; the JSON adds cross_host_bytes "
                              "per method (default 1: every rank on this host)")
+    parser.add_argument("--update-lr", default=None, metavar="LR[,LR...]",
+                        help="instead: cross-host deltas with --hosts >= 2: every refit an Adam-sized bf16 update "
+                             "of this learning rate ('random': every element changes), each rate run with "
+                             "delta off and auto; prints the changed fraction, cross-host bytes, refit time and "
+                             "detection cost (see tritonreshard.apps.bench.deltas)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
     parser.add_argument("--quantize", choices=("fp8-block", "fp8-block-ue8m0"), default=None,
                         help="instead: the fused FP8 refit vs the bf16 refit vs bf16 refit + torch quantize, "
@@ -66,6 +71,9 @@ def _config(args) -> BenchConfig:
 
 def run(args: argparse.Namespace) -> int:
     """Runs the bench; returns the exit code (0: measured and every method verified)."""
+    if args.update_lr is not None:
+        from .deltas import run_cli as run_deltas_cli  # lazy, as below
+        return run_deltas_cli(args)
     if args.quantize:
         # Lazy, like every import below: they load torch (and Triton), which parsing the command
         # line, --help and the argument checks never need.

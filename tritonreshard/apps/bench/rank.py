@@ -26,6 +26,7 @@ from .baselines import P2P, GatherBroadcast, bcast_set, gather_set
 from .config import BenchConfig
 from .model import build_model, layouts
 from .provenance import check_bits, fill_bits, key16
+from .updates import AdamShard, expected_shard
 
 __all__ = ["Rank", "rank_main"]
 
@@ -71,6 +72,7 @@ class Rank:
         # The trainers' version-0 bits go straight into the arena (the endpoint copies them in
         # once); from then on each refit moves the arena to the next version in place.
         initial = None
+        self.adam = {}   # --update-lr: each shard's master weights and update signs
         if self.is_src:
             initial = {}
             for t in self.model:
@@ -78,11 +80,15 @@ class Rank:
                 if rank not in lay.ranks:  # megatron-tp-pp: another pipeline stage's tensor
                     continue
                 initial[t.name] = torch.empty(lay.local_shape(rank), dtype=torch.bfloat16, device=self.device)
-                fill_bits(initial[t.name], lay, rank, t.name)
+                if cfg.update_lr is not None:
+                    self.adam[t.name] = AdamShard(lay, rank, t.name, cfg.update_lr, self.device)
+                    self.adam[t.name].write(initial[t.name], 0)
+                else:
+                    fill_bits(initial[t.name], lay, rank, t.name)
         self.ep = RefitEndpoint(rank=rank, world_size=cfg.world_size, store=dist.PrefixStore("refit", store),
                                 src_tensors=initial, src_layouts=self.src_layouts if self.is_src else None,
                                 dst_layouts=self.dst_layouts if self.is_dst else None, mode=cfg.mode,
-                                device=self.device, backend=cfg.backend, timeout=cfg.timeout)
+                                device=self.device, backend=cfg.backend, timeout=cfg.timeout, delta=cfg.delta)
         del initial
         self.plan = self.ep.plan  # the same plan every rank derived (no second planning pass)
         self.src = self.ep.source_tensors if self.is_src else {}
@@ -118,7 +124,10 @@ class Rank:
             if self.ep.published:
                 self.ep.fence()  # readers of the previous version are done with the arena
             for name in self.src:
-                self.src[name].view(torch.int16).bitwise_xor_(delta)
+                if self.adam:
+                    self.adam[name].write(self.src[name], self.version)
+                else:
+                    self.src[name].view(torch.int16).bitwise_xor_(delta)
         self._sync()
         self._barrier()
         t0 = time.monotonic()
@@ -155,6 +164,13 @@ class Rank:
         refit of that method, bit for bit (one pass of the hash serves every method)."""
         if not self.is_dst:
             return {m: True for m in methods}
+        if self.cfg.update_lr is not None:   # the engine alone (BenchConfig.problems)
+            good = "tritonreshard" in self.last and all(
+                torch.equal(self.ep.tensors[t.name].cpu().view(torch.int16),
+                            expected_shard(self.dst_layouts[t.name], self.rank, t.name, self.cfg.update_lr,
+                                           self.last["tritonreshard"]).view(torch.int16))
+                for t in self.model)
+            return {m: good for m in methods}
         ok = {m: m in self.last for m in methods}
         checked = [m for m in methods if ok[m]]
         sets = {m: self.ep.tensors if m == "tritonreshard" else self.bufs[m] for m in checked}
@@ -167,8 +183,11 @@ class Rank:
 
     def stats(self) -> dict:
         """Measured after refits: the most extra memory one of this rank's pulls allocated."""
-        return {"rank": self.rank, "staging_bytes": int(self.ep.stats.staging_bytes),
-                "cross_host_bytes": int(self.ep.stats.cross_host_bytes), "egress_bytes": self._egress()}
+        s = self.ep.stats
+        return {"rank": self.rank, "staging_bytes": int(s.staging_bytes),
+                "cross_host_bytes": int(s.cross_host_bytes), "egress_bytes": self._egress(),
+                "delta_bytes": int(s.cross_host_delta_bytes), "dense_bytes": int(s.cross_host_dense_bytes),
+                "changed": s.cross_host_changed, "encode_s": float(s.cross_host_encode_s)}
 
     def _egress(self) -> int:
         """Source bytes this trainer serves per refit, as its route moves them: read from its arena
@@ -225,14 +244,18 @@ def _refits(r: Rank, cmd: dict, bstore) -> dict:
     """One ``refit`` command, on every rank (collective): ``count`` timed refits, then the
     verification and the engine's statistics if asked for. Rank 0 counts progress."""
     world = r.cfg.world_size
-    secs, pulls, coords = [], [], []
+    secs, pulls, coords, each = [], [], [], []
     for _ in range(cmd["count"]):
         secs.append(r.refit(cmd["method"]))
         pulls.append(r.last_pull_max)
         coords.append(r.last_coordination)
+        if cmd.get("each_stats"):   # untimed: after the refit's clock stopped
+            stats = [None] * world
+            dist.all_gather_object(stats, r.stats(), group=r.cpu_group)
+            each.append(stats)
         if r.rank == 0:
             bstore.add("progress", 1)
-    result = {"seconds": secs, "pull_seconds_max": pulls, "coordination_seconds": coords}
+    result = {"seconds": secs, "pull_seconds_max": pulls, "coordination_seconds": coords, "each_stats": each}
     if cmd.get("verify"):
         methods = cmd.get("verify_methods") or [cmd["method"]]
         oks = [None] * world

@@ -120,11 +120,13 @@ class BenchSession:
         return json.loads(self._bstore.get(key))
 
     # -- measurements ------------------------------------------------------------------------
-    def refits(self, method: str, count: int = 1, verify: bool = False) -> dict:
-        """Runs ``count`` refits by ``method``; returns ``{"seconds": [...], "verified": bool?}``."""
+    def refits(self, method: str, count: int = 1, verify: bool = False, each_stats: bool = False) -> dict:
+        """Runs ``count`` refits by ``method``; returns ``{"seconds": [...], "verified": bool?}``;
+        ``each_stats``: also every rank's statistics after each refit (``"each_stats"``)."""
         if method not in self.cfg.worker_methods:
             raise ValueError(f"method={method!r} must be one of the configured {self.cfg.worker_methods}")
-        return self._command({"op": "refit", "method": method, "count": int(count), "verify": bool(verify)})
+        return self._command({"op": "refit", "method": method, "count": int(count), "verify": bool(verify),
+                              "each_stats": bool(each_stats)})
 
     def verify(self, method: str) -> bool:
         """Whether every inference rank holds ``method``'s last refit, bit for bit."""

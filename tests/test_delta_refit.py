@@ -1,0 +1,294 @@
+"""Cross-host delta refits: only the elements that changed cross hosts, exactly, with no torn version.
+
+Hosts are simulated with ``TRITONRESHARD_HOST`` (as in test_multihost). The weights are bf16 with
+std 0.02 and every version is an Adam-sized step (1e-6 per element, the sign random), as in RL
+fine-tuning: about 2% of the bf16 elements change per version. A float32 tensor cycles through
+bit patterns that value comparisons get wrong (NaN payloads, -0.0, subnormals). Every check
+compares bits.
+"""
+import datetime
+import gc
+import json
+import os
+import queue
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import tritonreshard as trs
+from tritonreshard import Layout, Replicate, Shard
+from tritonreshard.planning import plan_hosts, plan_messages
+from tritonreshard.transport import CrossHostCopy, DistLink
+
+from _faults import our_fds, our_maps
+from _mp import _entry, free_port, run_ranks
+
+pytestmark = pytest.mark.timeout(300)
+
+TRAINERS, INFERENCE, WORLD = (0, 1), (2, 3), 4
+HOSTS = {0: "a", 1: "a", 2: "b", 3: "b"}
+SRC = {"w": Layout((64, 96), TRAINERS, [Shard(0)], torch.bfloat16),
+       "v": Layout((40, 32), TRAINERS, [Shard(0)], torch.bfloat16),
+       "odd": Layout((6, 4), TRAINERS, [Shard(0)], torch.float32)}
+DST = {"w": Layout((64, 96), INFERENCE, [Replicate()], torch.bfloat16),
+       "v": Layout((40, 32), INFERENCE, [Shard(1)], torch.bfloat16),
+       "odd": Layout((6, 4), INFERENCE, [Replicate()], torch.float32)}
+MODEL = sum(lay.numel * lay.itemsize for lay in SRC.values())   # each byte crosses once (host b)
+_ODD = [0x00000000, 0x80000000, 0x7FC00001, 0x7FC00002, 0x00000001, 0x00000002, 0xFFC00003, 0x3F800000]
+
+
+def full(name: str, v: int) -> torch.Tensor:
+    """The global tensor ``name`` at version ``v``: bf16 weights after ``v - 1`` Adam-sized steps
+    (replayed, so every process derives the same bits), or a float32 tensor of special bit patterns."""
+    lay = SRC[name]
+    if name == "odd":
+        i = torch.arange(lay.numel, dtype=torch.int64)
+        words = torch.tensor(_ODD, dtype=torch.int64)[(i + (i % 3 == 0) * v) % len(_ODD)]
+        return words.to(torch.int32).view(torch.float32).reshape(lay.shape)
+    g = torch.Generator().manual_seed({"w": 1, "v": 2}[name])
+    w = (torch.randn(lay.shape, generator=g) * 0.02).to(torch.bfloat16)
+    for step in range(2, v + 1):
+        g = torch.Generator().manual_seed(1000 * step + len(name))
+        w = (w.float() - 1e-6 * torch.sign(torch.randn(lay.shape, generator=g))).to(torch.bfloat16)
+    return w
+
+
+def _bits(t):
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def _check(ep, rank, v):
+    for n, t in ep.tensors.items():
+        want = DST[n].shard(full(n, v), rank)
+        assert torch.equal(_bits(t), _bits(want)), (rank, n, v)
+
+
+# ---------------------------------------------------------------- the engine, Adam-sized steps
+def _worker(rank, port, versions, anchor):
+    os.environ["TRITONRESHARD_HOST"] = HOSTS[rank]
+    torch.set_num_threads(1)
+    kw = dict(rank=rank, world_size=WORLD, store=f"127.0.0.1:{port}", timeout=60, delta_anchor=anchor)
+    out = []
+    if rank in TRAINERS:
+        with trs.RefitTrainer({n: lay.shard(full(n, 1), rank) for n, lay in SRC.items()}, SRC, **kw) as tr:
+            for v in range(1, versions + 1):
+                tr.fence()
+                for n, t in tr.tensors.items():
+                    t.copy_(SRC[n].shard(full(n, v), rank))
+                tr.publish()
+            tr.fence()
+            out.append(tr.stats.staging_bytes)
+        return out
+    with trs.RefitInference(DST, **kw) as ep:
+        for v in range(1, versions + 1):
+            assert ep.pull() == v
+            _check(ep, rank, v)
+            s = ep.stats
+            out.append((s.cross_host_bytes, s.cross_host_delta_bytes, s.cross_host_dense_bytes, s.cross_host_changed))
+    return out
+
+
+def test_adam_sized_bf16_steps_cross_as_exact_deltas():
+    versions, anchor = 5, 4
+    res = run_ranks(_worker, WORLD, args=(free_port(), versions, anchor), timeout=240)
+    for v in range(versions):
+        got = [res[r][v] for r in INFERENCE]
+        crossed = sum(g[0] for g in got)
+        assert crossed == sum(g[1] + g[2] for g in got)
+        if v in (0, anchor):   # the first version, and the anchor after anchor - 1 deltas: whole
+            assert crossed == MODEL and all(g[1] == 0 and g[3] is None for g in got), (v, got)
+        else:                  # about 2% changed: at most 10% of the dense bytes cross
+            assert all(g[2] == 0 and 0.005 < g[3] < 0.2 for g in got), (v, got)
+            assert 0 < crossed <= 0.10 * MODEL, (v, crossed, MODEL)
+    # The snapshot of what each trainer sent: one copy of its cross-host bytes (plus no packing here).
+    assert sum(res[r][0] for r in TRAINERS) == MODEL
+
+
+# ---------------------------------------------------------------- the wire: base versions decide
+def _wire(rank, port, steps, anchor):
+    os.environ["TRITONRESHARD_HOST"] = "ab"[rank]
+    src = {"w": Layout((16, 64), [0], [Replicate()], torch.bfloat16)}
+    dst = {"w": Layout((16, 64), [1], [Replicate()], torch.bfloat16)}
+    plan = trs.plan_reshard(src, dst)
+    hp = plan_hosts(plan, {0: "a", 1: "b"}, src_offsets={(0, "w"): 0})
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=30))
+    link = DistLink(store, rank=rank, world_size=2, timeout=20.0, prefix="delta-wire/")
+    arena = torch.zeros(16 * 64 * 2, dtype=torch.uint8)
+    recv = torch.full((hp.buffer_bytes.get(1, 0),), 0xA5, dtype=torch.uint8)
+    copy = CrossHostCopy(link, plan_messages(hp, {(0, "w"): 0}), hp.transfers,
+                         arena=arena if rank == 0 else None, shard={"w": arena.view(torch.bfloat16).view(16, 64)},
+                         recv_buffer=recv if rank == 1 else None, delta="auto", anchor=anchor)
+    seen = []
+    first = (torch.randn(16, 64, generator=torch.Generator().manual_seed(7)) * 0.02).to(torch.bfloat16)
+    for v, base in steps:
+        w = first.clone()
+        w.view(-1)[:3 * v] = v              # version v changes 3 elements of version v - 1
+        if rank == 0:
+            arena.view(torch.bfloat16).copy_(w.view(-1))
+            d = copy.prepare_sends(v, {1: base})
+            store.set(f"d/{v}", json.dumps(d[1]))
+            copy.start_sends(v).wait()
+            copy.commit_sends()
+            seen.append(d[1]["base"])
+        else:
+            d = json.loads(store.get(f"d/{v}"))
+            copy.start_recvs({0: d}).wait()
+            copy.check_headers(v)
+            copy.apply()
+            assert torch.equal(recv[:arena.numel()], _bits(w)), v   # the buffer is version v, bit for bit
+            seen.append((d["base"], copy.last_received["delta_bytes"], copy.last_received["dense_bytes"]))
+    store.set(f"done/{rank}", "1")
+    if rank == 0:
+        store.wait(["done/1"], datetime.timedelta(seconds=30))
+    link.close()
+    return seen
+
+
+def test_the_receivers_base_decides_whole_or_delta():
+    """(version, the base the receiver announces): a delta only against the version last sent; a
+    receiver with no base (a failed refit), a stale base (skipped versions) or an anchor due gets it whole."""
+    steps = [(1, 0), (2, 1), (3, 0), (4, 2), (5, 4), (6, 5), (7, 6), (8, 7)]
+    res = run_ranks(_wire, 2, args=(free_port(), steps, 3), timeout=120)
+    assert res[0] == [0, 1, 0, 0, 4, 5, 0, 7]   # 7: anchor 3 after two deltas (5, 6) -> whole
+    dense = 16 * 64 * 2
+    for (v, _), base, (rbase, delta, whole) in zip(steps, res[0], res[1]):
+        assert rbase == base and (whole, delta > 0) == ((dense, False) if base == 0 else (0, True)), (v, res[1])
+        if base:
+            assert delta < 0.1 * dense
+
+
+# ---------------------------------------------------------------- bad input
+def test_bad_delta_and_ranks_that_disagree():
+    with pytest.raises(ValueError, match=r"delta must be one of \['auto', 'off', 'always'\], got delta='sparse'"):
+        trs.RefitInference(DST, rank=2, world_size=WORLD, store="127.0.0.1:9", delta="sparse")
+    with pytest.raises(ValueError, match="delta_anchor must be an int >= 1"):
+        trs.RefitTrainer({}, SRC, rank=0, world_size=WORLD, store="127.0.0.1:9", delta_anchor=0)
+    res = run_ranks(_disagree, WORLD, args=(free_port(),), timeout=120, allow_errors=True)
+    msgs = {r: res[r][1] for r in res}
+    assert all(res[r][0] == "error" and msgs[r][0] == "ValueError" for r in res), msgs
+    assert len({msgs[r][1] for r in res}) == 1                # the same one error on every rank
+    assert "rank(s) [3] joined with (delta, delta_anchor) [('off', 64)]" in msgs[0][1], msgs[0][1]
+
+
+def _disagree(rank, port):
+    os.environ["TRITONRESHARD_HOST"] = HOSTS[rank]
+    kw = dict(rank=rank, world_size=WORLD, store=f"127.0.0.1:{port}", timeout=60)
+    if rank in TRAINERS:
+        trs.RefitTrainer({n: lay.shard(full(n, 1), rank) for n, lay in SRC.items()}, SRC, **kw)
+    else:
+        trs.RefitInference(DST, delta="off" if rank == 3 else "auto", **kw)
+
+
+# ---------------------------------------------------------------- a sender killed mid-delta
+KILLED_AT, LAST = 3, 4
+
+
+def _trainer(rank, port, epoch, start):
+    os.environ["TRITONRESHARD_HOST"] = HOSTS[rank]
+    torch.set_num_threads(1)
+    if epoch == 0 and rank == 1:
+        post = DistLink.post
+
+        def dying_post(self, sends, recvs, tag=0):
+            """Version 3's deltas: the headers go, then this process dies before its payloads."""
+            if sends and int(sends[0][1][0]) == KILLED_AT:
+                headers = [(p, t) for p, t in sends if t.dtype == torch.int64]
+                assert len(headers) < len(sends)      # payloads were due: a delta, cut short
+                post(self, headers, [], tag).wait(timeout=10)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return post(self, sends, recvs, tag)
+        DistLink.post = dying_post
+    shards = {n: lay.shard(full(n, start), rank) for n, lay in SRC.items()}
+    with trs.RefitTrainer(shards, SRC, rank=rank, world_size=WORLD, store=f"127.0.0.1:{port}", host_store=False,
+                          epoch=epoch, start_version=start, timeout=120) as tr:
+        last = KILLED_AT if epoch == 0 else LAST
+        for v in range(start + 1, last + 1):
+            tr.fence()
+            for n, t in tr.tensors.items():
+                t.copy_(SRC[n].shard(full(n, v), rank))
+            tr.publish()
+        try:
+            tr.fence()
+        except trs.PeerDiedError:   # rank 0 of epoch 0: its peer died; the driver ends it
+            pass
+        if epoch == 0:
+            time.sleep(600)
+    return epoch
+
+
+def _inference(rank, port):
+    os.environ["TRITONRESHARD_HOST"] = HOSTS[rank]
+    torch.set_num_threads(1)
+    ep = trs.RefitInference(DST, rank=rank, world_size=WORLD, store=f"127.0.0.1:{port}", host_store=False,
+                            timeout=120, peer_timeout=5)
+    for v in range(1, KILLED_AT):
+        assert ep.pull() == v
+        _check(ep, rank, v)
+    with pytest.raises(trs.PeerDiedError) as e:
+        ep.pull()
+    who = e.value.rank
+    del e   # its traceback holds the failed pull's frames (and their views of the dead epoch's buffers)
+    assert ep.version == KILLED_AT - 1
+    _check(ep, rank, KILLED_AT - 1)      # still serving the last complete version, exactly
+    ep.store.set(f"served/{rank}", b"1")
+    assert ep.rejoin() == 1
+    stats = []
+    for v in range(KILLED_AT, LAST + 1):
+        assert ep.pull() == v
+        _check(ep, rank, v)
+        s = ep.stats
+        stats.append((s.cross_host_delta_bytes, s.cross_host_dense_bytes))
+    ep.close()
+    del ep
+    gc.collect()
+    return {"who": who, "stats": stats, "leftover": our_fds() + our_maps()}
+
+
+def test_sender_killed_mid_delta_serves_no_torn_version_and_the_next_transfer_is_whole():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    trs.secret_for_children()
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+
+    def start(fn, rank, *args):
+        p = ctx.Process(target=_entry, args=(fn, rank, (store.port, *args), results), daemon=True)
+        p.start()
+        return p
+
+    inf = {r: start(_inference, r) for r in INFERENCE}
+    old = {r: start(_trainer, r, 0, 0) for r in TRAINERS}
+    new = {}
+    try:
+        e0 = dist.PrefixStore("trs/default/e0/", store)
+        e0.wait([f"served/{r}" for r in INFERENCE], datetime.timedelta(seconds=200))
+        old[1].join(30)
+        assert old[1].exitcode == -signal.SIGKILL
+        os.kill(old[0].pid, signal.SIGKILL)
+        old[0].join(30)
+        # Restarted from the checkpoint of version 2 (the one being served): version 3 again, then 4.
+        new = {r: start(_trainer, r, 1, KILLED_AT - 1) for r in TRAINERS}
+        out = {}
+        deadline = time.monotonic() + 200
+        while len(out) < WORLD:
+            try:
+                rank, status, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"ranks {sorted(set(range(WORLD)) - set(out))} did not finish") from None
+            assert status == "ok", f"rank {rank} raised {value[0]}: {value[1]}\n{value[2]}"
+            out[rank] = value
+    finally:
+        for p in [*inf.values(), *old.values(), *new.values()]:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    for r in INFERENCE:
+        assert out[r]["who"] == 1, out[r]
+        (d3, w3), (d4, w4) = out[r]["stats"]
+        assert d3 == 0 and w3 > 0          # the first transfer of the new epoch: whole
+        assert d4 > 0 and w4 == 0          # then deltas again
+        assert out[r]["leftover"] == [], out[r]["leftover"]
+    assert sum(out[r]["stats"][0][1] for r in INFERENCE) == MODEL
