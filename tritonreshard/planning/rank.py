@@ -33,7 +33,8 @@ from .ops import FillOp, Plan, TransferOp
 from .quant import plan_quantized
 from .wire import Message, plan_messages
 
-__all__ = ["BufferRef", "HostTransfers", "RankPlan", "Read", "Route", "host_outbox", "plan_rank", "tensor_order"]
+__all__ = ["BufferRef", "HostTransfers", "RankPlan", "Read", "Route", "host_outbox", "plan_rank", "source_order",
+           "tensor_order"]
 
 
 @dataclass(frozen=True, order=True)
@@ -155,6 +156,16 @@ def tensor_order(plan: Plan, names) -> list[str]:
         return (lay.shape, str(lay.dtype), lay.ranks, tuple(map(str, lay.placements)),
                 (other.shape, other.ranks, tuple(map(str, other.placements))) if other is not None else (), n)
     return sorted(names, key=key)
+
+
+def source_order(src_layouts: Mapping, rank: int) -> list[str]:
+    """The names of ``rank``'s source shards in buffer order when the destinations are not known
+    when the arena is made (an elastic group's trainers meet before any replica joins): by geometry
+    (shape, dtype, layout), then name, as :func:`tensor_order` without the other side."""
+    def key(n):
+        lay = src_layouts[n]
+        return (lay.shape, str(lay.dtype), lay.ranks, tuple(map(str, lay.placements)), n)
+    return sorted((n for n, lay in src_layouts.items() if rank in lay.ranks), key=key)
 
 
 def host_outbox(part: HostPlan, host: str) -> tuple[HostTransfers, dict[int, tuple[CrossTransfer, ...]]]:
