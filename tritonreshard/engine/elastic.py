@@ -322,7 +322,7 @@ class JoinerEpoch(Epoch):
         self.inference.prepare(group, rp)
         exported = {e.buffer: e for e in info.exported}
         offsets = {(b.owner, n): o for b, e in exported.items() for n, o in e.offsets.items()}
-        self.route = rp.route(offsets, rp.host_part(offsets))
+        self.route = rp.local_route(offsets)  # its own reads: no host plan (it fences nobody, sends nothing)
         self.inference.open(group, self.route, exported, own={})
         t5 = clock()
         sub = self.inference.subscriber
