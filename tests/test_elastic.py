@@ -135,7 +135,9 @@ def _replica1(rank, port):
     _key(store, "go/r1")
     refused = []
     if rank == REPLICAS[1][0]:  # bad input first: refused, and the group goes on
-        for kw in (dict(layouts=dst(1, torch.bfloat16), replica=1), dict(layouts=dst(1), replica=0)):
+        wrong_shape = {**dst(1), "w": Layout((12, 9), REPLICAS[1], [Shard(1)])}
+        for kw in (dict(layouts=dst(1, torch.bfloat16), replica=1), dict(layouts=dst(1), replica=0),
+                   dict(layouts=wrong_shape, replica=1)):
             with pytest.raises(ValueError) as err:
                 trs.RefitInference(kw["layouts"], rank=rank, store=store, elastic=True, replica=kw["replica"],
                                    timeout=30)
@@ -239,7 +241,8 @@ def test_replicas_join_leave_and_die_while_the_group_goes_on():
         assert rep["fds"] == [] and rep["maps"] == [], rep
         print(f"rank {r}: joined in {rep['joined_s'] * 1e3:.0f} ms, first refit {rep['first_s'] * 1e3:.0f} ms "
               f"after its constructor started ({rep['stats']})")
-    dtype_err, in_use_err = out[REPLICAS[1][0]]["refused"]
+    dtype_err, in_use_err, shape_err = out[REPLICAS[1][0]]["refused"]
+    assert "'w'" in shape_err and "(12, 9)" in shape_err and "(12, 8)" in shape_err, shape_err  # the planner's word
     assert "dst_layouts['w']" in dtype_err and "torch.bfloat16" in dtype_err and "torch.float32" in dtype_err, dtype_err
     assert "1 problem(s)" in dtype_err, dtype_err  # 'w' only: 'b' is the same
     assert "replica 0 (its rank #0) is already in use by rank 2 of replica 0" in in_use_err, in_use_err

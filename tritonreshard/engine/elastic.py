@@ -182,6 +182,7 @@ class ElasticPublisher(Publisher):
         if not force and now < self._next_reap:
             return
         self._next_reap = now + _wait.SLICE_S
+        self._scan()  # one that cleared its join word and then exited left: it did not die
         for r in list(self._admitted):
             reason = self.group.liveness.dead_reason(r)
             if reason:
