@@ -125,21 +125,14 @@ def role_replica(rank, port, mib, replica, ranks):
                 raise AssertionError(f"rank {rank}: {n} of version {inf.version} differs")
 
     t_ctor = time.monotonic()
-    if os.environ.get("TRS_PROFILE_JOIN") and replica == 1:
-        import cProfile
-        import pstats
-        prof = cProfile.Profile()
-        inf = prof.runcall(trs.RefitInference, layouts, rank=rank, store=store, elastic=True, replica=replica,
-                           timeout=120)
-        pstats.Stats(prof, stream=open(f"/tmp/join-profile-{rank}.txt", "w")).sort_stats("cumulative").print_stats(40)
-    else:
-        inf = trs.RefitInference(layouts, rank=rank, store=store, elastic=True, replica=replica, timeout=120)
+    inf = trs.RefitInference(layouts, rank=rank, store=store, elastic=True, replica=replica, timeout=120)
     t_joined = time.monotonic()
     inf.pull()
     t_first = time.monotonic()
     check(inf)
     s = inf.join_stats
-    _post(store, f"r/{replica}/{rank}/join", {"main": T_MAIN, "imported": t_imported, "ctor": t_ctor, "joined": t_joined,
+    _post(store, f"r/{replica}/{rank}/join", {"main": T_MAIN, "imported": t_imported, "ctor": t_ctor,
+                                              "joined": t_joined,
                                               "first": t_first, "stats": [s.meet_ms, s.check_ms, s.plan_ms, s.map_ms,
                                                                           s.admit_ms]})
     while not store.check(["end"]):
@@ -213,7 +206,8 @@ def live(mib: int) -> None:
         print(f"\ntrainer restart (both SIGKILLed at version {last}; new processes launched "
               f"{(t_launch2 - t_kill) * 1e3:.0f} ms after the kill), ms from the kill:")
         for r, t in ts.items():
-            print(f"  trainer {r}: start {(t['main'] - t_launch2) * 1e3:.0f}, import {(t['imported'] - t['main']) * 1e3:.0f}, "
+            print(f"  trainer {r}: start {(t['main'] - t_launch2) * 1e3:.0f}, "
+                  f"import {(t['imported'] - t['main']) * 1e3:.0f}, "
                   f"until its constructor {(t['ctor'] - t['imported']) * 1e3:.0f}, meet (constructor) "
                   f"{(t['met'] - t['ctor']) * 1e3:.0f}; met at {(t['met'] - t_kill) * 1e3:.0f}")
         for r, x in rs.items():

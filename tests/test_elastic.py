@@ -14,6 +14,7 @@ trainers meet in epoch 1 from the last version, and replica 0 (the same processe
 version meanwhile) ``rejoin()`` s them through the same join and pulls the next versions. Every
 process ends with nothing of ours mapped or open, and nothing in /dev/shm.
 """
+import gc
 import os
 import queue
 import signal
@@ -125,6 +126,8 @@ def _replica0(rank, port):
         store.set(f"rejoined/{rank}", "1")
         rejoined = inf.join_stats
         after = _pull_until(inf, rank, 0, lambda v: v >= end + 3)
+    del inf
+    gc.collect()  # the PeerDiedError's traceback held the failed pull's frames (views of epoch 0's arenas)
     return {"first": first, "pulled": pulled, "after": after, "rejoined": rejoined, "fds": our_fds(),
             "maps": our_maps()}
 
@@ -153,6 +156,8 @@ def _replica1(rank, port):
     pulled += _pull_until(inf, rank, 1, lambda v: v >= first + 3)
     stats = inf.join_stats
     inf.close()
+    del inf
+    gc.collect()
     store.set(f"r1/left/{rank}", "1")
     return {"refused": refused, "before": before, "first": first, "pulled": pulled, "fds": our_fds(),
             "maps": our_maps(), "joined_s": t_joined - t0, "first_s": t_first - t0, "stats": stats}

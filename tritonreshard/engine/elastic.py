@@ -270,17 +270,18 @@ class TrainerEpoch(Epoch):
 
 # ---------------------------------------------------------------------------------------- joiners
 def _claim(store, key: str, mine: str, what: str) -> str | None:
-    """Claim ``key`` for this process (value ``mine``: ``pid host rank replica``); None when claimed,
+    """Claim ``key`` for this process (value ``mine``: ``pid rank replica host``); None when claimed,
     else who holds it. A holder on this host whose process is gone left a stale claim: taken over."""
+    my_pid, _, _, my_host = mine.split(" ", 3)
     for _ in range(3):
         cur = store.compare_set(key, "", mine).decode()
         if cur == mine:
             return None
-        pid, host, rank, replica = cur.split()
-        if pid == mine.split()[0] and host == mine.split()[1]:
+        pid, rank, replica, host = cur.split(" ", 3)
+        if (pid, host) == (my_pid, my_host):
             store.set(key, mine)  # this process's own (a rejoin)
             return None
-        state = proc_state(int(pid)) if host == mine.split()[1] else "?"
+        state = proc_state(int(pid)) if host == my_host else "?"
         if state is not None and state not in "ZX":
             return f"{what} is already in use by rank {rank} of replica {replica} (pid {pid} on host {host!r})"
         store.compare_set(key, cur, "")  # a dead holder's claim
@@ -384,7 +385,7 @@ class JoinerEpoch(Epoch):
         """Claim this rank and its place in replica ``replica``; refused by name when in use."""
         base, rank = self.group.base_store, self.group.rank
         ranks = sorted({r for lay in member.dst_layouts.values() for r in lay.ranks})
-        mine = f"{os.getpid()} {member.host} {rank} {self.replica}"
+        mine = f"{os.getpid()} {rank} {self.replica} {member.host}"
         for key, what in ((f"trs/{self.name}/elastic/rank/{rank}", f"rank {rank}"),
                           (f"trs/{self.name}/elastic/replica/{self.replica}/{ranks.index(rank)}",
                            f"replica {self.replica} (its rank #{ranks.index(rank)})")):
