@@ -4,6 +4,7 @@
 * :mod:`.members`: who joins an epoch (:class:`Member`) and whether they agree (:func:`validate_members`);
 * :mod:`.group`: one epoch of a group: membership, liveness, the one wait, the exchange primitive;
 * :mod:`.epoch`: the set-up script: every step of an epoch's set-up, in order, once;
+* :mod:`.elastic`: elastic groups: trainers that admit joiners, inference ranks that join, leave or die;
 * :mod:`.sides`: a rank's trainer side and inference side;
 * :mod:`.publisher`: a trainer rank's arena, ``publish`` and ``fence``;
 * :mod:`.sender`: a trainer rank's cross-host sends;

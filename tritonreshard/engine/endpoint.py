@@ -54,6 +54,7 @@ from ..transport import delta_problems
 from . import fsdp as _fsdp
 from .checks import (argument_problems, default_rank, local_destinations, local_parts, local_sources,
                      short)
+from .elastic import MAX_RANKS, JoinerEpoch, JoinStats, TrainerEpoch, current_epoch
 from .epoch import Epoch
 from .group import Group, check_timeout, connect, host_identity
 from .members import Member
@@ -151,6 +152,13 @@ class _Rank:
             ``"off"`` sends every byte every refit; ``"always"`` (tests) a sparse encoding even where
             whole is smaller. Every rank passes the same (see docs/hosts.md).
         delta_anchor: a whole cross-host transfer every that many versions (default 64).
+        elastic: an elastic group (see :mod:`~tritonreshard.engine.elastic`; every rank passes it):
+            the trainers meet alone (``world_size`` = the trainer ranks) and inference replicas join,
+            leave or die at any time without stopping anyone. An inference rank then gives
+            ``replica=`` (its replica's index, unique among the replicas in), its ``layouts`` name
+            its replica's ranks (any ranks that are not trainers', below ``MAX_RANKS``), its
+            ``world_size`` is not used, and ``epoch=None`` joins the trainers' current epoch.
+        replica: elastic groups, inference side: this rank's replica index (an int >= 0).
     """
 
 
@@ -159,10 +167,14 @@ class _Rank:
     def __init__(self, *, rank: int | None = None, world_size: int | None = None, store=None,
                  src_tensors=None, src_layouts=None, dst_layouts=None, dst_tensors=None,
                  mode: str = "shadow", device=None, backend: str = "auto", timeout: float = 60.0,
-                 peer_timeout: float = 10.0, group: str = "default", epoch: int = 0,
+                 peer_timeout: float = 10.0, group: str = "default", epoch: int | None = None,
                  host_store: bool | None = None, start_version: int = 0, sources=Sources,
-                 parts=None, quant=None, delta: str = "auto", delta_anchor: int = 64):
+                 parts=None, quant=None, delta: str = "auto", delta_anchor: int = 64, elastic: bool = False,
+                 replica: int | None = None):
         self._released = True  # until set-up succeeded far enough to need closing (see close())
+        joiner = bool(elastic) and dst_layouts is not None
+        if joiner:  # an elastic inference rank has no group size: the trainers' control blocks bound its rank
+            world_size = MAX_RANKS
         rank, world_size = default_rank(rank, world_size)
         # A fully_shard model brings its layouts, and FSDP2 keeps training on the arena (see fsdp).
         fsdp2 = None
@@ -176,8 +188,18 @@ class _Rank:
                for side, what, given in (("trainer", "src_layouts", src_layouts), ("inference", "dst_layouts", dst_layouts))
                if given is not None and side not in roles]
         bad += argument_problems(rank, world_size, mode, backend, src_tensors, src_layouts, dst_layouts, parts,
-                                 timeout, peer_timeout, epoch, start_version)
+                                 timeout, peer_timeout, 0 if epoch is None else epoch, start_version)
         bad += delta_problems(delta, delta_anchor)
+        if not isinstance(elastic, bool):
+            bad.append(f"elastic must be a bool, got elastic={elastic!r}")
+        elif elastic and src_layouts is not None and dst_layouts is not None:
+            bad.append("an elastic group's ranks are trainers or inference ranks, not both (no colocated rank)")
+        if joiner and (isinstance(replica, bool) or not isinstance(replica, int) or replica < 0):
+            bad.append(f"an elastic inference rank needs replica=, its replica's index (an int >= 0), got "
+                       f"replica={replica!r}")
+        if replica is not None and not joiner:
+            bad.append(f"replica= is for an elastic group's inference ranks (elastic=True with layouts), got "
+                       f"replica={replica!r}")
         if bad:  # nothing to tell the group: these make joining it impossible
             raise ValueError(f"{type(self).__name__}: " + "; ".join(bad))
 
@@ -205,14 +227,17 @@ class _Rank:
                               dst_parts if dst_layouts is not None else None,
                               dst_quant=dict(quant or {}) if dst_layouts is not None else None,
                               delta=(delta, delta_anchor))
+        self._elastic, self._replica = elastic, replica
         self._base_store, self._hosts_store = connect(store, rank=rank, world_size=world_size,
                                                       timeout=self.timeout, host_store=host_store)
-        self._trainer = TrainerSide(src_map, params=params, start_version=start_version, fsdp2=fsdp2,
-                                    delta=delta, delta_anchor=delta_anchor) if src_layouts is not None else None
+        self._trainer = TrainerSide(src_map, params=params, start_version=start_version, fsdp2=fsdp2, delta=delta,
+                                    delta_anchor=delta_anchor, elastic=elastic) if src_layouts is not None else None
         self._inference = InferenceSide(rank, dst_map, device=dst_device, mode=mode, backend=self.backend,
                                         sources=sources, delta=delta) if dst_layouts is not None else None
-        self._epoch = Epoch(self._new_group(epoch, self.timeout), trainer=self._trainer, inference=self._inference,
-                            device=self.device)
+        if joiner and epoch is None:
+            epoch = current_epoch(self._base_store, group, self.timeout)
+        epoch = 0 if epoch is None else epoch
+        self._epoch = self._make_epoch(self._new_group(epoch, self.timeout))
         # From here on every handle and resource is released by close(), also when set-up fails.
         self._released = False
         try:
@@ -220,6 +245,14 @@ class _Rank:
         except BaseException:
             self.close(abort=True)
             raise
+
+    def _make_epoch(self, group: Group) -> Epoch:
+        if not self._elastic:
+            return Epoch(group, trainer=self._trainer, inference=self._inference, device=self.device)
+        if self._trainer is not None:
+            return TrainerEpoch(group, trainer=self._trainer, device=self.device)
+        return JoinerEpoch(group, inference=self._inference, device=self.device, replica=self._replica,
+                           name=self._group_name)
 
     def _new_group(self, epoch: int, timeout: float) -> Group:
         return Group(self._base_store, rank=self.rank, world_size=self.world_size, epoch=epoch,
@@ -375,8 +408,24 @@ class _TrainerMethods:
 
     def fence(self, timeout: float | None = None) -> None:
         """Before the next ``optimizer.step()``: wait until every rank that reads this rank's arena
-        acked the last published version (see ``Publisher.fence``)."""
+        acked the last published version (see ``Publisher.fence``; in an elastic group the readers
+        admitted now, never one that left or died)."""
         self._pub("fence").fence(timeout)
+
+    @property
+    def readers(self) -> dict[int, int]:
+        """The ranks that read this rank's arena now. An elastic group's trainer: ``{rank: first
+        version}`` of the readers it admitted (joiners come and go); else ``{rank: 1}`` of its route's."""
+        pub = self._pub("readers")
+        if hasattr(pub, "readers"):
+            return pub.readers
+        return {r: 1 for r in pub.route.fenced if r != self.rank}
+
+    @property
+    def dropped(self) -> list[tuple[int, str]]:
+        """An elastic group's trainer: ``(rank, why)`` of every reader dropped this epoch (left or
+        died); [] in other groups, where a dead reader fails the fence instead."""
+        return list(getattr(self._pub("dropped"), "drops", []))
 
 
 class _InferenceMethods:
@@ -411,6 +460,12 @@ class _InferenceMethods:
     def consistent(self) -> bool:
         """In-place mode: False after a pull that failed part-way (torn)."""
         return self._buffers.consistent if self._buffers is not None else True
+
+    @property
+    def join_stats(self) -> JoinStats | None:
+        """An elastic group's inference rank: how long its last join (or rejoin) took, step by step
+        (:class:`~tritonreshard.engine.elastic.JoinStats`); None in other groups."""
+        return getattr(self._epoch, "stats", None)
 
     @property
     def last_pull(self) -> PullStats | None:
@@ -478,6 +533,9 @@ class _InferenceMethods:
         with ``epoch=`` instead.
         """
         self._check_open("rejoin")
+        if self._elastic and epoch is None:  # the trainers' next epoch, once they met
+            epoch = current_epoch(self._base_store, self._group_name,
+                                  check_timeout("rejoin", timeout, self.timeout), after=self.group.epoch)
         if self._trainer is not None or self._buffers is None:
             raise ValueError(f"rejoin: only an inference-only endpoint rejoins (rank {self.rank} has "
                              f"{'a trainer side' if self._trainer is not None else 'no inference side'}); "
@@ -488,7 +546,7 @@ class _InferenceMethods:
                              f"got epoch={epoch!r}")
         timeout = check_timeout("rejoin", timeout, self.timeout)
         self._epoch.close()
-        self._epoch = Epoch(self._new_group(epoch, timeout), inference=self._inference, device=self.device)
+        self._epoch = self._make_epoch(self._new_group(epoch, timeout))
         try:
             self._epoch.set_up(self._member)
         except BaseException:  # what the failed set-up opened goes; the serving buffers stay

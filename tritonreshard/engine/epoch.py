@@ -36,6 +36,9 @@ class Epoch:
     route and the cross-host link. ``trainer`` / ``inference``: the endpoint's sides (or None);
     they outlive the epoch, the parts they open in it do not (:meth:`close`)."""
 
+    #: The sides the group must have (an elastic group's trainers meet alone: ``("src",)``).
+    required_sides: tuple[str, ...] = ("src", "dst")
+
     def __init__(self, group: Group, *, trainer=None, inference=None, device=None):
         self.group, self.trainer, self.inference, self.device = group, trainer, inference, device
         self.rank_plan: RankPlan | None = None
@@ -91,7 +94,7 @@ class Epoch:
         group.post(f"hello-read/{group.rank}", True)
         self._members = {m.rank: m for m in members}
         try:
-            return validate_members(members, group.world_size)  # every rank raises the same ValueError
+            return validate_members(members, group.world_size, self.required_sides)  # every rank raises the same
         except ValueError:
             group.outlive_store_readers("hello-read")  # so every rank reads the hellos and raises too
             raise

@@ -70,11 +70,12 @@ class Liveness:
         self._exits: dict[int, select.poll | None] = {}
         self._poll_lock = threading.Lock()
         self._fds: list[int] = []
+        self._exit_fds: dict[int, int] = {}  # local peer -> its pidfd
         for r, m in members.items():
             if r != rank and m.host == host:
-                self._exits[r] = self._exit_poll(m.pid)
+                self._exits[r] = self._exit_poll(r, m.pid)
 
-    def _exit_poll(self, pid: int):
+    def _exit_poll(self, peer: int, pid: int):
         if not hasattr(os, "pidfd_open"):
             return None
         try:
@@ -86,6 +87,7 @@ class Liveness:
                 return None
             raise
         self._fds.append(fd)
+        self._exit_fds[peer] = fd
         poll = select.poll()
         poll.register(fd, select.POLLIN)
         return poll
@@ -121,6 +123,31 @@ class Liveness:
     @property
     def remote(self) -> tuple[int, ...]:
         return self._remote
+
+    def add_peer(self, member) -> None:
+        """A peer that joined after the epoch met (an elastic group's reader, on this host): from now
+        on it is watched like the members (its pidfd opened now)."""
+        self.members = {**self.members, member.rank: member}
+        if member.host == self.host and member.rank != self.rank:
+            with self._poll_lock:
+                if self._stop.is_set():  # closed: no pidfd may outlive close()
+                    return
+                self._forget_exit(member.rank)
+                self._exits[member.rank] = self._exit_poll(member.rank, member.pid)
+
+    def forget(self, peer: int) -> None:
+        """A peer that left or died: no longer watched (its pidfd closed)."""
+        self._watch.pop(peer, None)
+        with self._poll_lock:
+            self._forget_exit(peer)
+        self.members = {r: m for r, m in self.members.items() if r != peer}
+
+    def _forget_exit(self, peer: int) -> None:
+        self._exits.pop(peer, None)
+        fd = self._exit_fds.pop(peer, None)
+        if fd is not None:
+            self._fds.remove(fd)
+            os.close(fd)
 
     # ------------------------------------------------------------------ beating
     def start(self) -> None:
@@ -213,6 +240,7 @@ class Liveness:
             for fd in self._fds:
                 os.close(fd)
             self._fds = []
+            self._exit_fds.clear()
 
     def outlive_store_users(self, users, timeout: float) -> None:
         """The store's host: return once each of ``users`` (ranks that still read the store for

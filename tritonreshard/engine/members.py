@@ -15,8 +15,8 @@ from ..layout import Layout
 from ..planning import BlockQuant
 from . import rendezvous as rdv
 
-__all__ = ["GroupInputs", "Member", "device_problems", "group_error", "hello", "inputs_digest", "inputs_wanted", "side_inputs",
-           "validate_members", "with_inputs"]
+__all__ = ["GroupInputs", "Member", "device_problems", "group_error", "hello", "input_differences", "inputs_digest",
+           "inputs_wanted", "side_inputs", "validate_members", "with_inputs"]
 
 
 @dataclass(frozen=True)
@@ -110,14 +110,15 @@ def group_error(world_size: int, problems) -> ValueError:
                       + "\n  - ".join(problems))
 
 
-def validate_members(members: list[Member], world_size: int) -> GroupInputs:
+def validate_members(members: list[Member], world_size: int, sides: tuple[str, ...] = ("src", "dst")) -> GroupInputs:
     """Check every rank's :class:`Member` (with its planning inputs) against the others; returns the
     agreed :class:`GroupInputs` or raises one ``ValueError`` listing every problem (each rank
     computes the same, so every rank raises the same). Plans nothing: the planner's own problems
     come from :func:`~tritonreshard.planning.plan_rank`.
 
     Ranks agree when their digests (:func:`inputs_digest`) and group sizes agree; the destination
-    side's ``dst_parts`` and ``dst_quant`` are compared like its layouts."""
+    side's ``dst_parts`` and ``dst_quant`` are compared like its layouts. ``sides``: the sides the
+    group must have (an elastic group's trainers meet without inference ranks: ``("src",)``)."""
     problems = [f"rank {m.rank}: {p}" for m in members for p in m.problems]
     sizes = {m.rank: m.world_size for m in members if m.world_size != world_size}
     if sizes:
@@ -129,7 +130,10 @@ def validate_members(members: list[Member], world_size: int) -> GroupInputs:
         holders = [m for m in members if getattr(m, f"{side}_layouts") is not None]
         role = "trainer" if side == "src" else "inference"
         if not holders:
-            problems.append(f"no rank joined with {side}_layouts (no {role} side)")
+            if side in sides:
+                problems.append(f"no rank joined with {side}_layouts (no {role} side)")
+            else:
+                layouts[side] = {}
             continue
         ref_layouts = getattr(holders[0], f"{side}_layouts")
         if side == "dst":
@@ -166,6 +170,19 @@ def validate_members(members: list[Member], world_size: int) -> GroupInputs:
     if problems:
         raise group_error(world_size, problems)
     return GroupInputs(layouts["src"], layouts["dst"], parts or {}, quant or {}, hosts)
+
+def input_differences(ref: Member, other: Member, who: str) -> list[str]:
+    """What ``other``'s destination inputs (layouts, parts, quantization) differ in from ``ref``'s,
+    one problem per name (an elastic group's joiner against the replicas already in)."""
+    rule = "every replica must bring the same layouts, dtypes, parts and quantization"
+    out = []
+    for label, get, describe in (("dst_layouts", lambda m: m.dst_layouts, _desc),
+                                 ("parts", lambda m: m.dst_parts, _parts_desc),
+                                 ("quant", lambda m: m.dst_quant, repr)):
+        out += [p.replace(f"rank {other.rank} joined", f"{who} joined").replace(f"rank {ref.rank} has", "the group has")
+                for p in _disagreements([ref, other], get, label, describe, rule)]
+    return out
+
 
 def device_problems(members: list[Member]) -> list[str]:
     """A group whose plan spans hosts (``RankPlan.several_hosts``) must use one kind of device: one

@@ -37,9 +37,12 @@ class SourceArena:
             numbering from a checkpoint); readers see it at once.
         fsdp2: a :class:`~tritonreshard.engine.fsdp.FSDP2Source` when ``tensors`` are a
             ``fully_shard`` model's shards: each moves into the arena with FSDP's padding (``rebind``).
+        readers: an elastic group's trainer: ack, heartbeat, join and admission words for every
+            rank below ``readers`` (None: the group's ranks, no join words).
     """
 
-    def __init__(self, group: Group, order, tensors: dict, *, params=None, start_version: int = 0, fsdp2=None):
+    def __init__(self, group: Group, order, tensors: dict, *, params=None, start_version: int = 0, fsdp2=None,
+                 readers: int | None = None):
         self.rank = group.rank
         names = list(order)
         assert set(names) == set(tensors), (names, sorted(tensors))
@@ -53,7 +56,8 @@ class SourceArena:
         self.tensors: dict[str, torch.Tensor] = {}
         try:
             self.arena = create_arena(max(total, 1), self.device, secret=group.secret)
-            self.control = create_control_block(group.world_size, group.world_size, secret=group.secret)
+            n = group.world_size if readers is None else readers  # elastic: join words for every rank < readers
+            self.control = create_control_block(n, n, secret=group.secret, joins=readers is not None)
         except BaseException:
             self.close()
             raise
@@ -168,3 +172,6 @@ class Publisher:
                         doorbell=doorbell, status=status)
         if sender is not None:
             sender.raise_error()
+
+    def close(self) -> None:
+        """End this epoch's publishing (nothing runs in the background here)."""

@@ -16,6 +16,7 @@ both sides; they share nothing but the epoch's group and the buffers a subscribe
 from __future__ import annotations
 
 from ..planning import RankPlan, Route
+from .elastic import ElasticPublisher
 from .group import Group
 from .publisher import Publisher, SourceArena
 from .relay import ReceivingRelay
@@ -31,18 +32,23 @@ class TrainerSide:
     ``delta_anchor``: its cross-host sends' deltas (see :class:`Sender`)."""
 
     def __init__(self, tensors: dict, *, params=None, start_version: int = 0, fsdp2=None, delta: str = "auto",
-                 delta_anchor: int = 64):
+                 delta_anchor: int = 64, elastic: bool = False):
         self._tensors, self._params, self._start, self._fsdp2 = tensors, params, start_version, fsdp2
         self._delta = (delta, delta_anchor)
+        self.elastic = elastic  # readers join and leave: the arena is handed out for the epoch's life
         self.arena: SourceArena | None = None
         self.publisher: Publisher | None = None
         self.sender: Sender | None = None
 
     def prepare(self, group: Group, rank_plan: RankPlan) -> None:
         """Rank plan step: the shards move into the arena once, in the group's buffer order."""
-        if self.arena is None and rank_plan.src_order:
-            self.arena = SourceArena(group, rank_plan.src_order, self._tensors, params=self._params,
-                                     start_version=self._start, fsdp2=self._fsdp2)
+        self.make_arena(group, rank_plan.src_order)
+
+    def make_arena(self, group: Group, order, readers: int | None = None) -> None:
+        """The shards move into the arena once, in ``order``; ``readers``: see :class:`SourceArena`."""
+        if self.arena is None and order:
+            self.arena = SourceArena(group, order, self._tensors, params=self._params,
+                                     start_version=self._start, fsdp2=self._fsdp2, readers=readers)
             self._tensors = self._params = None  # the arena holds them now
 
     @property
@@ -61,10 +67,11 @@ class TrainerSide:
 
     def open(self, group: Group, route: Route, exported, *, own) -> None:
         if self.arena is not None:
-            self.publisher = Publisher(group, route, self.arena, sender=self.sender)
+            cls = ElasticPublisher if self.elastic else Publisher
+            self.publisher = cls(group, route, self.arena, sender=self.sender)
 
     def start(self) -> None:
-        if self.arena is not None:
+        if self.arena is not None and not self.elastic:
             self.arena.unlink()
         if self.sender is not None:
             self.sender.start()
@@ -81,6 +88,8 @@ class TrainerSide:
         if self.sender is not None:
             self.sender.close()
             self.sender = None
+        if self.publisher is not None:
+            self.publisher.close()
         self.publisher = None
 
     def close(self) -> None:

@@ -22,6 +22,7 @@ counted by a thread-local ``TorchDispatchMode``).
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -215,6 +216,9 @@ class Subscriber:
         self._target = None
         self._result = None
         self._cancel = threading.Event()
+        #: An elastic group's reader: the first version its sources admitted it to read (:meth:`join`).
+        self.first_version = 0
+        self._joined = False
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         pos = {n: i for i, n in enumerate(buffers.order)}
         # Table order: by buffer, then where the source view lies in it, then the destination.
@@ -238,6 +242,40 @@ class Subscriber:
         self._qtables = [QuantizeTable.build(qops, quant, src=lambda op: src_view(by_op[op]),
                                              dst=lambda op, b=bufs: b[op.name], scale=lambda r, n, b=bufs: b[n])
                          if qops else None for bufs in buffers.sets]
+
+    # ------------------------------------------------------------------ joining (elastic groups)
+    def join(self, timeout: float) -> int:
+        """An elastic group's reader: ask every source to admit this rank (its join word), wait for
+        the admissions, and return the first version it reads: the newest any source admitted it
+        at. A source that admitted it at an older version gets an ack of the one before, so that
+        source's fence does not wait for a version this rank never reads."""
+        remote, rank = self._remote, self.rank
+        for c in remote:
+            c.request_join(rank, os.getpid())
+        self._joined = True
+
+        def doorbell():
+            for c in remote:
+                if c.admitted_version(rank) == 0:
+                    return c.doorbell()
+            return None
+
+        self.group.wait(lambda: all(c.admitted_version(rank) > 0 for c in remote),
+                        f"sources {self._owners} to admit rank {rank}", timeout, peers=self._owners,
+                        controls=remote, doorbell=doorbell,
+                        status=lambda: f"admitted at: {[c.admitted_version(rank) for c in remote]}")
+        first = max((c.admitted_version(rank) for c in remote), default=1)
+        for c in remote:
+            if c.admitted_version(rank) < first:
+                c.ack(rank, first - 1)
+        self.first_version = first
+        return first
+
+    def _leave(self) -> None:
+        if self._joined:
+            self._joined = False
+            for c in self._remote:
+                c.leave(self.rank)
 
     # ------------------------------------------------------------------ pulling
     def available_version(self) -> int:
@@ -303,8 +341,11 @@ class Subscriber:
                 raise ValueError(f"version must be an int (or None: the newest), got version={version!r}")
             if version <= self.buffers.version:
                 raise ValueError(f"version={version} must be newer than the serving version {self.buffers.version}")
+            if version < self.first_version:
+                raise ValueError(f"version={version} is older than version {self.first_version}, the first this "
+                                 f"rank was admitted to read")
             return version
-        return max(self.available_version(), self.buffers.version + 1)
+        return max(self.available_version(), self.buffers.version + 1, self.first_version)
 
     def pull(self, version: int | None = None, timeout: float | None = None) -> int:
         """Wait for and install the next version (default: the newest available, at least one newer
@@ -422,7 +463,10 @@ class Subscriber:
         return t.num_launches if self.backend == "triton" else t.num_torch_copies
 
     def abort(self) -> None:
-        """Tell every source's control block that this rank gave up on the epoch."""
+        """Tell every source's control block that this rank gave up on the epoch (an elastic
+        group's reader leaves instead: the group goes on without it)."""
+        if self._joined:
+            return  # close() leaves once the pull in flight stopped reading
         if self.sources is not None:
             for c in self.sources.remote.values():
                 c.abort(self.rank)
@@ -433,6 +477,7 @@ class Subscriber:
             self._cancel.set()
             self._thread.join(60.0)
             self._thread = None
+        self._leave()  # after the last copy: the sources stop fencing this rank
         self._tables = []
         self._qtables = []
         if self.sources is not None:

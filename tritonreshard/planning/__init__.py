@@ -35,11 +35,12 @@ from .reshard import plan_reshard, source_pieces
 from .text import fmt_bytes, fmt_global, fmt_slices
 from .traffic import Traffic, refit_traffic
 from .wire import Message, join_host_parts, plan_messages
-from .rank import BufferRef, HostTransfers, RankPlan, Read, Route, host_outbox, plan_rank, tensor_order
+from .rank import BufferRef, HostTransfers, RankPlan, Read, Route, host_outbox, plan_rank, source_order, tensor_order
 
 __all__ = ["BlockQuant", "CASTABLE_DTYPES", "CrossTransfer", "FP8_DTYPE", "FanoutOp", "FillOp", "HostPlan",
            "Message", "Plan", "PlanStats", "QuantizedPlan", "RECV_ALIGN", "SCALE_RULES", "Traffic", "TransferOp",
            "box_is_contiguous", "castable", "cut_global", "fmt_bytes", "fmt_global", "fmt_slices", "host_order",
            "join_host_parts", "merge_plans", "plan_host_part", "plan_hosts", "plan_messages", "plan_quantized", "plan_reshard",
            "refit_traffic", "source_pieces",
-           "BufferRef", "HostTransfers", "RankPlan", "Read", "Route", "host_outbox", "plan_rank", "tensor_order"]
+           "BufferRef", "HostTransfers", "RankPlan", "Read", "Route", "host_outbox", "plan_rank", "source_order",
+           "tensor_order"]

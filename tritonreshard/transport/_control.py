@@ -5,6 +5,12 @@ One writer per slot: the owner (a trainer rank) writes ``published_version`` and
 reader ``i`` writes ``acked_version[i]``; rank ``r`` writes ``heartbeat[r]``. Everyone may read
 everything, and anyone may set the state word to ABORT (the last abort reason wins).
 
+A block made with ``joins=True`` (an elastic group's trainer, see
+:mod:`tritonreshard.engine.elastic`) also has, per reader, a **join word** (the reader writes its pid
+to ask in, 0 when it leaves) and an **admission word** (the owner writes the first version the
+reader may read, 0 when it is not, or no longer, admitted). The owner writes the reader's ack word
+once, at admission (version - 1), before the admission word; from then on only the reader does.
+
 Memory-ordering assumption: slots are 8-byte aligned (each on its own 64-byte line, so pollers
 don't false-share) and read/written as single int64 loads/stores through a numpy view, which are
 single-copy atomic on x86-64 and arm64 (no torn values). Writers write the data first and the
@@ -31,7 +37,8 @@ __all__ = ["ControlBlock", "create_control_block", "open_control_block",
 MAGIC = 0x7472735F63746C31  # "trs_ctl1"
 LINE = 8  # int64 slots per 64-byte line
 _MAGIC, _NREADERS, _NRANKS, _STATE, _PUBLISHED, _PUBLISHED_NS, _ABORT_RANK, _DOORBELL = range(8)
-_HEADER_LINES = 8
+_JOINS = 8  # 1: the block has join and admission words (elastic groups)
+_HEADER_LINES = 9
 STATE_OK, STATE_CLOSED, STATE_ABORT = 0, 1, 2
 _fence_lock = threading.Lock()
 
@@ -75,6 +82,17 @@ class ControlBlock:
             raise ValueError(f"rank must be in [0, {self.n_ranks}), got rank={rank}")
         return (_HEADER_LINES + self.n_readers + rank) * LINE
 
+    @property
+    def has_joins(self) -> bool:
+        """The block has join and admission words (``create_control_block(..., joins=True)``)."""
+        return int(self._slots[_JOINS * LINE]) == 1
+
+    def _join_slot(self, reader: int, admission: bool = False) -> int:
+        if not self.has_joins:
+            raise ValueError("this control block has no join words (create_control_block(joins=False))")
+        self._ack_slot(reader)  # the same range check
+        return (_HEADER_LINES + self.n_readers + self.n_ranks + admission * self.n_readers + reader) * LINE
+
     # --- versions -----------------------------------------------------------------------------
     @property
     def published_version(self) -> int:
@@ -104,6 +122,44 @@ class ControlBlock:
 
     def acked_versions(self) -> list[int]:
         return [self.acked_version(i) for i in range(self.n_readers)]
+
+    # --- joining (blocks made with joins=True) ---------------------------------------------------
+    def request_join(self, reader: int, pid: int) -> None:
+        """Reader ``reader`` (process ``pid``): ask the owner to admit it."""
+        self._slots[self._join_slot(reader)] = pid
+        self.ring()
+
+    def leave(self, reader: int) -> None:
+        """Reader ``reader``: it reads no more (the owner drops it at once)."""
+        self._slots[self._join_slot(reader)] = 0
+        self.ring()
+
+    def join_requests(self):
+        """Owner: every reader's join word (an int64 numpy array: a pid, or 0), read at once."""
+        base = self._join_slot(0)
+        return self._slots[base:base + self.n_readers * LINE:LINE].copy()
+
+    def admitted_version(self, reader: int) -> int:
+        """The first version the owner admitted ``reader`` to read (0: not admitted)."""
+        return int(self._slots[self._join_slot(reader, admission=True)])
+
+    def admit(self, reader: int, version: int) -> None:
+        """Owner: ``reader`` may read from ``version`` on (> 0); its ack word restarts at version - 1
+        (a reused reader slot must not carry its last occupant's acks)."""
+        self._slots[self._ack_slot(reader)] = version - 1
+        if reader < self.n_ranks:  # a heartbeat of the slot's last occupant must not age the new one
+            self._slots[self._hb_slot(reader)] = 0
+        _fence()
+        self._slots[self._join_slot(reader, admission=True)] = version
+        self.ring()
+
+    def drop(self, reader: int, pid: int | None = None) -> None:
+        """Owner: ``reader`` is no longer admitted (it left or died). ``pid``: a dead reader's, whose
+        join word is cleared unless another process already wrote its own."""
+        self._slots[self._join_slot(reader, admission=True)] = 0
+        if pid is not None and int(self._slots[self._join_slot(reader)]) == pid:
+            self._slots[self._join_slot(reader)] = 0
+        self.ring()
 
     # --- liveness -----------------------------------------------------------------------------
     def heartbeat(self, rank: int) -> None:
@@ -173,17 +229,19 @@ class ControlBlock:
 
 
 def create_control_block(n_readers: int, n_ranks: int, *, secret=None,
-                         expected_peers: int | None = None) -> ControlBlock:
-    """Owner (the publishing rank): a fresh block, all versions 0 (= nothing published yet)."""
+                         expected_peers: int | None = None, joins: bool = False) -> ControlBlock:
+    """Owner (the publishing rank): a fresh block, all versions 0 (= nothing published yet).
+    ``joins``: with a join and an admission word per reader (elastic groups)."""
     problems = [f"{n}={v} must be >= 0" for n, v in (("n_readers", n_readers), ("n_ranks", n_ranks)) if v < 0]
     if problems:
         raise ValueError("create_control_block: " + "; ".join(problems))
-    nbytes = (_HEADER_LINES + n_readers + n_ranks) * LINE * 8
+    nbytes = (_HEADER_LINES + n_readers + n_ranks + (2 * n_readers if joins else 0)) * LINE * 8
     arena = ShmArena.create(nbytes, secret=secret, expected_peers=expected_peers)
     cb = ControlBlock(arena)
     cb._slots[:] = 0
     cb._slots[_NREADERS * LINE] = n_readers
     cb._slots[_NRANKS * LINE] = n_ranks
+    cb._slots[_JOINS * LINE] = int(joins)
     cb._slots[_MAGIC * LINE] = MAGIC
     return cb
 
