@@ -278,3 +278,31 @@ def test_a_joiners_route_is_its_reads_without_a_host_plan(quantization):
         local, full_route = rp.local_route(offsets), rp.route(offsets, rp.host_part(offsets))
         assert local.reads and set(local.reads) == set(full_route.reads) and len(local.reads) == len(full_route.reads)
         assert local.fills == full_route.fills and local.buffers == full_route.buffers
+
+
+def test_control_block_join_and_admission_words():
+    """The words an elastic trainer and its readers share: a join word the reader writes, an
+    admission word the owner writes with the reader's ack restarted, drops that never clear another
+    process's join."""
+    from tritonreshard.transport import create_control_block
+    with create_control_block(4, 4, secret=b"s" * 32, joins=True) as cb, \
+            create_control_block(2, 2, secret=b"s" * 32) as plain:
+        assert cb.has_joins and not plain.has_joins and cb.join_requests().tolist() == [0, 0, 0, 0]
+        cb.request_join(2, 1234)
+        cb.heartbeat(2)
+        cb.ack(2, 9)  # the slot's last occupant acked version 9
+        assert cb.join_requests().tolist() == [0, 0, 1234, 0] and cb.admitted_version(2) == 0
+        cb.admit(2, 5)
+        assert (cb.admitted_version(2), cb.acked_version(2), cb.last_heartbeat_ns(2)) == (5, 4, 0)
+        cb.drop(2, pid=999)  # another pid: the admission goes, the join word is not ours to clear
+        assert cb.admitted_version(2) == 0 and cb.join_requests()[2] == 1234
+        cb.admit(2, 6)
+        cb.drop(2, pid=1234)
+        assert cb.admitted_version(2) == 0 and cb.join_requests()[2] == 0
+        cb.request_join(3, 77)
+        cb.leave(3)
+        assert cb.join_requests().tolist() == [0, 0, 0, 0]
+        with pytest.raises(ValueError, match="no join words"):
+            plain.request_join(0, 1)
+        with pytest.raises(ValueError, match="reader must be in"):
+            cb.request_join(4, 1)
