@@ -4,11 +4,12 @@
 #   0. preconditions, loudly: python3, torch with a visible GPU, Triton, cuda.bindings, then
 #      `pip install --no-deps --no-build-isolation -e .` (exit 1 if any is missing: no figures possible)
 #   1. figures first, each part under its own time limit, merged into one JSON as they come:
-#      kernel GB/s vs torch's D2D copy at >= 1 GiB (wide rows, narrow rows, bf16->fp32 cast), then
+#      kernel GB/s vs torch's D2D copy at >= 1 GiB (wide rows, narrow rows, bf16->fp32 cast), the
+#      delta codec's change detection (Triton vs torch, ms per GB), then
 #      the cross-process refit of >= 8 GiB on one GPU vs D2D with the slowest pull's time
 #   2. the CUDA-marked tests (compiled kernels, CUDA transport), after the figures
 # A failing step is reported and the script goes on; the exit status says whether everything passed.
-# Worst case about 7 minutes (limits: 180 + 210 + 150 s, plus install).
+# Worst case about 8.5 minutes (limits: 180 + 90 + 210 + 150 s, plus install).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_JSON="${1:-gpu_check.json}"
@@ -38,6 +39,10 @@ python3 -c "import json, datetime, torch; json.dump({'date': datetime.datetime.n
 step "kernel bandwidth vs torch D2D (>= 1 GiB per case)"
 timeout -k 10 180 python3 bench/gpu_kernels.py --part kernels --size "${SIZE:-1GiB}" --json "$OUT_JSON" \
     || { echo "gpu_check.sh: kernel figures: exit $?" >&2; status=1; }
+
+step "delta codec: Triton compare-and-compact vs torch (ms per GB, >= 1 GiB bf16)"
+timeout -k 10 90 python3 bench/gpu_kernels.py --part delta --size "${SIZE:-1GiB}" --json "$OUT_JSON" \
+    || { echo "gpu_check.sh: delta figures: exit $?" >&2; status=1; }
 
 step "cross-process refit on one GPU (>= 8 GiB) vs torch D2D"
 timeout -k 10 210 python3 bench/gpu_kernels.py --part refit --refit-size "${REFIT_SIZE:-8GiB}" \

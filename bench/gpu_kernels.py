@@ -17,6 +17,12 @@ Parts (``--part``):
   uses the engine's public API only (``RefitTrainer`` / ``RefitInference``) and is the one function
   to adapt when that API changes.
 
+* ``delta`` (:func:`delta_figures`): the delta codec's change detection on a bf16 message of
+  ``--size`` bytes at 0%, 2.5% and 30% changed words: ``encode`` with the Triton compare-and-compact
+  (``kernels.delta``) against torch's ops (``backend="torch"``), as milliseconds per GB of message
+  (both read the message and its snapshot), and whether the two payloads are identical. On CPU only
+  torch is timed (the interpreter is no speed measure).
+
 Each part merges its figures into ``--json`` as soon as it has them (a later failure cannot lose
 them) and prints them. ``--device cpu --size 256KiB --refit-size 4MiB`` is a smoke test (kernels in the
 interpreter, the refit with torch-copy pulls over shared memory).
@@ -159,6 +165,45 @@ def kernel_figures(size: int, device: torch.device, warmup: int, iters: int) -> 
     return results
 
 
+# ------------------------------------------------------------------------------------ delta figures
+
+
+def delta_figures(size: int, device: torch.device, warmup: int, iters: int) -> list[dict]:
+    """``encode`` of a bf16 message of ``size`` bytes against its snapshot, Triton vs torch: ms and
+    ms per GB of message, at 0, 2.5 and 30% of words changed (one-ulp changes)."""
+    from tritonreshard.transport import delta as dc
+
+    n = size // 2
+    g = torch.Generator(device="cpu").manual_seed(11)
+    old = (torch.randn(n, generator=g) * 0.02).to(torch.bfloat16).to(device)
+    results = []
+    for frac in (0.0, 0.025, 0.3):
+        new = old.clone()
+        w = new.view(torch.int16)
+        pick = (torch.rand(n, generator=g) < frac).to(device)
+        w[pick] ^= 1
+        ob, nb = old.view(torch.uint8), new.view(torch.uint8)
+        ref = dc.encode(nb, ob, 2, backend="torch")
+        res = {"name": f"delta_bf16_{frac:g}", "device": str(device), "bytes": 2 * n, "changed": ref.changed,
+               "kind": dc.KINDS[ref.kind], "nbytes": ref.nbytes}
+        backends = ("torch", "triton") if device.type == "cuda" else ("torch",)
+        for b in backends:
+            t = timer(device, lambda b=b: dc.encode(nb, ob, 2, backend=b), warmup, iters)
+            res[f"{b}_ms"] = round(t * 1e3, 3)
+            res[f"{b}_ms_per_gb"] = round(t * 1e3 / (2 * n / 1e9), 3)
+        if "triton" in backends:
+            got = dc.encode(nb, ob, 2, backend="triton")
+            res["speedup"] = round(res["torch_ms"] / res["triton_ms"], 2)
+            res["correct"] = (got.kind == ref.kind and got.nbytes == ref.nbytes and got.entries == ref.entries
+                              and (ref.payload is None or torch.equal(got.payload, ref.payload)))
+        else:
+            res["correct"] = True
+        print(json.dumps(res), flush=True)
+        results.append(res)
+        del new, pick, ref
+    return results
+
+
 # ------------------------------------------------------------------------------------ refit figures
 
 
@@ -282,7 +327,7 @@ def refit_figures(total: int, repeats: int, deadline_s: float, device: str = "cu
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--part", choices=("kernels", "refit", "all"), default="all")
+    ap.add_argument("--part", choices=("kernels", "delta", "refit", "all"), default="all")
     ap.add_argument("--size", default="1GiB", help="bytes read per kernel case (default 1GiB)")
     ap.add_argument("--refit-size", default="8GiB", help="bytes refit across processes (default 8GiB)")
     ap.add_argument("--repeats", type=int, default=6, help="refits timed (the first one is not counted)")
@@ -303,6 +348,10 @@ def main(argv=None) -> int:
         figs = kernel_figures(parse_size(args.size), device, warmup, iters)
         merge_json(args.json, "kernels", figs)
         status |= 0 if all(f["correct"] for f in figs) else 2
+    if args.part in ("delta", "all"):
+        figs = delta_figures(parse_size(args.size), device, warmup, iters)
+        merge_json(args.json, "delta", figs)
+        status |= 0 if all(f["correct"] for f in figs) else 8
     if args.part in ("refit", "all"):
         dev = f"cuda:{device.index or 0}" if on_gpu else "cpu"  # cpu: a smoke test of this part
         fig = refit_figures(parse_size(args.refit_size), args.repeats, args.deadline, dev)

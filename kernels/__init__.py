@@ -6,7 +6,9 @@ no index math) and :func:`copy_tiles_kernel` (narrow, strided or unaligned regio
 :func:`plan_launches` turns one dtype group's regions into their launches; the tables' format and the
 design are in :mod:`tritonreshard.kernels.gather`. :mod:`~tritonreshard.kernels.quantize` quantizes to block FP8 in the same pass
 (:func:`quantize_blocks_kernel`, one program per destination block, fed by a
-:class:`QuantizeTable`). Tables are built by
+:class:`QuantizeTable`). :mod:`~tritonreshard.kernels.delta` compares a message with its snapshot and compacts the
+changed words (:func:`delta_count_kernel`, :func:`delta_compact_kernel`: the delta codec's CUDA path).
+Tables are built by
 :class:`~tritonreshard.kernels.descriptors.DescriptorTable` (once per rank, reused every refit).
 
 Compiled or interpreted is decided per launch from the tables' device: CUDA tensors run the compiled
@@ -14,6 +16,8 @@ kernels, CPU tensors run the same source in Triton's interpreter (exact, slow: t
 debugging). Importing this package sets no environment variable, changes nothing for other
 libraries' Triton kernels and does not initialise CUDA.
 """
+from .delta import (DELTA_BLOCK, DELTA_WORDS, DeltaLaunch, delta_compact, delta_compact_kernel, delta_count,
+                    delta_count_kernel, delta_launch_configs)
 from .descriptors import DescriptorTable, Entry, Region
 from .quantize import (QuantizeLaunch, QuantizeTable, ceil_to_ue8m0, e4m3_from_f32, per_block_cast_to_fp8,
                        quantize_blocks_kernel, quantize_launch_configs)
@@ -37,6 +41,14 @@ from .gather import (
 )
 
 __all__ = [
+    "DELTA_BLOCK",
+    "DELTA_WORDS",
+    "DeltaLaunch",
+    "delta_compact",
+    "delta_compact_kernel",
+    "delta_count",
+    "delta_count_kernel",
+    "delta_launch_configs",
     "QuantizeLaunch",
     "QuantizeTable",
     "ceil_to_ue8m0",

@@ -204,3 +204,31 @@ def test_quantize_kernel_compiles_for_sm90_fast_and_exact():
     print("\n".join(table))
     assert len(results) == len(kernels.quantize_launch_configs())
     assert not problems, "\n".join(problems)
+
+
+# ------------------------------------------------------------------------------ delta compare/compact
+
+
+def _compile_delta(item):
+    name, wd, launch = item
+    src, options = compile_spec(launch)
+    compiled = triton.compile(src, target=TARGET, options=options.__dict__)
+    return f"delta-{name}-{str(wd).removeprefix('torch.')}", compiled.asm["ptx"], resource_usage(compiled.asm["cubin"])
+
+
+def test_delta_kernels_compile_for_sm90_fast():
+    """Both passes of the delta codec's compare-and-compact, for every word dtype, as the wrappers
+    launch them: no spills, <= MAX_REGS registers, and 128-bit loads of the new and snapshot words
+    (a message of a multiple of 16 words: Triton specialises the length, so the masked loads stay
+    vectors)."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(_compile_delta, kernels.delta_launch_configs()))
+    problems, table = [], []
+    for name, ptx, usage in results:
+        table.append(f"{name:28s} REG {usage['REG']:4d}  STACK {usage['STACK']}")
+        problems += problems_of(name, ("delta",), ptx, usage)
+        if not re.search(rf"\bld\.global(\.[a-z0-9_]+)*?{_V128}\b", ptx):
+            problems.append(f"{name}: no 128-bit global ld in the PTX")
+    print("\n".join(table))
+    assert len(results) == 2 * len(kernels.DELTA_WORDS)
+    assert not problems, "\n".join(problems)

@@ -17,11 +17,14 @@ elements like any other, never "equal" by value.
   unchanged word (so applying them changes nothing): at 2.5% changed bf16 this is 2 + 2 bytes
   per changed element, 5% of dense, against 7.5% for int32 indices and 8.75% for a bitmask.
 
-Every section of a payload starts at a multiple of 8 bytes (so its views are aligned). An encoding
-is chosen only when it is smaller than dense (``force_sparse`` aside, for tests), so a message never
-carries more than its dense bytes. :func:`decode` writes the values into the base in place.
+Every section of a payload starts at a multiple of 8 bytes (so its views are aligned; the padding
+is zeros, so a payload is defined to the byte). An encoding is chosen only when it is smaller than
+dense (``force_sparse`` aside, for tests), so a message never carries more than its dense bytes.
+:func:`decode` writes the values into the base in place.
 
-Torch on any device (on CUDA these are a few kernels of torch's; see ``kernels`` for a fused one).
+:func:`encode` compares and compacts with Triton on CUDA (``kernels.delta``: two passes over the
+words, the bitmask and the block counts from the first) and with torch elsewhere; the two give the
+same bytes. :func:`decode` is torch on any device.
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from ..kernels.delta import delta_compact, delta_count
 
 __all__ = ["DENSE", "BITMASK", "INDEX32", "GAP16", "KINDS", "Encoded", "word_dtype", "word_size", "encode",
            "decode", "encoded_sizes"]
@@ -108,25 +113,50 @@ def _gap_positions(idx: torch.Tensor) -> torch.Tensor:
     return torch.minimum(rep_prev + _MAX_GAP * j, rep_idx)
 
 
-def encode(new: torch.Tensor, old: torch.Tensor, word: int, *, force_sparse: bool = False) -> Encoded:
+def encode(new: torch.Tensor, old: torch.Tensor, word: int, *, force_sparse: bool = False,
+           backend: str | None = None) -> Encoded:
     """Encode ``new`` against ``old`` (flat uint8 tensors of the same length, on one device,
     a multiple of ``word`` bytes). Returns the cheapest :class:`Encoded` (``DENSE`` when no sparse
-    encoding is smaller; ``force_sparse``: the cheapest sparse one even if it is not)."""
+    encoding is smaller; ``force_sparse``: the cheapest sparse one even if it is not).
+
+    ``backend``: ``"triton"`` (the compare-and-compact kernels of ``kernels.delta``: two passes
+    over the words, interpreted on CPU), ``"torch"``, or None: Triton on CUDA, torch elsewhere.
+    Both give the same encoding, byte for byte; messages of 2**31 words or more use torch."""
+    problems = []
     if new.dtype != torch.uint8 or old.dtype != torch.uint8 or new.shape != old.shape or new.dim() != 1:
-        raise ValueError(f"encode: new and old must be flat uint8 tensors of one length, got "
-                         f"{new.dtype} {tuple(new.shape)} and {old.dtype} {tuple(old.shape)}")
-    if new.numel() % word:
-        raise ValueError(f"encode: {new.numel()} bytes is not a multiple of word={word}")
+        problems.append(f"new and old must be flat uint8 tensors of one length, got "
+                        f"{new.dtype} {tuple(new.shape)} and {old.dtype} {tuple(old.shape)}")
+    elif new.numel() % word:
+        problems.append(f"{new.numel()} bytes is not a multiple of word={word}")
+    if backend not in (None, "torch", "triton"):
+        problems.append(f"backend must be None, 'torch' or 'triton', got {backend!r}")
+    if problems:
+        raise ValueError("encode: " + "; ".join(problems))
     wd = word_dtype(word)
     nw, ow = new.view(wd), old.view(wd)
     n = nw.numel()
-    mask = nw != ow
-    changed = int(torch.count_nonzero(mask))
+    nmask = _align(-(-n // 8))
+    if backend is None:
+        backend = "triton" if new.device.type == "cuda" else "torch"
+    fused = backend == "triton" and n < 2 ** 31
+    if fused:
+        # pass 1: per-block counts and the bitmask (its bytes are the BITMASK section as they are)
+        counts, bits = delta_count(nw, ow, nmask)
+        changed = int(counts.sum())
+    else:
+        mask = nw != ow
+        changed = int(torch.count_nonzero(mask))
     # Every sparse encoding costs at least its values plus 2 bytes an entry or 1 bit a word: when
     # none of those bounds beats dense, the positions are never compacted.
-    if not force_sparse and min(changed * (word + 2), _align(-(-n // 8)) + changed * word) >= n * word:
+    if not force_sparse and min(changed * (word + 2), nmask + changed * word) >= n * word:
         return Encoded(DENSE, n * word, n, word, changed, changed)
-    idx = torch.nonzero(mask).view(-1)
+    if fused:
+        # pass 2: the changed words' positions (ascending, as nonzero gives them) and new values
+        idx32, vals = delta_compact(nw, ow, counts, changed)
+        idx = idx32.to(torch.int64)
+    else:
+        idx = torch.nonzero(mask).view(-1)
+        vals = None
     # Entries of GAP16: the changed words plus one filler per 65535 words of an unchanged run.
     pos = _gap_positions(idx) if changed else idx
     sizes = encoded_sizes(n, word, changed, pos.numel())
@@ -135,25 +165,29 @@ def encode(new: torch.Tensor, old: torch.Tensor, word: int, *, force_sparse: boo
     if kind == DENSE:
         return Encoded(DENSE, sizes[DENSE], n, word, changed, pos.numel())
     payload = torch.empty(sizes[kind], dtype=torch.uint8, device=new.device)
+    values = payload[{BITMASK: nmask, INDEX32: _align(4 * changed), GAP16: _align(2 * pos.numel())}[kind]:]
+    if kind != GAP16 or pos.numel() == changed:
+        values.view(wd).copy_(nw[idx] if vals is None else vals)
+    else:
+        values.view(wd).copy_(nw[pos])
     if kind == BITMASK:
-        nmask = _align(-(-n // 8))
-        bits = torch.zeros(nmask * 8, dtype=torch.uint8, device=new.device)
-        bits[:n] = mask
-        # Eight 0/1 bytes (an int64, little-endian) -> one byte, first byte lowest bit: the product
-        # gathers byte i into bit 56 + i, with no carries between them.
-        payload[:nmask] = ((bits.view(torch.int64) * _GATHER_BITS) >> 56).to(torch.uint8)
-        payload[nmask:].view(wd).copy_(nw[idx])
+        if fused:
+            payload[:nmask] = bits
+        else:
+            padded = torch.zeros(nmask * 8, dtype=torch.uint8, device=new.device)
+            padded[:n] = mask
+            # Eight 0/1 bytes (an int64, little-endian) -> one byte, first byte lowest bit: the
+            # product gathers byte i into bit 56 + i, with no carries between them.
+            payload[:nmask] = ((padded.view(torch.int64) * _GATHER_BITS) >> 56).to(torch.uint8)
         return Encoded(BITMASK, sizes[kind], n, word, changed, changed, payload)
     if kind == INDEX32:
-        nidx = _align(4 * changed)
         payload[:4 * changed].view(torch.int32).copy_(idx)
-        payload[nidx:].view(wd).copy_(nw[idx])
+        payload[4 * changed:_align(4 * changed)].zero_()  # padding: the bytes sent are all defined
         return Encoded(INDEX32, sizes[kind], n, word, changed, changed, payload)
     m = pos.numel()
-    ngap = _align(2 * m)
     gaps = torch.diff(pos, prepend=pos.new_full((1,), -1))
     payload[:2 * m].view(torch.int16).copy_(gaps.to(torch.int32).to(torch.int16))  # 1..65535 as uint16 bits
-    payload[ngap:].view(wd).copy_(nw[pos])
+    payload[2 * m:_align(2 * m)].zero_()
     return Encoded(GAP16, sizes[kind], n, word, changed, m, payload)
 
 

@@ -1,0 +1,193 @@
+"""Compare and compact for the delta codec (:mod:`tritonreshard.transport.delta`): which words of a
+message changed since the sender's snapshot, in two passes over the words.
+
+* :func:`delta_count_kernel` (pass 1): one program per ``BLOCK`` words compares the new words with
+  the snapshot's as integers (bits: NaN payloads and ``-0.0`` are words like any other), stores the
+  block's number of changed words and its part of the codec's bitmask (bit ``i % 8`` of byte
+  ``i // 8`` for word ``i``, the first word in the lowest bit).
+* :func:`delta_compact_kernel` (pass 2): after an exclusive scan of the block counts (torch's
+  ``cumsum``; a few thousand int64 per GiB), each block writes its changed words' int32 positions and
+  new values at its offset, in ascending order (a scan inside the block gives each changed word its
+  rank), so the output equals torch's ``nonzero`` and ``new[idx]`` exactly.
+
+The snapshot is not updated here: the codec's contract is that it becomes the new version only
+once the sends completed (``commit_sends``), so a failed send leaves the base the receiver holds.
+
+Compiled on CUDA tensors, interpreted on CPU tensors (``_jit``): the interpreter is exact but slow
+(tests only); speed is measured by ``bench/gpu_kernels.py`` on a GPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton.language as tl
+
+from ._jit import interpreted, jit
+
+__all__ = ["DELTA_BLOCK", "DELTA_WORDS", "DeltaLaunch", "delta_compact", "delta_compact_kernel", "delta_count",
+           "delta_count_kernel", "delta_launch_configs"]
+
+#: Words per program. 4096 words is 8 KiB of each input at bf16 (16 KiB at fp32): enough per
+#: program to hide latency, small enough that the in-block scan stays in registers.
+DELTA_BLOCK = 4096
+#: The word dtypes the codec compares (its ``word_dtype`` of 1, 2, 4 and 8 bytes).
+DELTA_WORDS = (torch.uint8, torch.int16, torch.int32, torch.int64)
+# 8 warps: 16 words a thread. int64 words at 8 warps need 141 registers in the compact pass (the
+# compile gate's limit is 128), so they get 16 warps (8 words a thread).
+_NUM_WARPS = {1: 8, 2: 8, 4: 8, 8: 16}
+_MAX_WORDS = 2 ** 31 - 1  # positions are int32
+
+
+@jit
+def _add(a, b):
+    # tl.sum / tl.cumsum are @jit helpers the interpreted twin cannot call (``_jit``); a combine
+    # function of this module's own is replaced by its twin, so reduce and scan with this one.
+    return a + b
+
+
+@jit
+def delta_count_kernel(
+    new_ptr,  # [n] words (uint8 / int16 / int32 / int64): the message now
+    old_ptr,  # [n] words of the same dtype: the snapshot
+    counts_ptr,  # int32 [cdiv(n, BLOCK)]: changed words per block (out)
+    bits_ptr,  # uint8 [>= cdiv(n, 8)]: the bitmask (out; bytes past the last block untouched)
+    n,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    inb = offs < n
+    a = tl.load(new_ptr + offs, mask=inb, other=0)
+    b = tl.load(old_ptr + offs, mask=inb, other=0)
+    c = ((a != b) & inb).to(tl.int32)
+    tl.store(counts_ptr + pid, tl.reduce(c, 0, _add))
+    # Eight flags -> one byte, word 8j + i in bit i of byte j (no carries: each shift is distinct).
+    byte = tl.reduce(tl.reshape(c, [BLOCK // 8, 8]) << tl.arange(0, 8)[None, :], 1, _add)
+    boffs = pid * (BLOCK // 8) + tl.arange(0, BLOCK // 8).to(tl.int64)
+    tl.store(bits_ptr + boffs, byte.to(tl.uint8), mask=boffs * 8 < n)
+
+
+@jit
+def delta_compact_kernel(
+    new_ptr,  # [n] words: the message now
+    old_ptr,  # [n] words: the snapshot
+    starts_ptr,  # int64 [cdiv(n, BLOCK)]: exclusive scan of pass 1's counts
+    idx_ptr,  # int32 [changed]: positions of the changed words, ascending (out)
+    val_ptr,  # [changed] words: their new values (out)
+    n,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    inb = offs < n
+    a = tl.load(new_ptr + offs, mask=inb, other=0)
+    b = tl.load(old_ptr + offs, mask=inb, other=0)
+    changed = (a != b) & inb
+    start = tl.load(starts_ptr + pid)
+    dst = start + (tl.associative_scan(changed.to(tl.int32), 0, _add) - 1).to(tl.int64)
+    tl.store(idx_ptr + dst, offs.to(tl.int32), mask=changed)
+    tl.store(val_ptr + dst, a, mask=changed)
+
+
+@dataclass(frozen=True)
+class DeltaLaunch:
+    """One launch of a delta kernel: ``kernel[grid](*args, **kwargs)``. :meth:`call` is the one
+    place that makes the arguments (used by :meth:`launch` and by the compile gate)."""
+
+    kernel: object
+    args: tuple
+    n: int
+
+    def call(self):
+        """``(kernel, grid, args, kwargs)``."""
+        return (self.kernel, (-(-self.n // DELTA_BLOCK),), self.args,
+                {"BLOCK": DELTA_BLOCK, "num_warps": _NUM_WARPS[self.args[0].element_size()]})
+
+    def launch(self) -> None:
+        """Enqueue (CUDA: the current stream of the tensors' device) or run now (CPU: interpreted)."""
+        if self.n == 0:
+            return
+        kernel, grid, args, kw = self.call()
+        device = args[0].device
+        if device.type == "cpu":
+            interpreted(kernel)[grid](*args, **kw)
+        else:
+            with torch.cuda.device(device):
+                kernel[grid](*args, **kw)
+
+
+def _check(new: torch.Tensor, old: torch.Tensor, who: str) -> None:
+    problems = []
+    if new.dtype not in DELTA_WORDS:
+        problems.append(f"new has dtype {new.dtype}, not one of {[str(d) for d in DELTA_WORDS]}")
+    if old.dtype != new.dtype or old.shape != new.shape or old.device != new.device:
+        problems.append(f"old is {old.dtype} {tuple(old.shape)} on {old.device}, new is {new.dtype} "
+                        f"{tuple(new.shape)} on {new.device}")
+    if new.dim() != 1 or not new.is_contiguous() or not old.is_contiguous():
+        problems.append("new and old must be flat contiguous tensors")
+    if new.numel() > _MAX_WORDS:
+        problems.append(f"{new.numel()} words do not fit int32 positions")
+    if new.device.type not in ("cpu", "cuda"):
+        problems.append(f"device must be cpu or cuda, got {new.device}")
+    if problems:
+        raise ValueError(f"{who}: " + "; ".join(problems))
+
+
+def _count_launch(new, old, counts, bits) -> DeltaLaunch:
+    return DeltaLaunch(delta_count_kernel, (new, old, counts, bits, new.numel()), new.numel())
+
+
+def _compact_launch(new, old, starts, idx, vals) -> DeltaLaunch:
+    return DeltaLaunch(delta_compact_kernel, (new, old, starts, idx, vals, new.numel()), new.numel())
+
+
+def delta_count(new: torch.Tensor, old: torch.Tensor, bits_bytes: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass 1 over ``new`` and ``old`` (flat contiguous words of one dtype in :data:`DELTA_WORDS`,
+    ``n`` < 2**31 of them, one device). Returns ``(counts, bits)``: ``counts`` int32
+    ``[cdiv(n, DELTA_BLOCK)]`` changed words per block; ``bits`` uint8 ``[bits_bytes]`` (default
+    ``cdiv(n, 8)``, at least that) the bitmask, zero past word ``n``. Enqueued on CUDA (no sync)."""
+    _check(new, old, "delta_count")
+    n = new.numel()
+    nbits = -(-n // 8) if bits_bytes is None else int(bits_bytes)
+    if nbits < -(-n // 8):
+        raise ValueError(f"delta_count: bits_bytes={bits_bytes} < {-(-n // 8)} for {n} words")
+    counts = torch.empty(-(-n // DELTA_BLOCK), dtype=torch.int32, device=new.device)
+    bits = torch.empty(nbits, dtype=torch.uint8, device=new.device)
+    bits[-(-n // 8):].zero_()  # the padding past the last block's bytes
+    _count_launch(new, old, counts, bits).launch()
+    return counts, bits
+
+
+def delta_compact(new: torch.Tensor, old: torch.Tensor, counts: torch.Tensor, changed: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass 2: ``(idx, values)``: int32 ``[changed]`` positions of the words where ``new`` and
+    ``old`` differ, ascending, and ``new``'s words there (``[changed]``, ``new``'s dtype).
+    ``counts``: pass 1's (:func:`delta_count`), ``changed``: their sum."""
+    _check(new, old, "delta_compact")
+    nblocks = -(-new.numel() // DELTA_BLOCK)
+    if counts.shape != (nblocks,) or counts.device != new.device:
+        raise ValueError(f"delta_compact: counts must be [{nblocks}] on {new.device}, got "
+                         f"{tuple(counts.shape)} on {counts.device}")
+    c = counts.to(torch.int64)
+    starts = torch.cumsum(c, 0) - c
+    idx = torch.empty(changed, dtype=torch.int32, device=new.device)
+    vals = torch.empty(changed, dtype=new.dtype, device=new.device)
+    if changed:
+        _compact_launch(new, old, starts, idx, vals).launch()
+    return idx, vals
+
+
+def delta_launch_configs(n: int = 3 * DELTA_BLOCK + 16) -> list[tuple[str, torch.dtype, DeltaLaunch]]:
+    """``[(name, word dtype, launch)]``: every kernel and word dtype, as the wrappers build them,
+    over CPU tensors of ``n`` words (nothing is launched; for the compile gate)."""
+    out = []
+    for wd in DELTA_WORDS:
+        new, old = torch.zeros(n, dtype=wd), torch.zeros(n, dtype=wd)
+        nblocks = -(-n // DELTA_BLOCK)
+        counts = torch.zeros(nblocks, dtype=torch.int32)
+        out.append(("count", wd, _count_launch(new, old, counts, torch.zeros(-(-n // 8), dtype=torch.uint8))))
+        out.append(("compact", wd, _compact_launch(new, old, torch.zeros(nblocks, dtype=torch.int64),
+                                                   torch.zeros(n, dtype=torch.int32), torch.zeros(n, dtype=wd))))
+    return out
