@@ -256,12 +256,13 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         self.replica = init_info.replica
         self._check_model()
         self._timeout = float(init_info.timeout)
-        store = connect_store(init_info.store, world_size=1, is_master=False, timeout=init_info.timeout)
-        self._check_elastic(store, init_info)
+        if init_info.elastic or self.rank != 0:  # (rank 0 of a plain group hosts the store: nothing to ask yet)
+            self._check_elastic(connect_store(init_info.store, world_size=1, is_master=False,
+                                              timeout=init_info.timeout), init_info)
         # Two buffer sets for the background pull (one is pulled into while the other holds the
         # newest complete version); without it one set is enough: vLLM's own parameters are what is
         # served, and they are written only after every TP rank pulled the whole version.
-        common = dict(rank=self.rank, store=store, mode="shadow" if init_info.prefetch else "inplace",
+        common = dict(rank=self.rank, store=init_info.store, mode="shadow" if init_info.prefetch else "inplace",
                       device=self.device, timeout=init_info.timeout, peer_timeout=init_info.peer_timeout,
                       group=init_info.group, delta=init_info.delta, delta_anchor=init_info.delta_anchor)
         t0 = time.perf_counter()
