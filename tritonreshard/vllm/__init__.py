@@ -29,6 +29,15 @@ version it published (acked its copy), and only then may the trainer overwrite i
 that skips a version reads the next one; one that is still reading version v when the trainers
 want to publish v + 1 makes them wait at ``fence()``.
 
+**Elastic** (engines that come and go: autoscaling, a crashed replica): ``Trainer(...,
+elastic=True)`` in every trainer process (the trainers meet alone and keep running; their
+``inference_ranks`` are not needed), and ``init_info(..., elastic=True, replica=i,
+inference_ranks=<this engine's own TP ranks>)`` for engine ``i``, passed to its
+``init_weight_transfer_engine`` whenever it starts: it joins the running group and serves the newest
+version from then on. Its ``shutdown_weight_transfer_engine`` (or its process's death) takes it out of
+the group; the trainers' ``fence()`` stops waiting for it, and the other engines go on. See
+docs/elastic.md.
+
 Importing this package does not import vLLM.
 """
 from __future__ import annotations
@@ -39,6 +48,7 @@ from types import MappingProxyType
 import torch
 
 from .. import Layout, RefitTrainer, recipes
+from ..engine.elastic import MAX_RANKS
 from ..transport import delta_problems
 
 __all__ = ["Trainer", "WorkerExtension", "init_info", "register", "BACKEND", "WORKER_EXTENSION", "SRC_DTYPES"]
@@ -100,7 +110,7 @@ class WorkerExtension:
 
 def init_info(*, store: str, trainer_ranks, inference_ranks, src_dtype: str = "float32", group: str = "vllm",
               timeout: float = 60.0, peer_timeout: float = 10.0, replica: int = 0, megatron=None,
-              prefetch: bool = True, delta: str = "auto", delta_anchor: int = 64) -> dict:
+              prefetch: bool = True, delta: str = "auto", delta_anchor: int = 64, elastic: bool = False) -> dict:
     """The plain dict to pass to ``init_weight_transfer_engine``. ``store``: ``"host:port"`` of the
     refit group's TCPStore (trainer rank 0 hosts it); ``inference_ranks``: the global ranks of every
     replica's TP ranks in the refit group, replica after replica (``inference_ranks[i]`` is TP rank
@@ -113,12 +123,27 @@ def init_info(*, store: str, trainer_ranks, inference_ranks, src_dtype: str = "f
     buffer set, so ``update_weights`` only applies it (False: the pull runs inside
     ``update_weights``, and the trainers' ``fence()`` waits for it; see docs/vllm.md).
     ``delta``, ``delta_anchor``: the cross-host deltas, the same as the trainers' (``Trainer(delta=)``;
-    see :class:`~tritonreshard.RefitEndpoint`)."""
+    see :class:`~tritonreshard.RefitEndpoint`).
+
+    ``elastic``: join an elastic group (the trainers are ``Trainer(..., elastic=True)``; see
+    docs/elastic.md) while it runs: ``inference_ranks`` are then this engine's own TP ranks (TP rank
+    ``t`` joins as ``inference_ranks[t]``; ranks no other engine or trainer uses, below
+    ``trs.engine.elastic.MAX_RANKS``), and ``replica`` its index among the engines (any int >= 0
+    that no engine in the group holds). ``shutdown_weight_transfer_engine`` leaves the group."""
     problems = list(delta_problems(delta, delta_anchor))
+    if not isinstance(elastic, bool):
+        problems.append(f"elastic must be True or False, got elastic={elastic!r}")
     if megatron is not None and not isinstance(megatron, recipes.Megatron):
         problems.append(f"megatron must be a trs.recipes.Megatron or None, got megatron={megatron!r}")
     trainer_ranks, inference_ranks = [int(r) for r in trainer_ranks], [int(r) for r in inference_ranks]
-    if isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < max(1, len(inference_ranks)):
+    if elastic is True:  # any index: the engines in the group are not known here
+        if isinstance(replica, bool) or not isinstance(replica, int) or replica < 0:
+            problems.append(f"replica={replica!r} must be an int >= 0 (this engine's index among the elastic "
+                            f"group's engines)")
+        big = [r for r in inference_ranks + trainer_ranks if not 0 <= r < MAX_RANKS]
+        if big:
+            problems.append(f"ranks {big} are outside an elastic group's [0, {MAX_RANKS})")
+    elif isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < max(1, len(inference_ranks)):
         problems.append(f"replica={replica!r} must be an int in [0, number of replicas)")
     if set(trainer_ranks) & set(inference_ranks):
         problems.append(f"trainer_ranks={trainer_ranks} and inference_ranks={inference_ranks} overlap")
@@ -134,7 +159,7 @@ def init_info(*, store: str, trainer_ranks, inference_ranks, src_dtype: str = "f
             "src_dtype": src_dtype, "group": group,
             "timeout": float(timeout), "peer_timeout": float(peer_timeout), "replica": replica,
             "megatron": None if megatron is None else dataclasses.asdict(megatron), "prefetch": prefetch,
-            "delta": delta, "delta_anchor": delta_anchor}
+            "delta": delta, "delta_anchor": delta_anchor, "elastic": elastic}
 
 
 class Trainer(RefitTrainer):
@@ -155,16 +180,35 @@ class Trainer(RefitTrainer):
     ``megatron``: a ``trs.recipes.Megatron`` when the trainers are Megatron-Core ranks; ``shards`` are
     then ``trs.recipes.megatron_tensors(model_chunks, megatron=megatron, rank=r)`` and the spec is
     ``trs.recipes.megatron_to_vllm`` (pass the same ``megatron`` to :func:`init_info`).
+
+    ``elastic``: the trainers of an elastic group (docs/elastic.md): they meet alone
+    (``trainer_ranks`` must be ``0 .. n-1``, ``inference_ranks`` may be None) and engines join and
+    leave while they run (``init_info(elastic=True, replica=i)``); ``fence()`` waits for the engines
+    admitted now, never for one that left or died. ``tp`` only shapes the recipe's unused
+    destination side here: the source layouts are the same for every ``tp``.
     """
 
-    def __init__(self, config, shards, *, rank: int, tp: int, trainer_ranks, inference_ranks, store,
-                 src_dtype=None, group: str = "vllm", megatron=None, **kwargs):
+    def __init__(self, config, shards, *, rank: int, tp: int, trainer_ranks, inference_ranks=None, store,
+                 src_dtype=None, group: str = "vllm", megatron=None, elastic: bool = False, **kwargs):
         dtype = SRC_DTYPES.get(src_dtype, src_dtype) or next(iter(
             shards.values() if isinstance(shards, dict) else (p for _, p in shards.named_parameters()))).dtype
         names = {d: n for n, d in SRC_DTYPES.items()}
         problems = []
         if dtype not in names:
             problems.append(f"the shards' dtype must be one of {list(SRC_DTYPES)}, got {dtype}")
+        trainer_ranks = [int(r) for r in trainer_ranks]
+        if not isinstance(elastic, bool):
+            problems.append(f"elastic must be True or False, got elastic={elastic!r}")
+        elif elastic:
+            if trainer_ranks != list(range(len(trainer_ranks))):
+                problems.append(f"an elastic group's trainers are its world: trainer_ranks must be "
+                                f"{list(range(len(trainer_ranks)))}, got {trainer_ranks}")
+            # The recipe's destination side is not used (each engine builds its own); any ranks do.
+            inference_ranks = list(range(len(trainer_ranks), len(trainer_ranks) + tp)) \
+                if inference_ranks is None else inference_ranks
+        elif inference_ranks is None:
+            problems.append("inference_ranks is needed (every engine's TP ranks), unless elastic=True")
+            inference_ranks = []
         if set(trainer_ranks) & set(inference_ranks):
             problems.append(f"trainer_ranks={list(trainer_ranks)} and inference_ranks={list(inference_ranks)} overlap")
         if problems:
@@ -178,8 +222,9 @@ class Trainer(RefitTrainer):
                                            inference_ranks=inference_ranks, src_dtype=dtype)
         self.src_dtype = names[dtype]  # what init_info(src_dtype=...) needs on the vLLM side
         self.source = None
-        super().__init__(shards, self.spec.src, rank=rank, world_size=len(trainer_ranks) + len(inference_ranks),
-                         store=store, group=group, **kwargs)
+        world = len(trainer_ranks) if elastic else len(trainer_ranks) + len(inference_ranks)
+        super().__init__(shards, self.spec.src, rank=rank, world_size=world, store=store, group=group,
+                         elastic=elastic, **kwargs)
 
     @classmethod
     def from_weight_source(cls, source, *, rank: int, trainer_ranks, inference_ranks, store, group: str = "vllm",

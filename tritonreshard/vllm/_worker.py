@@ -54,6 +54,8 @@ from vllm.model_executor.model_loader.reload.meta import materialize_layer
 from vllm.platforms import current_platform
 
 from .. import RefitError, RefitInference, recipes
+from ..engine.elastic import epoch_key
+from ..engine.rendezvous import connect_store
 from . import SRC_DTYPES
 
 __all__ = ["TritonreshardInitInfo", "TritonreshardUpdateInfo", "TritonreshardWeightTransferEngine"]
@@ -79,6 +81,7 @@ class TritonreshardInitInfo(WeightTransferInitInfo):
     prefetch: bool = True  # pull each published version in the background (see the module docstring)
     delta: str = "auto"           # cross-host deltas, as the trainers' (tritonreshard.vllm.Trainer(delta=))
     delta_anchor: int = 64
+    elastic: bool = False  # join an elastic group: inference_ranks are this engine's own TP ranks
 
 
 @dataclass
@@ -216,6 +219,8 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
             problems.append(f"enable_expert_parallel with enable_eplb={pc.enable_eplb}, expert_placement_strategy="
                             f"{pc.expert_placement_strategy!r}: only vLLM's default linear placement (no redundant "
                             f"experts) is laid out")
+        if not isinstance(init_info.elastic, bool):
+            problems.append(f"init_info elastic={init_info.elastic!r} must be true or false")
         if not isinstance(init_info.prefetch, bool):
             problems.append(f"init_info prefetch={init_info.prefetch!r} must be true or false")
         if init_info.src_dtype not in SRC_DTYPES:
@@ -237,29 +242,66 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
                                                  megatron=recipes.Megatron(**init_info.megatron), **common)
         else:
             self.spec = recipes.hf_to_vllm(self.model_config.hf_config, **common)
-        replicas = len(init_info.inference_ranks) // tp   # the recipe checked k * tp ranks
-        if not 0 <= init_info.replica < replicas:
-            raise ValueError(f"tritonreshard init_weight_transfer_engine: init_info replica={init_info.replica} "
-                             f"but inference_ranks holds {replicas} replica(s) of TP-{tp}")
+        if init_info.elastic:  # this engine's own ranks: the group's other engines are not known here
+            if len(init_info.inference_ranks) != tp:
+                raise ValueError(f"tritonreshard init_weight_transfer_engine: elastic init_info's inference_ranks "
+                                 f"are this engine's own TP ranks, {tp} of them, got {init_info.inference_ranks}")
+            self.rank = init_info.inference_ranks[self.tp_rank]
+        else:
+            replicas = len(init_info.inference_ranks) // tp   # the recipe checked k * tp ranks
+            if not 0 <= init_info.replica < replicas:
+                raise ValueError(f"tritonreshard init_weight_transfer_engine: init_info replica={init_info.replica} "
+                                 f"but inference_ranks holds {replicas} replica(s) of TP-{tp}")
+            self.rank = init_info.inference_ranks[init_info.replica * tp + self.tp_rank]
         self.replica = init_info.replica
-        self.rank = init_info.inference_ranks[init_info.replica * tp + self.tp_rank]
         self._check_model()
         self._timeout = float(init_info.timeout)
-        world = len(init_info.trainer_ranks) + len(init_info.inference_ranks)
+        if init_info.elastic or self.rank != 0:  # (rank 0 of a plain group hosts the store: nothing to ask yet)
+            self._check_elastic(connect_store(init_info.store, world_size=1, is_master=False,
+                                              timeout=init_info.timeout), init_info)
         # Two buffer sets for the background pull (one is pulled into while the other holds the
         # newest complete version); without it one set is enough: vLLM's own parameters are what is
         # served, and they are written only after every TP rank pulled the whole version.
-        self._sub = RefitInference.from_recipe(self.spec, rank=self.rank, world_size=world, store=init_info.store,
-                                               mode="shadow" if init_info.prefetch else "inplace",
-                                               device=self.device, timeout=init_info.timeout,
-                                               peer_timeout=init_info.peer_timeout, group=init_info.group,
-                                               delta=init_info.delta, delta_anchor=init_info.delta_anchor)
+        common = dict(rank=self.rank, store=init_info.store, mode="shadow" if init_info.prefetch else "inplace",
+                      device=self.device, timeout=init_info.timeout, peer_timeout=init_info.peer_timeout,
+                      group=init_info.group, delta=init_info.delta, delta_anchor=init_info.delta_anchor)
+        t0 = time.perf_counter()
+        if init_info.elastic:  # joins the running group: meet, check, plan, map, admit (JoinStats)
+            self._sub = RefitInference.from_recipe(self.spec, elastic=True, replica=init_info.replica, **common)
+        else:
+            self._sub = RefitInference.from_recipe(
+                self.spec, world_size=len(init_info.trainer_ranks) + len(init_info.inference_ranks), **common)
+        # How long joining the group took (an elastic join: join_stats says step by step).
+        self.join_ms, self.join_stats = (time.perf_counter() - t0) * 1e3, self._sub.join_stats
         # What the refit costs in memory on this rank, beyond vLLM's own weights (docs/vllm.md).
         self.buffer_sets = 2 if init_info.prefetch else 1
         self.buffer_bytes = sum(lay.local_numel(self.rank) * lay.itemsize for lay in self.spec.dst.values())
-        logger.info("tritonreshard (rank %s): joined refit group %r; background pull %s; %d buffer set(s) of %.1f MB",
-                    self.rank, init_info.group, "on" if init_info.prefetch else "off", self.buffer_sets,
-                    self.buffer_bytes / 1e6)
+        logger.info("tritonreshard (rank %s): joined %srefit group %r in %.1f ms; background pull %s; %d buffer "
+                    "set(s) of %.1f MB", self.rank, "elastic " if init_info.elastic else "", init_info.group,
+                    self.join_ms, "on" if init_info.prefetch else "off", self.buffer_sets, self.buffer_bytes / 1e6)
+
+    @staticmethod
+    def _check_elastic(store, init_info: TritonreshardInitInfo) -> None:
+        """Both sides elastic or neither: an elastic group's trainers post their epoch under
+        :func:`~tritonreshard.engine.elastic.epoch_key` once they met. A plain engine that finds it
+        would wait in a meeting the trainers never join; an elastic engine that does not find it
+        within the timeout says whom it waited for. (A plain engine that starts before elastic
+        trainers met cannot see them yet: it times out in the meeting.)"""
+        key = epoch_key(init_info.group)
+        if not init_info.elastic and store.check([key]):
+            raise ValueError(f"tritonreshard init_weight_transfer_engine: the trainers of group {init_info.group!r} "
+                             f"are elastic (tritonreshard.vllm.Trainer(elastic=True)) but init_info has elastic=False: "
+                             f"pass init_info(elastic=True, replica=<this engine's index>, inference_ranks=<its "
+                             f"own TP ranks>)")
+        if init_info.elastic:
+            deadline = time.monotonic() + float(init_info.timeout)
+            while not store.check([key]):
+                if time.monotonic() >= deadline:
+                    raise ValueError(f"tritonreshard init_weight_transfer_engine: init_info has elastic=True but no "
+                                     f"elastic trainers of group {init_info.group!r} met at {init_info.store} within "
+                                     f"{init_info.timeout:g} s: are the trainers tritonreshard.vllm.Trainer("
+                                     f"elastic=True)? (plain trainers wait for every engine in their meeting)")
+                time.sleep(0.05)
 
     def _check_model(self) -> None:
         """Every recipe destination is a vLLM parameter with the load-format shape the recipe gives
