@@ -85,8 +85,12 @@ def _trainer(rank, port, epoch=0, start=0):
                 end = v + 2
                 store.set("end", str(end))
         same_arena = arena == {n: t.data_ptr() for n, t in tr.tensors.items()}
-        return {"published": tr.published, "readers": tr.readers, "gone": gone, "same_arena": same_arena,
-                "epoch": tr.epoch, "pid": os.getpid()}
+        report = {"published": tr.published, "readers": tr.readers, "gone": gone, "same_arena": same_arena,
+                  "epoch": tr.epoch, "pid": os.getpid()}
+        # Replica 0 stays until the readers are counted: a reader that acked the last version and
+        # closed at once would otherwise be counted as left, not as a reader (a race, not a drop).
+        store.set(f"counted/{epoch}/{rank}", "1")
+        return report
 
 
 def _check(inf, rank, replica, v):
@@ -126,6 +130,7 @@ def _replica0(rank, port):
         store.set(f"rejoined/{rank}", "1")
         rejoined = inf.join_stats
         after = _pull_until(inf, rank, 0, lambda v: v >= end + 3)
+        store.wait([f"counted/1/{r}" for r in TRAINERS], timedelta(seconds=60))
     del inf
     gc.collect()  # the PeerDiedError's traceback held the failed pull's frames (views of epoch 0's arenas)
     return {"first": first, "pulled": pulled, "after": after, "rejoined": rejoined, "fds": our_fds(),
