@@ -182,6 +182,34 @@ class Load:
             t.join(300)
 
 
+class Tokens:
+    """vLLM's generated-token counter sampled every 50 ms (wall-clock times, comparable with the
+    trainer processes' publish times), so the tokens generated in a window that began in another
+    process can be counted afterwards."""
+
+    def __init__(self, srv: Server):
+        self.srv, self.samples, self._stop = srv, [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            self.samples.append((time.time(), self.srv.generated_tokens()))
+
+    def between(self, begin: float, end: float) -> float:
+        """Tokens generated from ``begin`` to ``end``: the counter's last sample at or before each
+        (so at most 50 ms plus one /metrics call early)."""
+        deadline = time.monotonic() + 5
+        while (not self.samples or self.samples[-1][0] < end) and time.monotonic() < deadline:
+            time.sleep(0.05)  # a sample after the window
+        at = lambda t: max((v for s, v in self.samples if s <= t), default=self.samples[0][1])  # noqa: E731
+        return at(end) - at(begin)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
 def percentile(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))] if xs else None
@@ -268,17 +296,18 @@ def main(argv=None) -> dict:
         for _ in ex.TRAINERS:
             group.expect("ready")
         phase = {"start": time.monotonic(), "stall_ms": [], "tokens_during_pull": [], "pull_s": []}
+        tokens = Tokens(srv) if prefetch else None
         log_before = len(INSTALLED.findall(srv.log()))
         weights = None
         for k in range(first_step, first_step + args.refits):
             time.sleep(args.gap)
-            tok0, t0 = srv.generated_tokens(), time.monotonic()
             shards = group.step(k)  # every trainer published version k - first_step + 1
             version = k - first_step + 1
             if prefetch:  # the workers pull in the background; the trainers' fence returns when they did
                 group.fence()
-                phase["tokens_during_pull"].append(srv.generated_tokens() - tok0)
-                phase["pull_s"].append(round(time.monotonic() - t0, 3))
+                begin, end = max(group.published_at.values()), time.time()  # the pull: last publish -> acked
+                phase["tokens_during_pull"].append(round(tokens.between(begin, end)))
+                phase["pull_s"].append(round(end - begin, 3))
             srv.post("/start_weight_update")
             tok1, t1 = srv.generated_tokens(), time.perf_counter()
             srv.post("/update_weights", {"update_info": {"version": version}})
@@ -290,6 +319,8 @@ def main(argv=None) -> dict:
             weights = full_weights(group, shards)
             check(f"{name}, version {version}", weights)
         phase["end"] = time.monotonic()
+        if tokens is not None:
+            tokens.stop()
         lines = INSTALLED.findall(srv.log())[log_before:]
         phase["worker"] = [{"rank": int(r), "version": int(v), "kind": kind, "total_ms": float(tot),
                             "wait_ms": float(w), "agree_ms": float(a), "copy_ms": float(c), "post_ms": float(p)}
@@ -313,6 +344,8 @@ def main(argv=None) -> dict:
         print(f"server up in {summary['engine_start_s']} s", flush=True)
         load = Load(srv, args.clients, load_prompt, args.max_tokens)
         check("version 0 (checkpoint)")
+        while len(load.done) < 2 * args.clients and not load.errors:  # warm-up, not counted
+            time.sleep(0.2)
         base = {"start": time.monotonic()}
         time.sleep(args.window)
         base["end"] = time.monotonic()
@@ -379,7 +412,7 @@ def print_table(summary: dict) -> None:
           f"{summary['device']}, {summary['clients']} clients x {summary['max_tokens']} tokens, "
           f"load average {summary['load_avg']:.1f} at start")
     head = ("phase", "stall per refit (ms)", "median", "latency p50 / p99 (ms)", "requests", "tokens/s",
-            "tokens during pulls", "worker wait / agree / copy / post (ms)")
+            "tokens generated during each pull", "worker wait / agree / copy / post (ms)")
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for name, ph in summary["phases"].items():
         stall = ph.get("stall_ms", [])
@@ -389,7 +422,8 @@ def print_table(summary: dict) -> None:
         row = (name, ", ".join(f"{x:.0f}" for x in stall) or "-",
                f"{percentile(stall, 50):.0f}" if stall else "-",
                f"{lat['p50']} / {lat['p99']}", str(lat["n"]), str(ph["tokens_per_s"]),
-               ", ".join(f"{x:.0f}" for x in ph.get("tokens_during_pull", [])) or "-", split)
+               ", ".join(f"{x:.0f}" + (f" in {t:.1f} s" if t is not None else "") for x, t in
+                         zip(ph.get("tokens_during_pull", []), ph.get("pull_s") or [None] * 99)) or "-", split)
         print("| " + " | ".join(row) + " |")
     print(f"greedy after every refit == transformers: {summary['mismatches'] == 0} ({summary['tokens_compared']} "
           f"tokens); after vLLM's reload_weights: {summary.get('reload_mismatches', 0)} mismatches", flush=True)
