@@ -14,10 +14,11 @@ client threads sending greedy ``/v1/completions`` all along. Four phases on the 
 * ``vLLM reload_weights``: vLLM's own reload from a checkpoint folder of the same weights
   (``/collective_rpc`` ``reload_weights`` with ``weights_path``), ``--refits`` times.
 
-Measured per phase: the engine stall per refit (the wall time of the ``/update_weights`` call, or of
+Measured per phase: the time ``/init_weight_transfer_engine`` blocked the engine (until the trainers
+joined), the engine stall per refit (the wall time of the ``/update_weights`` call, or of
 the ``reload_weights`` RPC: vLLM's engine core runs no step while a ``collective_rpc`` runs), each
 worker's split from the server's log (wait, agree, copy, post-processing), request latency p50/p99
-(by start time: requests that began in the phase), and the tokens the engine generated during the
+(requests that began and ended in the phase), and the tokens the engine generated during the
 pulls (vLLM's ``vllm:generation_tokens_total`` from ``/metrics``, read when the trainers published
 and when the pull was over: their ``fence()`` with the background pull, the ``/update_weights``
 call without it). After every refit the load is held, and vLLM's greedy tokens on ``--prompts``
@@ -292,10 +293,14 @@ def main(argv=None) -> dict:
         groups.append(group)
         info = trs_vllm.init_info(store=group.store, trainer_ranks=ex.TRAINERS, inference_ranks=inference,
                                   group=tag, timeout=300.0, peer_timeout=30.0, prefetch=prefetch)
+        t0 = time.perf_counter()
+        # This call blocks the engine until every trainer process joined the group (their start-up
+        # included: the trainers were started just before), so it is timed, and kept out of the phase.
         srv.post("/init_weight_transfer_engine", {"init_info": info})
+        init_ms = round((time.perf_counter() - t0) * 1e3, 1)
         for _ in ex.TRAINERS:
             group.expect("ready")
-        phase = {"start": time.monotonic(), "stall_ms": [], "tokens_during_pull": [], "pull_s": []}
+        phase = {"start": time.monotonic(), "stall_ms": [], "tokens_during_pull": [], "pull_s": [], "init_ms": init_ms}
         tokens = Tokens(srv) if prefetch else None
         log_before = len(INSTALLED.findall(srv.log()))
         weights = None
@@ -370,10 +375,11 @@ def main(argv=None) -> dict:
         check("after vLLM reload_weights", reload=True)
         load.stop()
         for name, ph in phases.items():
-            lat = [(e - s) * 1e3 for s, e, _ in load.done if ph["start"] <= s < ph["end"]]
+            # requests begun and ended within the phase (not those that waited on the next init)
+            lat = [(e - s) * 1e3 for s, e, _ in load.done if ph["start"] <= s and e <= ph["end"]]
             ph["latency_ms"] = {"p50": round(percentile(lat, 50), 1) if lat else None,
                                 "p99": round(percentile(lat, 99), 1) if lat else None, "n": len(lat)}
-            ph["tokens_per_s"] = round(sum(n for s, e, n in load.done if ph["start"] <= s < ph["end"])
+            ph["tokens_per_s"] = round(sum(n for s, e, n in load.done if ph["start"] <= s and e <= ph["end"])
                                        / max(ph["end"] - ph["start"], 1e-9), 1)
             del ph["start"], ph["end"]
         summary["phases"] = phases
@@ -425,6 +431,9 @@ def print_table(summary: dict) -> None:
                ", ".join(f"{x:.0f}" + (f" in {t:.1f} s" if t is not None else "") for x, t in
                          zip(ph.get("tokens_during_pull", []), ph.get("pull_s") or [None] * 99)) or "-", split)
         print("| " + " | ".join(row) + " |")
+    inits = [f"{ph['init_ms']:.0f} ms ({name})" for name, ph in summary["phases"].items() if "init_ms" in ph]
+    if inits:
+        print(f"/init_weight_transfer_engine blocked the engine until the trainers joined: {', '.join(inits)}")
     print(f"greedy after every refit == transformers: {summary['mismatches'] == 0} ({summary['tokens_compared']} "
           f"tokens); after vLLM's reload_weights: {summary.get('reload_mismatches', 0)} mismatches", flush=True)
 
