@@ -8,8 +8,11 @@
 #      delta codec's change detection (Triton vs torch, ms per GB), then
 #      the cross-process refit of >= 8 GiB on one GPU vs D2D with the slowest pull's time
 #   2. the CUDA-marked tests (compiled kernels, CUDA transport), after the figures
+#   3. `vllm serve` refitted under a completion load (bench/vllm_serve_bench.py: stall per refit with and
+#      without the background pull, latency p50/p99, vLLM's reload_weights), only if `import vllm` works
+#      (vLLM's CUDA build is often not installed: then a line says the step was skipped)
 # A failing step is reported and the script goes on; the exit status says whether everything passed.
-# Worst case about 8.5 minutes (limits: 180 + 90 + 210 + 150 s, plus install).
+# Worst case about 13.5 minutes (limits: 180 + 90 + 210 + 150 + 300 s, plus install).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_JSON="${1:-gpu_check.json}"
@@ -55,6 +58,15 @@ cat "$OUT_JSON" || status=1
 step "CUDA tests"
 timeout -k 10 150 python3 -m pytest -m cuda tests/ -q -p no:cacheprovider -x \
     || { echo "gpu_check.sh: CUDA tests: exit $?" >&2; status=1; }
+
+step "vllm serve under load, refitted (bench/vllm_serve_bench.py, TP=1)"
+if python3 -c "import vllm" 2>/dev/null; then
+    timeout -k 10 300 python3 bench/vllm_serve_bench.py --model small-qwen3-moe --tp 1 --refits 4 --window 10 \
+        --cuda-graphs --json | tee vllm_serve_bench.log \
+        || { echo "gpu_check.sh: vllm serve bench: exit $?" >&2; status=1; }
+else
+    echo "gpu_check.sh: SKIPPED the vllm serve bench: 'import vllm' fails (vLLM's CUDA build not installed)"
+fi
 
 echo "gpu_check.sh: $([ $status -eq 0 ] && echo ok || echo 'FAILED (see above)'); figures in $OUT_JSON"
 exit $status

@@ -161,7 +161,8 @@ def trainer(rank: int, train_path: str, model: str, tp: int, store: str, group: 
                 t = tr.tensors[name]
                 t.add_(torch.randn(t.shape, generator=same if name in whole else g) * SIGMA)
             v = tr.publish()
-            results.put(("published", rank, (v, {n: t.clone() for n, t in tr.tensors.items()})))
+            at = time.time()  # when this version became readable (bench/vllm_serve_bench.py times pulls from it)
+            results.put(("published", rank, (v, {n: t.clone() for n, t in tr.tensors.items()}, at)))
 
 
 # ---------------------------------------------------------------------------------------- checks
@@ -484,10 +485,10 @@ class TrainerGroup:
         """Every trainer perturbs its shards and publishes; returns {rank: its shards}."""
         for r in TRAINERS:
             self.commands[r].put(("step", step))
-        shards = {}
+        shards, self.published_at = {}, {}
         for _ in TRAINERS:
-            _, r, (_, sh) = self.expect("published")
-            shards[r] = sh
+            _, r, (_, sh, at) = self.expect("published")
+            shards[r], self.published_at[r] = sh, at
         return shards
 
     def fence(self):
