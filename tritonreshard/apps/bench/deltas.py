@@ -15,7 +15,9 @@ import statistics
 import sys
 from dataclasses import replace
 
+from ...planning import fmt_bytes
 from .config import BenchConfig, parse_size
+from .session import BenchSession
 
 __all__ = ["parse_rates", "measure_rate", "run_cli"]
 
@@ -37,8 +39,6 @@ def parse_rates(text: str) -> list[float | None]:
 
 
 def _session_figures(cfg: BenchConfig, repeats: int, warmup: int) -> dict:
-    from .session import BenchSession
-
     with BenchSession(cfg) as s:
         s.refits("tritonreshard", 1 + warmup)
         r = s.refits("tritonreshard", repeats, verify=True, each_stats=True)
@@ -68,8 +68,6 @@ def measure_rate(cfg: BenchConfig, lr: float | None, repeats: int, warmup: int) 
 
 
 def _fmt(row: dict) -> str:
-    from tritonreshard.planning import fmt_bytes
-
     changed = "-" if row["changed"] is None else f"{100 * row['changed']:.2f}%"
     return (f"{str(row['lr']):>8}  {changed:>8}  {fmt_bytes(row['dense_bytes']):>10}  {fmt_bytes(row['delta_bytes']):>10}"
             f"  {100 * row['ratio']:6.2f}%  {row['refit_ms_off']:9.1f}  {row['refit_ms_delta']:9.1f}"
