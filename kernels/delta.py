@@ -47,6 +47,19 @@ def _add(a, b):
 
 
 @jit
+def _compare(new_ptr, old_ptr, n, BLOCK: tl.constexpr):
+    """This program's block: ``(offs, a, changed)``: int64 word offsets, the new words, and where
+    they differ from the snapshot's (as integers: bits; False past ``n``). Inlined by the compiler,
+    so both passes keep the registers of one."""
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    inb = offs < n
+    a = tl.load(new_ptr + offs, mask=inb, other=0)
+    b = tl.load(old_ptr + offs, mask=inb, other=0)
+    return offs, a, (a != b) & inb
+
+
+@jit
 def delta_count_kernel(
     new_ptr,  # [n] words (uint8 / int16 / int32 / int64): the message now
     old_ptr,  # [n] words of the same dtype: the snapshot
@@ -56,11 +69,8 @@ def delta_count_kernel(
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
-    offs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    inb = offs < n
-    a = tl.load(new_ptr + offs, mask=inb, other=0)
-    b = tl.load(old_ptr + offs, mask=inb, other=0)
-    c = ((a != b) & inb).to(tl.int32)
+    offs, a, changed = _compare(new_ptr, old_ptr, n, BLOCK)
+    c = changed.to(tl.int32)
     tl.store(counts_ptr + pid, tl.reduce(c, 0, _add))
     # Eight flags -> one byte, word 8j + i in bit i of byte j (no carries: each shift is distinct).
     byte = tl.reduce(tl.reshape(c, [BLOCK // 8, 8]) << tl.arange(0, 8)[None, :], 1, _add)
@@ -79,11 +89,7 @@ def delta_compact_kernel(
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
-    offs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    inb = offs < n
-    a = tl.load(new_ptr + offs, mask=inb, other=0)
-    b = tl.load(old_ptr + offs, mask=inb, other=0)
-    changed = (a != b) & inb
+    offs, a, changed = _compare(new_ptr, old_ptr, n, BLOCK)
     start = tl.load(starts_ptr + pid)
     dst = start + (tl.associative_scan(changed.to(tl.int32), 0, _add) - 1).to(tl.int64)
     tl.store(idx_ptr + dst, offs.to(tl.int32), mask=changed)

@@ -55,14 +55,24 @@ def test_two_blocks_awkward_length_bitmask():
     # come from pass 1 as they are.
     old = _random(2 * (kernels.DELTA_BLOCK + 4), 1)
     enc = _same_encoding(old, _changed(old, 2, 0.3, 2), 2)
-    assert enc.kind == D.BITMASK
+    assert enc.kind == D.BITMASK | D.DIFF8
+
+
+def test_values_whole_and_as_differences_match_torch():
+    # The kernels give the positions and values; the sections built from them equal torch's (two
+    # kinds here: each interpreted encode runs both kernels; the bitmask is the test above's).
+    old = _random(2 * 700, 6)
+    new = _changed(old, 2, 0.1, 7)
+    new.view(torch.int16)[::50] += 1000                   # escapes of DIFF8
+    for kind in (D.GAP8, D.INDEX32 | D.DIFF8):
+        assert _same_encoding(old, new, 2, kind=kind).kind == kind
 
 
 @pytest.mark.parametrize("word,nwords,frac,force", [(1, 13, 0.2, True), (4, 1000, 0.01, False), (8, 37, 1.0, True)])
 def test_words_and_fractions_match_torch(word, nwords, frac, force):
     old = _random(word * nwords, word)
     enc = _same_encoding(old, _changed(old, word, frac, 3), word, force_sparse=force)
-    assert enc.changed > 0 and (force or enc.kind == D.GAP16)
+    assert enc.changed > 0 and (force or enc.kind == D.GAP8 | D.DIFF8)
 
 
 def test_none_changed():

@@ -6,21 +6,32 @@ bytes (its *base*). Both are viewed as integer words (:func:`word_dtype`: the wi
 message's elements), so the comparison is of bits: NaN payloads, ``-0.0`` and subnormals are
 elements like any other, never "equal" by value.
 
-:func:`encode` compares the new bytes with the snapshot and picks, per message, the cheapest of:
+A sparse payload is two sections: **where** the changed words are, then **what** they become.
 
-* ``DENSE``: the new bytes themselves (nothing extra; chosen when no delta is cheaper);
-* ``BITMASK``: one bit per word (changed or not), then the changed words' new values;
-* ``INDEX32``: the changed words' int32 positions, then their values (kept for reference: it never
-  beats ``GAP16`` by more than the gap fillers below, and is chosen only then);
-* ``GAP16``: the distance from each changed word to the previous one as a uint16, then the
-  values. A distance over 65535 is bridged by filler entries that carry the new value of an
-  unchanged word (so applying them changes nothing): at 2.5% changed bf16 this is 2 + 2 bytes
-  per changed element, 5% of dense, against 7.5% for int32 indices and 8.75% for a bitmask.
+Where (one of):
 
-Every section of a payload starts at a multiple of 8 bytes (so its views are aligned; the padding
-is zeros, so a payload is defined to the byte). An encoding is chosen only when it is smaller than
-dense (``force_sparse`` aside, for tests), so a message never carries more than its dense bytes.
-:func:`decode` writes the values into the base in place.
+* ``BITMASK``: one bit per word (changed or not);
+* ``INDEX32``: the changed words' int32 positions;
+* ``GAP16`` / ``GAP8``: the distance from each changed word to the previous one as a uint16 /
+  uint8. A distance over 65535 / 255 is bridged by filler entries on unchanged words (their value
+  is the word as it is, their difference 0: applying them changes nothing).
+
+What (one of):
+
+* the new words themselves (``word`` bytes an entry);
+* ``DIFF8`` (2- and 4-byte words): the difference of the new word from the base's, read as signed
+  integers, in one int8; an entry whose difference does not fit (-127..127) carries -128 and its
+  new word follows in an escape list. An Adam-sized step moves a bf16 weight that changes by one
+  unit in the last place (its bits by +-1), so nearly every entry is one byte.
+
+:func:`encode` picks, per message, the smallest of all of them and ``DENSE`` (the new bytes as they
+are). At 2.5% changed bf16 ``GAP8 | DIFF8`` is 1 + 1 bytes per changed element: 2.5% of dense (plus
+the escapes), against 3.75% for uint8 gaps with values, 5% for uint16 gaps, 7.5% for int32 indices
+and 8.75% for a bitmask. An encoding is chosen only when it is smaller than dense (``force_sparse``
+aside, for tests), so a message never carries more than its dense bytes.
+
+Every section starts at a multiple of 8 bytes (so its views are aligned; the padding is zeros, so a
+payload is defined to the byte). :func:`decode` writes into the base in place.
 
 :func:`encode` compares and compacts with Triton on CUDA (``kernels.delta``: two passes over the
 words, the bitmask and the block counts from the first) and with torch elsewhere; the two give the
@@ -35,13 +46,18 @@ import torch
 
 from ..kernels.delta import delta_compact, delta_count
 
-__all__ = ["DENSE", "BITMASK", "INDEX32", "GAP16", "KINDS", "Encoded", "word_dtype", "word_size", "encode",
-           "decode", "encoded_sizes"]
+__all__ = ["DENSE", "BITMASK", "INDEX32", "GAP16", "GAP8", "DIFF8", "KINDS", "Encoded", "word_dtype", "word_size",
+           "encode", "decode", "encoded_sizes"]
 
-DENSE, BITMASK, INDEX32, GAP16 = 0, 1, 2, 3
-KINDS = {DENSE: "dense", BITMASK: "bitmask", INDEX32: "index32", GAP16: "gap16"}
-_MAX_GAP = 65535                      # the largest distance one uint16 gap holds
+DENSE, BITMASK, INDEX32, GAP16, GAP8 = 0, 1, 2, 3, 4
+DIFF8 = 8                             # a flag on a positions kind: the values as int8 differences
+_WHERE = {BITMASK: "bitmask", INDEX32: "index32", GAP16: "gap16", GAP8: "gap8"}
+KINDS = {DENSE: "dense", **_WHERE, **{k | DIFF8: f"{name}+diff8" for k, name in _WHERE.items()}}
+_MAX_GAP = {GAP16: 65535, GAP8: 255}  # the largest distance one gap holds
+_GAP_DTYPE = {GAP16: torch.int16, GAP8: torch.uint8}
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_DIFF_WORDS = (2, 4)                  # word widths DIFF8 is offered for (1: no gain; 8: int64 range)
+_ESCAPE = -128                        # the DIFF8 byte of an entry whose new word follows whole
 _SECTION = 8                          # payload sections start at multiples of this
 _GATHER_BITS = 0x0102040810204080     # see encode (BITMASK)
 
@@ -70,12 +86,12 @@ def word_dtype(word: int) -> torch.dtype:
 class Encoded:
     """One message's encoding for one refit.
 
-    ``kind``: ``DENSE`` / ``BITMASK`` / ``INDEX32`` / ``GAP16``; ``nbytes``: the bytes that travel
-    (for ``DENSE`` the message's own bytes); ``words``: the message's length in words of ``word``
-    bytes; ``changed``: the words that differ from the snapshot; ``entries``: the entries of the
-    sparse encoding (``changed``, plus the gap fillers for ``GAP16`` and ``DENSE``, which was
-    weighed against it); ``payload``: the flat uint8 bytes to send, or
-    None for ``DENSE`` (the new bytes are sent as they are).
+    ``kind``: ``DENSE``, or a positions kind (``BITMASK`` / ``INDEX32`` / ``GAP16`` / ``GAP8``),
+    optionally ``| DIFF8``; ``nbytes``: the bytes that travel (for ``DENSE`` the message's own
+    bytes); ``words``: the message's length in words of ``word`` bytes; ``changed``: the words that
+    differ from the snapshot; ``entries``: the entries of the sparse encoding (``changed``, plus the
+    gap fillers of a gap kind; for ``DENSE`` 0); ``payload``: the flat uint8 bytes to send, or None
+    for ``DENSE`` (the new bytes are sent as they are).
     """
 
     kind: int
@@ -87,22 +103,37 @@ class Encoded:
     payload: torch.Tensor | None = None
 
 
-def encoded_sizes(words: int, word: int, changed: int, entries: int) -> dict[int, int]:
+def _where_bytes(kind: int, words: int, entries: int) -> int:
+    """Bytes of the positions section of ``kind`` (without ``DIFF8``) with ``entries`` entries."""
+    if kind == BITMASK:
+        return _align(-(-words // 8))
+    return _align({INDEX32: 4, GAP16: 2, GAP8: 1}[kind] * entries)
+
+
+def encoded_sizes(words: int, word: int, changed: int, *, gap16: int | None = None, gap8: int | None = None,
+                  escapes: int | None = None) -> dict[int, int]:
     """Bytes of each encoding of a message of ``words`` words of ``word`` bytes with ``changed``
-    changed words, ``entries`` of them in ``GAP16`` (changed plus fillers)."""
-    sizes = {DENSE: words * word,
-             BITMASK: _align(-(-words // 8)) + changed * word,
-             GAP16: _align(2 * entries) + entries * word}
+    changed words: ``{kind: bytes}``, ``DENSE`` included. ``gap16`` / ``gap8``: the entries of
+    ``GAP16`` / ``GAP8`` (changed plus fillers; default ``changed``); ``escapes``: the changed words
+    whose difference does not fit int8 (None: no ``DIFF8`` kinds; they exist for 2- and 4-byte
+    words only)."""
+    entries = {BITMASK: changed, GAP16: changed if gap16 is None else gap16, GAP8: changed if gap8 is None else gap8}
     if words < 2 ** 31:
-        sizes[INDEX32] = _align(4 * changed) + changed * word
+        entries[INDEX32] = changed
+    sizes = {DENSE: words * word}
+    for k, m in entries.items():
+        where = _where_bytes(k, words, m)
+        sizes[k] = where + m * word
+        if escapes is not None and word in _DIFF_WORDS:
+            sizes[k | DIFF8] = where + _align(m) + escapes * word
     return sizes
 
 
-def _gap_positions(idx: torch.Tensor) -> torch.Tensor:
+def _gap_positions(idx: torch.Tensor, max_gap: int) -> torch.Tensor:
     """``idx`` (sorted int64 positions) with fillers so that no two consecutive positions (and the
-    first from -1) are more than ``_MAX_GAP`` apart."""
+    first from -1) are more than ``max_gap`` apart."""
     prev = torch.cat([idx.new_full((1,), -1), idx[:-1]])
-    fill = (idx - prev - 1) // _MAX_GAP
+    fill = (idx - prev - 1) // max_gap
     if not bool(fill.any()):
         return idx
     counts = fill + 1
@@ -110,14 +141,20 @@ def _gap_positions(idx: torch.Tensor) -> torch.Tensor:
     rep_idx = torch.repeat_interleave(idx, counts)
     starts = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
     j = torch.arange(rep_idx.numel(), device=idx.device) - starts + 1
-    return torch.minimum(rep_prev + _MAX_GAP * j, rep_idx)
+    return torch.minimum(rep_prev + max_gap * j, rep_idx)
+
+
+def _diffs(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """``new - old`` (words, read as signed integers) exactly, as int64."""
+    return new.to(torch.int64) - old.to(torch.int64)
 
 
 def encode(new: torch.Tensor, old: torch.Tensor, word: int, *, force_sparse: bool = False,
-           backend: str | None = None) -> Encoded:
+           backend: str | None = None, kind: int | None = None) -> Encoded:
     """Encode ``new`` against ``old`` (flat uint8 tensors of the same length, on one device,
-    a multiple of ``word`` bytes). Returns the cheapest :class:`Encoded` (``DENSE`` when no sparse
-    encoding is smaller; ``force_sparse``: the cheapest sparse one even if it is not).
+    a multiple of ``word`` bytes). Returns the smallest :class:`Encoded` (``DENSE`` when no sparse
+    encoding is smaller; ``force_sparse``: the smallest sparse one even if it is not; ``kind``:
+    that one of :data:`KINDS`, whatever its size, for tests and benches).
 
     ``backend``: ``"triton"`` (the compare-and-compact kernels of ``kernels.delta``: two passes
     over the words, interpreted on CPU), ``"torch"``, or None: Triton on CUDA, torch elsewhere.
@@ -130,6 +167,10 @@ def encode(new: torch.Tensor, old: torch.Tensor, word: int, *, force_sparse: boo
         problems.append(f"{new.numel()} bytes is not a multiple of word={word}")
     if backend not in (None, "torch", "triton"):
         problems.append(f"backend must be None, 'torch' or 'triton', got {backend!r}")
+    if kind is not None and (kind not in KINDS or (kind & DIFF8 and word not in _DIFF_WORDS)
+                             or (kind & ~DIFF8 == INDEX32 and new.numel() // word >= 2 ** 31)):
+        problems.append(f"kind={kind!r} is not one of {sorted(KINDS)} for word={word} "
+                        f"(DIFF8: words of {_DIFF_WORDS} bytes; INDEX32: under 2**31 words)")
     if problems:
         raise ValueError("encode: " + "; ".join(problems))
     wd = word_dtype(word)
@@ -146,31 +187,42 @@ def encode(new: torch.Tensor, old: torch.Tensor, word: int, *, force_sparse: boo
     else:
         mask = nw != ow
         changed = int(torch.count_nonzero(mask))
-    # Every sparse encoding costs at least its values plus 2 bytes an entry or 1 bit a word: when
-    # none of those bounds beats dense, the positions are never compacted.
-    if not force_sparse and min(changed * (word + 2), nmask + changed * word) >= n * word:
-        return Encoded(DENSE, n * word, n, word, changed, changed)
+    # Every sparse encoding costs at least one byte an entry or one bit a word for its positions,
+    # plus its values: the words themselves, or (DIFF8) one byte each and the escaped words whole.
+    # When no such bound beats dense, the positions are never compacted; the escapes are counted
+    # here (a pass over every word) only where DIFF8 alone could still win: at most 1/16 unchanged.
+    bound = min(changed * (word + 1), nmask + changed * word)
+    if kind == DENSE or (kind is None and not force_sparse and bound >= n * word):
+        escaped = None
+        if kind is None and word in _DIFF_WORDS and min(2 * changed, nmask + changed) < n * word:
+            escaped = int(torch.count_nonzero(_diffs(nw, ow).abs() > 127))
+        if kind == DENSE or escaped is None or min(2 * changed, nmask + changed) + escaped * word >= n * word:
+            return Encoded(DENSE, n * word, n, word, changed)
     if fused:
         # pass 2: the changed words' positions (ascending, as nonzero gives them) and new values
         idx32, vals = delta_compact(nw, ow, counts, changed)
         idx = idx32.to(torch.int64)
     else:
         idx = torch.nonzero(mask).view(-1)
-        vals = None
-    # Entries of GAP16: the changed words plus one filler per 65535 words of an unchanged run.
-    pos = _gap_positions(idx) if changed else idx
-    sizes = encoded_sizes(n, word, changed, pos.numel())
-    candidates = {k: s for k, s in sizes.items() if k != DENSE} if force_sparse else sizes
-    kind = min(candidates, key=lambda k: (candidates[k], k))
+        vals = nw[idx]
+    gaps = torch.diff(idx, prepend=idx.new_full((1,), -1))
+    fillers = {k: int(((gaps - 1) // m).sum()) for k, m in _MAX_GAP.items()}
+    escapes = None
+    if word in _DIFF_WORDS:
+        escapes = int(torch.count_nonzero(_diffs(vals, ow[idx]).abs() > 127))
+    sizes = encoded_sizes(n, word, changed, gap16=changed + fillers[GAP16], gap8=changed + fillers[GAP8],
+                          escapes=escapes)
+    if kind is None:
+        candidates = {k: s for k, s in sizes.items() if k != DENSE} if force_sparse else sizes
+        kind = min(candidates, key=lambda k: (candidates[k], k))
     if kind == DENSE:
-        return Encoded(DENSE, sizes[DENSE], n, word, changed, pos.numel())
-    payload = torch.empty(sizes[kind], dtype=torch.uint8, device=new.device)
-    values = payload[{BITMASK: nmask, INDEX32: _align(4 * changed), GAP16: _align(2 * pos.numel())}[kind]:]
-    if kind != GAP16 or pos.numel() == changed:
-        values.view(wd).copy_(nw[idx] if vals is None else vals)
-    else:
-        values.view(wd).copy_(nw[pos])
-    if kind == BITMASK:
+        return Encoded(DENSE, sizes[DENSE], n, word, changed)
+    where = kind & ~DIFF8
+    payload = torch.zeros(sizes[kind], dtype=torch.uint8, device=new.device)  # zeros: the padding
+    pos = _gap_positions(idx, _MAX_GAP[where]) if where in _MAX_GAP and fillers[where] else idx
+    m = pos.numel()
+    wbytes = _where_bytes(where, n, m)
+    if where == BITMASK:
         if fused:
             payload[:nmask] = bits
         else:
@@ -179,41 +231,73 @@ def encode(new: torch.Tensor, old: torch.Tensor, word: int, *, force_sparse: boo
             # Eight 0/1 bytes (an int64, little-endian) -> one byte, first byte lowest bit: the
             # product gathers byte i into bit 56 + i, with no carries between them.
             payload[:nmask] = ((padded.view(torch.int64) * _GATHER_BITS) >> 56).to(torch.uint8)
-        return Encoded(BITMASK, sizes[kind], n, word, changed, changed, payload)
-    if kind == INDEX32:
-        payload[:4 * changed].view(torch.int32).copy_(idx)
-        payload[4 * changed:_align(4 * changed)].zero_()  # padding: the bytes sent are all defined
-        return Encoded(INDEX32, sizes[kind], n, word, changed, changed, payload)
-    m = pos.numel()
-    gaps = torch.diff(pos, prepend=pos.new_full((1,), -1))
-    payload[:2 * m].view(torch.int16).copy_(gaps.to(torch.int32).to(torch.int16))  # 1..65535 as uint16 bits
-    payload[2 * m:_align(2 * m)].zero_()
-    return Encoded(GAP16, sizes[kind], n, word, changed, m, payload)
+    elif where == INDEX32:
+        payload[:4 * m].view(torch.int32).copy_(idx)
+    else:
+        gd = _GAP_DTYPE[where]
+        g = gaps if m == changed else torch.diff(pos, prepend=pos.new_full((1,), -1))
+        # 1..65535 as uint16 bits (two's complement of the int32), 1..255 as uint8
+        payload[:m * gd.itemsize].view(gd).copy_(g.to(torch.int32).to(gd))
+    values = nw[pos] if m != changed else vals
+    if not kind & DIFF8:
+        payload[wbytes:].view(wd).copy_(values)
+        return Encoded(kind, sizes[kind], n, word, changed, m, payload)
+    d = _diffs(values, ow[pos])
+    esc = d.abs() > 127
+    payload[wbytes:wbytes + m].view(torch.int8).copy_(torch.where(esc, _ESCAPE, d))
+    payload[wbytes + _align(m):].view(wd).copy_(values[esc])
+    return Encoded(kind, sizes[kind], n, word, changed, m, payload)
 
 
 def decode(kind: int, payload: torch.Tensor, base: torch.Tensor, word: int, entries: int) -> None:
     """Apply a sparse encoding (``payload``, flat uint8, ``entries`` entries) to ``base`` (flat
     uint8, the bytes the encoding was made against) in place. ``DENSE`` is not decoded: its bytes
-    are the message itself."""
+    are the message itself. A payload that does not fit the base (positions past its end, a length
+    other than its kind's) is a ValueError, before the base changes."""
+    if kind not in KINDS or kind == DENSE or (kind & DIFF8 and word not in _DIFF_WORDS):
+        raise ValueError(f"decode: kind must be a sparse kind ({sorted(k for k in KINDS if k != DENSE)}; "
+                         f"DIFF8 for words of {_DIFF_WORDS} bytes), got {kind!r} for word={word}")
+    where = kind & ~DIFF8
     wd = word_dtype(word)
     bw = base.view(wd)
     n = bw.numel()
-    if kind == BITMASK:
-        nmask = _align(-(-n // 8))
+    wbytes = _where_bytes(where, n, entries)
+    if where == BITMASK:
         shifts = torch.arange(8, dtype=torch.uint8, device=base.device)
-        bits = ((payload[:nmask].view(-1, 1) >> shifts) & 1).view(-1)[:n].bool()
-        if entries:
-            bw.masked_scatter_(bits, payload[nmask:nmask + entries * word].view(wd))
-        return
-    if kind == INDEX32:
-        nidx = _align(4 * entries)
+        bits = ((payload[:wbytes].view(-1, 1) >> shifts) & 1).view(-1)[:n].bool()
+        idx = None
+    elif where == INDEX32:
         idx = payload[:4 * entries].view(torch.int32).to(torch.int64)
-    elif kind == GAP16:
-        nidx = _align(2 * entries)
-        idx = torch.cumsum(payload[:2 * entries].view(torch.int16).to(torch.int64) & 0xFFFF, 0) - 1
     else:
-        raise ValueError(f"decode: kind must be BITMASK, INDEX32 or GAP16, got {kind!r}")
-    if entries:
-        if int(idx[-1]) >= n or int(idx[0]) < 0:
-            raise ValueError(f"decode: positions up to {int(idx[-1])} for a base of {n} words")
-        bw[idx] = payload[nidx:nidx + entries * word].view(wd)
+        gd = _GAP_DTYPE[where]
+        mask = (1 << (8 * gd.itemsize)) - 1
+        idx = torch.cumsum(payload[:entries * gd.itemsize].view(gd).to(torch.int64) & mask, 0) - 1
+    problems = []
+    if idx is not None and entries and (int(idx[-1]) >= n or int(idx.min()) < 0):
+        problems.append(f"positions up to {int(idx[-1])} for a base of {n} words")
+    if idx is None and int(bits.sum()) != entries:
+        problems.append(f"a bitmask of {int(bits.sum())} words for {entries} entries")
+    d = payload[wbytes:wbytes + entries].view(torch.int8) if kind & DIFF8 else None
+    escapes = int(torch.count_nonzero(d == _ESCAPE)) if d is not None else 0
+    want = wbytes + (_align(entries) + escapes * word if d is not None else entries * word)
+    if payload.numel() != want:
+        problems.append(f"{payload.numel()} payload bytes where {KINDS[kind]} with {entries} entries "
+                        f"({escapes} escapes) has {want}")
+    if problems:
+        raise ValueError("decode: " + "; ".join(problems))
+    if not entries:
+        return
+    if d is None:
+        vals = payload[wbytes:].view(wd)
+        if idx is None:
+            bw.masked_scatter_(bits, vals)
+        else:
+            bw[idx] = vals
+        return
+    if idx is None:
+        idx = torch.nonzero(bits).view(-1)
+    esc = d == _ESCAPE
+    # escaped entries' differences are not differences: add 0 there, then put their words whole
+    new = (bw[idx].to(torch.int64) + torch.where(esc, 0, d.to(torch.int64))).to(wd)
+    new[esc] = payload[wbytes + _align(entries):].view(wd)
+    bw[idx] = new
