@@ -170,18 +170,22 @@ def kernel_figures(size: int, device: torch.device, warmup: int, iters: int) -> 
 
 def delta_figures(size: int, device: torch.device, warmup: int, iters: int) -> list[dict]:
     """``encode`` of a bf16 message of ``size`` bytes against its snapshot, Triton vs torch: ms and
-    ms per GB of message, at 0, 2.5 and 30% of words changed (one-ulp changes)."""
+    ms per GB of message, at 0, 2.5 and 30% of words changed (one-ulp changes) and with every word
+    random; and ``decode`` (the receiver applying it to its base: torch on the device)."""
     from tritonreshard.transport import delta as dc
 
     n = size // 2
     g = torch.Generator(device="cpu").manual_seed(11)
     old = (torch.randn(n, generator=g) * 0.02).to(torch.bfloat16).to(device)
     results = []
-    for frac in (0.0, 0.025, 0.3):
+    for frac in (0.0, 0.025, 0.3, 1.0):
         new = old.clone()
         w = new.view(torch.int16)
-        pick = (torch.rand(n, generator=g) < frac).to(device)
-        w[pick] ^= 1
+        if frac == 1.0:   # every word random: no sparse encoding pays
+            new.copy_(torch.randint(0, 256, (2 * n,), dtype=torch.uint8, generator=g).to(device).view(new.dtype))
+        else:
+            pick = (torch.rand(n, generator=g) < frac).to(device)
+            w[pick] ^= 1
         ob, nb = old.view(torch.uint8), new.view(torch.uint8)
         ref = dc.encode(nb, ob, 2, backend="torch")
         res = {"name": f"delta_bf16_{frac:g}", "device": str(device), "bytes": 2 * n, "changed": ref.changed,
@@ -191,6 +195,12 @@ def delta_figures(size: int, device: torch.device, warmup: int, iters: int) -> l
             t = timer(device, lambda b=b: dc.encode(nb, ob, 2, backend=b), warmup, iters)
             res[f"{b}_ms"] = round(t * 1e3, 3)
             res[f"{b}_ms_per_gb"] = round(t * 1e3 / (2 * n / 1e9), 3)
+        if ref.payload is not None:
+            base = ob.clone()   # applied again and again: the work per call is the same
+            t = timer(device, lambda: dc.decode(ref.kind, ref.payload, base, 2, ref.entries), warmup, iters)
+            res["decode_ms"] = round(t * 1e3, 3)
+            res["decode_ms_per_gb"] = round(t * 1e3 / (2 * n / 1e9), 3)
+            del base
         if "triton" in backends:
             got = dc.encode(nb, ob, 2, backend="triton")
             res["speedup"] = round(res["torch_ms"] / res["triton_ms"], 2)
@@ -200,7 +210,7 @@ def delta_figures(size: int, device: torch.device, warmup: int, iters: int) -> l
             res["correct"] = True
         print(json.dumps(res), flush=True)
         results.append(res)
-        del new, pick, ref
+        del new, ref
     return results
 
 

@@ -129,24 +129,31 @@ def encoded_sizes(words: int, word: int, changed: int, *, gap16: int | None = No
     return sizes
 
 
-def _gap_positions(idx: torch.Tensor, max_gap: int) -> torch.Tensor:
-    """``idx`` (sorted int64 positions) with fillers so that no two consecutive positions (and the
-    first from -1) are more than ``max_gap`` apart."""
-    prev = torch.cat([idx.new_full((1,), -1), idx[:-1]])
-    fill = (idx - prev - 1) // max_gap
-    if not bool(fill.any()):
-        return idx
-    counts = fill + 1
-    rep_prev = torch.repeat_interleave(prev, counts)
-    rep_idx = torch.repeat_interleave(idx, counts)
-    starts = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-    j = torch.arange(rep_idx.numel(), device=idx.device) - starts + 1
-    return torch.minimum(rep_prev + max_gap * j, rep_idx)
+def _gap_positions(idx: torch.Tensor, gaps: torch.Tensor, max_gap: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``idx`` (sorted int64 positions; ``gaps``: each one's distance from the previous, the first's
+    from -1) with fillers so that no two consecutive positions are more than ``max_gap`` apart.
+    Returns ``(pos, slots)``: the positions with the fillers, and where each of ``idx`` is in them.
+    Only the gaps that need fillers are expanded (at a few % changed, a handful)."""
+    fill = (gaps - 1) // max_gap
+    cum = torch.cumsum(fill, 0)
+    slots = torch.arange(idx.numel(), device=idx.device) + cum
+    pos = torch.empty(idx.numel() + int(cum[-1]), dtype=idx.dtype, device=idx.device)
+    pos[slots] = idx
+    big = torch.nonzero(fill).view(-1)
+    f = fill[big]
+    prev = (idx - gaps)[big]                       # the previous changed position (or -1)
+    owner = torch.repeat_interleave(torch.arange(big.numel(), device=idx.device), f)
+    j = torch.arange(owner.numel(), device=idx.device) - (torch.cumsum(f, 0) - f)[owner]
+    # entry i's fillers sit just before it: prev + max_gap, prev + 2 * max_gap, ...
+    pos[(slots[big] - f)[owner] + j] = prev[owner] + max_gap * (j + 1)
+    return pos, slots
 
 
 def _diffs(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """``new - old`` (words, read as signed integers) exactly, as int64."""
-    return new.to(torch.int64) - old.to(torch.int64)
+    """``new - old`` (words, read as signed integers) exactly: int32 for 2-byte words (half the
+    memory traffic of int64), int64 otherwise."""
+    wide = torch.int32 if new.element_size() <= 2 else torch.int64
+    return new.to(wide) - old.to(wide)
 
 
 def encode(new: torch.Tensor, old: torch.Tensor, word: int, *, force_sparse: bool = False,
@@ -207,9 +214,10 @@ def encode(new: torch.Tensor, old: torch.Tensor, word: int, *, force_sparse: boo
         vals = nw[idx]
     gaps = torch.diff(idx, prepend=idx.new_full((1,), -1))
     fillers = {k: int(((gaps - 1) // m).sum()) for k, m in _MAX_GAP.items()}
-    escapes = None
+    escapes = d = None
     if word in _DIFF_WORDS:
-        escapes = int(torch.count_nonzero(_diffs(vals, ow[idx]).abs() > 127))
+        d = _diffs(vals, ow[idx])
+        escapes = int(torch.count_nonzero(d.abs() > 127))
     sizes = encoded_sizes(n, word, changed, gap16=changed + fillers[GAP16], gap8=changed + fillers[GAP8],
                           escapes=escapes)
     if kind is None:
@@ -219,7 +227,8 @@ def encode(new: torch.Tensor, old: torch.Tensor, word: int, *, force_sparse: boo
         return Encoded(DENSE, sizes[DENSE], n, word, changed)
     where = kind & ~DIFF8
     payload = torch.zeros(sizes[kind], dtype=torch.uint8, device=new.device)  # zeros: the padding
-    pos = _gap_positions(idx, _MAX_GAP[where]) if where in _MAX_GAP and fillers[where] else idx
+    pos, slots = (_gap_positions(idx, gaps, _MAX_GAP[where]) if where in _MAX_GAP and fillers[where]
+                  else (idx, None))
     m = pos.numel()
     wbytes = _where_bytes(where, n, m)
     if where == BITMASK:
@@ -238,11 +247,12 @@ def encode(new: torch.Tensor, old: torch.Tensor, word: int, *, force_sparse: boo
         g = gaps if m == changed else torch.diff(pos, prepend=pos.new_full((1,), -1))
         # 1..65535 as uint16 bits (two's complement of the int32), 1..255 as uint8
         payload[:m * gd.itemsize].view(gd).copy_(g.to(torch.int32).to(gd))
-    values = nw[pos] if m != changed else vals
+    values = nw[pos] if slots is not None else vals        # a filler's value: its word as it is
     if not kind & DIFF8:
         payload[wbytes:].view(wd).copy_(values)
         return Encoded(kind, sizes[kind], n, word, changed, m, payload)
-    d = _diffs(values, ow[pos])
+    if slots is not None:                                   # a filler's difference: 0
+        d = torch.zeros(m, dtype=d.dtype, device=d.device).index_copy_(0, slots, d)
     esc = d.abs() > 127
     payload[wbytes:wbytes + m].view(torch.int8).copy_(torch.where(esc, _ESCAPE, d))
     payload[wbytes + _align(m):].view(wd).copy_(values[esc])
@@ -298,6 +308,6 @@ def decode(kind: int, payload: torch.Tensor, base: torch.Tensor, word: int, entr
         idx = torch.nonzero(bits).view(-1)
     esc = d == _ESCAPE
     # escaped entries' differences are not differences: add 0 there, then put their words whole
-    new = (bw[idx].to(torch.int64) + torch.where(esc, 0, d.to(torch.int64))).to(wd)
+    new = (bw[idx].to(torch.int64) + torch.where(esc, 0, d.to(torch.int64))).to(wd)  # in range: exact
     new[esc] = payload[wbytes + _align(entries):].view(wd)
     bw[idx] = new

@@ -48,8 +48,9 @@ class BenchConfig:
     #: the methods a session will run; the ranks set up (and allocate for) only these
     methods: tuple[str, ...] = METHODS
     #: None: every refit changes every element (provenance bits); a learning rate: every refit is an
-    #: Adam-sized bf16 update of that size (:mod:`.updates`), as in RL fine-tuning
-    update_lr: float | None = None
+    #: Adam-sized bf16 update of that size (:mod:`.updates`), as in RL fine-tuning; ``"random"``:
+    #: every refit draws fresh weights (a full random change)
+    update_lr: float | str | None = None
     #: the engine's cross-host deltas (``RefitEndpoint(delta=)``)
     delta: str = "auto"
 
@@ -127,7 +128,8 @@ class BenchConfig:
         elif self.hosts > 1 and self.inference < self.hosts - 1:
             p.append(f"--hosts={self.hosts} spreads the inference ranks over {self.hosts - 1} host(s), "
                      f"but --inference={self.inference}")
-        if self.update_lr is not None and not (isinstance(self.update_lr, float) and 0 < self.update_lr < 1):
+        if self.update_lr is not None and self.update_lr != "random" and not (
+                isinstance(self.update_lr, float) and 0 < self.update_lr < 1):
             p.append(f"--update-lr={self.update_lr!r} must be a learning rate in (0, 1) or 'random'")
         if self.update_lr is not None and self.methods != ("tritonreshard",):
             p.append("--update-lr measures the engine alone (methods=('tritonreshard',))")

@@ -1,7 +1,7 @@
 """``tritonreshard bench --hosts N --update-lr LR[,LR...]``: what crosses hosts when a refit sends only
 what changed (cross-host deltas), against every byte, on the same updates.
 
-For each learning rate (or ``random``: every element changes every version) two sessions run the
+For each learning rate (or ``random``: fresh weights every version) two sessions run the
 same versions, one with ``delta="off"`` and one with ``delta="auto"``; each refit is an Adam-sized
 bf16 update (:mod:`.updates`). Reported per rate, as medians over the timed refits (the first
 refit of a session, which crosses whole, is a warm-up): the fraction of elements that changed, the
@@ -22,13 +22,13 @@ from .session import BenchSession
 __all__ = ["parse_rates", "measure_rate", "run_cli"]
 
 
-def parse_rates(text: str) -> list[float | None]:
-    """``"1e-6,3e-6,random"`` -> ``[1e-6, 3e-6, None]`` (None: every element changes)."""
+def parse_rates(text: str) -> list[float | str]:
+    """``"1e-6,3e-6,random"`` -> ``[1e-6, 3e-6, "random"]`` (``"random"``: fresh weights every version)."""
     out = []
     for part in str(text).split(","):
         part = part.strip()
         if part == "random":
-            out.append(None)
+            out.append(part)
             continue
         try:
             out.append(float(part))
@@ -55,12 +55,12 @@ def _session_figures(cfg: BenchConfig, repeats: int, warmup: int) -> dict:
             "verified": bool(r.get("verified"))}
 
 
-def measure_rate(cfg: BenchConfig, lr: float | None, repeats: int, warmup: int) -> dict:
-    """Both sessions (``delta="off"``, ``"auto"``) at learning rate ``lr`` (None: random)."""
+def measure_rate(cfg: BenchConfig, lr: float | str, repeats: int, warmup: int) -> dict:
+    """Both sessions (``delta="off"``, ``"auto"``) at learning rate ``lr`` (or ``"random"``)."""
     base = replace(cfg, update_lr=lr, methods=("tritonreshard",))
     off = _session_figures(replace(base, delta="off"), repeats, warmup)
     auto = _session_figures(replace(base, delta="auto"), repeats, warmup)
-    return {"lr": "random" if lr is None else lr, "changed": auto["changed"],
+    return {"lr": lr, "changed": auto["changed"],
             "dense_bytes": off["cross_host_bytes"], "delta_bytes": auto["cross_host_bytes"],
             "ratio": auto["cross_host_bytes"] / off["cross_host_bytes"] if off["cross_host_bytes"] else None,
             "refit_ms_off": off["refit_ms"], "refit_ms_delta": auto["refit_ms"],

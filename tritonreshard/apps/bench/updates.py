@@ -7,6 +7,9 @@ does. Per version a weight's bf16 bits change when its master weight crosses a r
 about ``lr / ulp(w)`` of the weights, 2-3% at lr 1e-6. ``w0`` and ``s`` derive from each element's
 global index (a hash, then Box-Muller), so a trainer fills its shard and an inference rank checks
 its own without any global tensor.
+
+``lr="random"``: a full random change, for contrast: version ``v`` is fresh weights drawn the same
+way from (index, ``v``), unrelated to version ``v - 1`` (every element's bits change, by any amount).
 """
 from __future__ import annotations
 
@@ -28,10 +31,11 @@ def _unit(h: torch.Tensor) -> torch.Tensor:
     return (((h >> 20) & _M24).to(torch.float64) + 0.5) / (1 << 24)
 
 
-def _master(layout: Layout, rank: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(w0, s)`` of ``rank``'s local shard: fp32 master weights (std 0.02) and signs (+-1)."""
+def _master(layout: Layout, rank: int, name: str, draw: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(w0, s)`` of ``rank``'s local shard: fp32 master weights (std 0.02) and signs (+-1);
+    ``draw``: another, independent draw (the ``"random"`` updates)."""
     idx = layout.shard(torch.arange(layout.numel, dtype=torch.int64).reshape(layout.shape), rank).contiguous()
-    h = idx * _MUL + zlib.crc32(name.encode())
+    h = idx * _MUL + zlib.crc32(f"{name}#{draw}".encode() if draw else name.encode())
     h = h ^ (h >> 29)
     h = h * _MUL
     u1, u2 = _unit(h), _unit(h * _MUL + 1)
@@ -40,8 +44,10 @@ def _master(layout: Layout, rank: int, name: str) -> tuple[torch.Tensor, torch.T
     return w0, s
 
 
-def expected_shard(layout: Layout, rank: int, name: str, lr: float, version: int) -> torch.Tensor:
+def expected_shard(layout: Layout, rank: int, name: str, lr: float | str, version: int) -> torch.Tensor:
     """``rank``'s local shard of version ``version`` (bf16), as the trainers publish it."""
+    if lr == "random":
+        return _master(layout, rank, name, draw=version)[0].to(torch.bfloat16)
     w0, s = _master(layout, rank, name)
     return (w0 + (lr * version) * s).to(torch.bfloat16)
 
@@ -49,9 +55,12 @@ def expected_shard(layout: Layout, rank: int, name: str, lr: float, version: int
 class AdamShard:
     """A trainer's shard of one weight: :meth:`write` puts version ``v`` into its arena tensor."""
 
-    def __init__(self, layout: Layout, rank: int, name: str, lr: float, device):
+    def __init__(self, layout: Layout, rank: int, name: str, lr: float | str, device):
         self.w0, self.s = (t.to(device) for t in _master(layout, rank, name))
-        self.lr = lr
+        self.lr, self.layout, self.rank, self.name = lr, layout, rank, name
 
     def write(self, out: torch.Tensor, version: int) -> None:
+        if self.lr == "random":
+            out.copy_(expected_shard(self.layout, self.rank, self.name, "random", version).view(out.shape))
+            return
         out.copy_((self.w0 + (self.lr * version) * self.s).view(out.shape))
