@@ -27,6 +27,15 @@ def _entry(fn, rank, args, results):
         results.put((rank, "error", (type(exc).__name__, str(exc), traceback.format_exc())))
 
 
+def start_rank(ctx, fn, rank: int, args, results):
+    """Start one rank now: a daemon process of ``ctx`` running ``fn(rank, *args)``, whose result (or
+    exception) goes to ``results`` as ``run_ranks`` collects them. For tests that start, kill and
+    restart ranks themselves."""
+    p = ctx.Process(target=_entry, args=(fn, rank, tuple(args), results), daemon=True)
+    p.start()
+    return p
+
+
 def run_ranks(fn, nprocs: int, args=(), timeout: float = 120.0, allow_errors: bool = False,
               victims=()) -> dict:
     """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes; return {rank: value}.

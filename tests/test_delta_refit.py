@@ -25,7 +25,7 @@ from tritonreshard.planning import plan_hosts, plan_messages
 from tritonreshard.transport import CrossHostCopy, DistLink
 
 from _faults import our_fds, our_maps
-from _mp import _entry, free_port, run_ranks
+from _mp import free_port, run_ranks, start_rank
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -255,9 +255,7 @@ def test_sender_killed_mid_delta_serves_no_torn_version_and_the_next_transfer_is
     results = ctx.Queue()
 
     def start(fn, rank, *args):
-        p = ctx.Process(target=_entry, args=(fn, rank, (store.port, *args), results), daemon=True)
-        p.start()
-        return p
+        return start_rank(ctx, fn, rank, (store.port, *args), results)
 
     inf = {r: start(_inference, r) for r in INFERENCE}
     old = {r: start(_trainer, r, 0, 0) for r in TRAINERS}

@@ -21,7 +21,7 @@ import tritonreshard as trs
 from tritonreshard import Layout, Shard
 
 from _faults import our_fds, our_maps
-from _mp import _entry
+from _mp import start_rank
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -108,9 +108,7 @@ def test_inference_survives_a_trainer_restart():
     results = ctx.Queue()
 
     def start(fn, rank, *args):
-        p = ctx.Process(target=_entry, args=(fn, rank, (store.port, *args), results), daemon=True)
-        p.start()
-        return p
+        return start_rank(ctx, fn, rank, (store.port, *args), results)
 
     procs = {r: start(_inference, r) for r in INFERENCE}
     old = {r: start(_trainer, r, 0, 0, LAST_OF_EPOCH0) for r in TRAINERS}
