@@ -36,6 +36,22 @@ def start_rank(ctx, fn, rank: int, args, results):
     return p
 
 
+def collect_ok(results, ranks, timeout: float) -> dict:
+    """``{rank: value}`` of the ranks started with :func:`start_rank`, read from ``results`` until
+    every one of ``ranks`` reported; a rank that raised fails with its traceback, and ranks still
+    silent after ``timeout`` seconds fail with a TimeoutError naming them."""
+    out = {}
+    deadline = time.monotonic() + timeout
+    while not set(ranks) <= set(out):
+        try:
+            rank, status, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            raise TimeoutError(f"ranks {sorted(set(ranks) - set(out))} did not finish") from None
+        assert status == "ok", f"rank {rank} raised {value[0]}: {value[1]}\n{value[2]}"
+        out[rank] = value
+    return out
+
+
 def run_ranks(fn, nprocs: int, args=(), timeout: float = 120.0, allow_errors: bool = False,
               victims=()) -> dict:
     """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes; return {rank: value}.

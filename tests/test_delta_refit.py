@@ -10,7 +10,6 @@ import datetime
 import gc
 import json
 import os
-import queue
 import signal
 import time
 
@@ -25,7 +24,7 @@ from tritonreshard.planning import plan_hosts, plan_messages
 from tritonreshard.transport import CrossHostCopy, DistLink
 
 from _faults import our_fds, our_maps
-from _mp import free_port, run_ranks, start_rank
+from _mp import collect_ok, free_port, run_ranks, start_rank
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -269,15 +268,7 @@ def test_sender_killed_mid_delta_serves_no_torn_version_and_the_next_transfer_is
         old[0].join(30)
         # Restarted from the checkpoint of version 2 (the one being served): version 3 again, then 4.
         new = {r: start(_trainer, r, 1, KILLED_AT - 1) for r in TRAINERS}
-        out = {}
-        deadline = time.monotonic() + 200
-        while len(out) < WORLD:
-            try:
-                rank, status, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                raise TimeoutError(f"ranks {sorted(set(range(WORLD)) - set(out))} did not finish") from None
-            assert status == "ok", f"rank {rank} raised {value[0]}: {value[1]}\n{value[2]}"
-            out[rank] = value
+        out = collect_ok(results, range(WORLD), 200)
     finally:
         for p in [*inf.values(), *old.values(), *new.values()]:
             p.join(10)

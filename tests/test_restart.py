@@ -7,7 +7,6 @@ The driver (this test) hosts the store, so it outlives the trainers; every rank 
 """
 import gc
 import os
-import queue
 import signal
 import time
 from datetime import timedelta
@@ -21,7 +20,7 @@ import tritonreshard as trs
 from tritonreshard import Layout, Shard
 
 from _faults import our_fds, our_maps
-from _mp import start_rank
+from _mp import collect_ok, start_rank
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -122,15 +121,7 @@ def test_inference_survives_a_trainer_restart():
             p.join(30)
             assert p.exitcode == -signal.SIGKILL
         new = {r: start(_trainer, r, 1, LAST_OF_EPOCH0, LAST) for r in TRAINERS}
-        out = {}
-        deadline = time.monotonic() + 240
-        while len(out) < len(INFERENCE) + len(TRAINERS):
-            try:
-                rank, status, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                raise TimeoutError(f"ranks {sorted(set(range(WORLD)) - set(out))} did not finish") from None
-            assert status == "ok", f"rank {rank} raised {value[0]}: {value[1]}\n{value[2]}"
-            out[rank] = value
+        out = collect_ok(results, range(WORLD), 240)
     finally:
         for p in [*procs.values(), *old.values(), *new.values()]:
             p.join(10)
