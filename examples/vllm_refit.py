@@ -23,8 +23,14 @@ Run: ``python examples/vllm_refit.py --tp 2 --refits 2 --json`` (about 2 minutes
 ``--model tiny-qwen3-moe [--ep]`` and ``--model tiny-deepseek-v3`` run the same flow for MoE and MLA
 (``--ep``: expert parallelism, CUDA only); ``--model small-qwen3-moe --reload`` times a 99M-parameter
 MoE refit against vLLM's ``reload_weights``.
+``--hosts 2 --changed 0.02`` puts the trainers on one simulated host and vLLM's workers on another
+(``TRITONRESHARD_HOST``; the workers inherit it from this process) and changes 2% of each tensor's
+elements per step, as RL fine-tuning does: the first refit crosses whole, the next ones as deltas
+(docs/hosts.md), and vLLM must still equal transformers.
 The last stdout line (``--json``) is one JSON object with ``refits``, ``tp``, ``prompts``,
-``tokens_compared``, ``mismatches`` and ``refit_ms`` (per refit).
+``tokens_compared``, ``mismatches`` and ``refit_ms`` (per refit); with ``--hosts 2`` also
+``cross_host`` (per refit, per worker: ``bytes``, ``delta_bytes``, ``dense_bytes``, ``changed``)
+and ``encode_ms`` (per refit, per trainer: its comparison and encoding).
 """
 from __future__ import annotations
 
@@ -168,8 +174,8 @@ def trainer(rank: int, train_path: str, model: str, tp: int, store: str, group: 
             if cmd == "stop":
                 break
             if cmd == "fence":  # wait until every worker read the last version (its background pull)
-                tr.fence()
-                results.put(("fenced", rank, None))
+                tr.fence()  # the cross-host sends are done too: their comparison time is this version's
+                results.put(("fenced", rank, tr.stats.cross_host_encode_s))
                 continue
             if cmd == "die":  # the fault: die while vLLM waits in update_weights for this version
                 time.sleep(arg)
@@ -335,7 +341,8 @@ def main(argv=None) -> dict:
     prompts = [torch.randint(0, cfg.vocab_size, (12 + i,), generator=g).tolist() for i in range(args.prompts)]
     summary = {"model": args.model, "parameters": sum(p.numel() for p in hf.parameters()), "refits": 0, "tp": args.tp, "prompts": len(prompts), "tokens_compared": 0, "mismatches": 0,
                "refit_ms": [], "update_ms": [], "fence_ms": [], "worker": [], "greedy": [],
-               "prefetch": not args.no_prefetch, "hosts": args.hosts, "changed": args.changed, "cross_host": []}
+               "prefetch": not args.no_prefetch, "hosts": args.hosts, "changed": args.changed, "cross_host": [],
+               "encode_ms": []}
 
     trs.secret_for_children()  # trainers and vLLM's workers inherit the group secret; it never crosses the store
     ctx = mp.get_context("spawn")
@@ -380,8 +387,10 @@ def main(argv=None) -> dict:
         shards = group.step(step)
         if not args.no_prefetch:  # as a server would go on generating: the workers pull meanwhile
             t0 = time.perf_counter()
-            group.fence()
+            encode_s = group.fence()
             summary["fence_ms"].append(round((time.perf_counter() - t0) * 1e3, 2))
+            if args.hosts > 1:  # each trainer's comparison with its snapshot and encoding, this version
+                summary["encode_ms"].append([round(encode_s[r] * 1e3, 2) for r in TRAINERS])
         t0 = time.perf_counter()
         llm.collective_rpc("start_weight_update")
         t1 = time.perf_counter()
@@ -542,11 +551,14 @@ class TrainerGroup:
         return shards
 
     def fence(self):
-        """Every trainer waits until every vLLM worker pulled its last version (no vLLM call)."""
+        """Every trainer waits until every vLLM worker pulled its last version (no vLLM call).
+        Returns {trainer rank: seconds its last cross-host send spent comparing and encoding}."""
         for r in TRAINERS:
             self.commands[r].put(("fence", None))
+        encode_s = {}
         for _ in TRAINERS:
-            self.expect("fenced")
+            _, r, encode_s[r] = self.expect("fenced")
+        return encode_s
 
     def stop(self):
         for r, p in self.procs.items():
