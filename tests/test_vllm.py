@@ -158,6 +158,9 @@ def test_vllm_engine_refit_end_to_end():
     assert g[0] != g[1] and g[1] != g[2] and g[2] == g[3] == g[4] and g[4] != g[5]
     assert len(summary["refit_ms"]) == 3 and all(ms > 0 for ms in summary["refit_ms"])
     assert [w["version"] for w in summary["worker"]] == [1, 2, 1]  # the new group counts from 1
+    # One host: nothing crossed hosts, and the workers' cross-host figures say so.
+    assert summary["cross_host"] == [{"bytes": [0, 0], "delta_bytes": [0, 0], "dense_bytes": [0, 0],
+                                      "changed": [None, None]}] * 3, summary["cross_host"]
     assert summary["recovered"] is True
     assert len(summary["reload_weights_ms"]) == 3
     assert summary["bad_init_error"].startswith("tritonreshard init_weight_transfer_engine failed"), summary
