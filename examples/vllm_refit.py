@@ -347,7 +347,9 @@ def main(argv=None) -> dict:
     trs.secret_for_children()  # trainers and vLLM's workers inherit the group secret; it never crosses the store
     ctx = mp.get_context("spawn")
     inference = list(range(len(TRAINERS), len(TRAINERS) + args.tp))
-    group = TrainerGroup(ctx, train_path, args, tag="vllm")
+    # --hosts 2: the trainers on the first simulated host (the workers on the second, below)
+    placed = dict(host=HOSTS[0] if args.hosts == 2 else None, changed=args.changed)
+    group = TrainerGroup(ctx, train_path, args, tag="vllm", **placed)
 
     if args.hosts == 2:  # before the LLM exists: vLLM's worker processes inherit it (checked below)
         os.environ[HOST_ENV] = HOSTS[1]
@@ -487,7 +489,7 @@ def main(argv=None) -> dict:
             if args.recover:  # same engine, new trainer processes: a new refit group under a new name
                 group.stop()
                 llm.collective_rpc("shutdown_weight_transfer_engine")
-                group = TrainerGroup(ctx, train_path, args, tag="vllm-restart-1")
+                group = TrainerGroup(ctx, train_path, args, tag="vllm-restart-1", **placed)
                 groups.append(group)
                 join(group)
                 refit(group, args.refits + 2, 1, "refit after the trainers restarted")
@@ -516,14 +518,15 @@ def main(argv=None) -> dict:
 class TrainerGroup:
     """The trainer processes of one refit group (trainer rank 0 hosts its TCPStore on a free port).
     Each group has its own results queue: a dead group's unread messages hold tensors shared by
-    processes that are gone."""
+    processes that are gone. ``host``: the trainers' simulated host identity (None: this
+    machine's); ``changed``: the fraction of each tensor a step changes (see :func:`perturb`).
+    ``args`` needs only ``model`` and ``tp`` (bench/vllm_serve_bench.py passes just those)."""
 
-    def __init__(self, ctx, train_path, args, tag):
+    def __init__(self, ctx, train_path, args, tag, *, host: str | None = None, changed: float = 1.0):
         results = ctx.Queue()
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.store = f"127.0.0.1:{s.getsockname()[1]}"
-        host = HOSTS[0] if args.hosts == 2 else None
         self.tag, self.results = tag, results
         import tritonreshard as trs
 
@@ -531,7 +534,7 @@ class TrainerGroup:
                                           inference_ranks=list(range(len(TRAINERS), len(TRAINERS) + args.tp))).src
         self.commands = {r: ctx.Queue() for r in TRAINERS}
         self.procs = {r: ctx.Process(target=trainer, args=(r, train_path, args.model, args.tp, self.store, tag,
-                                                           self.commands[r], results, host, args.changed),
+                                                           self.commands[r], results, host, changed),
                                     daemon=True)
                       for r in TRAINERS}
         for p in self.procs.values():
