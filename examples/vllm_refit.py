@@ -23,8 +23,14 @@ Run: ``python examples/vllm_refit.py --tp 2 --refits 2 --json`` (about 2 minutes
 ``--model tiny-qwen3-moe [--ep]`` and ``--model tiny-deepseek-v3`` run the same flow for MoE and MLA
 (``--ep``: expert parallelism, CUDA only); ``--model small-qwen3-moe --reload`` times a 99M-parameter
 MoE refit against vLLM's ``reload_weights``.
+``--hosts 2 --changed 0.02`` puts the trainers on one simulated host and vLLM's workers on another
+(``TRITONRESHARD_HOST``; the workers inherit it from this process) and changes 2% of each tensor's
+elements per step, as RL fine-tuning does: the first refit crosses whole, the next ones as deltas
+(docs/hosts.md), and vLLM must still equal transformers.
 The last stdout line (``--json``) is one JSON object with ``refits``, ``tp``, ``prompts``,
-``tokens_compared``, ``mismatches`` and ``refit_ms`` (per refit).
+``tokens_compared``, ``mismatches`` and ``refit_ms`` (per refit); with ``--hosts 2`` also
+``cross_host`` (per refit, per worker: ``bytes``, ``delta_bytes``, ``dense_bytes``, ``changed``)
+and ``encode_ms`` (per refit, per trainer: its comparison and encoding).
 """
 from __future__ import annotations
 
@@ -57,6 +63,8 @@ import torch.multiprocessing as mp  # noqa: E402
 SEED = 0
 SIGMA = 0.02          # perturbation per step, about the init std of the weights
 TRAINERS = [0, 1]     # global ranks of the trainer processes in the refit group
+HOST_ENV = "TRITONRESHARD_HOST"   # a process's simulated host identity (docs/hosts.md)
+HOSTS = ("trainers", "inference")  # --hosts 2: the trainer processes / vLLM's workers
 
 
 _TINY = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1000,
@@ -121,10 +129,29 @@ def training_tensors(model) -> dict:
 
 
 # ---------------------------------------------------------------------------------------- trainers
-def trainer(rank: int, train_path: str, model: str, tp: int, store: str, group: str, commands, results) -> None:
-    """One FSDP trainer: row shard ``rank`` of every HF parameter, perturbed in the shared arena."""
+def perturb(t: torch.Tensor, frac: float, gen: torch.Generator) -> None:
+    """One training step on ``t`` (in place): Gaussian noise of std SIGMA on every element when
+    ``frac`` is 1; otherwise on ``max(1, round(frac * numel))`` elements drawn at random, the others
+    keeping their exact bits (RL fine-tuning changes few weights per step). The noise on those is
+    ``SIGMA / sqrt(frac)``: the same update norm as a full step, so greedy output still changes."""
+    if frac >= 1.0:
+        t.add_(torch.randn(t.shape, generator=gen) * SIGMA)
+        return
+    flat = t.view(-1)
+    k = max(1, round(frac * flat.numel()))
+    idx = torch.randperm(flat.numel(), generator=gen)[:k]
+    flat.index_add_(0, idx, torch.randn(k, generator=gen, dtype=t.dtype) * (SIGMA / frac ** 0.5))
+
+
+def trainer(rank: int, train_path: str, model: str, tp: int, store: str, group: str, commands, results,
+            host: str | None = None, changed: float = 1.0) -> None:
+    """One FSDP trainer: row shard ``rank`` of every HF parameter, perturbed in the shared arena
+    (a ``changed`` fraction of each shard's elements per step). ``host``: this process's simulated
+    host identity (``TRITONRESHARD_HOST``), set before its endpoint exists."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     torch.set_num_threads(1)
+    if host is not None:
+        os.environ[HOST_ENV] = host
     from safetensors.torch import load_file
 
     import tritonreshard as trs
@@ -147,8 +174,8 @@ def trainer(rank: int, train_path: str, model: str, tp: int, store: str, group: 
             if cmd == "stop":
                 break
             if cmd == "fence":  # wait until every worker read the last version (its background pull)
-                tr.fence()
-                results.put(("fenced", rank, None))
+                tr.fence()  # the cross-host sends are done too: their comparison time is this version's
+                results.put(("fenced", rank, tr.stats.cross_host_encode_s))
                 continue
             if cmd == "die":  # the fault: die while vLLM waits in update_weights for this version
                 time.sleep(arg)
@@ -159,7 +186,7 @@ def trainer(rank: int, train_path: str, model: str, tp: int, store: str, group: 
             same = torch.Generator().manual_seed(SEED * 1000 + arg * 10 + len(TRAINERS))
             for name in sorted(tr.tensors):
                 t = tr.tensors[name]
-                t.add_(torch.randn(t.shape, generator=same if name in whole else g) * SIGMA)
+                perturb(t, changed, same if name in whole else g)
             v = tr.publish()
             at = time.time()  # when this version became readable (bench/vllm_serve_bench.py times pulls from it)
             results.put(("published", rank, (v, {n: t.clone() for n, t in tr.tensors.items()}, at)))
@@ -235,6 +262,11 @@ def _contiguous_rotary(worker) -> int:
     return len(ops)
 
 
+def _host(worker):
+    """The worker's simulated host identity (inherited from the driver's environment)."""
+    return os.environ.get(HOST_ENV)
+
+
 def _worker_stats(worker):
     return dict(worker.weight_transfer_engine.stats)
 
@@ -272,11 +304,20 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-prefetch", action="store_true",
                     help="init_info prefetch=False: the workers pull inside update_weights (default: in the "
                          "background as soon as the trainers publish, before update_weights)")
+    ap.add_argument("--hosts", type=int, choices=(1, 2), default=1,
+                    help="2: the trainer processes on one simulated host and vLLM's workers on another "
+                         "(TRITONRESHARD_HOST), so every refit crosses hosts, as a delta after the first "
+                         "(default 1: one host)")
+    ap.add_argument("--changed", type=float, default=1.0, metavar="FRAC",
+                    help="fraction of each tensor's elements a trainer step changes, 0 < FRAC <= 1 (default 1: "
+                         "all); the others keep their exact bits, as RL fine-tuning leaves most weights")
     ap.add_argument("--json", action="store_true", help="print a JSON summary as the last stdout line")
     args = ap.parse_args(argv)
     bad = [f"--{k}={v} must be >= {lo}" for k, v, lo in (("tp", args.tp, 1), ("refits", args.refits, 1),
                                                           ("prompts", args.prompts, 1),
                                                           ("max-tokens", args.max_tokens, 1)) if v < lo]
+    if not 0.0 < args.changed <= 1.0:  # NaN too
+        bad.append(f"--changed={args.changed} must be in (0, 1]")
     if bad:
         ap.error("; ".join(bad))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1))
@@ -300,12 +341,18 @@ def main(argv=None) -> dict:
     prompts = [torch.randint(0, cfg.vocab_size, (12 + i,), generator=g).tolist() for i in range(args.prompts)]
     summary = {"model": args.model, "parameters": sum(p.numel() for p in hf.parameters()), "refits": 0, "tp": args.tp, "prompts": len(prompts), "tokens_compared": 0, "mismatches": 0,
                "refit_ms": [], "update_ms": [], "fence_ms": [], "worker": [], "greedy": [],
-               "prefetch": not args.no_prefetch}
+               "prefetch": not args.no_prefetch, "hosts": args.hosts, "changed": args.changed, "cross_host": [],
+               "encode_ms": []}
 
     trs.secret_for_children()  # trainers and vLLM's workers inherit the group secret; it never crosses the store
     ctx = mp.get_context("spawn")
     inference = list(range(len(TRAINERS), len(TRAINERS) + args.tp))
-    group = TrainerGroup(ctx, train_path, args, tag="vllm")
+    # --hosts 2: the trainers on the first simulated host (the workers on the second, below)
+    placed = dict(host=HOSTS[0] if args.hosts == 2 else None, changed=args.changed)
+    group = TrainerGroup(ctx, train_path, args, tag="vllm", **placed)
+
+    if args.hosts == 2:  # before the LLM exists: vLLM's worker processes inherit it (checked below)
+        os.environ[HOST_ENV] = HOSTS[1]
 
     from vllm import LLM
     from vllm.platforms import current_platform
@@ -323,6 +370,7 @@ def main(argv=None) -> dict:
     summary["engine_start_s"] = round(time.perf_counter() - t0, 1)
     print(f"engine started in {summary['engine_start_s']} s", flush=True)
     idents = summary["vllm_dist_idents"] = sorted(set(llm.collective_rpc(_dist_ident)) - {None})
+    summary["worker_hosts"] = llm.collective_rpc(_host)
     if mla_on_cpu:
         summary["rotary_workaround_ops"] = llm.collective_rpc(_contiguous_rotary)
 
@@ -341,8 +389,10 @@ def main(argv=None) -> dict:
         shards = group.step(step)
         if not args.no_prefetch:  # as a server would go on generating: the workers pull meanwhile
             t0 = time.perf_counter()
-            group.fence()
+            encode_s = group.fence()
             summary["fence_ms"].append(round((time.perf_counter() - t0) * 1e3, 2))
+            if args.hosts > 1:  # each trainer's comparison with its snapshot and encoding, this version
+                summary["encode_ms"].append([round(encode_s[r] * 1e3, 2) for r in TRAINERS])
         t0 = time.perf_counter()
         llm.collective_rpc("start_weight_update")
         t1 = time.perf_counter()
@@ -354,6 +404,9 @@ def main(argv=None) -> dict:
         llm.reset_prefix_cache()  # cached KV was computed with the previous weights
         stats = llm.collective_rpc(_worker_stats)
         summary["worker"].append(stats[0])
+        # per worker: what crossed into it from the trainers' host (0 / None for one host)
+        cross = {k: [w[f"cross_host_{k}"] for w in stats] for k in ("bytes", "delta_bytes", "dense_bytes", "changed")}
+        summary["cross_host"].append(cross)
         summary["worker_bytes"] = [w["bytes"] for w in stats]  # what each TP rank pulls per refit
         summary["refits"] += 1
         src = group.src
@@ -367,6 +420,10 @@ def main(argv=None) -> dict:
         print(f"{what}: {summary['refit_ms'][-1]} ms (in each worker: wait {w['wait_ms']:.2f} ms, agree "
               f"{w['agree_ms']:.2f} ms, copy {w['copy_ms']:.2f} ms, post-processing {w['post_ms']:.2f} ms; "
               f"{'prefetched' if w['prefetched'] else 'pulled in update_weights'})", flush=True)
+        if args.hosts > 1:
+            changed = [f"{c:.2%}" for c in cross["changed"] if c is not None]
+            print(f"{what}: {sum(cross['bytes'])} bytes crossed hosts ({sum(cross['delta_bytes'])} as deltas, "
+                  f"{sum(cross['dense_bytes'])} whole; changed {', '.join(changed) or 'not compared'})", flush=True)
         compare(llm, hf, prompts, args.max_tokens, f"{what}, version {version}", summary)
         return weights
 
@@ -432,7 +489,7 @@ def main(argv=None) -> dict:
             if args.recover:  # same engine, new trainer processes: a new refit group under a new name
                 group.stop()
                 llm.collective_rpc("shutdown_weight_transfer_engine")
-                group = TrainerGroup(ctx, train_path, args, tag="vllm-restart-1")
+                group = TrainerGroup(ctx, train_path, args, tag="vllm-restart-1", **placed)
                 groups.append(group)
                 join(group)
                 refit(group, args.refits + 2, 1, "refit after the trainers restarted")
@@ -447,7 +504,9 @@ def main(argv=None) -> dict:
         shutil.rmtree(model_dir)
         os.unlink(train_path)
     summary["refit_ms_median"] = sorted(summary["refit_ms"])[len(summary["refit_ms"]) // 2]
-    ok = summary["mismatches"] == 0 and summary["refits"] == args.refits + bool(args.fault and args.recover) and (
+    # --hosts 2 means nothing unless vLLM's workers really inherited their host from the driver.
+    hosts_ok = args.hosts == 1 or summary["worker_hosts"] == [HOSTS[1]] * args.tp
+    ok = hosts_ok and summary["mismatches"] == 0 and summary["refits"] == args.refits + bool(args.fault and args.recover) and (
         not args.fault or (summary["fault"]["error"] and summary["fault"]["names_rank"] and summary["bad_init_error"]
                            and summary["fault"]["serves_previous"]))
     summary["ok"] = bool(ok)
@@ -459,9 +518,11 @@ def main(argv=None) -> dict:
 class TrainerGroup:
     """The trainer processes of one refit group (trainer rank 0 hosts its TCPStore on a free port).
     Each group has its own results queue: a dead group's unread messages hold tensors shared by
-    processes that are gone."""
+    processes that are gone. ``host``: the trainers' simulated host identity (None: this
+    machine's); ``changed``: the fraction of each tensor a step changes (see :func:`perturb`).
+    ``args`` needs only ``model`` and ``tp`` (bench/vllm_serve_bench.py passes just those)."""
 
-    def __init__(self, ctx, train_path, args, tag):
+    def __init__(self, ctx, train_path, args, tag, *, host: str | None = None, changed: float = 1.0):
         results = ctx.Queue()
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -473,7 +534,8 @@ class TrainerGroup:
                                           inference_ranks=list(range(len(TRAINERS), len(TRAINERS) + args.tp))).src
         self.commands = {r: ctx.Queue() for r in TRAINERS}
         self.procs = {r: ctx.Process(target=trainer, args=(r, train_path, args.model, args.tp, self.store, tag,
-                                                           self.commands[r], results), daemon=True)
+                                                           self.commands[r], results, host, changed),
+                                    daemon=True)
                       for r in TRAINERS}
         for p in self.procs.values():
             p.start()
@@ -492,11 +554,14 @@ class TrainerGroup:
         return shards
 
     def fence(self):
-        """Every trainer waits until every vLLM worker pulled its last version (no vLLM call)."""
+        """Every trainer waits until every vLLM worker pulled its last version (no vLLM call).
+        Returns {trainer rank: seconds its last cross-host send spent comparing and encoding}."""
         for r in TRAINERS:
             self.commands[r].put(("fence", None))
+        encode_s = {}
         for _ in TRAINERS:
-            self.expect("fenced")
+            _, r, encode_s[r] = self.expect("fenced")
+        return encode_s
 
     def stop(self):
         for r, p in self.procs.items():

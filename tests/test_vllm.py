@@ -158,6 +158,9 @@ def test_vllm_engine_refit_end_to_end():
     assert g[0] != g[1] and g[1] != g[2] and g[2] == g[3] == g[4] and g[4] != g[5]
     assert len(summary["refit_ms"]) == 3 and all(ms > 0 for ms in summary["refit_ms"])
     assert [w["version"] for w in summary["worker"]] == [1, 2, 1]  # the new group counts from 1
+    # One host: nothing crossed hosts, and the workers' cross-host figures say so.
+    assert summary["cross_host"] == [{"bytes": [0, 0], "delta_bytes": [0, 0], "dense_bytes": [0, 0],
+                                      "changed": [None, None]}] * 3, summary["cross_host"]
     assert summary["recovered"] is True
     assert len(summary["reload_weights_ms"]) == 3
     assert summary["bad_init_error"].startswith("tritonreshard init_weight_transfer_engine failed"), summary
@@ -191,11 +194,16 @@ def test_vllm_engine_refit_qwen2_tied_embeddings_and_biases():
     """The same flow for a Qwen2-shaped model: q/k/v biases (vLLM's qkv_proj.bias, which its reload
     keeps live), tied embeddings (vLLM exposes only embed_tokens; its CPU LM head keeps its own
     handle of the tied weight, which must be refreshed too). Each refit changes vLLM's greedy output
-    and equals transformers'."""
+    and equals transformers'.
+
+    On the same engine, across simulated hosts with deltas (vLLM does not see the difference): the
+    trainers on one host, vLLM's workers on another (they inherit TRITONRESHARD_HOST from the
+    driver), each step changing 2% of every tensor's elements. Refit 1 crosses whole (the first of
+    an epoch: no base), refit 2 as a delta, and vLLM still equals transformers after each."""
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1")
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "vllm_refit.py"), "--model", "tiny-qwen2",
-                           "--tp", "2", "--refits", "2", "--json"], capture_output=True, text=True, timeout=540,
-                          env=env, cwd=ROOT)
+                           "--tp", "2", "--refits", "2", "--hosts", "2", "--changed", "0.02", "--json"],
+                          capture_output=True, text=True, timeout=540, env=env, cwd=ROOT)
     lines = proc.stdout.strip().splitlines()
     assert lines and lines[-1].startswith("{"), (proc.returncode, proc.stdout[-3000:], proc.stderr[-4000:])
     summary = json.loads(lines[-1])
@@ -211,6 +219,16 @@ def test_vllm_engine_refit_qwen2_tied_embeddings_and_biases():
     assert "lm_head.weight" not in spec.dst and "model.layers.0.self_attn.qkv_proj.bias" in spec.dst
     per_rank = sum(torch.Size(spec.dst[n].local_shape(2)).numel() for n in spec.dst) * 4
     assert summary["worker_bytes"] == [per_rank, per_rank - 24 * 128 * 4], summary["worker_bytes"]
+    # Deltas: the workers ran on the inference host, and what crossed into them is exact.
+    assert summary["hosts"] == 2 and summary["worker_hosts"] == ["inference", "inference"]
+    model_bytes = sum(torch.Size(spec.src[n].shape).numel() * spec.src[n].itemsize for n in spec.src)
+    first, second = summary["cross_host"]
+    assert sum(first["dense_bytes"]) == sum(first["bytes"]) == model_bytes, first  # whole: every shard once
+    assert sum(first["delta_bytes"]) == 0 and first["changed"] == [None, None], first
+    assert sum(second["dense_bytes"]) == 0 and sum(second["bytes"]) == sum(second["delta_bytes"]) > 0, second
+    assert sum(second["bytes"]) <= 0.10 * model_bytes, (second, model_bytes)
+    changed = [c for c, b in zip(second["changed"], second["bytes"]) if b]
+    assert changed and all(0.015 <= c <= 0.025 for c in changed), second  # 2% of each shard, at least 1
     left = [f for f in os.listdir("/dev/shm") if f.startswith(tuple(summary["vllm_dist_idents"])) or f.startswith("trs-")]
     assert left == [], left
 
