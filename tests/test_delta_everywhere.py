@@ -243,6 +243,10 @@ def test_fp8_block_destinations_quantize_the_delta_refitted_relay_exactly(runs):
     deltas were applied to: every version equals quantizing that version from scratch."""
     spec = recipe("fp8")
     assert sum(lay.dtype == FP8 for lay in spec.dst.values()) == 4   # qkv, o, gate_up, down: e4m3
+    # k's 128 rows come from all three trainers: one block quantized from several trainers' boxes.
+    plan = spec.plan()
+    k = [op for op in plan.ops if op.src_name.endswith("k_proj.weight")]
+    assert all({op.src_rank for op in k if op.dst_rank == d} == {0, 1, 2} for d in plan.dst_ranks)
     _check_bits("fp8", runs)
 
 
