@@ -26,6 +26,7 @@ against the reference quantizer and vLLM's).
 """
 from __future__ import annotations
 
+import datetime
 import functools
 import io
 import os
@@ -151,6 +152,9 @@ def _worker(rank, specs, ports):
                 for v in range(1, VERSIONS + 1):
                     tr.fence()
                     if v > 1:
+                        # A relay's stats are its last refit's: version v crosses only once every
+                        # inference rank read version v - 1's.
+                        tr.store.wait([f"seen/{r}/{v - 1}" for r in modes], datetime.timedelta(seconds=60))
                         for n, t in shards(spec, full_tensors(case, spec, v), rank).items():
                             tr.source_tensors[n].copy_(t)
                     assert tr.publish() == v
@@ -169,6 +173,7 @@ def _worker(rank, specs, ports):
                 stats.append((s.cross_host_bytes, s.cross_host_delta_bytes, s.cross_host_dense_bytes,
                               s.cross_host_changed))
                 pulled.append({n: _bits(t).clone() for n, t in ep.tensors.items()})
+                ep.store.set(f"seen/{rank}/{v}", b"1")
         out[case] = {"pulled": pulled, "stats": stats}
     buf = io.BytesIO()   # bytes, not tensors: a queue passes tensors as handles that die with this process
     torch.save(out, buf)
