@@ -273,6 +273,8 @@ def test_megatron_tp_pp_into_replicas_on_two_hosts_each_with_its_own_base(runs):
     model = _megatron_bytes(recipe("megatron"))
     _check_deltas("megatron", runs, {"b": model, "c": model})
     assert _ingress("megatron") == {"b": model, "c": model}
+    # The trainers keep one snapshot per receiving host (each host's base): two copies of the model.
+    assert sum(runs[r]["megatron"]["staging"] for r in range(4)) == 2 * model
 
 
 def test_megatron_experts_into_a_tp_group_split_over_hosts(runs):
