@@ -19,14 +19,14 @@ The Megatron sources are built from full Megatron-format tensors with the recipe
 layouts (test_megatron checks those layouts against real Megatron-Core). Version 1 crosses whole;
 every later version is an Adam-sized bf16 step (1e-6 per element, the sign random, as in
 test_delta_refit: about 2% of the bf16 elements change) and must cross as deltas only (no dense
-byte, at most 10% of the whole). The ranks send back the bits they pulled; the parent compares
-every destination, bit for bit, with the recipe's plan executed from scratch on that version's
-tensors (``execute_local`` into poisoned outputs; test_fp8 checks its FP8 weights and scales
+byte, at most 10% of the whole). Each version's figures are read from ``ep.stats`` only once the
+relays already hold the next version: they must be the served version's refit, not the relay's
+newest. The ranks send back the bits they pulled; the parent compares every destination, bit for
+bit, with the recipe's plan executed from scratch on that version's tensors (``execute_local`` into poisoned outputs; test_fp8 checks its FP8 weights and scales
 against the reference quantizer and vLLM's).
 """
 from __future__ import annotations
 
-import datetime
 import functools
 import io
 import os
@@ -40,6 +40,7 @@ from tritonreshard.planning import plan_hosts
 from tritonreshard.recipes import Megatron
 
 from _mp import free_port, run_ranks
+from _waits import poll_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -152,9 +153,6 @@ def _worker(rank, specs, ports):
                 for v in range(1, VERSIONS + 1):
                     tr.fence()
                     if v > 1:
-                        # A relay's stats are its last refit's: version v crosses only once every
-                        # inference rank read version v - 1's.
-                        tr.store.wait([f"seen/{r}/{v - 1}" for r in modes], datetime.timedelta(seconds=60))
                         for n, t in shards(spec, full_tensors(case, spec, v), rank).items():
                             tr.source_tensors[n].copy_(t)
                     assert tr.publish() == v
@@ -169,11 +167,12 @@ def _worker(rank, specs, ports):
                     assert ep.start_pull() == v and ep.swap() == v
                 else:
                     assert ep.pull() == v
+                if v < VERSIONS:   # the stats are the served version's, also once the relays hold the next
+                    poll_until(lambda: ep.available_version() > v, 60, what=f"rank {rank}: version {v + 1}")
                 s = ep.stats
                 stats.append((s.cross_host_bytes, s.cross_host_delta_bytes, s.cross_host_dense_bytes,
                               s.cross_host_changed))
                 pulled.append({n: _bits(t).clone() for n, t in ep.tensors.items()})
-                ep.store.set(f"seen/{rank}/{v}", b"1")
         out[case] = {"pulled": pulled, "stats": stats}
     buf = io.BytesIO()   # bytes, not tensors: a queue passes tensors as handles that die with this process
     torch.save(out, buf)
