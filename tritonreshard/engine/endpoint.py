@@ -75,12 +75,13 @@ class RefitStats:
     buffers mapped (one per peer, never one per tensor); ``staging_bytes``: the most extra memory
     one pull allocated, as measured, plus the cross-host receive and packing buffers and a sender's
     snapshot of what it last sent (cross-host deltas);
-    ``cross_host_bytes``: bytes this rank received from other hosts in its last refit (summed over
-    the ranks: the bytes per refit that crossed between hosts); ``setup_transfers``: cross-host
+    ``cross_host_bytes``: bytes this rank received from other hosts in the refit of the version it
+    serves (``version``: its receive buffer may already hold a newer one; summed over the ranks: the
+    bytes per refit that crossed between hosts); ``setup_transfers``: cross-host
     transfers this rank fetched at set-up (the ones it sends: never another rank's).
     ``cross_host_delta_bytes`` / ``cross_host_dense_bytes``: of ``cross_host_bytes``, the bytes that
     came as deltas / as whole messages; ``cross_host_changed``: the fraction of the elements compared
-    with the receive buffer's base that changed (None when the last refit came whole);
+    with the receive buffer's base that changed (None when that refit came whole);
     ``cross_host_encode_s``: a trainer's last cross-host send, seconds spent comparing with its
     snapshot and encoding the deltas.
     """
@@ -318,6 +319,8 @@ class _Rank:
         sub = inf.subscriber if inf is not None else None
         bufs = inf.buffers if inf is not None else None
         relay = inf.relay if inf is not None else None
+        # The refit of the version this rank serves, not a newer one its receive buffer holds.
+        delta, dense, changed = relay.received(bufs.version) if relay is not None else (0, 0, None)
         return RefitStats(
             pulls=bufs.pulls if bufs is not None else 0,
             bytes_per_refit=sub.bytes_per_refit if sub is not None else 0,
@@ -325,11 +328,11 @@ class _Rank:
             num_copies=sub.num_copies if sub is not None else 0,
             handles_opened=sub.sources.handles_opened if sub is not None and sub.sources is not None else 0,
             staging_bytes=sum(side.staging_bytes for side in (self._trainer, inf) if side is not None),
-            cross_host_bytes=relay.bytes_received if relay is not None else 0,
+            cross_host_bytes=delta + dense,
             setup_transfers=self._epoch.fetched_transfers,
-            cross_host_delta_bytes=relay.delta_bytes if relay is not None else 0,
-            cross_host_dense_bytes=relay.dense_bytes if relay is not None else 0,
-            cross_host_changed=relay.changed if relay is not None else None,
+            cross_host_delta_bytes=delta,
+            cross_host_dense_bytes=dense,
+            cross_host_changed=changed,
             cross_host_encode_s=self._trainer.sender.detect_s if self._trainer is not None
             and self._trainer.sender is not None else 0.0)
 

@@ -37,6 +37,8 @@ from .sources import Exported, OwnBuffer
 
 __all__ = ["ReceivingRelay"]
 
+_KEPT = 4   # refits received() remembers: a reader serves at most two versions behind the buffer
+
 
 class ReceivingRelay:
     """One rank's receive buffer and the thread that fills it (see the module docstring).
@@ -54,11 +56,9 @@ class ReceivingRelay:
         self._thread: threading.Thread | None = None
         self._buffer = self.control = None
         self.error: BaseException | None = None
-        self.bytes_received = 0          # cross-host bytes this rank received in its last refit
-        #: The last refit's bytes received as deltas / whole and the changed fraction of the words
-        #: compared with the base (None when none was: a whole transfer).
-        self.delta_bytes = self.dense_bytes = 0
-        self.changed: float | None = None
+        # {version: (bytes received as deltas, as whole, changed fraction of the words compared
+        # with the base or None)} of the last few refits: see received().
+        self._received: dict[int, tuple[int, int, float | None]] = {}
         #: The version the receive buffer holds whole (0: none, or a refit in progress or failed).
         self.base = 0
         try:
@@ -77,6 +77,16 @@ class ReceivingRelay:
             raise
         self.buffer = BufferRef("relay", self.rank)
         self.exported = (Exported(self.buffer, self._buffer.export(), self.control.export()),)
+
+    def received(self, version: int) -> tuple[int, int, float | None]:
+        """What crossed into this rank in the refit that brought ``version``: bytes as deltas, bytes
+        whole, and the changed fraction of the words compared with the base (None: a whole
+        transfer); ``(0, 0, None)`` for a version it did not receive.
+
+        By version, not "the last refit": the relay receives version v + 1 as soon as every reader
+        of its buffer acked v, so right after this rank's pull of v (or while a shadow pull waits
+        for its swap) the buffer may already hold v + 1 or v + 2."""
+        return self._received.get(version, (0, 0, None))
 
     @property
     def staging_bytes(self) -> int:
@@ -129,9 +139,10 @@ class ReceivingRelay:
                 if self._buffer.device.type == "cuda":
                     torch.cuda.current_stream(self._buffer.device).synchronize()
                 got = self.copy.last_received
-                self.delta_bytes, self.dense_bytes = got["delta_bytes"], got["dense_bytes"]
-                self.bytes_received = self.delta_bytes + self.dense_bytes
-                self.changed = got["changed"] / got["compared"] if got["compared"] else None
+                record = (got["delta_bytes"], got["dense_bytes"],
+                          got["changed"] / got["compared"] if got["compared"] else None)
+                # A new dict, assigned once: received() reads it from the endpoint's thread.
+                self._received = {**dict(list(self._received.items())[1 - _KEPT:]), v: record}
                 self.base = last = v
                 control.publish(v)
         except BaseException as exc:  # readers learn of it through the control block
