@@ -166,7 +166,7 @@ def test_gather_broadcast(refit_rows, benchmark, session):
 def delta_session():
     """Two simulated hosts, every refit an Adam-sized bf16 update at lr 1e-6 (``bench --update-lr``)."""
     s = BenchSession(BenchConfig(size=16 * MiB, layout="fsdp-tp", trainers=2, inference=2, hosts=2, timeout=300.0,
-                                 update_lr=1e-6, methods=("tritonreshard",)))
+                                 update_lr=1e-6, methods=("tritonreshard",), delta="auto"))
     yield s
     leaked = s.close()
     assert not leaked, f"/dev/shm entries left behind: {leaked}"

@@ -51,8 +51,11 @@ class BenchConfig:
     #: Adam-sized bf16 update of that size (:mod:`.updates`), as in RL fine-tuning; ``"random"``:
     #: every refit draws fresh weights (a full random change)
     update_lr: float | str | None = None
-    #: the engine's cross-host deltas (``RefitEndpoint(delta=)``)
-    delta: str = "auto"
+    #: the engine's cross-host deltas (``RefitEndpoint(delta=)``). "off" here: the provenance bits
+    #: change every element by a version key that int8 differences would compress, so with deltas
+    #: the plain bench would time the codec, not moving every byte; ``--update-lr`` (:mod:`.deltas`)
+    #: runs "off" and "auto" side by side on RL-sized updates
+    delta: str = "off"
 
     @property
     def worker_methods(self) -> tuple[str, ...]:
