@@ -142,9 +142,6 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         self._bg_error: tuple[int, BaseException] | None = None  # (version, error), until reported
         self._failed = 0                      # the last version a background pull failed on
         self._group_version = 0               # the version of this group installed (0: none yet)
-        # the cross-host figures of the newest version pulled (_note_crossed; zero on one host)
-        self._crossed = {"cross_host_bytes": 0, "cross_host_delta_bytes": 0, "cross_host_dense_bytes": 0,
-                         "cross_host_changed": None}
 
     def bind_worker(self, worker) -> None:
         """Called once per engine by :class:`~tritonreshard.vllm.WorkerExtension`, in the worker's
@@ -396,8 +393,6 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
                 sub.swap(timeout=0)  # the engine's sets only: vLLM's parameters stay as they are
             except Exception as exc:  # noqa: BLE001  (a failed pull: reported, see _watch)
                 self._background_failed(target, exc)
-                return
-            self._note_crossed(sub)
             return
         newest = sub.available_version()
         if newest > max(sub.version, self._failed):
@@ -474,7 +469,7 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
             return
         split = self._apply(sub.tensors)
         self.applied_version = self._group_version = target
-        pull = sub.last_pull
+        pull, st = sub.last_pull, sub.stats   # st: of the version served (target), not a newer one received
         self.stats = {"version": target, "prefetched": prefetched,
                       # update_weights' own time: waiting for (or doing) the pull, the two
                       # agreements, and the apply (copy into vLLM's tensors, vLLM's post-processing)
@@ -483,8 +478,10 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
                       "total_ms": (time.perf_counter() - t0) * 1e3,
                       # the pull of this version (in the background when prefetched)
                       "pull_wait_ms": pull.wait_ms, "pull_copy_ms": pull.copy_ms, "pull_total_ms": pull.total_ms,
-                      "staging_bytes": pull.staging_bytes, "bytes": sub.stats.bytes_per_refit,
-                      **self._crossed}
+                      "staging_bytes": pull.staging_bytes, "bytes": st.bytes_per_refit,
+                      # what crossed into this rank from other hosts for this version (0 on one host)
+                      "cross_host_bytes": st.cross_host_bytes, "cross_host_delta_bytes": st.cross_host_delta_bytes,
+                      "cross_host_dense_bytes": st.cross_host_dense_bytes, "cross_host_changed": st.cross_host_changed}
         logger.info("tritonreshard (rank %s): installed version %s (%s) in %.1f ms: wait %.1f, agree %.1f, copy %.1f, "
                     "post-processing %.1f ms", self.rank, target, "prefetched" if prefetched else "pulled now",
                     self.stats["total_ms"], self.stats["wait_ms"], self.stats["agree_ms"], split["copy_ms"],
@@ -506,7 +503,6 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
             inflight, self._inflight = self._inflight, None
             try:
                 sub.swap(timeout)
-                self._note_crossed(sub)
             except TimeoutError:
                 self._inflight = inflight  # it goes on; the watcher swaps it in later
                 raise
@@ -521,24 +517,12 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         if sub.version < target:
             try:
                 sub.pull(target, timeout)
-                self._note_crossed(sub)
             except TimeoutError as exc:
                 newest = sub.available_version()
                 if newest < target:
                     raise RefitError(f"update_info version={target} was never published: the newest version "
                                      f"the trainers published is {newest} (waited {timeout:g} s)") from exc
                 raise
-
-    def _note_crossed(self, sub: RefitInference) -> None:
-        """Right after a pull: what crossed into this rank's relay from other hosts for the version
-        pulled. The relay receives the next version only once every reader acked this one, so
-        these are this version's figures unless a whole newer version crossed in the moment
-        between; read at ``update_weights`` instead, they would be a newer version's whenever the
-        trainers published again before vLLM installed this one."""
-        st = sub.stats
-        self._crossed = {"cross_host_bytes": st.cross_host_bytes, "cross_host_delta_bytes": st.cross_host_delta_bytes,
-                         "cross_host_dense_bytes": st.cross_host_dense_bytes,
-                         "cross_host_changed": st.cross_host_changed}
 
     @torch.no_grad()
     def _apply(self, bufs: dict[str, torch.Tensor]) -> dict:
