@@ -150,6 +150,11 @@ def _gap_positions(idx: torch.Tensor, gaps: torch.Tensor, max_gap: int) -> tuple
     return pos, slots
 
 
+def _gaps(pos: torch.Tensor) -> torch.Tensor:
+    """Each of ``pos`` (sorted int64 positions) minus the one before it, the first minus -1."""
+    return torch.diff(pos, prepend=pos.new_full((1,), -1))
+
+
 def _diffs(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     """``new - old`` (words, read as signed integers) exactly: int32 for 2-byte words (half the
     memory traffic of int64), int64 otherwise."""
@@ -213,7 +218,7 @@ def encode(new: torch.Tensor, old: torch.Tensor, word: int, *, force_sparse: boo
     else:
         idx = torch.nonzero(mask).view(-1)
         vals = nw[idx]
-    gaps = torch.diff(idx, prepend=idx.new_full((1,), -1))
+    gaps = _gaps(idx)
     fillers = {k: int(((gaps - 1) // m).sum()) for k, m in _MAX_GAP.items()}
     escapes = d = None
     if word in _DIFF_WORDS:
@@ -247,7 +252,7 @@ def encode(new: torch.Tensor, old: torch.Tensor, word: int, *, force_sparse: boo
         payload[:4 * m].view(torch.int32).copy_(idx)
     else:
         gd = _GAP_DTYPE[where]
-        g = gaps if m == changed else torch.diff(pos, prepend=pos.new_full((1,), -1))
+        g = gaps if slots is None else _gaps(pos)
         # 1..65535 as uint16 bits (two's complement of the int32), 1..255 as uint8
         payload[:m * gd.itemsize].view(gd).copy_(g.to(torch.int32).to(gd))
     values = nw[pos] if slots is not None else vals        # a filler's value: its word as it is
