@@ -254,7 +254,7 @@ def _refit_member(rank: int, port: int, total: int, repeats: int, device: str, q
         else:
             torch.set_num_threads(1)
         src_l, dst_l = _refit_layouts(total)
-        kw = dict(rank=rank, world_size=len(_TRAINERS) + len(_INFERENCE), store=f"127.0.0.1:{port}", timeout=300)
+        kw = dict(rank=rank, world_size=len(_TRAINERS) + len(_INFERENCE), store=f"127.0.0.1:{port}", timeouts=trs.Timeouts(wait=300))
         if rank in _TRAINERS:
             tensors = {k: _pattern(lay, rank, 0, dev) for k, lay in src_l.items()}
             with trs.RefitTrainer(tensors, src_l, **kw) as ep:
@@ -266,7 +266,7 @@ def _refit_member(rank: int, port: int, total: int, repeats: int, device: str, q
             queue.put((rank, "ok", None))
         else:
             pulls = []
-            with trs.RefitInference(dst_l, device=dev, **kw) as ep:
+            with trs.RefitInference(dst_l, pull=trs.PullOptions(device=dev), **kw) as ep:
                 for v in range(1, repeats + 1):
                     ep.pull(version=v)
                     pulls.append(ep.last_pull.copy_ms / 1e3)

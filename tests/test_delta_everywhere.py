@@ -147,7 +147,7 @@ def _worker(rank, specs, ports):
             continue
         os.environ["TRITONRESHARD_HOST"] = hosts[rank]   # read when the endpoint is made
         spec = specs[case]
-        kw = dict(rank=rank, world_size=len(hosts), store=f"127.0.0.1:{port}", group=case, timeout=60)
+        kw = dict(rank=rank, world_size=len(hosts), store=f"127.0.0.1:{port}", group=case, timeouts=trs.Timeouts(wait=60))
         if rank not in modes:
             with trs.RefitTrainer.from_recipe(spec, shards(spec, full_tensors(case, spec, 1), rank), **kw) as tr:
                 for v in range(1, VERSIONS + 1):
@@ -160,7 +160,7 @@ def _worker(rank, specs, ports):
                 out[case] = {"staging": tr.stats.staging_bytes}
             continue
         pulled, stats = [], []
-        with trs.RefitInference.from_recipe(spec, tensors=poisoned(spec, rank), mode=modes[rank], backend="torch",
+        with trs.RefitInference.from_recipe(spec, tensors=poisoned(spec, rank), pull=trs.PullOptions(mode=modes[rank], backend="torch"),
                                             **kw) as ep:
             for v in range(1, VERSIONS + 1):
                 if modes[rank] == "shadow" and v > 1:

@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 import tritonreshard as trs
 from tritonreshard import Layout, Replicate, Shard
 from tritonreshard.planning import plan_hosts, plan_messages
-from tritonreshard.transport import CrossHostCopy, DistLink
+from tritonreshard.transport import CrossHostCopy, DistLink, codec_for
 
 from _faults import our_fds, our_maps
 from _mp import collect_ok, free_port, run_ranks, start_rank
@@ -70,7 +70,7 @@ def _check(ep, rank, v):
 def _worker(rank, port, versions, anchor):
     os.environ["TRITONRESHARD_HOST"] = HOSTS[rank]
     torch.set_num_threads(1)
-    kw = dict(rank=rank, world_size=WORLD, store=f"127.0.0.1:{port}", timeout=60, delta_anchor=anchor)
+    kw = dict(rank=rank, world_size=WORLD, store=f"127.0.0.1:{port}", timeouts=trs.Timeouts(wait=60), codec=trs.Delta(anchor=anchor))
     out = []
     if rank in TRAINERS:
         with trs.RefitTrainer({n: lay.shard(full(n, 1), rank) for n, lay in SRC.items()}, SRC, **kw) as tr:
@@ -120,7 +120,7 @@ def _wire(rank, port, steps, anchor):
     recv = torch.full((hp.buffer_bytes.get(1, 0),), 0xA5, dtype=torch.uint8)
     copy = CrossHostCopy(link, plan_messages(hp, {(0, "w"): 0}), hp.transfers,
                          arena=arena if rank == 0 else None, shard={"w": arena.view(torch.bfloat16).view(16, 64)},
-                         recv_buffer=recv if rank == 1 else None, delta="auto", anchor=anchor)
+                         recv_buffer=recv if rank == 1 else None, codec=trs.Delta(anchor=anchor))
     seen = []
     first = (torch.randn(16, 64, generator=torch.Generator().manual_seed(7)) * 0.02).to(torch.bfloat16)
     for v, base in steps:
@@ -163,23 +163,23 @@ def test_the_receivers_base_decides_whole_or_delta():
 # ---------------------------------------------------------------- bad input
 def test_bad_delta_and_ranks_that_disagree():
     with pytest.raises(ValueError, match=r"delta must be one of \['auto', 'off', 'always'\], got delta='sparse'"):
-        trs.RefitInference(DST, rank=2, world_size=WORLD, store="127.0.0.1:9", delta="sparse")
-    with pytest.raises(ValueError, match="delta_anchor must be an int >= 1"):
-        trs.RefitTrainer({}, SRC, rank=0, world_size=WORLD, store="127.0.0.1:9", delta_anchor=0)
+        trs.RefitInference(DST, rank=2, world_size=WORLD, store="127.0.0.1:9", codec=codec_for("sparse"))
+    with pytest.raises(ValueError, match="anchor must be an int >= 1"):
+        trs.RefitTrainer({}, SRC, rank=0, world_size=WORLD, store="127.0.0.1:9", codec=trs.Delta(anchor=0))
     res = run_ranks(_disagree, WORLD, args=(free_port(),), timeout=120, allow_errors=True)
     msgs = {r: res[r][1] for r in res}
     assert all(res[r][0] == "error" and msgs[r][0] == "ValueError" for r in res), msgs
     assert len({msgs[r][1] for r in res}) == 1                # the same one error on every rank
-    assert "rank(s) [3] joined with (delta, delta_anchor) [('off', 64)]" in msgs[0][1], msgs[0][1]
+    assert "rank(s) [3] joined with codec ['Dense()'] but rank 0 has Delta(anchor=64, force=False)" in msgs[0][1], msgs[0][1]
 
 
 def _disagree(rank, port):
     os.environ["TRITONRESHARD_HOST"] = HOSTS[rank]
-    kw = dict(rank=rank, world_size=WORLD, store=f"127.0.0.1:{port}", timeout=60)
+    kw = dict(rank=rank, world_size=WORLD, store=f"127.0.0.1:{port}", timeouts=trs.Timeouts(wait=60))
     if rank in TRAINERS:
         trs.RefitTrainer({n: lay.shard(full(n, 1), rank) for n, lay in SRC.items()}, SRC, **kw)
     else:
-        trs.RefitInference(DST, delta="off" if rank == 3 else "auto", **kw)
+        trs.RefitInference(DST, codec=codec_for("off" if rank == 3 else "auto"), **kw)
 
 
 # ---------------------------------------------------------------- a sender killed mid-delta
@@ -203,7 +203,7 @@ def _trainer(rank, port, epoch, start):
         DistLink.post = dying_post
     shards = {n: lay.shard(full(n, start), rank) for n, lay in SRC.items()}
     with trs.RefitTrainer(shards, SRC, rank=rank, world_size=WORLD, store=f"127.0.0.1:{port}", host_store=False,
-                          epoch=epoch, start_version=start, timeout=120) as tr:
+                          epoch=epoch, start_version=start, timeouts=trs.Timeouts(wait=120)) as tr:
         last = KILLED_AT if epoch == 0 else LAST
         for v in range(start + 1, last + 1):
             tr.fence()
@@ -223,7 +223,7 @@ def _inference(rank, port):
     os.environ["TRITONRESHARD_HOST"] = HOSTS[rank]
     torch.set_num_threads(1)
     ep = trs.RefitInference(DST, rank=rank, world_size=WORLD, store=f"127.0.0.1:{port}", host_store=False,
-                            timeout=120, peer_timeout=5)
+                            timeouts=trs.Timeouts(wait=120, peer=5))
     for v in range(1, KILLED_AT):
         assert ep.pull() == v
         _check(ep, rank, v)

@@ -470,7 +470,7 @@ def _engine_worker(rank, world, port, tp, modes, versions, hosts):
     torch.set_num_threads(1)
     spec = _spec(_llama(), tp)
     plan = spec.plan()
-    kwargs = dict(rank=rank, world_size=world, store=f"127.0.0.1:{port}", timeout=120)
+    kwargs = dict(rank=rank, world_size=world, store=f"127.0.0.1:{port}", timeouts=trs.Timeouts(wait=120))
     report = {"checked": 0, "staging": None}
     if rank in plan.src_ranks:
         full = _hf_full(spec, 1)
@@ -480,7 +480,7 @@ def _engine_worker(rank, world, port, tp, modes, versions, hosts):
                       else torch.full(lay.local_shape(rank), float("nan"), dtype=lay.dtype))
                   for n, lay in spec.dst.items() if rank in lay.ranks}
         mode, backend = modes[rank - len(TRAINERS)]
-        ep = trs.RefitInference.from_recipe(spec, tensors=poison, mode=mode, backend=backend, **kwargs)
+        ep = trs.RefitInference.from_recipe(spec, tensors=poison, pull=trs.PullOptions(mode=mode, backend=backend), **kwargs)
     with ep:
         for v in range(1, versions + 1):
             full = _hf_full(spec, v)

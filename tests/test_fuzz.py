@@ -311,7 +311,7 @@ DLAY = {"w": Layout((4, 6), [0], [Replicate()], torch.bfloat16)}
 
 def _endpoint(**kw):
     args = dict(rank=0, world_size=1, store=f"127.0.0.1:{free_port()}", src_layouts=LAY,
-                src_tensors={"w": torch.arange(24.0).reshape(4, 6)}, dst_layouts=DLAY, timeout=5)
+                src_tensors={"w": torch.arange(24.0).reshape(4, 6)}, dst_layouts=DLAY, timeouts=trs.Timeouts(wait=5))
     args.update(kw)
     return trs.RefitEndpoint(**args)
 

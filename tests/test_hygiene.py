@@ -112,7 +112,7 @@ def test_transport_failed_open_releases_everything(secret):
 def _endpoint(store, **kw):
     lay = {"w": Layout((4, 6), [0], [Replicate()])}
     args = dict(rank=0, world_size=1, store=store, src_layouts=lay, src_tensors={"w": torch.arange(24.0).reshape(4, 6)},
-                dst_layouts={"w": Layout((4, 6), [0], [Replicate()], torch.bfloat16)}, timeout=5,
+                dst_layouts={"w": Layout((4, 6), [0], [Replicate()], torch.bfloat16)}, timeouts=trs.Timeouts(wait=5),
                 group=f"g{time.monotonic_ns()}")
     args.update(kw)
     return trs.RefitEndpoint(**args)

@@ -185,7 +185,7 @@ def _worker(rank, ports):
             spec = _spec(kind, meg, 2)
             poison = {n: torch.full(lay.local_shape(rank), float("nan")) for n, lay in spec.dst.items()}
             with trs.RefitInference.from_recipe(spec, rank=rank, world_size=MEG_WORLD + 2, store=f"127.0.0.1:{port}",
-                                                group=case, timeout=60, tensors=poison, mode="inplace") as inf:
+                                                group=case, timeouts=trs.Timeouts(wait=60), pull=trs.PullOptions(mode="inplace"), tensors=poison) as inf:
                 pulled = []
                 for v in (1, 2):
                     assert inf.pull() == v
@@ -224,7 +224,7 @@ def _worker(rank, ports):
                 spec = _spec(kind, meg, 2)
                 with trs.RefitTrainer.from_recipe(spec, mt, rank=rank,
                                                   world_size=MEG_WORLD + 2, store=f"127.0.0.1:{port}", group=case,
-                                                  timeout=60) as tr:
+                                                  timeouts=trs.Timeouts(wait=60)) as tr:
                     # Megatron trains on the arena from now on: no copy per step.
                     trs.recipes.megatron_bind(chunks, tr.source_tensors, megatron=meg, rank=rank)
                     for v in (1, 2):

@@ -58,7 +58,7 @@ def _worker(rank, world, port, src, dst, parts, mode, versions, use_from_recipe,
         os.environ["TRITONRESHARD_HOST"] = hosts[rank]
     torch.set_num_threads(1)
     plan = trs.plan_reshard(src, dst, parts)
-    kwargs = dict(rank=rank, world_size=world, store=f"127.0.0.1:{port}", timeout=90)
+    kwargs = dict(rank=rank, world_size=world, store=f"127.0.0.1:{port}", timeouts=trs.Timeouts(wait=90))
     trainer = rank in plan.src_ranks
     report = {"fills": 0, "checked": 0}
     if trainer:
@@ -68,7 +68,7 @@ def _worker(rank, world, port, src, dst, parts, mode, versions, use_from_recipe,
     else:
         poison = {n: torch.full(lay.local_shape(rank), float("nan"), dtype=lay.dtype)
                   for n, lay in dst.items() if rank in lay.ranks}
-        kwargs.update(tensors=poison, mode=mode)
+        kwargs.update(tensors=poison, pull=trs.PullOptions(mode=mode))
         ep = (trs.RefitInference.from_recipe(spec, **kwargs) if use_from_recipe
               else trs.RefitInference(dst, parts=parts, **kwargs))
     with ep:
@@ -162,7 +162,7 @@ def test_hand_made_parts_with_padding_and_a_reused_source(mode):
 
 def _disagree_worker(rank, world, port):
     src, dst, parts = _hand_layouts(2)
-    kwargs = dict(rank=rank, world_size=world, store=f"127.0.0.1:{port}", timeout=60)
+    kwargs = dict(rank=rank, world_size=world, store=f"127.0.0.1:{port}", timeouts=trs.Timeouts(wait=60))
     if rank < 2:
         ep = trs.RefitTrainer(_src_shards(src, rank, 1), src, **kwargs)
     elif rank == 3:  # believes ab's padding is only 2 rows, and passes a non-Part for a_mid

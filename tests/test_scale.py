@@ -342,14 +342,14 @@ def _replica_worker(rank, world, port, tp, k, versions, hosts):
         os.environ["TRITONRESHARD_HOST"] = hosts[rank]
     torch.set_num_threads(1)
     spec = _llama(tp, k)
-    kwargs = dict(rank=rank, world_size=world, store=f"127.0.0.1:{port}", timeout=90)
+    kwargs = dict(rank=rank, world_size=world, store=f"127.0.0.1:{port}", timeouts=trs.Timeouts(wait=90))
     trainer = rank in TRAINERS
     if trainer:
         ep = trs.RefitTrainer.from_recipe(spec, _shards(spec.src, rank, 1), **kwargs)
     else:
         poison = {n: torch.full(lay.local_shape(rank), float("nan"), dtype=lay.dtype)
                   for n, lay in spec.dst.items()}
-        ep = trs.RefitInference.from_recipe(spec, tensors=poison, mode="shadow", **kwargs)
+        ep = trs.RefitInference.from_recipe(spec, tensors=poison, pull=trs.PullOptions(mode="shadow"), **kwargs)
     report = {"checked": 0, "plan_rank": ep.plan.rank}
     with ep:
         # The same replica's TP rank in a single TP group: what this rank must hold, bit for bit.

@@ -95,7 +95,7 @@ def _attack_worker(rank, port, secret_hex):
         os.environ[rdv.SECRET_ENV] = secret_hex
     else:  # the outsider has no secret (not even one a parent process left in the environment)
         os.environ.pop(rdv.SECRET_ENV, None)
-    kw = dict(rank=rank, world_size=3, store=f"127.0.0.1:{port}", timeout=60)
+    kw = dict(rank=rank, world_size=3, store=f"127.0.0.1:{port}", timeouts=trs.Timeouts(wait=60))
     src = {"w": Layout((4, 6), [0], [Replicate()])}
     dst = {"w": Layout((4, 6), [1, 2], [Replicate()])}
     report = {}
@@ -139,7 +139,7 @@ def _attack_worker(rank, port, secret_hex):
     # A set-up that fails: its message must not carry the secret either.
     try:
         trs.RefitInference({"w": "not a layout"}, rank=0, world_size=1, store=f"127.0.0.1:{free_port()}",
-                           timeout=5)
+                           timeouts=trs.Timeouts(wait=5))
     except Exception as exc:  # noqa: BLE001
         report["setup_error"] = f"{type(exc).__name__}: {exc}"
     logging.getLogger().removeHandler(handler)
@@ -329,7 +329,7 @@ def test_a_group_join_refuses_a_forged_hello_and_never_unpickles(tmp_path, monke
     dist.PrefixStore("trs/default/e0/", base).set("hello/1", planted)  # the group's namespace
     with pytest.raises(ValueError, match=f"store key 'hello/1': the value is {why}") as info:
         trs.RefitTrainer({"w": torch.zeros(4, 6)}, {"w": Layout((4, 6), [0], [Replicate()])}, rank=0,
-                         world_size=2, store=base, timeout=10)
+                         world_size=2, store=base, timeouts=trs.Timeouts(wait=10))
     assert isinstance(info.value, rdv.StoreValueError)
     assert not marker.exists()
 

@@ -20,12 +20,12 @@ def _soak_worker(rank, port):
     torch.set_num_threads(1)
     src = {"w": Layout((16, 8), [0], [Shard(0)]), "b": Layout((8,), [0], [Shard(0)], torch.bfloat16)}
     dst = {"w": Layout((16, 8), [1], [Shard(1)], torch.bfloat16), "b": Layout((8,), [1], [Shard(0)], torch.bfloat16)}
-    kw = dict(rank=rank, world_size=2, store=f"127.0.0.1:{port}", timeout=60)
+    kw = dict(rank=rank, world_size=2, store=f"127.0.0.1:{port}", timeouts=trs.Timeouts(wait=60))
     samples = {}
     if rank == 0:
         ep = trs.RefitTrainer({"w": torch.zeros(16, 8), "b": torch.zeros(8, dtype=torch.bfloat16)}, src, **kw)
     else:
-        ep = trs.RefitInference(dst, mode="shadow", **kw)
+        ep = trs.RefitInference(dst, pull=trs.PullOptions(mode="shadow"), **kw)
     with ep:
         for v in range(1, REFITS + 1):
             if rank == 0:

@@ -35,14 +35,14 @@ def _job_worker(rank, port):
     try:
         exact = []
         if rank == 0:
-            with trs.RefitTrainer({"w": value(1)}, SRC, timeout=60) as tr:  # rank, world, store: the job's
+            with trs.RefitTrainer({"w": value(1)}, SRC, timeouts=trs.Timeouts(wait=60)) as tr:  # rank, world, store: the job's
                 for v in (1, 2):
                     tr.fence()
                     tr.source_tensors["w"].copy_(value(v))
                     tr.publish()
                 tr.fence()
         else:
-            with trs.RefitInference(DST, timeout=60) as inf:
+            with trs.RefitInference(DST, timeouts=trs.Timeouts(wait=60)) as inf:
                 for v in (1, 2):
                     assert inf.pull() == v
                     exact.append(torch.equal(inf.tensors["w"], DST["w"].shard(value(v), rank)))
@@ -69,11 +69,11 @@ SCRIPT = textwrap.dedent('''
     rank = int(os.environ["RANK"])
     full = lambda v: torch.arange(24.0).reshape(6, 4) + 1000 * v
     if rank == 0:
-        with trs.RefitTrainer({"w": full(1)}, src, timeout=60) as tr:   # store: torchrun's own
+        with trs.RefitTrainer({"w": full(1)}, src, timeouts=trs.Timeouts(wait=60)) as tr:   # store: torchrun's own
             tr.publish()
             tr.fence()
     else:
-        with trs.RefitInference(dst, timeout=60) as inf:
+        with trs.RefitInference(dst, timeouts=trs.Timeouts(wait=60)) as inf:
             assert inf.pull() == 1
             assert torch.equal(inf.tensors["w"], dst["w"].shard(full(1), rank))
             print(f"rank {rank} exact", flush=True)

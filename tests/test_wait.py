@@ -118,7 +118,7 @@ def _endpoint(sources, port):
     tensors = {"w": torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32),
                "b": torch.arange(33, dtype=torch.float32).to(torch.bfloat16)}
     return trs.RefitEndpoint(rank=0, world_size=1, store=f"127.0.0.1:{port}", src_tensors=tensors,
-                             src_layouts=src, dst_layouts=dst, sources=sources, timeout=30), tensors
+                             src_layouts=src, dst_layouts=dst, timeouts=trs.Timeouts(wait=30), pull=trs.PullOptions(sources=sources)), tensors
 
 
 @pytest.mark.parametrize("staged", [False, True])
@@ -151,7 +151,7 @@ def test_the_staging_meter_imports_no_torch_dynamo():
     code = textwrap.dedent(f"""
         import sys, torch, tritonreshard as trs
         lay = {{"w": trs.Layout((8, 4), [0], [trs.Replicate()])}}
-        with trs.RefitEndpoint(rank=0, world_size=1, store="127.0.0.1:{free_port()}", timeout=30,
+        with trs.RefitEndpoint(rank=0, world_size=1, store="127.0.0.1:{free_port()}", timeouts=trs.Timeouts(wait=30),
                                src_tensors={{"w": torch.ones(8, 4)}}, src_layouts=lay, dst_layouts=lay) as ep:
             ep.publish()
             ep.pull()
@@ -167,7 +167,7 @@ def _poll_worker(rank, port):
     torch.set_num_threads(1)
     lay_src = {"w": Layout((4, 4), [0], [Replicate()])}
     lay_dst = {"w": Layout((4, 4), [1], [Replicate()])}
-    kw = dict(rank=rank, world_size=2, store=f"127.0.0.1:{port}", timeout=60)
+    kw = dict(rank=rank, world_size=2, store=f"127.0.0.1:{port}", timeouts=trs.Timeouts(wait=60))
     if rank == 0:
         with trs.RefitTrainer({"w": torch.zeros(4, 4)}, lay_src, **kw) as tr:
             for v in (1, 2, 3):

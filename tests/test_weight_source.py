@@ -179,7 +179,7 @@ def _e2e(rank, world, port, versions, spec):
 
     torch.set_num_threads(1)
     shapes = {n: lay.shape for n, lay in spec.src.items()}
-    kwargs = dict(rank=rank, store=f"127.0.0.1:{port}", timeout=90, group="vllm")
+    kwargs = dict(rank=rank, store=f"127.0.0.1:{port}", timeouts=trs.Timeouts(wait=90), group="vllm")
     if rank in TRAINERS:
         version = [1]
         base = _base033()
@@ -195,7 +195,7 @@ def _e2e(rank, world, port, versions, spec):
         return {"layouts": {n: str(lay) for n, lay in tr._layouts.items()}}
     poison = {n: torch.full(lay.local_shape(rank), float("nan")) for n, lay in spec.dst.items() if rank in lay.ranks}
     checked = 0
-    with trs.RefitInference.from_recipe(spec, world_size=world, tensors=poison, mode="shadow", **kwargs) as ep:
+    with trs.RefitInference.from_recipe(spec, world_size=world, tensors=poison, pull=trs.PullOptions(mode="shadow"), **kwargs) as ep:
         plan = spec.plan()  # the recipe's own source layouts: what the result must equal
         for v in range(1, versions + 1):
             full = _full(sorted(shapes), shapes, v)

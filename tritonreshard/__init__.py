@@ -18,7 +18,7 @@ __all__ = [
     "Layout", "Shard", "Replicate", "Part", "Plan", "FillOp", "PlanStats", "TransferOp", "plan_reshard",
     "execute_local", "recipes",
     "RefitEndpoint", "RefitTrainer", "RefitInference", "RefitError", "PeerDiedError", "PullStats", "RefitStats",
-    "secret_for_children",
+    "secret_for_children", "Timeouts", "PullOptions", "Fixed", "Elastic", "Dense", "Delta",
 ]
 __version__ = "0.1.0"
 
@@ -33,6 +33,8 @@ _EXPORTS = {
     "execute_local": "execute",
     "PullStats": "engine", "RefitEndpoint": "engine", "RefitInference": "engine", "RefitStats": "engine",
     "RefitTrainer": "engine", "secret_for_children": "engine",
+    "Timeouts": "engine", "PullOptions": "engine", "Fixed": "engine", "Elastic": "engine",
+    "Dense": "transport", "Delta": "transport",
 }
 #: The layers, reachable as attributes too (``trs.planning.fmt_bytes``) once anything asks.
 _SUBMODULES = {"errors", "layout", "planning", "recipes", "kernels", "execute", "transport", "engine"}

@@ -13,12 +13,16 @@
 * :mod:`.crosshost`: the point-to-point link and signals a group spanning hosts shares;
 * :mod:`.sources`: where a pull's bytes come from (arenas and relay buffers on this host);
 * :mod:`.liveness`: heartbeats and dead peers; :mod:`.checks`: an endpoint's arguments;
+* :mod:`.config`: an endpoint's typed configs (:class:`Timeouts`, :class:`PullOptions`) and the
+  earlier flat keywords mapped onto them; :mod:`.membership`: :class:`Fixed` or :class:`Elastic`;
 * :mod:`.fsdp`: FSDP2 models as sources;
 * :mod:`.endpoint`: :class:`RefitTrainer`, :class:`RefitInference`, :class:`RefitEndpoint`.
 """
+from .config import PullOptions, Timeouts
 from .endpoint import PullStats, RefitEndpoint, RefitInference, RefitStats, RefitTrainer
+from .membership import Elastic, Fixed
 from .members import GroupInputs, Member, validate_members
 from .rendezvous import secret_for_children
 
-__all__ = ["GroupInputs", "Member", "PullStats", "RefitEndpoint", "RefitInference", "RefitStats", "RefitTrainer",
-           "secret_for_children", "validate_members"]
+__all__ = ["Elastic", "Fixed", "GroupInputs", "Member", "PullOptions", "PullStats", "RefitEndpoint", "RefitInference",
+           "RefitStats", "RefitTrainer", "Timeouts", "secret_for_children", "validate_members"]

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..execute import check_shard
 from ..layout import Layout, Part
+from ..planning import BlockQuant
+from . import fsdp as _fsdp
 
-__all__ = ["argument_problems", "default_rank", "local_destinations", "local_parts", "local_sources", "short"]
+__all__ = ["DestinationArgs", "LocalInputs", "Meeting", "SourceArgs", "argument_problems", "default_rank", "fsdp_source",
+           "local_destinations", "local_inputs", "local_parts", "local_sources", "short"]
 
 
 def short(obj, limit: int = 120) -> str:
@@ -23,17 +27,14 @@ def short(obj, limit: int = 120) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def argument_problems(rank, world_size, mode, backend, src_tensors, src_layouts, dst_layouts, parts,
-                       timeout, peer_timeout, epoch, start_version) -> list[str]:
+def argument_problems(rank, world_size, src_tensors, src_layouts, dst_layouts, parts, epoch, start_version) -> list[str]:
+    """Problems that make joining a group impossible (raised at once, not sent in the hello). The
+    configs (timeouts, pull options, membership, codec) checked themselves when they were made."""
     bad = []
     if not isinstance(world_size, int) or world_size < 1:
         bad.append(f"world_size must be a positive int, got world_size={world_size!r}")
     elif not isinstance(rank, int) or not 0 <= rank < world_size:
         bad.append(f"rank must be in [0, {world_size}), got rank={rank!r}")
-    if mode not in ("shadow", "inplace"):
-        bad.append(f"mode must be 'shadow' or 'inplace', got mode={mode!r}")
-    if backend not in ("auto", "torch", "triton"):
-        bad.append(f"backend must be 'auto', 'torch' or 'triton', got backend={backend!r}")
     if src_layouts is None and dst_layouts is None:
         bad.append("give src_layouts (trainer side), dst_layouts (inference side) or both")
     if parts is not None and dst_layouts is None:
@@ -41,10 +42,6 @@ def argument_problems(rank, world_size, mode, backend, src_tensors, src_layouts,
                    f"got parts={short(parts)} and dst_layouts=None")
     if (src_tensors is None) != (src_layouts is None):
         bad.append("src_tensors and src_layouts go together (the trainer side needs both)")
-    if not (isinstance(timeout, (int, float)) and timeout > 0):
-        bad.append(f"timeout must be > 0 seconds, got timeout={timeout!r}")
-    if not (isinstance(peer_timeout, (int, float)) and peer_timeout > 0):
-        bad.append(f"peer_timeout must be > 0 seconds, got peer_timeout={peer_timeout!r}")
     if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
         bad.append(f"epoch must be an int >= 0, got epoch={epoch!r}")
     if isinstance(start_version, bool) or not isinstance(start_version, int) or start_version < 0:
@@ -158,3 +155,85 @@ def default_rank(rank, world_size):
         elif os.environ.get("WORLD_SIZE", "").isdigit():
             world_size = int(os.environ["WORLD_SIZE"])
     return rank, world_size
+
+
+@dataclass(frozen=True)
+class Meeting:
+    """Where a rank meets its group: see ``tritonreshard.engine.endpoint._Rank``."""
+
+    rank: int | None = None
+    world_size: int | None = None
+    store: object = None
+    host_store: bool | None = None
+    group: str = "default"
+    epoch: int | None = None
+
+
+@dataclass(frozen=True)
+class SourceArgs:
+    """A trainer side's arguments: its shards (``{name: tensor}``, an ``nn.Module`` or an FSDP2
+    source), the trainer group's layouts, and the version before its first ``publish()``."""
+
+    tensors: object
+    layouts: object
+    start_version: int = 0
+
+
+@dataclass(frozen=True)
+class DestinationArgs:
+    """An inference side's arguments: the inference group's layouts, optional tensors to write,
+    parts and block-FP8 quantization."""
+
+    layouts: object
+    tensors: object = None
+    parts: object = None
+    quant: object = None
+
+
+def fsdp_source(src: SourceArgs | None) -> tuple[SourceArgs | None, object]:
+    """A fully_shard model brings its layouts, and FSDP2 keeps training on the arena (see fsdp):
+    ``src`` with its tensors as an FSDP2 source, and that source (None for other tensors)."""
+    if src is None:
+        return None, None
+    tensors = src.tensors
+    if isinstance(tensors, torch.nn.Module) and _fsdp.is_fsdp2(tensors):
+        tensors = _fsdp.FSDP2Source(tensors)
+    if not isinstance(tensors, _fsdp.FSDP2Source):  # (also one built with a rank_map)
+        return src, None
+    return replace(src, tensors=tensors, layouts=tensors.layouts if src.layouts is None else src.layouts), tensors
+
+
+@dataclass(frozen=True)
+class LocalInputs:
+    """A rank's checked local inputs: its source shards and the parameters to re-point at the
+    arena, its destination tensors and device, parts and quantization as they travel in its hello,
+    and every problem found (they travel in the hello too)."""
+
+    src: dict
+    params: dict
+    dst: dict
+    dst_device: torch.device
+    parts: dict | None
+    quant: dict | None
+    problems: list
+
+
+def local_inputs(rank: int, src: SourceArgs | None, dst: DestinationArgs | None, device) -> LocalInputs:
+    tensors, params = (src.tensors if src is not None else None), {}
+    if isinstance(tensors, torch.nn.Module):  # its parameters are re-pointed at the arena
+        params = dict(tensors.named_parameters())
+        tensors = {n: p.data for n, p in params.items()}
+    src_map, problems = local_sources(rank, tensors, src.layouts if src is not None else None)
+    dst_map, dst_device, more = local_destinations(rank, dst.tensors if dst is not None else None,
+                                                   dst.layouts if dst is not None else None, device)
+    problems += more
+    if dst is None:
+        return LocalInputs(src_map, params, dst_map, dst_device, None, None, problems)
+    parts, more = local_parts(dst.parts)
+    problems += more
+    quant = dst.quant
+    if quant is not None and (not isinstance(quant, dict) or not all(
+            isinstance(k, str) and isinstance(v, BlockQuant) for k, v in quant.items())):
+        problems.append(f"quant must be a dict name -> trs.planning.BlockQuant, got {short(quant)}")
+        quant = None
+    return LocalInputs(src_map, params, dst_map, dst_device, parts, dict(quant or {}), problems)

@@ -14,6 +14,12 @@ Who calls what::
     inf.pull()                # or start_pull() ... pull_done() ... swap() in shadow mode
     weights = inf.tensors     # re-read after every swap
 
+Each concern is one typed config, made (and validated) once and handed in whole: where the rank
+meets (``rank``, ``world_size``, ``store``, ``group``, ``epoch``), ``membership`` (``trs.Fixed()`` or
+``trs.Elastic(replica=)``), ``codec`` (``trs.Delta()`` or ``trs.Dense()``), ``timeouts``
+(``trs.Timeouts``) and, on the inference side, ``pull`` (``trs.PullOptions``). Each role's
+constructor takes only its side's arguments: any other keyword is a ``TypeError``.
+
 An endpoint is a composition, data flowing one way:
 
 * :class:`~tritonreshard.engine.epoch.Epoch` (one per epoch): the set-up script over a
@@ -48,18 +54,15 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import RefitError
-from ..planning import BlockQuant
 from ..recipes import RecipeSpec
-from ..transport import delta_problems
-from . import fsdp as _fsdp
-from .checks import (argument_problems, default_rank, local_destinations, local_parts, local_sources,
-                     short)
-from .elastic import MAX_RANKS, JoinerEpoch, JoinStats, TrainerEpoch, current_epoch
+from .checks import (DestinationArgs, Meeting, SourceArgs, argument_problems, default_rank, fsdp_source,
+                     local_inputs, short)
+from .config import Options, options
+from .elastic import JoinStats
 from .epoch import Epoch
 from .group import Group, check_timeout, connect, host_identity
 from .members import Member
 from .sides import InferenceSide, TrainerSide
-from .sources import Sources
 from .subscriber import PullStats, Subscriber
 
 __all__ = ["RefitEndpoint", "RefitTrainer", "RefitInference", "RefitStats", "PullStats"]
@@ -103,9 +106,10 @@ class RefitStats:
 class _Rank:
     """What every refit rank has, whatever its role: construction and set-up of its group epoch,
     the group's properties, statistics and lifetime. Roles add their side's methods
-    (:class:`_TrainerMethods`, :class:`_InferenceMethods`).
+    (:class:`_TrainerMethods`, :class:`_InferenceMethods`); their constructors say which arguments
+    each side takes.
 
-    Args:
+    Where it meets (every role):
         rank: this process's global rank (the ranks used in the layouts' meshes). None: the
             initialised torch.distributed group's rank, else ``$RANK``.
         world_size: number of processes in the refit group (trainers + inference ranks; a colocated
@@ -115,129 +119,51 @@ class _Rank:
             under torchrun, whose agent hosts that store).
         host_store: with ``store="host:port"``: rank 0 hosts the store (None/True) or everyone
             connects as a client (False: a driver hosts it, e.g. so it outlives restarted ranks).
+        group: namespace of this group's keys in the store.
         epoch: the group epoch (>= 0); keys live under ``trs/<group>/e<epoch>/``, so a new group
             forms on the same store while old keys are ignored.
-        src_tensors: source side: ``{name: local shard}`` or an ``nn.Module`` whose named parameters
-            are the local shards. They are copied into the exported arena once; a module's
-            parameters are re-pointed at the arena (``param.data``), so training runs on it with no
-            copy per step. Shapes must equal ``src_layouts[name].local_shape(rank)``, dtypes match.
-        src_layouts: source side: ``{name: Layout}`` of the whole trainer group (same on every trainer).
-        start_version: source side: the version before the first ``publish()`` (a restarted trainer
-            continues the numbering of its checkpoint).
-        dst_layouts: destination side: ``{name: Layout}`` of the whole inference group.
-        parts: destination side, optional: ``{dst name: [trs.Part, ...]}`` as for
-            :func:`~tritonreshard.plan_reshard`: a destination built from other sources (HF q/k/v ->
-            vLLM ``qkv_proj``) or padded with zeros (``Part(None, box)``, e.g. vocab rows past the
-            real vocab). Every inference rank passes the same parts (the group checks); padding is
-            zeroed once when the buffers are set up, never per pull. A recipe gives them:
-            ``RefitInference(spec.dst, parts=spec.parts, ...)`` or
-            ``RefitInference.from_recipe(spec, ...)``.
-        quant: destination side, optional: ``{weight name: BlockQuant}`` of block-FP8 weights (a
-            recipe's ``spec.quant`` with ``quantization="fp8-block"``): each pull reads every 128x128
-            block whole and writes its FP8 values and scale in the same pass.
-        dst_tensors: destination side, optional: tensors to write (e.g. the engine's parameters);
-            the serving buffer set in in-place mode, the first of the two sets in shadow mode.
-        mode: ``"shadow"`` (pull into a second buffer set, then ``swap``) or ``"inplace"``.
-        device: device of the destination buffers (default: the ``dst_tensors``' device, else cpu).
-        backend: ``"triton"`` (compiled on CUDA, interpreter on CPU: for debugging), ``"torch"``
-            (torch copies over the same descriptors; fast on CPU) or ``"auto"``.
-        timeout: seconds for set-up and for each wait (fence, waiting for a version).
-        peer_timeout: seconds without a heartbeat after which a peer counts as dead (a local peer
-            whose process is gone is noticed at once).
-        group: namespace of this group's keys in the store.
-        sources: destination side: where source bytes come from, a subclass of
-            :class:`~tritonreshard.engine.sources.Sources` (the default: the arenas and relay buffers
-            of this host, mapped once and read in place).
-        delta: cross-host transfers only: ``"auto"`` sends each host only the elements that changed
-            since the version its receive buffer holds, when that is smaller (bits compared, exact);
-            ``"off"`` sends every byte every refit; ``"always"`` (tests) a sparse encoding even where
-            whole is smaller. Every rank passes the same (see docs/hosts.md).
-        delta_anchor: a whole cross-host transfer every that many versions (default 64).
-        elastic: an elastic group (see :mod:`~tritonreshard.engine.elastic`; every rank passes it):
-            the trainers meet alone (``world_size`` = the trainer ranks) and inference replicas join,
-            leave or die at any time without stopping anyone. An inference rank then gives
-            ``replica=`` (its replica's index, unique among the replicas in), its ``layouts`` name
-            its replica's ranks (any ranks that are not trainers', below ``MAX_RANKS``), its
-            ``world_size`` is not used, and ``epoch=None`` joins the trainers' current epoch.
-        replica: elastic groups, inference side: this rank's replica index (an int >= 0).
+
+    Its configs (every role; each validated where it is made):
+        membership: ``trs.Fixed()`` (default) or ``trs.Elastic(replica=)`` (see
+            :mod:`~tritonreshard.engine.membership`; every rank passes the same kind).
+        codec: cross-host transfers only: ``trs.Delta()`` (default: each host gets only the elements
+            that changed since the version its receive buffer holds, when that is smaller; bits
+            compared, exact; a whole transfer every ``anchor`` versions) or ``trs.Dense()`` (every
+            byte every refit). Every rank passes the same (see docs/hosts.md).
+        timeouts: ``trs.Timeouts(wait=60, peer=10)``: set-up and each wait; a silent peer's death.
+        pull (inference side): ``trs.PullOptions(mode=, backend=, device=, sources=)``.
     """
 
-
-    _ROLES: tuple[str, ...] = ("trainer", "inference")
-
-    def __init__(self, *, rank: int | None = None, world_size: int | None = None, store=None,
-                 src_tensors=None, src_layouts=None, dst_layouts=None, dst_tensors=None,
-                 mode: str = "shadow", device=None, backend: str = "auto", timeout: float = 60.0,
-                 peer_timeout: float = 10.0, group: str = "default", epoch: int | None = None,
-                 host_store: bool | None = None, start_version: int = 0, sources=Sources,
-                 parts=None, quant=None, delta: str = "auto", delta_anchor: int = 64, elastic: bool = False,
-                 replica: int | None = None):
+    def __init__(self, where: Meeting, src: SourceArgs | None, dst: DestinationArgs | None, opts: Options):
         self._released = True  # until set-up succeeded far enough to need closing (see close())
-        joiner = bool(elastic) and dst_layouts is not None
-        if joiner:  # an elastic inference rank has no group size: the trainers' control blocks bound its rank
-            world_size = MAX_RANKS
-        rank, world_size = default_rank(rank, world_size)
-        # A fully_shard model brings its layouts, and FSDP2 keeps training on the arena (see fsdp).
-        fsdp2 = None
-        if isinstance(src_tensors, torch.nn.Module) and _fsdp.is_fsdp2(src_tensors):
-            src_tensors = _fsdp.FSDP2Source(src_tensors)
-        if isinstance(src_tensors, _fsdp.FSDP2Source):  # (also one built with a rank_map)
-            fsdp2 = src_tensors
-            src_layouts = fsdp2.layouts if src_layouts is None else src_layouts
-        roles = type(self)._ROLES
-        bad = [f"a {type(self).__name__} has no {side} side ({what} given): use RefitEndpoint for a colocated rank"
-               for side, what, given in (("trainer", "src_layouts", src_layouts), ("inference", "dst_layouts", dst_layouts))
-               if given is not None and side not in roles]
-        bad += argument_problems(rank, world_size, mode, backend, src_tensors, src_layouts, dst_layouts, parts,
-                                 timeout, peer_timeout, 0 if epoch is None else epoch, start_version)
-        bad += delta_problems(delta, delta_anchor)
-        if not isinstance(elastic, bool):
-            bad.append(f"elastic must be a bool, got elastic={elastic!r}")
-        elif elastic and src_layouts is not None and dst_layouts is not None:
-            bad.append("an elastic group's ranks are trainers or inference ranks, not both (no colocated rank)")
-        if joiner and (isinstance(replica, bool) or not isinstance(replica, int) or replica < 0):
-            bad.append(f"an elastic inference rank needs replica=, its replica's index (an int >= 0), got "
-                       f"replica={replica!r}")
-        if replica is not None and not joiner:
-            bad.append(f"replica= is for an elastic group's inference ranks (elastic=True with layouts), got "
-                       f"replica={replica!r}")
+        sides = frozenset(n for n, side in (("trainer", src), ("inference", dst)) if side is not None)
+        membership, pull = opts.membership, opts.pull
+        rank, world_size = default_rank(where.rank, membership.world_size(where.world_size, sides))
+        src, fsdp2 = fsdp_source(src)
+        bad = argument_problems(rank, world_size, src and src.tensors, src and src.layouts, dst and dst.layouts,
+                                dst and dst.parts, 0 if where.epoch is None else where.epoch,
+                                src.start_version if src is not None else 0)
+        bad += membership.problems(sides)
         if bad:  # nothing to tell the group: these make joining it impossible
             raise ValueError(f"{type(self).__name__}: " + "; ".join(bad))
-
-        self.rank, self.world_size, self.mode = rank, world_size, mode
-        self.timeout, self.peer_timeout, self._group_name = float(timeout), float(peer_timeout), group
-        params = {}
-        if isinstance(src_tensors, torch.nn.Module):  # its parameters are re-pointed at the arena
-            params = dict(src_tensors.named_parameters())
-            src_tensors = {n: p.data for n, p in params.items()}
-        src_map, problems = local_sources(rank, src_tensors, src_layouts)
-        dst_map, dst_device, dst_problems = local_destinations(rank, dst_tensors, dst_layouts, device)
-        problems += dst_problems
-        dst_parts, parts_problems = local_parts(parts) if dst_layouts is not None else ({}, [])
-        problems += parts_problems
-        if quant is not None and (not isinstance(quant, dict) or not all(
-                isinstance(k, str) and isinstance(v, BlockQuant) for k, v in quant.items())):
-            problems.append(f"quant must be a dict name -> trs.planning.BlockQuant, got {short(quant)}")
-            quant = None
-        self.device = dst_device if dst_layouts is not None else (
-            next(iter(src_map.values())).device if src_map else torch.device("cpu"))
-        self.backend = backend if backend != "auto" else ("triton" if self.device.type == "cuda" else "torch")
+        self.rank, self.world_size, self.mode = rank, world_size, pull.mode
+        self.timeout, self.peer_timeout, self._group_name = float(opts.timeouts.wait), float(opts.timeouts.peer), where.group
+        self._membership = membership
+        local = local_inputs(rank, src, dst, pull.device)
+        self.device = local.dst_device if dst is not None else (
+            next(iter(local.src.values())).device if local.src else torch.device("cpu"))
+        self.backend = pull.backend if pull.backend != "auto" else ("triton" if self.device.type == "cuda" else "torch")
         self._member = Member(rank, os.getpid(), host_identity(), str(self.device),
-                              dict(src_layouts) if src_layouts is not None else None,
-                              dict(dst_layouts) if dst_layouts is not None else None, tuple(problems),
-                              dst_parts if dst_layouts is not None else None,
-                              dst_quant=dict(quant or {}) if dst_layouts is not None else None,
-                              delta=(delta, delta_anchor))
-        self._elastic, self._replica = elastic, replica
-        self._base_store, self._hosts_store = connect(store, rank=rank, world_size=world_size,
-                                                      timeout=self.timeout, host_store=host_store)
-        self._trainer = TrainerSide(src_map, params=params, start_version=start_version, fsdp2=fsdp2, delta=delta,
-                                    delta_anchor=delta_anchor, elastic=elastic) if src_layouts is not None else None
-        self._inference = InferenceSide(rank, dst_map, device=dst_device, mode=mode, backend=self.backend,
-                                        sources=sources, delta=delta) if dst_layouts is not None else None
-        if joiner and epoch is None:
-            epoch = current_epoch(self._base_store, group, self.timeout)
-        epoch = 0 if epoch is None else epoch
+                              dict(src.layouts) if src is not None else None,
+                              dict(dst.layouts) if dst is not None else None, tuple(local.problems),
+                              local.parts, dst_quant=local.quant, codec=opts.codec)
+        self._base_store, self._hosts_store = connect(where.store, rank=rank, world_size=world_size,
+                                                      timeout=self.timeout, host_store=where.host_store)
+        self._trainer = TrainerSide(local.src, params=local.params, start_version=src.start_version, fsdp2=fsdp2,
+                                    codec=opts.codec, membership=membership) if src is not None else None
+        self._inference = InferenceSide(rank, local.dst, device=local.dst_device, mode=pull.mode, backend=self.backend,
+                                        sources=pull.sources, codec=opts.codec) if dst is not None else None
+        epoch = membership.first_epoch(self._base_store, where.group, where.epoch, self.timeout, sides)
         self._epoch = self._make_epoch(self._new_group(epoch, self.timeout))
         # From here on every handle and resource is released by close(), also when set-up fails.
         self._released = False
@@ -248,12 +174,8 @@ class _Rank:
             raise
 
     def _make_epoch(self, group: Group) -> Epoch:
-        if not self._elastic:
-            return Epoch(group, trainer=self._trainer, inference=self._inference, device=self.device)
-        if self._trainer is not None:
-            return TrainerEpoch(group, trainer=self._trainer, device=self.device)
-        return JoinerEpoch(group, inference=self._inference, device=self.device, replica=self._replica,
-                           name=self._group_name)
+        return self._membership.make_epoch(group, trainer=self._trainer, inference=self._inference,
+                                           device=self.device, name=self._group_name)
 
     def _new_group(self, epoch: int, timeout: float) -> Group:
         return Group(self._base_store, rank=self.rank, world_size=self.world_size, epoch=epoch,
@@ -536,14 +458,13 @@ class _InferenceMethods:
         with ``epoch=`` instead.
         """
         self._check_open("rejoin")
-        if self._elastic and epoch is None:  # the trainers' next epoch, once they met
-            epoch = current_epoch(self._base_store, self._group_name,
-                                  check_timeout("rejoin", timeout, self.timeout), after=self.group.epoch)
         if self._trainer is not None or self._buffers is None:
             raise ValueError(f"rejoin: only an inference-only endpoint rejoins (rank {self.rank} has "
                              f"{'a trainer side' if self._trainer is not None else 'no inference side'}); "
                              f"a trainer restarts as a new process with epoch=")
-        epoch = self.group.epoch + 1 if epoch is None else epoch
+        if epoch is None:  # the next one (elastic: the restarted trainers', once they met)
+            epoch = self._membership.next_epoch(self._base_store, self._group_name, self.group.epoch,
+                                                check_timeout("rejoin", timeout, self.timeout))
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch <= self.group.epoch:
             raise ValueError(f"rejoin: epoch must be an int > the current epoch {self.group.epoch}, "
                              f"got epoch={epoch!r}")
@@ -566,10 +487,31 @@ def _recipe_spec(spec, what: str):
     return spec
 
 
+#: The flat keywords of earlier releases each role still accepts for one release (with a
+#: DeprecationWarning; see :func:`~tritonreshard.engine.config.options`).
+_TRAINER_LEGACY = frozenset({"timeout", "peer_timeout", "elastic", "delta", "delta_anchor"})
+_INFERENCE_LEGACY = _TRAINER_LEGACY | {"replica", "mode", "backend", "device", "sources"}
+
+
 class RefitEndpoint(_InferenceMethods, _TrainerMethods, _Rank):
     """One process of a refit group with a source side (trainer), a destination side (inference),
     or both (colocated meshes): every method of :class:`RefitTrainer` and :class:`RefitInference`.
-    Use those for one role. Arguments: see :class:`_Rank`."""
+    Use those for one role.
+
+    Trainer side: ``src_tensors`` and ``src_layouts`` (see :class:`RefitTrainer`), ``start_version``.
+    Inference side: ``dst_layouts``, ``dst_tensors``, ``parts``, ``quant`` (see
+    :class:`RefitInference`). Where it meets and its configs: see :class:`_Rank`."""
+
+    def __init__(self, *, src_tensors=None, src_layouts=None, dst_layouts=None, dst_tensors=None, parts=None,
+                 quant=None, start_version: int = 0, rank: int | None = None, world_size: int | None = None,
+                 store=None, host_store: bool | None = None, group: str = "default", epoch: int | None = None,
+                 membership=None, codec=None, timeouts=None, pull=None, **legacy):
+        opts = options(type(self).__name__, _INFERENCE_LEGACY, legacy, membership=membership, codec=codec,
+                       timeouts=timeouts, pull=pull)
+        src = None if src_tensors is None and src_layouts is None else SourceArgs(src_tensors, src_layouts, start_version)
+        dst = None if dst_layouts is None and dst_tensors is None and parts is None and quant is None else \
+            DestinationArgs(dst_layouts, dst_tensors, parts, quant)
+        super().__init__(Meeting(rank, world_size, store, host_store, group, epoch), src, dst, opts)
 
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -580,19 +522,27 @@ class RefitEndpoint(_InferenceMethods, _TrainerMethods, _Rank):
 
 
 class RefitTrainer(_TrainerMethods, _Rank):
-    """Trainer (source) side of a refit group: ``publish``, ``fence``, ``published``, ``tensors``;
-    see :class:`RefitEndpoint` for the other arguments.
+    """Trainer (source) side of a refit group: ``publish``, ``fence``, ``published``, ``tensors``.
 
-    ``tensors``: this rank's local shards ``{name: tensor}`` or an ``nn.Module``; ``layouts``: the
-    trainer group's global layouts (same on every trainer rank).
+    ``tensors``: this rank's local shards ``{name: tensor}`` or an ``nn.Module`` whose named
+    parameters are the local shards (or a ``fully_shard`` FSDP2 model, which brings its layouts:
+    ``layouts`` may then be None). They are copied into the exported arena once; a module's
+    parameters are re-pointed at the arena (``param.data``), so training runs on it with no copy per
+    step. Shapes must equal ``layouts[name].local_shape(rank)``, dtypes match. ``layouts``: the
+    trainer group's global layouts ``{name: Layout}`` (same on every trainer rank).
+    ``start_version``: the version before the first ``publish()`` (a restarted trainer continues the
+    numbering of its checkpoint). Where it meets (``rank``, ``world_size``, ``store``, ...) and its
+    configs (``membership``, ``codec``, ``timeouts``): see :class:`_Rank`. A keyword of the
+    inference side (``mode``, ``quant``, ``sources``, ``pull``, ...) is a ``TypeError``.
     """
 
-    _ROLES = ("trainer",)
-
-    def __init__(self, tensors, layouts, *, rank: int | None = None, world_size: int | None = None,
-                 store=None, **kwargs):
-        super().__init__(rank=rank, world_size=world_size, store=store, src_tensors=tensors,
-                         src_layouts=layouts, **kwargs)
+    def __init__(self, tensors, layouts, *, rank: int | None = None, world_size: int | None = None, store=None,
+                 host_store: bool | None = None, group: str = "default", epoch: int | None = None,
+                 start_version: int = 0, membership=None, codec=None, timeouts=None, **legacy):
+        opts = options(type(self).__name__, _TRAINER_LEGACY, legacy, membership=membership, codec=codec,
+                       timeouts=timeouts)
+        super().__init__(Meeting(rank, world_size, store, host_store, group, epoch),
+                         SourceArgs(tensors, layouts, start_version), None, opts)
 
     @classmethod
     def from_recipe(cls, spec, tensors, **kwargs) -> "RefitTrainer":
@@ -604,20 +554,29 @@ class RefitTrainer(_TrainerMethods, _Rank):
 
 class RefitInference(_InferenceMethods, _Rank):
     """Inference (destination) side of a refit group: ``pull`` (or ``start_pull`` ... ``swap``),
-    ``version``, ``tensors``, ``rejoin``, ...; see :class:`RefitEndpoint` for the other arguments.
+    ``version``, ``tensors``, ``rejoin``, ...
 
-    ``layouts``: the inference group's global layouts (same on every inference rank); ``tensors``:
-    optional tensors to write (e.g. the engine's parameters); ``parts``: optional
-    ``{name: [trs.Part, ...]}`` building destinations from other sources or zero padding (recipes:
-    :meth:`from_recipe`).
+    ``layouts``: the inference group's global layouts ``{name: Layout}`` (same on every inference
+    rank). ``tensors``: optional tensors to write (e.g. the engine's parameters): the serving buffer
+    set in in-place mode, the first of the two sets in shadow mode. ``parts``: optional ``{dst name:
+    [trs.Part, ...]}`` as for :func:`~tritonreshard.plan_reshard`: a destination built from other
+    sources (HF q/k/v -> vLLM ``qkv_proj``) or padded with zeros (``Part(None, box)``, e.g. vocab rows
+    past the real vocab), zeroed once when the buffers are set up, never per pull; every inference
+    rank passes the same. ``quant``: optional ``{weight name: BlockQuant}`` of block-FP8 weights (a
+    recipe's ``spec.quant``): each pull reads every 128x128 block whole and writes its FP8 values and
+    scale in the same pass. Recipes give all three: :meth:`from_recipe`. ``pull``:
+    ``trs.PullOptions(mode=, backend=, device=, sources=)``. Where it meets and its other configs
+    (``membership``, ``codec``, ``timeouts``): see :class:`_Rank`. A trainer-side keyword
+    (``start_version``, ...) is a ``TypeError``.
     """
 
-    _ROLES = ("inference",)
-
     def __init__(self, layouts, *, rank: int | None = None, world_size: int | None = None, store=None,
-                 mode: str = "shadow", tensors=None, **kwargs):
-        super().__init__(rank=rank, world_size=world_size, store=store, dst_layouts=layouts,
-                         dst_tensors=tensors, mode=mode, **kwargs)
+                 host_store: bool | None = None, group: str = "default", epoch: int | None = None, tensors=None,
+                 parts=None, quant=None, membership=None, codec=None, timeouts=None, pull=None, **legacy):
+        opts = options(type(self).__name__, _INFERENCE_LEGACY, legacy, membership=membership, codec=codec,
+                       timeouts=timeouts, pull=pull)
+        super().__init__(Meeting(rank, world_size, store, host_store, group, epoch), None,
+                         DestinationArgs(layouts, tensors, parts, quant), opts)
 
     @classmethod
     def from_recipe(cls, spec, **kwargs) -> "RefitInference":

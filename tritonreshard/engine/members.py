@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 from ..layout import Layout
 from ..planning import BlockQuant
+from ..transport import Codec, Delta, Dense
 from . import rendezvous as rdv
 
 __all__ = ["GroupInputs", "Member", "device_problems", "group_error", "hello", "input_differences", "inputs_digest",
@@ -41,8 +42,8 @@ class Member:
     dst_digest: str = ""
     #: Digest of ``dst_quant`` (compared on its own: a quantization mismatch is named as such).
     quant_digest: str = ""
-    #: The cross-host deltas this rank joined with: ``(delta, delta_anchor)`` (every rank the same).
-    delta: tuple = ("auto", 64)
+    #: How this rank's cross-host messages travel (every rank the same): ``Dense()`` or ``Delta(...)``.
+    codec: Codec = Delta()
 
     def __repr__(self):
         roles = [r for r, on in (("trainer", self.src_layouts is not None),
@@ -50,7 +51,7 @@ class Member:
         return f"Member(rank={self.rank}, pid={self.pid}, host={self.host!r}, {'+'.join(roles)}, {self.device})"
 
 
-rdv.register_plain(Member, BlockQuant)  # they travel through the store in each rank's hello
+rdv.register_plain(Member, BlockQuant, Dense, Delta)  # they travel through the store in each rank's hello
 
 
 def inputs_digest(layouts: dict | None, parts: dict | None = None) -> str:
@@ -161,11 +162,11 @@ def validate_members(members: list[Member], world_size: int, sides: tuple[str, .
                     problems.append(f"{side}_layouts[{name!r}]={lay} places shards on rank(s) "
                                     f"{missing}, which did not join as {role} ranks")
         layouts[side] = ref_layouts
-    odd = {m.rank: m.delta for m in members if m.delta != members[0].delta} if members else {}
+    odd = {m.rank: m.codec for m in members if m.codec != members[0].codec} if members else {}
     if odd:
-        problems.append(f"rank(s) {sorted(odd)} joined with (delta, delta_anchor) {sorted(set(odd.values()))} but "
-                        f"rank {members[0].rank} has {members[0].delta}: every rank must pass the same delta= "
-                        f"and delta_anchor=")
+        problems.append(f"rank(s) {sorted(odd)} joined with codec {sorted(set(map(repr, odd.values())))} but "
+                        f"rank {members[0].rank} has {members[0].codec!r}: every rank must pass the same codec= "
+                        f"(delta= / delta_anchor=)")
     hosts = {m.rank: m.host for m in members}
     if problems:
         raise group_error(world_size, problems)

@@ -31,7 +31,7 @@ import torch
 
 from ..errors import PeerDiedError, RefitError
 from ..planning import BufferRef, Route
-from ..transport import CrossHostCopy, create_arena, create_control_block
+from ..transport import Codec, CrossHostCopy, Dense, create_arena, create_control_block
 from .crosshost import FOREVER, CrossHost
 from .sources import Exported, OwnBuffer
 
@@ -46,10 +46,10 @@ class ReceivingRelay:
     Args:
         cross: the epoch's :class:`~tritonreshard.engine.crosshost.CrossHost`. route: this rank's
             route (``receives``, ``buffer_bytes``, ``buffer_readers``). device: of the buffer.
-            delta: as the senders' (the group agreed on it at hello).
+            codec: as the senders' (the group agreed on it at hello).
     """
 
-    def __init__(self, cross: CrossHost, route: Route, device, *, delta: str = "off"):
+    def __init__(self, cross: CrossHost, route: Route, device, *, codec: Codec = Dense()):
         group = cross.group
         self.group, self.rank, self.cross, self.route = group, group.rank, cross, route
         self._stop = threading.Event()
@@ -71,7 +71,7 @@ class ReceivingRelay:
             self.copy = CrossHostCopy(cross.link, [m for m in route.messages if m.receiver == self.rank],
                                       route.transfers,
                                       recv_buffer=self._buffer.tensor(0, (route.buffer_bytes,), torch.uint8),
-                                      delta=delta)
+                                      codec=codec)
         except BaseException:
             self.close()
             raise

@@ -10,12 +10,12 @@ announces the version, and sends its boxes straight from the arena (``DistLink``
 point-to-point); the arena may change once they completed, so the thread then rings its own
 doorbell, on which the fence sleeps.
 
-Deltas (``delta=``, see :mod:`~tritonreshard.transport.delta`): each receiver's "ready" names the
+Deltas (a ``Delta`` codec, see :mod:`~tritonreshard.transport.codec`): each receiver's "ready" names the
 version its buffer holds whole (its base, 0 for none). When that is the version this rank last sent
 it, the sender encodes only the words that changed against its snapshot of what it sent, and its
 "sent" signal carries the descriptors (version, base, per message its encoding and size), so the
 receiver posts receives of the right sizes. Anything else (a receiver that skipped a version or lost
-its base, a new epoch: a new sender, whose snapshot is empty; an anchor every ``delta_anchor``
+its base, a new epoch: a new sender, whose snapshot is empty; an anchor every ``codec.anchor``
 versions) travels whole. The snapshot is one copy of the bytes this rank sends to other hosts, on
 the arena's device: on CUDA the comparison then runs at device-memory speed with no copy over PCIe,
 and on CPU it is host memory like the arena. It moves on only once the sends completed.
@@ -30,7 +30,7 @@ import torch
 
 from ..errors import PeerDiedError, RefitError
 from ..planning import Route
-from ..transport import CrossHostCopy
+from ..transport import Codec, CrossHostCopy, Dense
 from ..transport.wait import Doorbell
 from .crosshost import FOREVER, CrossHost
 
@@ -43,16 +43,16 @@ class Sender:
     Args:
         cross: the epoch's :class:`~tritonreshard.engine.crosshost.CrossHost`. route: this rank's
             route (``sends``, ``messages``). arena: the rank's flat arena (``uint8``) and ``shard``:
-            its shards (views into it), for boxes that are not one range of it. delta, delta_anchor:
-            see the module docstring.
+            its shards (views into it), for boxes that are not one range of it. codec: how its
+            messages travel (:class:`~tritonreshard.transport.codec.Dense` or ``Delta``; see the
+            module docstring).
     """
 
-    def __init__(self, cross: CrossHost, route: Route, *, arena: torch.Tensor, shard: dict, delta: str = "off",
-                 delta_anchor: int = 64):
+    def __init__(self, cross: CrossHost, route: Route, *, arena: torch.Tensor, shard: dict, codec: Codec = Dense()):
         self.group, self.rank, self.cross = cross.group, cross.rank, cross
         self.receivers = list(route.receivers)
         self.copy = CrossHostCopy(cross.link, [m for m in route.messages if m.sender == self.rank],
-                                  route.transfers, arena=arena, shard=shard, delta=delta, anchor=delta_anchor)
+                                  route.transfers, arena=arena, shard=shard, codec=codec)
         #: The last version's encoding time (seconds: comparing with the snapshot and compacting).
         self.detect_s = 0.0
         self._stop = threading.Event()

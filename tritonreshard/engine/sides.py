@@ -16,8 +16,9 @@ both sides; they share nothing but the epoch's group and the buffers a subscribe
 from __future__ import annotations
 
 from ..planning import RankPlan, Route
-from .elastic import ElasticPublisher
+from ..transport import Codec, Delta
 from .group import Group
+from .membership import Fixed, Membership
 from .publisher import Publisher, SourceArena
 from .relay import ReceivingRelay
 from .sender import Sender
@@ -28,14 +29,14 @@ __all__ = ["InferenceSide", "TrainerSide"]
 
 class TrainerSide:
     """A trainer rank's side. ``tensors``: its validated local shards; ``params``: parameters to
-    re-point at the arena; ``fsdp2``: an FSDP2 source, see :class:`SourceArena`; ``delta``,
-    ``delta_anchor``: its cross-host sends' deltas (see :class:`Sender`)."""
+    re-point at the arena; ``fsdp2``: an FSDP2 source, see :class:`SourceArena`; ``codec``: how its
+    cross-host sends travel (see :class:`Sender`); ``membership``: picks its publisher and whether its
+    arena stays open to readers that join later."""
 
-    def __init__(self, tensors: dict, *, params=None, start_version: int = 0, fsdp2=None, delta: str = "auto",
-                 delta_anchor: int = 64, elastic: bool = False):
+    def __init__(self, tensors: dict, *, params=None, start_version: int = 0, fsdp2=None, codec: Codec = Delta(),
+                 membership: Membership = Fixed()):
         self._tensors, self._params, self._start, self._fsdp2 = tensors, params, start_version, fsdp2
-        self._delta = (delta, delta_anchor)
-        self.elastic = elastic  # readers join and leave: the arena is handed out for the epoch's life
+        self._codec, self._membership = codec, membership
         self.arena: SourceArena | None = None
         self.publisher: Publisher | None = None
         self.sender: Sender | None = None
@@ -61,17 +62,15 @@ class TrainerSide:
     def open_cross_host(self, cross, route: Route) -> tuple:
         """Relays step: the sender, when this rank's route sends. Exports nothing."""
         if route.sends:
-            self.sender = Sender(cross, route, arena=self.arena.flat, shard=self.arena.tensors,
-                                 delta=self._delta[0], delta_anchor=self._delta[1])
+            self.sender = Sender(cross, route, arena=self.arena.flat, shard=self.arena.tensors, codec=self._codec)
         return ()
 
     def open(self, group: Group, route: Route, exported, *, own) -> None:
         if self.arena is not None:
-            cls = ElasticPublisher if self.elastic else Publisher
-            self.publisher = cls(group, route, self.arena, sender=self.sender)
+            self.publisher = self._membership.publisher(group, route, self.arena, sender=self.sender)
 
     def start(self) -> None:
-        if self.arena is not None and not self.elastic:
+        if self.arena is not None and not self._membership.open_arena:
             self.arena.unlink()
         if self.sender is not None:
             self.sender.start()
@@ -100,12 +99,12 @@ class TrainerSide:
 
 class InferenceSide:
     """An inference rank's side. ``tensors``: given destination tensors (validated); ``device``,
-    ``mode``, ``backend``: as the endpoint's; ``sources``: the :class:`Sources` class to map with;
-    ``delta``: its receiving relay's (see :class:`ReceivingRelay`)."""
+    ``mode``, ``backend``: as the endpoint's (resolved from its ``PullOptions``); ``sources``: the
+    :class:`Sources` class to map with; ``codec``: its receiving relay's (see :class:`ReceivingRelay`)."""
 
-    def __init__(self, rank: int, tensors: dict, *, device, mode: str, backend: str, sources, delta: str = "auto"):
+    def __init__(self, rank: int, tensors: dict, *, device, mode: str, backend: str, sources, codec: Codec = Delta()):
         self.rank, self._tensors, self.device, self.mode = rank, tensors, device, mode
-        self._delta = delta
+        self._codec = codec
         self.backend, self._sources = backend, sources
         self.buffers: ServingBuffers | None = None
         self.relay: ReceivingRelay | None = None
@@ -129,7 +128,7 @@ class InferenceSide:
     def open_cross_host(self, cross, route: Route) -> tuple:
         """Relays step: the receiving relay, when this rank's route receives; its buffer's handles."""
         if route.receives:
-            self.relay = ReceivingRelay(cross, route, self.device, delta=self._delta)
+            self.relay = ReceivingRelay(cross, route, self.device, codec=self._codec)
             return self.relay.exported
         return ()
 

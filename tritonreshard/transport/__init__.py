@@ -26,11 +26,13 @@ import torch
 from ._base import ALIGN, SHM_PREFIX, Arena, ArenaHandle, align_up, pack_offsets
 from ._control import (STATE_ABORT, STATE_CLOSED, STATE_OK, ControlBlock, create_control_block,
                        open_control_block)
-from ._dist import DELTA_MODES, CrossHostCopy, DistLink, LinkError, PendingExchange, delta_problems
+from ._dist import CrossHostCopy, DistLink, LinkError, PendingExchange
 from ._shm import ShmArena, unlink_segment
+from .codec import DELTA_MODES, Codec, Delta, Dense, codec_for, delta_problems
 
 __all__ = [
-    "CrossHostCopy", "DistLink", "LinkError", "PendingExchange", "DELTA_MODES", "delta_problems",
+    "CrossHostCopy", "DistLink", "LinkError", "PendingExchange", "Codec", "Dense", "Delta", "codec_for",
+    "DELTA_MODES", "delta_problems",
     "ALIGN", "SHM_PREFIX", "Arena", "ArenaHandle", "ControlBlock", "STATE_ABORT", "STATE_CLOSED",
     "STATE_OK", "align_up", "create_arena", "create_control_block", "open_arena",
     "open_control_block", "pack_offsets", "unlink_segment",

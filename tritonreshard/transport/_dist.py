@@ -15,10 +15,10 @@ store under its own prefix, so it neither needs nor disturbs a default process g
   ``wait(pending)`` checks every header names ``version``. Ranks on the receiver's host then read
   the buffer through the ordinary arena path.
 
-Deltas (``delta="auto"`` / ``"always"``, :mod:`~tritonreshard.transport.delta`): the sender keeps a
+Deltas (a :class:`~tritonreshard.transport.codec.Delta` codec, :mod:`~tritonreshard.transport.delta`): the sender keeps a
 snapshot of the bytes it last sent in each message, and ``prepare_sends(version, bases)`` encodes
 each message to a receiver whose buffer holds exactly that last version (its *base*) as only the
-words that changed; any other receiver (no base, another base, an anchor due every ``anchor``
+words that changed; any other receiver (no base, another base, an anchor due every ``codec.anchor``
 versions) gets the message whole. The descriptors it returns travel ahead of the bytes (the engine
 sends them with its "sent" signal), so the receiver posts receives of the right sizes:
 ``start_recvs(described)`` receives dense messages straight into its buffer and sparse ones into
@@ -44,23 +44,13 @@ import torch.distributed as dist
 
 from ..errors import PeerDiedError
 from . import delta as dc
+from .codec import Codec, Delta, Dense
 from .wait import Doorbell, wait_until
 
-__all__ = ["DistLink", "CrossHostCopy", "PendingExchange", "LinkError", "DELTA_MODES", "delta_problems"]
+__all__ = ["DistLink", "CrossHostCopy", "PendingExchange", "LinkError"]
 
-
-def delta_problems(delta, anchor) -> list[str]:
-    """Problems of a ``delta=`` / ``delta_anchor=`` pair (empty when both are valid)."""
-    out = []
-    if not isinstance(delta, str) or delta not in DELTA_MODES:
-        out.append(f"delta must be one of {list(DELTA_MODES)}, got delta={delta!r}")
-    if isinstance(anchor, bool) or not isinstance(anchor, int) or anchor < 1:
-        out.append(f"delta_anchor must be an int >= 1 (a whole transfer every that many versions), "
-                   f"got delta_anchor={anchor!r}")
-    return out
 
 _HEADER_WORDS = 3   # (version, base version, bytes) per (sender, receiver) pair and refit (base 0: whole)
-DELTA_MODES = ("auto", "off", "always")
 
 
 class LinkError(RuntimeError):
@@ -226,9 +216,10 @@ class CrossHostCopy:
             the boxes that are not one range of it.
         recv_buffer: receiver side: this rank's receive buffer, a flat ``uint8`` tensor of
             ``host_plan.buffer_bytes[rank]`` bytes.
-        delta: ``"off"`` (every message whole), ``"auto"`` (per message the smallest encoding of
-            :mod:`~tritonreshard.transport.delta`, dense included) or ``"always"`` (tests: a sparse
-            encoding even where dense is smaller). anchor: a whole transfer every that many versions.
+        codec: :class:`~tritonreshard.transport.codec.Dense` (every message whole) or
+            :class:`~tritonreshard.transport.codec.Delta` (per message the smallest encoding of
+            :mod:`~tritonreshard.transport.delta`, dense included; a whole transfer every
+            ``anchor`` versions).
 
     ``send_staging_bytes`` is the packing buffer this rank allocated (0 when every box it sends is
     one range of its arena).
@@ -236,7 +227,7 @@ class CrossHostCopy:
 
     def __init__(self, link: DistLink, messages, transfers, *, arena: torch.Tensor | None = None,
                  shard: Mapping[str, torch.Tensor] | None = None, recv_buffer: torch.Tensor | None = None,
-                 delta: str = "off", anchor: int = 64):
+                 codec: Codec = Dense()):
         rank = link.rank
         self.link = link
         self._sends = [m for m in messages if m.sender == rank]
@@ -260,10 +251,11 @@ class CrossHostCopy:
             if over:
                 problems.append(f"arena has {arena.numel()} bytes; message(s) read up to "
                                 f"{max(m.src_offset + m.nbytes for m in over)}")
-        problems += delta_problems(delta, anchor)
+        if not isinstance(codec, (Dense, Delta)):
+            problems.append(f"codec must be a Dense() or Delta(...), got codec={codec!r}")
         if problems:
             raise ValueError("CrossHostCopy: " + "; ".join(problems))
-        self.delta, self.anchor = delta, anchor
+        self.codec = codec
 
         # Sender: one view per message, straight into the arena or into the packing buffer.
         packed = [m for m in self._sends if m.src_offset is None]
@@ -341,15 +333,12 @@ class CrossHostCopy:
             dst.copy_(src)
         if self.link.device.type == "cuda":
             torch.cuda.current_stream(self.link.device).synchronize()  # data before NCCL reads it
-        use = {p: self.delta != "off" and bases.get(p, 0) > 0 and bases[p] == self._last_sent[p]
-               and self._deltas[p] + 1 < self.anchor for p in self.receivers}
+        use = {p: self.codec.sends_delta(self._deltas[p]) and bases.get(p, 0) > 0
+               and bases[p] == self._last_sent[p] for p in self.receivers}
         encs = []
         for i, (p, view) in enumerate(self._send_views):
-            w = self._send_word[i]
-            if use[p]:
-                encs.append(dc.encode(view, self._snap_views[i], w, force_sparse=self.delta == "always"))
-            else:
-                encs.append(dc.Encoded(dc.DENSE, view.numel(), view.numel() // w, w, -1))
+            codec = self.codec if use[p] else Dense()
+            encs.append(codec.encode(view, self._snap_views[i] if use[p] else None, self._send_word[i]))
         if self.link.device.type == "cuda":
             torch.cuda.current_stream(self.link.device).synchronize()  # payloads before NCCL reads them
         out = {p: {"v": version, "base": bases[p] if use[p] else 0, "enc": []} for p in self.receivers}
@@ -381,12 +370,12 @@ class CrossHostCopy:
     def commit_sends(self) -> None:
         """Sender, once the sends of the prepared version completed (the receivers hold it): the
         snapshot becomes that version (a whole message is copied, a delta applied to it, as the
-        receiver did). With ``delta="off"`` there is no snapshot."""
+        receiver did). A :class:`Dense` codec keeps no snapshot."""
         if self._out is None:
             return
         version, described, encs = self._out
         self._out = None
-        if self.delta == "off":
+        if not self.codec.keeps_snapshot:
             return
         if self._snap is None:
             self._snap = torch.empty(sum(v.numel() for _, v in self._send_views), dtype=torch.uint8,

@@ -51,7 +51,7 @@ class BenchConfig:
     #: Adam-sized bf16 update of that size (:mod:`.updates`), as in RL fine-tuning; ``"random"``:
     #: every refit draws fresh weights (a full random change)
     update_lr: float | str | None = None
-    #: the engine's cross-host deltas (``RefitEndpoint(delta=)``). "off" here: the provenance bits
+    #: the engine's cross-host deltas (``RefitEndpoint(codec=)``, spelled as ``delta=``). "off" here: the provenance bits
     #: change every element by a version key that int8 differences would compress, so with deltas
     #: the plain bench would time the codec, not moving every byte; ``--update-lr`` (:mod:`.deltas`)
     #: runs "off" and "auto" side by side on RL-sized updates

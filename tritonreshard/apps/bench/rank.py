@@ -19,7 +19,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from tritonreshard import RefitEndpoint
+from tritonreshard import PullOptions, RefitEndpoint, Timeouts
+from tritonreshard.transport import codec_for
 
 from ..driver import wait_key
 from .baselines import P2P, GatherBroadcast, bcast_set, gather_set
@@ -87,8 +88,9 @@ class Rank:
                     fill_bits(initial[t.name], lay, rank, t.name)
         self.ep = RefitEndpoint(rank=rank, world_size=cfg.world_size, store=dist.PrefixStore("refit", store),
                                 src_tensors=initial, src_layouts=self.src_layouts if self.is_src else None,
-                                dst_layouts=self.dst_layouts if self.is_dst else None, mode=cfg.mode,
-                                device=self.device, backend=cfg.backend, timeout=cfg.timeout, delta=cfg.delta)
+                                dst_layouts=self.dst_layouts if self.is_dst else None,
+                                pull=PullOptions(mode=cfg.mode, device=self.device, backend=cfg.backend),
+                                timeouts=Timeouts(wait=cfg.timeout), codec=codec_for(cfg.delta))
         del initial
         self.plan = self.ep.plan  # the same plan every rank derived (no second planning pass)
         self.src = self.ep.source_tensors if self.is_src else {}

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tritonreshard import RefitInference, plan_reshard
+from tritonreshard import PullOptions, RefitInference, Timeouts, plan_reshard
 
 from ..driver import poll_until
 from .config import RunConfig
@@ -94,8 +94,8 @@ class InferenceRank:
         self.final_version = None
         self.max_stall = 0.0
         self.inf = RefitInference(self.dst_layouts, rank=rank, world_size=rc.world_size, store=refit_store,
-                                  mode=rc.mode, device=device, backend=rc.backend, timeout=rc.timeout,
-                                  peer_timeout=rc.peer_timeout)
+                                  pull=PullOptions(mode=rc.mode, device=device, backend=rc.backend),
+                                  timeouts=Timeouts(wait=rc.timeout, peer=rc.peer_timeout))
 
     # -- the loop -------------------------------------------------------------------------------
     def first_pull(self) -> None:
