@@ -196,7 +196,7 @@ def tiny_config(cls: str = "LlamaConfig", fields: dict | None = None, **override
     """A transformers config of class ``cls`` (a name in ``transformers``: "LlamaConfig",
     "Qwen3MoeConfig", ...) from ``fields`` (default :data:`TINY`) updated by ``overrides``, with
     ``architectures`` set to its ``...ForCausalLM`` (what vLLM reads to pick the model)."""
-    import transformers
+    import transformers  # lazy: importing the kit must not import transformers (seconds, and optional)
 
     fields = dict(TINY if fields is None else fields, **overrides)
     return getattr(transformers, cls)(**fields, architectures=[cls.replace("Config", "ForCausalLM")])
@@ -207,7 +207,7 @@ def tiny_model(config=None, *, seed: int = 0, path: str | None = None):
     mode, its random weights drawn after ``torch.manual_seed(seed)``: the same model for the same
     seed, whatever the caller's RNG state (which it leaves as it was). Saved with ``save_pretrained``
     to ``path`` (a folder vLLM and ``from_pretrained`` load) when given. Nothing is downloaded."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # lazy, as in tiny_config
 
     config = tiny_config() if config is None else config
     with torch.random.fork_rng(devices=[]):
@@ -242,7 +242,7 @@ def hf_greedy(model, prompts: list[list[int]], max_tokens: int) -> list[list[int
 def vllm_greedy(llm, prompts: list[list[int]], max_tokens: int, lora_request=None) -> list[list[int]]:
     """A ``vllm.LLM``'s greedy continuation of each prompt (token ids in, token ids out), exactly
     ``max_tokens`` tokens each; with ``lora_request`` (a ``LoRARequest``) through that adapter."""
-    from vllm import SamplingParams
+    from vllm import SamplingParams  # lazy: vLLM is optional, and only its callers have it
     from vllm.inputs import TokensPrompt
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, detokenize=False)
