@@ -281,13 +281,11 @@ def refit_figures(total: int, repeats: int, deadline_s: float, device: str = "cu
     D2D copy of the same bytes; the slowest pull of each refit, median over refits.
 
     The one place that uses the engine's public API; adapt it here if that API changes."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from tritonreshard.apps.kit import free_port, reap
+
+    port = free_port()
     src_l, _ = _refit_layouts(total)
     nbytes = sum(math.prod(l.shape) * 2 for l in src_l.values())
     ctx = mp.get_context("spawn")
@@ -307,11 +305,7 @@ def refit_figures(total: int, repeats: int, deadline_s: float, device: str = "cu
                 continue
             got[rank] = (status, value)
     finally:
-        for p in procs:
-            p.join(timeout=5 if len(got) == len(ranks) else 0.1)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        reap(procs, timeout=5 if len(got) == len(ranks) else 0.1)
     errors = {r: v for r, (s, v) in got.items() if s != "ok"}
     missing = [r for r in ranks if r not in got]
     res = {"device": device, "bytes": nbytes, "tensors": len(src_l), "trainers": len(_TRAINERS),

@@ -39,7 +39,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -55,6 +54,8 @@ sys.path.insert(0, str(ROOT / "examples"))  # the example's models, trainer proc
 import torch  # noqa: E402
 
 import vllm_refit as ex  # noqa: E402
+
+from tritonreshard.apps.kit import free_port, hf_greedy, mismatches, random_prompts, tiny_model  # noqa: E402
 
 START_TIMEOUT_S = 900  # engine start-up on a busy 2-core machine takes minutes
 INSTALLED = re.compile(r"tritonreshard \(rank (\d+)\): installed version (\d+) \((prefetched|pulled now)\) in "
@@ -239,22 +240,17 @@ def main(argv=None) -> dict:
     if bad:
         ap.error("; ".join(bad))
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
 
     import tritonreshard as trs
     import tritonreshard.vllm as trs_vllm
 
-    torch.manual_seed(ex.SEED)
     cfg = ex.model_config(args.model)
-    hf = AutoModelForCausalLM.from_config(cfg).float().eval()
     tmp = tempfile.mkdtemp(prefix="trs-serve-bench-")
     model_dir = os.path.join(tmp, "model")
-    hf.save_pretrained(model_dir)
+    hf = tiny_model(cfg, seed=ex.SEED, path=model_dir)
     train_path = os.path.join(tmp, "train.safetensors")  # the trainers' starting weights, in training names
     save_file({n: t.contiguous() for n, t in ex.training_tensors(hf).items()}, train_path)
-    g = torch.Generator().manual_seed(ex.SEED + 1)
-    prompts = [torch.randint(0, cfg.vocab_size, (12 + i,), generator=g).tolist() for i in range(args.prompts)]
-    load_prompt = torch.randint(0, cfg.vocab_size, (20,), generator=g).tolist()
+    *prompts, load_prompt = random_prompts(cfg.vocab_size, [*range(12, 12 + args.prompts), 20], seed=ex.SEED + 1)
     ns = argparse.Namespace(model=args.model, tp=args.tp)
     inference = list(range(len(ex.TRAINERS), len(ex.TRAINERS) + args.tp))
     summary = {"model": args.model, "parameters": sum(p.numel() for p in hf.parameters()), "tp": args.tp,
@@ -273,9 +269,8 @@ def main(argv=None) -> dict:
             got = srv.completions(prompts, 8)
         finally:
             load.release()
-        want = ex.hf_greedy(hf, prompts, 8)
-        bad = sum(a != b for x, y in zip(got, want) for a, b in zip(x, y)) + sum(
-            abs(len(x) - len(y)) for x, y in zip(got, want))
+        want = hf_greedy(hf, prompts, 8)
+        bad = mismatches(got, want)
         key = "reload_mismatches" if reload else "mismatches"
         summary[key] = summary.get(key, 0) + bad
         summary["tokens_compared"] += 0 if reload else sum(map(len, want))
@@ -336,9 +331,7 @@ def main(argv=None) -> dict:
 
     trs.secret_for_children()  # the server's workers and the trainers inherit the group secret
     ctx = ex.mp.get_context("spawn")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     srv = Server(model_dir, args.tp, port, os.path.join(tmp, "server.log"), eager=not args.cuda_graphs)
     groups, load = [], None
     try:

@@ -21,10 +21,11 @@ import time
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import tritonreshard as trs
+from tritonreshard.apps.kit import tiny_model
 
 TRAINERS = [0, 1]          # FSDP: each holds Shard(0) rows of every HF parameter
 INFERENCE = [2, 3, 4, 5]   # TP ranks 0..3 of one vLLM engine
@@ -99,7 +100,7 @@ def main():
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=8, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)
-    model = AutoModelForCausalLM.from_config(config).float()
+    model = tiny_model(config, seed=0)  # float32, random weights of seed 0, built locally
     spec = trs.recipes.hf_to_vllm(config, tp=TP, trainer_ranks=TRAINERS, inference_ranks=INFERENCE,
                                   dtype=torch.float32)
     plan = spec.plan()

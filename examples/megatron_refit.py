@@ -33,7 +33,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -46,12 +45,13 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vllm_refit import _dist_ident, _expect, _remove_vllm_shm, _worker_stats, compare  # noqa: E402
+from vllm_refit import _dist_ident, _remove_vllm_shm, _worker_stats, compare  # noqa: E402
+
+from tritonreshard.apps.kit import TINY, expect, free_port, random_prompts, reap, tiny_config, tiny_model  # noqa: E402
 
 SEED = 0
 SIGMA = 0.02
-CONFIG = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1000,
-              num_hidden_layers=4, intermediate_size=256, tie_word_embeddings=False, max_position_embeddings=256)
+CONFIG = dict(TINY, num_hidden_layers=4)  # the tiny Llama of the other examples, 4 layers (2 pipeline stages)
 
 
 MODELS = {  # name: (transformers config class, fields)
@@ -62,10 +62,8 @@ MODELS = {  # name: (transformers config class, fields)
 
 
 def model_config(name: str = "tiny-llama"):
-    import transformers
-
     cls, fields = MODELS[name]
-    return getattr(transformers, cls)(**fields, architectures=[cls.replace("Config", "ForCausalLM")])
+    return tiny_config(cls, fields)
 
 
 def _moe_layer(cfg, i: int) -> bool:
@@ -237,12 +235,6 @@ def trainer(rank, world, model_name, meg_fields, train_path, tp, store, gloo, co
 
 
 # ---------------------------------------------------------------------------------------- driver
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tp", type=int, default=2, help="vLLM tensor parallelism (default 2)")
@@ -261,22 +253,18 @@ def main(argv=None) -> dict:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1))
                                                                 for i in range(args.tp)))
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
 
     import tritonreshard as trs
     import tritonreshard.vllm as trs_vllm
 
-    torch.manual_seed(SEED)
     cfg = model_config(args.model)
     meg = trs.recipes.Megatron(tp=args.megatron_tp, pp=args.megatron_pp, ep=args.megatron_ep, etp=args.megatron_etp)
     world = meg.tp * meg.pp
-    hf = AutoModelForCausalLM.from_config(cfg).float().eval()
     model_dir = tempfile.mkdtemp(prefix="trs-megatron-")
-    hf.save_pretrained(model_dir)
+    hf = tiny_model(cfg, seed=SEED, path=model_dir)
     train_path = model_dir.rstrip("/") + "-train.safetensors"
     save_file({n: p.detach().contiguous() for n, p in hf.named_parameters()}, train_path)
-    g = torch.Generator().manual_seed(SEED + 1)
-    prompts = [torch.randint(0, cfg.vocab_size, (12 + i,), generator=g).tolist() for i in range(args.prompts)]
+    prompts = random_prompts(cfg.vocab_size, range(12, 12 + args.prompts), seed=SEED + 1)
     summary = {"model": args.model, "megatron": {"tp": meg.tp, "pp": meg.pp, "ep": meg.ep, "etp": meg.etp}, "tp": args.tp, "refits": 0, "prompts": len(prompts),
                "tokens_compared": 0, "mismatches": 0, "refit_ms": [], "worker": [], "greedy": []}
     spec = trs.recipes.megatron_to_vllm(cfg, megatron=meg, tp=args.tp, trainer_ranks=world,
@@ -285,7 +273,7 @@ def main(argv=None) -> dict:
 
     trs.secret_for_children()
     ctx = mp.get_context("spawn")
-    store, gloo = f"127.0.0.1:{_port()}", f"127.0.0.1:{_port()}"
+    store, gloo = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     results, commands = ctx.Queue(), {r: ctx.Queue() for r in range(world)}
     procs = {r: ctx.Process(target=trainer, args=(r, world, args.model, dataclasses.asdict(meg), train_path, args.tp, store,
                                                   gloo, commands[r], results), daemon=True) for r in range(world)}
@@ -304,7 +292,7 @@ def main(argv=None) -> dict:
                                   timeout=300.0, megatron=meg)
         llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": info})
         for _ in range(world):
-            _expect(results, "ready", procs)
+            expect(results, "ready", procs, who="trainer rank(s)")
         print(f"refit group formed: {args.model}, Megatron TP {meg.tp} x PP {meg.pp} x EP {meg.ep} ({world} ranks), "
               f"vLLM TP {args.tp}", flush=True)
         compare(llm, hf, prompts, args.max_tokens, "version 0 (checkpoint)", summary)
@@ -313,7 +301,7 @@ def main(argv=None) -> dict:
                 commands[r].put(("step", k))
             shards = {}
             for _ in range(world):
-                _, r, (v, sh) = _expect(results, "published", procs)
+                _, r, (v, sh) = expect(results, "published", procs, who="trainer rank(s)")
                 shards[r] = sh
             t0 = time.perf_counter()
             llm.collective_rpc("start_weight_update")
@@ -332,11 +320,7 @@ def main(argv=None) -> dict:
         for r, p in procs.items():
             if p.is_alive():
                 commands[r].put(("stop", None))
-        for p in procs.values():
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        reap(procs, timeout=30)
         llm.collective_rpc("shutdown_weight_transfer_engine")
         llm.llm_engine.engine_core.shutdown(timeout=30)
         summary["vllm_shm_removed"] = _remove_vllm_shm(idents) if os.path.isdir("/dev/shm") else []

@@ -33,7 +33,6 @@ for the whole job. Run it either way:
 (CPU, a few seconds.)
 """
 import os
-import socket
 import sys
 
 import torch
@@ -41,6 +40,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import tritonreshard as trs
+from tritonreshard.apps.kit import free_port, reap
 
 STEPS = 5
 WORLD = 3                      # rank 0 trains, ranks 1 and 2 serve
@@ -147,21 +147,13 @@ def _child(rank: int, port: int) -> None:
 
 def _spawn() -> None:
     """Without torchrun: start the 3 ranks the way it would (rank 0's process group hosts the store)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     trs.secret_for_children()  # children inherit the group secret; it never crosses the store
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_child, args=(r, port)) for r in range(WORLD)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(timeout=120)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    codes = [p.exitcode for p in procs]
+    codes = reap(procs, timeout=120)  # a rank still running then is killed
     if any(c != 0 for c in codes):
         raise SystemExit(f"ranks exited with codes {codes}")
 

@@ -25,7 +25,6 @@ import os
 import queue
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -40,7 +39,10 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vllm_refit import SEED, SIGMA, hf_greedy, model_config, training_tensors, vllm_greedy  # noqa: E402
+from vllm_refit import SEED, SIGMA, model_config, training_tensors  # noqa: E402
+
+from tritonreshard.apps.kit import (free_port, hf_greedy, mismatches, random_prompts, reap, tiny_model,  # noqa: E402
+                                    vllm_greedy)
 
 TRAINERS = [0, 1]            # the elastic group's world: the trainers alone
 ENGINE_RANKS = {0: [2], 1: [3]}   # replica -> its TP ranks (TP=1)
@@ -182,11 +184,7 @@ class Driver:
         for key, p in self.procs.items():
             if p.is_alive():
                 self.send(key, "stop")
-        for p in self.procs.values():
-            p.join(60)
-            if p.is_alive():
-                p.kill()
-                p.join(10)
+        reap(self.procs, timeout=60)
 
 
 def main(argv=None) -> dict:
@@ -196,24 +194,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", action="store_true", help="print a JSON summary as the last stdout line")
     args = ap.parse_args(argv)
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
 
     import tritonreshard as trs
     import tritonreshard.vllm as trs_vllm
 
-    torch.manual_seed(SEED)
     cfg = model_config("tiny")
-    hf = AutoModelForCausalLM.from_config(cfg).float().eval()
     model_dir = tempfile.mkdtemp(prefix="trs-vllm-elastic-")
-    hf.save_pretrained(model_dir)
+    hf = tiny_model(cfg, seed=SEED, path=model_dir)
     train_path = model_dir.rstrip("/") + "-train.safetensors"
     save_file({n: t.contiguous() for n, t in training_tensors(hf).items()}, train_path)
-    g = torch.Generator().manual_seed(SEED + 1)
-    prompts = [torch.randint(0, cfg.vocab_size, (12 + i,), generator=g).tolist() for i in range(args.prompts)]
+    prompts = random_prompts(cfg.vocab_size, range(12, 12 + args.prompts), seed=SEED + 1)
     src = trs.recipes.hf_to_vllm(cfg, tp=1, trainer_ranks=TRAINERS, inference_ranks=ENGINE_RANKS[0]).src
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        store = f"127.0.0.1:{s.getsockname()[1]}"
+    store = f"127.0.0.1:{free_port()}"
     shm_before = {f for f in os.listdir("/dev/shm") if f.startswith("trs-")}
     summary = {"checks": [], "tokens_compared": 0, "mismatches": 0, "refused": {}, "readers": {}, "fence_ms": {}}
     oracle = {}  # version -> transformers' greedy tokens with the trainers' weights
@@ -265,8 +257,7 @@ def main(argv=None) -> dict:
             d.send(("engine", replica), "refit", v)
             out = d.expect("refit", replica)
             want = oracle[v]
-            bad = sum(a != b for gg, w in zip(out["greedy"], want) for a, b in zip(gg, w)) + sum(
-                abs(len(gg) - len(w)) for gg, w in zip(out["greedy"], want))
+            bad = mismatches(out["greedy"], want)
             summary["tokens_compared"] += sum(len(w) for w in want)
             summary["mismatches"] += bad
             summary["checks"].append({"engine": replica, "version": v, "refit_ms": out["refit_ms"],

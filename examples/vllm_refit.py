@@ -37,10 +37,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -60,6 +58,9 @@ os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(SHUTDOWN_GRACE
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from tritonreshard.apps.kit import (TINY, expect, free_port, hf_greedy, mismatches, random_prompts,  # noqa: E402
+                                    reap, tiny_config, tiny_model, vllm_greedy)
+
 SEED = 0
 SIGMA = 0.02          # perturbation per step, about the init std of the weights
 TRAINERS = [0, 1]     # global ranks of the trainer processes in the refit group
@@ -67,18 +68,16 @@ HOST_ENV = "TRITONRESHARD_HOST"   # a process's simulated host identity (docs/ho
 HOSTS = ("trainers", "inference")  # --hosts 2: the trainer processes / vLLM's workers
 
 
-_TINY = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1000,
-             num_hidden_layers=2, intermediate_size=256)
-MODELS = {  # name: (transformers config class, fields)
+MODELS = {  # name: (transformers config class, fields); TINY: the tiny Llama the tests use too
     # the checked model
-    "tiny": ("LlamaConfig", dict(_TINY, tie_word_embeddings=False)),
+    "tiny": ("LlamaConfig", dict(TINY, tie_word_embeddings=False)),
     # the same sizes as Qwen2: q/k/v biases and tied embeddings (vLLM exposes only embed_tokens)
-    "tiny-qwen2": ("Qwen2Config", dict(_TINY, tie_word_embeddings=True)),
+    "tiny-qwen2": ("Qwen2Config", dict(TINY, tie_word_embeddings=True)),
     # Qwen3: q_norm / k_norm
-    "tiny-qwen3": ("Qwen3Config", dict(_TINY, tie_word_embeddings=False)),
+    "tiny-qwen3": ("Qwen3Config", dict(TINY, tie_word_embeddings=False)),
     # Qwen3-MoE: 8 experts, top-2, every layer sparse; 48 is not a multiple of 32 at TP=2 (vLLM's CPU
     # backend pads each rank's 24 rows to 32 when it prepacks the experts)
-    "tiny-qwen3-moe": ("Qwen3MoeConfig", dict(_TINY, tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
+    "tiny-qwen3-moe": ("Qwen3MoeConfig", dict(TINY, tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
                                               moe_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[])),
     # DeepSeek-V3: MLA with q-lora (CPU MLA takes only head size 576 = kv_lora_rank 512 + qk_rope_head_dim
     # 64), layer 0 dense, layer 1 MoE with a shared expert, noaux_tc routing (e_score_correction_bias)
@@ -107,11 +106,8 @@ MODELS = {  # name: (transformers config class, fields)
 
 
 def model_config(model: str = "tiny"):
-    import transformers
-
     cls, fields = MODELS[model]
-    config = getattr(transformers, cls)(**fields, max_position_embeddings=256,
-                                        architectures=[cls.replace("Config", "ForCausalLM")])
+    config = tiny_config(cls, fields, max_position_embeddings=256)
     # transformers 5's DeepseekV3Config has no topk_method / scoring_func; the real config.json
     # does, and vLLM needs them (without noaux_tc it has no e_score_correction_bias to load).
     for key in ("topk_method", "scoring_func"):
@@ -193,29 +189,9 @@ def trainer(rank: int, train_path: str, model: str, tp: int, store: str, group: 
 
 
 # ---------------------------------------------------------------------------------------- checks
-def hf_greedy(model, prompts, max_tokens):
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = model.generate(torch.tensor([p]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                                 do_sample=False, pad_token_id=0)
-            out.append(ids[0, len(p):].tolist())
-    return out
-
-
-def vllm_greedy(llm, prompts, max_tokens):
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, detokenize=False)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
 def compare(llm, hf, prompts, max_tokens, what, summary):
     got, want = vllm_greedy(llm, prompts, max_tokens), hf_greedy(hf, prompts, max_tokens)
-    bad = sum(a != b for g, w in zip(got, want) for a, b in zip(g, w)) + sum(
-        abs(len(g) - len(w)) for g, w in zip(got, want))
+    bad = mismatches(got, want)
     summary["tokens_compared"] += sum(len(w) for w in want)
     summary["greedy"].append(got)  # so a reader (and the test) can see each refit changed the output
     summary["mismatches"] += bad
@@ -322,23 +298,19 @@ def main(argv=None) -> dict:
         ap.error("; ".join(bad))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1))
                                                                 for i in range(args.tp)))
-    from transformers import AutoModelForCausalLM
-
     import tritonreshard as trs
     import tritonreshard.vllm as trs_vllm
 
-    torch.manual_seed(SEED)
     cfg = model_config(args.model)
-    hf = AutoModelForCausalLM.from_config(cfg).float().eval()
     model_dir = tempfile.mkdtemp(prefix="trs-vllm-")
-    hf.save_pretrained(model_dir)  # the checkpoint vLLM starts from (transformers may convert names, e.g. MoE experts)
+    # the checkpoint vLLM starts from (transformers may convert names, e.g. MoE experts)
+    hf = tiny_model(cfg, seed=SEED, path=model_dir)
     from safetensors.torch import save_file
 
     # The trainers' starting weights, in training names, outside the directory vLLM loads.
     train_path = model_dir.rstrip("/") + "-train.safetensors"
     save_file({n: t.contiguous() for n, t in training_tensors(hf).items()}, train_path)
-    g = torch.Generator().manual_seed(SEED + 1)
-    prompts = [torch.randint(0, cfg.vocab_size, (12 + i,), generator=g).tolist() for i in range(args.prompts)]
+    prompts = random_prompts(cfg.vocab_size, range(12, 12 + args.prompts), seed=SEED + 1)
     summary = {"model": args.model, "parameters": sum(p.numel() for p in hf.parameters()), "refits": 0, "tp": args.tp, "prompts": len(prompts), "tokens_compared": 0, "mismatches": 0,
                "refit_ms": [], "update_ms": [], "fence_ms": [], "worker": [], "greedy": [],
                "prefetch": not args.no_prefetch, "hosts": args.hosts, "changed": args.changed, "cross_host": [],
@@ -524,9 +496,7 @@ class TrainerGroup:
 
     def __init__(self, ctx, train_path, args, tag, *, host: str | None = None, changed: float = 1.0):
         results = ctx.Queue()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.store = f"127.0.0.1:{s.getsockname()[1]}"
+        self.store = f"127.0.0.1:{free_port()}"
         self.tag, self.results = tag, results
         import tritonreshard as trs
 
@@ -541,7 +511,7 @@ class TrainerGroup:
             p.start()
 
     def expect(self, kind):
-        return _expect(self.results, kind, self.procs)
+        return expect(self.results, kind, self.procs, who="trainer rank(s)")
 
     def step(self, step):
         """Every trainer perturbs its shards and publishes; returns {rank: its shards}."""
@@ -567,29 +537,7 @@ class TrainerGroup:
         for r, p in self.procs.items():
             if p.is_alive():
                 self.commands[r].put(("stop", None))
-        for p in self.procs.values():
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-
-
-def _expect(results, kind, procs, timeout=300.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            msg = results.get(timeout=1.0)
-        except queue.Empty:
-            dead = [r for r, p in procs.items() if not p.is_alive()]
-            if dead:
-                raise RuntimeError(f"trainer rank(s) {dead} exited (codes {[procs[r].exitcode for r in dead]}) "
-                                   f"while the driver waited for {kind!r}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no {kind!r} from the trainers within {timeout:g} s")
-            continue
-        if msg[0] != kind:
-            raise RuntimeError(f"expected {kind!r} from the trainers, got {msg[0]!r}")
-        return msg
+        reap(self.procs, timeout=30)
 
 
 if __name__ == "__main__":

@@ -23,15 +23,12 @@ import torch
 
 TRAINERS, INFERENCE = [0, 1], [2, 3]
 SIGMA = 0.02
-CONFIG = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1000,
-              num_hidden_layers=2, intermediate_size=256, tie_word_embeddings=False, max_position_embeddings=256)
 
 
 def make_model(path: str) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tritonreshard.apps.kit import tiny_model
 
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**CONFIG, architectures=["LlamaForCausalLM"])).save_pretrained(path)
+    tiny_model(seed=0, path=path)  # the tiny Llama of the examples and tests (kit.TINY)
     print(f"tiny Llama written to {path}")
 
 

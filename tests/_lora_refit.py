@@ -30,9 +30,13 @@ os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "30")
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from tritonreshard.apps.kit import (expect, free_port, hf_greedy, mismatches, random_prompts, reap,  # noqa: E402
+                                    vllm_greedy)
+
 LORA = dict(r=8, lora_alpha=12, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                  "down_proj"])
 TRAINERS, TP, SIGMA = [0, 1], 2, 0.05
+MAX_TOKENS = 8  # greedy tokens compared per prompt
 NAME, LORA_ID = "policy", 1
 
 
@@ -63,25 +67,6 @@ def trainer(rank, workdir, base_dir, store, commands, results):
                 tr.tensors[name].add_(torch.randn(tr.tensors[name].shape, generator=g) * SIGMA)
             v = tr.publish()
             results.put(("published", rank, (v, {n: t.clone() for n, t in tr.tensors.items()})))
-
-
-def greedy_hf(model, prompts, n=8):
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = model.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-            out.append(ids[0, len(p):].tolist())
-    return out
-
-
-def greedy_vllm(llm, prompts, lora_request, n=8):
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    sp = SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, detokenize=False)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, lora_request=lora_request,
-                        use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
 
 
 def dist_ident(worker):
@@ -125,8 +110,7 @@ def main(case):
                 p.copy_(torch.randn(p.shape) * SIGMA)
     save_file({n: t.contiguous() for n, t in peft.get_peft_model_state_dict(pm).items()},
               os.path.join(workdir, "adapter0.safetensors"))
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, cfg.vocab_size, (10 + i,), generator=g).tolist() for i in range(3)]
+    prompts = random_prompts(cfg.vocab_size, [10, 11, 12], seed=1)
     summary = {"tp": TP, "refits": 0, "tokens_compared": 0, "mismatches": 0, "greedy": [], "refit_ms": [],
                "worker": [], "load_lora_adapter_ms": [], "save_pretrained_ms": []}
 
@@ -134,7 +118,7 @@ def main(case):
     ctx = mp.get_context("spawn")
     commands = [ctx.Queue() for _ in TRAINERS]
     results = ctx.Queue()
-    store = f"127.0.0.1:{_free_port()}"
+    store = f"127.0.0.1:{free_port()}"
     from vllm import LLM
     from vllm.lora.request import LoRARequest
 
@@ -143,8 +127,9 @@ def main(case):
               skip_tokenizer_init=True, max_model_len=64, max_num_seqs=4, enable_lora=True, max_lora_rank=16,
               max_loras=1 + len(case["probe"]), seed=0, worker_extension_cls=LORA_WORKER_EXTENSION)
     idents = sorted(set(llm.collective_rpc(dist_ident)) - {None})
-    procs = [ctx.Process(target=trainer, args=(r, workdir, case["base_dir"], store, commands[r], results)) for r in TRAINERS]
-    for p in procs:
+    procs = {r: ctx.Process(target=trainer, args=(r, workdir, case["base_dir"], store, commands[r], results))
+             for r in TRAINERS}
+    for p in procs.values():
         p.start()
     try:
         info = lora_init_info(peft.LoraConfig(**LORA), lora_name=NAME, lora_id=LORA_ID, store=store,
@@ -161,16 +146,16 @@ def main(case):
             summary["bad_input_error"] = str(exc)
         setup_lora_refit(llm, info)
         for _ in TRAINERS:
-            assert results.get(timeout=300)[0] == "ready"
+            expect(results, "ready", procs, who="trainer(s)")
         request = LoRARequest(NAME, LORA_ID, "tritonreshard:in-memory")  # the path is never read
-        base_tokens = greedy_vllm(llm, prompts, None)
-        assert base_tokens == greedy_hf(base, prompts), "base model differs from transformers"
+        base_tokens = vllm_greedy(llm, prompts, MAX_TOKENS)
+        assert base_tokens == hf_greedy(base, prompts, MAX_TOKENS), "base model differs from transformers"
         for step in range(1, refits + 1):
             for q in commands:
                 q.put(("step", step))
             shards = {}
             for _ in TRAINERS:
-                kind, rank, (version, tensors) = results.get(timeout=300)
+                kind, rank, (version, tensors) = expect(results, "published", procs, who="trainer(s)")
                 shards[rank] = tensors
             full = {n: torch.cat([shards[r][n] for r in TRAINERS]) for n in shards[0]}  # FSDP rows, in rank order
             t0 = time.perf_counter()
@@ -179,20 +164,21 @@ def main(case):
             summary["worker"].append(stats)
             summary["refits"] += 1
             peft.set_peft_model_state_dict(pm, full)
-            got, want = greedy_vllm(llm, prompts, request), greedy_hf(pm, prompts)
-            bad = sum(a != b for x, y in zip(got, want) for a, b in zip(x, y))
+            got, want = vllm_greedy(llm, prompts, MAX_TOKENS, lora_request=request), hf_greedy(pm, prompts, MAX_TOKENS)
+            bad = mismatches(got, want)
             summary["tokens_compared"] += sum(len(w) for w in want)
             summary["mismatches"] += bad
             summary["greedy"].append(got)
             print(f"refit {step} (version {version}): vLLM greedy {'==' if not bad else '!='} transformers+peft",
                   flush=True)
-        summary["base_unchanged"] = greedy_vllm(llm, prompts, None) == base_tokens
+        summary["base_unchanged"] = vllm_greedy(llm, prompts, MAX_TOKENS) == base_tokens
         # A version nobody publishes: every worker's pull times out, nothing is installed anywhere.
         try:
             refit_lora(llm, refits + 1, timeout=2.0)
         except RuntimeError as exc:
             summary["fault_error"] = str(exc)
-        summary["fault_serves_previous"] = greedy_vllm(llm, prompts, request) == summary["greedy"][-1]
+        summary["fault_serves_previous"] = \
+            vllm_greedy(llm, prompts, MAX_TOKENS, lora_request=request) == summary["greedy"][-1]
         for name, lora_id, path in case["probe"]:
             assert llm.llm_engine.add_lora(LoRARequest(name, lora_id, path)), name
         torch.save(llm.collective_rpc(read_slots), case["slots_out"])
@@ -204,8 +190,8 @@ def main(case):
             llm.llm_engine.add_lora(LoRARequest("from-disk", 99, os.path.join(workdir, "saved"), load_inplace=True))
             summary["save_pretrained_ms"].append(round((t1 - t0) * 1e3, 2))
             summary["load_lora_adapter_ms"].append(round((time.perf_counter() - t1) * 1e3, 2))
-        summary["disk_equal"] = greedy_vllm(llm, prompts, LoRARequest("from-disk", 99, os.path.join(workdir, "saved"))) \
-            == summary["greedy"][-1]
+        from_disk = LoRARequest("from-disk", 99, os.path.join(workdir, "saved"))
+        summary["disk_equal"] = vllm_greedy(llm, prompts, MAX_TOKENS, lora_request=from_disk) == summary["greedy"][-1]
         # Bit for bit: the refitted slot (scaled once by the refit) == the slot vLLM's own loader
         # filled from the saved adapter (scaled once by vLLM), on every TP rank and buffer.
         summary["slots_equal_disk"] = []
@@ -217,8 +203,7 @@ def main(case):
     finally:
         for q in commands:
             q.put(("stop", 0))
-        for p in procs:
-            p.join(60)
+        reap(procs, timeout=60)
         llm.collective_rpc("shutdown_lora_refit")
         llm.llm_engine.engine_core.shutdown(timeout=30)
         for f in sorted(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else []:
@@ -227,14 +212,6 @@ def main(case):
     summary["dist_idents"] = idents
     summary["ok"] = summary["mismatches"] == 0 and summary["refits"] == refits
     print(json.dumps(summary), flush=True)
-
-
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

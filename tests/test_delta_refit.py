@@ -24,7 +24,7 @@ from tritonreshard.planning import plan_hosts, plan_messages
 from tritonreshard.transport import CrossHostCopy, DistLink, codec_for
 
 from _faults import our_fds, our_maps
-from _mp import collect_ok, free_port, run_ranks, start_rank
+from _mp import collect_ok, free_port, reap, run_ranks, start_rank
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -270,10 +270,7 @@ def test_sender_killed_mid_delta_serves_no_torn_version_and_the_next_transfer_is
         new = {r: start(_trainer, r, 1, KILLED_AT - 1) for r in TRAINERS}
         out = collect_ok(results, range(WORLD), 200)
     finally:
-        for p in [*inf.values(), *old.values(), *new.values()]:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
+        reap([*inf.values(), *old.values(), *new.values()])
     for r in INFERENCE:
         assert out[r]["who"] == 1, out[r]
         (d3, w3), (d4, w4) = out[r]["stats"]

@@ -30,7 +30,7 @@ import tritonreshard as trs
 from tritonreshard import Layout, Replicate, Shard
 
 from _faults import die, our_fds, our_maps
-from _mp import _entry
+from _mp import reap, start_rank
 from _provenance import provenance
 
 pytestmark = pytest.mark.timeout(300)  # spawning 10 processes on a loaded 2-core machine
@@ -187,10 +187,7 @@ def test_replicas_join_leave_and_die_while_the_group_goes_on():
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     shm_before = {f for f in os.listdir("/dev/shm") if f.startswith("trs-")}
-    procs = {r: ctx.Process(target=_entry, args=(fn, r, (store.port,), results), daemon=True)
-             for r, fn in ROLES.items()}
-    for p in procs.values():
-        p.start()
+    procs = {r: start_rank(ctx, fn, r, (store.port,), results) for r, fn in ROLES.items()}
     out = {}
     try:
         wait = timedelta(seconds=90)
@@ -216,16 +213,10 @@ def test_replicas_join_leave_and_die_while_the_group_goes_on():
                 out[f"t1/{rank}" if rank in TRAINERS and value["epoch"] == 1 else rank] = value
         collect(set(TRAINERS) | set(REPLICAS[1]))
         for r in TRAINERS:  # the next epoch's trainers, from the last version
-            procs[f"t1/{r}"] = ctx.Process(target=_entry, args=(_trainer, r, (store.port, 1, out[r]["published"]),
-                                                                  results), daemon=True)
-            procs[f"t1/{r}"].start()
+            procs[f"t1/{r}"] = start_rank(ctx, _trainer, r, (store.port, 1, out[r]["published"]), results)
         collect({*REPLICAS[0], *(f"t1/{r}" for r in TRAINERS)})
     finally:
-        for p in procs.values():
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        reap(procs)
     end = int(store.get("end"))
     for r in TRAINERS:  # same processes, arenas and counter; nobody left but replica 0
         t = out[r]

@@ -27,7 +27,7 @@ from tritonreshard import Layout, Shard
 from tritonreshard.kernels import QuantizeTable, ceil_to_ue8m0, e4m3_from_f32, per_block_cast_to_fp8
 from tritonreshard.planning import BlockQuant, QuantizedPlan, plan_quantized, plan_reshard
 
-from _mp import free_port, run_ranks
+from _mp import free_port, reap, run_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -602,9 +602,10 @@ def test_vllm_fp8_engine_refit_equals_a_checkpoint_load(tmp_path):
     import gc
 
     import torch.multiprocessing as mp
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     import tritonreshard.vllm as trs_vllm
+    from tritonreshard.apps.kit import vllm_greedy
 
     v0, v1 = tmp_path / "v0", tmp_path / "v1"
     _write_fp8_checkpoint(v0, _live_weights(0))
@@ -618,12 +619,11 @@ def test_vllm_fp8_engine_refit_equals_a_checkpoint_load(tmp_path):
         p.start()
     common = dict(enforce_eager=True, skip_tokenizer_init=True, max_model_len=128, gpu_memory_utilization=0.2,
                   seed=0)
-    prompts = [{"prompt_token_ids": [1 + i, 17 * i + 3, 250, 9 * i + 11]} for i in range(3)]
-    greedy = SamplingParams(temperature=0.0, max_tokens=8, detokenize=False)
+    prompts = [[1 + i, 17 * i + 3, 250, 9 * i + 11] for i in range(3)]
     llm = LLM(str(v0), weight_transfer_config={"backend": trs_vllm.BACKEND},
               worker_extension_cls=trs_vllm.WORKER_EXTENSION, **common)
     try:
-        before = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        before = vllm_greedy(llm, prompts, 8)
         assert sorted(results.get(timeout=300)[2] for _ in trainers) == [1, 1]
         llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": trs_vllm.init_info(
             store=store, trainer_ranks=[0, 1], inference_ranks=[2], src_dtype="bfloat16")})
@@ -632,7 +632,7 @@ def test_vllm_fp8_engine_refit_equals_a_checkpoint_load(tmp_path):
         llm.collective_rpc("finish_weight_update")
         llm.reset_prefix_cache()
         (stats,) = llm.collective_rpc(_engine_stats)
-        after = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        after = vllm_greedy(llm, prompts, 8)
         (refitted,) = llm.collective_rpc(_param_bytes)
         llm.collective_rpc("shutdown_weight_transfer_engine")
     finally:
@@ -640,11 +640,10 @@ def test_vllm_fp8_engine_refit_equals_a_checkpoint_load(tmp_path):
             commands.put("stop")
         del llm
         gc.collect()  # the engine's processes and GPU memory go before the reference engine starts
-    for p in trainers:
-        p.join(60)
+    reap(trainers, timeout=60)
     assert stats["version"] == 1 and stats["staging_bytes"] == 0, stats
     ref = LLM(str(v1), **common)
-    want = [o.outputs[0].token_ids for o in ref.generate(prompts, greedy)]
+    want = vllm_greedy(ref, prompts, 8)
     (loaded,) = ref.collective_rpc(_param_bytes)
     assert after == want and after != before
     assert sorted(refitted) == sorted(loaded)

@@ -1,13 +1,12 @@
 """Layouts: chunk semantics, blocks, N-D meshes, validation errors, DTensor interop."""
 import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import tritonreshard as trs
 from tritonreshard import Layout, Replicate, Shard
+from tritonreshard.apps.kit import free_port, run_ranks
 
 
 def test_chunk_semantics_match_torch_chunk_with_short_and_empty_tail():
@@ -177,15 +176,13 @@ def _dtensor_worker(rank, world, port, cases):
 @pytest.mark.timeout(120)
 def test_dtensor_interop_matches_to_local():
     from torch.distributed.tensor import Replicate as TRep, Shard as TShard
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cases = [((7, 5), (4,), [TShard(0)]),
              ((3, 10), (4,), [TShard(1)]),
              ((9, 4), (2, 2), [TShard(0), TShard(0)]),
              ((5, 6), (2, 2), [TRep(), TShard(1)]),
              ((6, 7), (2, 2), [TShard(1), TShard(0)])]
-    mp.start_processes(_dtensor_worker, args=(4, port, cases), nprocs=4, start_method="spawn", join=True)
+    run_ranks(_dtensor_worker, 4, args=(4, port, cases), timeout=100)
 
 
 def test_largest_int64_byte_size_is_accepted():

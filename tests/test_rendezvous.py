@@ -11,6 +11,7 @@ import time
 import pytest
 import torch.distributed as dist
 
+from tritonreshard.apps.kit import reap
 from tritonreshard.engine.rendezvous import (SECRET_ENV, SECRET_KEY, all_gather_obj, connect_store,
                                              fetch, group_secret, publish)
 
@@ -97,11 +98,7 @@ def test_all_gather_across_processes():
         mine = all_gather_obj(store, "round0", 0, world, {"rank": 0}, timeout=CHILD_TIMEOUT_S)
         theirs = [q.get(timeout=CHILD_TIMEOUT_S) for _ in procs]
     finally:
-        for p in procs:
-            p.join(CHILD_TIMEOUT_S)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        reap(procs, CHILD_TIMEOUT_S)
     expected = [{"rank": r} for r in range(world)]
     assert mine == expected and theirs == [expected, expected]
     assert all(p.exitcode == 0 for p in procs)

@@ -20,7 +20,7 @@ import tritonreshard as trs
 from tritonreshard import Layout, Shard
 
 from _faults import our_fds, our_maps
-from _mp import collect_ok, start_rank
+from _mp import collect_ok, reap, start_rank
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -123,11 +123,7 @@ def test_inference_survives_a_trainer_restart():
         new = {r: start(_trainer, r, 1, LAST_OF_EPOCH0, LAST) for r in TRAINERS}
         out = collect_ok(results, range(WORLD), 240)
     finally:
-        for p in [*procs.values(), *old.values(), *new.values()]:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        reap([*procs.values(), *old.values(), *new.values()])
     for r in INFERENCE:
         rep = out[r]
         assert rep["pid_start"] == rep["pid_end"] == procs[r].pid, rep  # the same processes throughout
