@@ -85,7 +85,7 @@ def trainer() -> dict:
 
 
 def inference(rank: int) -> None:
-    with trs.RefitInference(DST, rank=rank, world_size=WORLD, mode="shadow") as inf:
+    with trs.RefitInference(DST, rank=rank, world_size=WORLD, pull=trs.PullOptions(mode="shadow")) as inf:
         inf.pull()                                      # version 1: wait for it, install it
         served = 0
         while inf.version < STEPS + 1:
