@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from .. import RefitInference, RefitTrainer, recipes
-from . import SRC_DTYPES, WorkerExtension
+from ..serving import SRC_DTYPES, rank_problems, src_dtype_problems
+from . import WorkerExtension
 
 __all__ = ["LoraTrainer", "LoraWorkerExtension", "LORA_WORKER_EXTENSION", "lora_init_info", "setup_lora_refit",
            "refit_lora"]
@@ -47,10 +48,7 @@ def lora_init_info(lora_config, *, lora_name: str, lora_id: int, store: str, tra
         problems.append(f"lora_name={lora_name!r} must be a non-empty str")
     if isinstance(lora_id, bool) or not isinstance(lora_id, int) or lora_id < 1:
         problems.append(f"lora_id={lora_id!r} must be an int >= 1 (vLLM's LoRARequest)")
-    if src_dtype not in SRC_DTYPES:
-        problems.append(f"src_dtype must be one of {list(SRC_DTYPES)}, got src_dtype={src_dtype!r}")
-    if set(trainer_ranks) & set(inference_ranks):
-        problems.append(f"trainer_ranks={list(trainer_ranks)} and inference_ranks={list(inference_ranks)} overlap")
+    problems += src_dtype_problems(src_dtype) + rank_problems(trainer_ranks, inference_ranks)
     if problems:
         raise ValueError("lora_init_info: " + "; ".join(problems))
     return {"adapter": _adapter_dict(lora_config), "lora_name": lora_name, "lora_id": lora_id, "store": store,
