@@ -1,8 +1,9 @@
 """The trainer side of a serving refit group: :class:`ServingTrainer`, the same for every engine.
 
 A :class:`~tritonreshard.RefitTrainer` whose source layouts come from a recipe
-(``trs.recipes.hf_to_vllm`` / ``megatron_to_vllm``, their ``src`` side) or from a framework's own
-description (:meth:`ServingTrainer.from_weight_source`). Nothing here is engine-specific: the
+(``trs.recipes.hf_to_vllm`` / ``megatron_to_vllm``, their ``src`` side), from an engine's own
+recipe (:meth:`ServingTrainer.from_spec`) or from a framework's own description
+(:meth:`ServingTrainer.from_weight_source`). Nothing here is engine-specific: the
 serving engines build the destination side of the same recipe from their served model.
 ``tritonreshard.vllm.Trainer`` is this class under vLLM's name. Engine-free: importing it imports
 no serving engine.
@@ -95,6 +96,29 @@ class ServingTrainer(RefitTrainer):
         """Join the refit group as its trainer: the one construction of a ``RefitTrainer`` on the
         serving side (``__init__`` and :meth:`from_weight_source` both end here)."""
         RefitTrainer.__init__(self, tensors, layouts, **kwargs)
+
+    @classmethod
+    def from_spec(cls, spec, shards, *, rank: int, trainer_ranks, inference_ranks, store, group: str = "vllm",
+                  **kwargs) -> "ServingTrainer":
+        """A trainer of a recipe of the engine's own (a ``trs.recipes.RecipeSpec`` whose ``src`` are
+        this group's source layouts over ``trainer_ranks``): an engine whose parameter names no
+        ``hf_to_vllm`` recipe knows builds its spec from ``trs.Layout`` / ``Shard`` / ``Replicate``
+        and serves it through the same seam. ``shards``: ``{name: spec.src[name].local_shape(rank)}``."""
+        trainer_ranks, inference_ranks = [int(r) for r in trainer_ranks], [int(r) for r in inference_ranks]
+        problems = rank_problems(trainer_ranks, inference_ranks)
+        if rank not in trainer_ranks:
+            problems.append(f"rank={rank} is not one of trainer_ranks={trainer_ranks}")
+        dtypes = {lay.dtype for lay in spec.src.values()}
+        if len(dtypes) != 1 or src_dtype_name(next(iter(dtypes))) is None:
+            problems.append(f"the sources' dtypes {sorted(map(str, dtypes))} must be one of {list(SRC_DTYPES)}, "
+                            f"all the same (the init info's src_dtype)")
+        if problems:
+            raise ValueError(f"{cls.__name__}.from_spec: " + "; ".join(problems))
+        self = cls.__new__(cls)
+        self.spec, self.source, self.src_dtype = spec, None, src_dtype_name(dtypes.pop())
+        self._join(shards, spec.src, rank=rank, world_size=len(trainer_ranks) + len(inference_ranks), store=store,
+                   group=group, **kwargs)
+        return self
 
     @classmethod
     def from_weight_source(cls, source, *, rank: int, trainer_ranks, inference_ranks, store, group: str = "vllm",
