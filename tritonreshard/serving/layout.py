@@ -38,7 +38,8 @@ def recipe_spec(init: ServingInit, config, *, tp: int, dtype, quantization: str 
 @dataclass(frozen=True)
 class ServingRank:
     """TP rank ``tp_rank`` of a TP-``tp`` engine in a refit group: ``rank`` is its global rank,
-    ``spec`` the recipe (``spec.dst[name].local_shape(rank)`` is this rank's shard of ``name``),
+    ``spec`` the recipe (``spec.dst[name].local_shape(rank)`` is this rank's shard of ``name``;
+    ``spec.parts`` how it is built from the sources; ``spec.quant`` optional),
     ``group`` the group kind (:func:`~.membership.membership`)."""
 
     init: ServingInit
@@ -63,10 +64,12 @@ class ServingRank:
         if self.group.asks_store(self.rank):
             self.group.check_store(connect_store(init.store, world_size=1, is_master=False, timeout=init.timeout))
         t0 = time.perf_counter()
-        sub = RefitInference.from_recipe(self.spec, rank=self.rank, store=init.store, mode=mode, device=device,
-                                         timeout=init.timeout, peer_timeout=init.peer_timeout, group=init.group,
-                                         delta=init.delta, delta_anchor=init.delta_anchor,
-                                         **self.group.endpoint_args())
+        # What RefitInference.from_recipe does, for any spec with ``dst`` / ``parts`` (/ ``quant``):
+        # a RecipeSpec, LoRA's LoraSpec, an engine's own.
+        sub = RefitInference(self.spec.dst, parts=self.spec.parts, quant=getattr(self.spec, "quant", None) or None,
+                             rank=self.rank, store=init.store, mode=mode, device=device, timeout=init.timeout,
+                             peer_timeout=init.peer_timeout, group=init.group, delta=init.delta,
+                             delta_anchor=init.delta_anchor, **self.group.endpoint_args())
         return sub, (time.perf_counter() - t0) * 1e3
 
 
