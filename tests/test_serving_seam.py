@@ -106,9 +106,10 @@ def test_vllm_init_info_is_the_one_schema():
     assert ServingInit.from_dict(init_info(**ok)) == ServingInit(**ok)
     with pytest.raises(ValueError) as e:
         ServingInit(store="x", trainer_ranks=[0, 1], inference_ranks=[1], src_dtype="int8", prefetch=1,
-                    elastic="no", replica=-1, delta_anchor=0, megatron={"tp": 0}, timeout="soon")
+                    elastic="no", replica=-1, delta_anchor=0, megatron={"tp": 2}, timeout="soon")
     for part in ("store must be 'host:port'", "overlap", "src_dtype must be", "prefetch must be True or False",
-                 "elastic must be True or False", "delta_anchor must be", "megatron=", "timeout must be a number"):
+                 "elastic must be True or False", "delta_anchor must be", "megatron must be a trs.recipes.Megatron",
+                 "timeout must be a number"):
         assert part in str(e.value), part
     with pytest.raises(ValueError, match=r"unknown keys \['stor'\]"):
         ServingInit.from_dict({**ok, "stor": "x"})

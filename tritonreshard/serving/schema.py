@@ -65,18 +65,22 @@ def _number(value, what: str, problems: list[str]) -> float:
 
 
 def _megatron_dict(value, problems: list[str]) -> dict | None:
-    """``megatron`` as it crosses the wire: None, or a ``trs.recipes.Megatron``'s fields."""
+    """``megatron`` as it crosses the wire: None, or every field of a ``trs.recipes.Megatron``
+    (what :meth:`ServingInit.to_dict` writes; a partial dict is refused, not completed with defaults
+    the trainers may not have used)."""
     if value is None:
         return None
     if isinstance(value, Megatron):
         return dataclasses.asdict(value)
-    if isinstance(value, dict):
+    names = {f.name for f in dataclasses.fields(Megatron)}
+    if isinstance(value, dict) and set(value) == names:
         try:
             return dataclasses.asdict(Megatron(**value))
-        except (TypeError, ValueError) as exc:
-            problems.append(f"megatron={value!r} is not a trs.recipes.Megatron's fields ({exc})")
+        except ValueError as exc:
+            problems.append(f"megatron={value!r}: {exc}")
             return None
-    problems.append(f"megatron must be a trs.recipes.Megatron or None, got megatron={value!r}")
+    problems.append(f"megatron must be a trs.recipes.Megatron or None (on the wire: all its fields "
+                    f"{sorted(names)}), got megatron={value!r}")
     return None
 
 
