@@ -4,8 +4,8 @@
   Triton kernels, which the design card puts at the top level: ``tritonreshard.kernels`` is
   ``kernels/`` (pyproject's ``package-dir``; ``pip install -e .`` maps it, like a src layout);
   pyproject's package list is the tree's;
-* layers, bottom up: errors, layout, planning, recipes, kernels, execute, transport, engine, then the
-  vLLM backend and the apps on top; a module imports only its own layer or those below;
+* layers, bottom up: errors, layout, planning, recipes, kernels, execute, transport, engine, the
+  serving seam, then the vLLM backend and the apps on top; a module imports only its own layer or those below;
 * a private module (``_name``) is imported only inside its own package, and a private name only
   inside its own module;
 * the library never imports its applications (nor matplotlib, which only the apps' pictures need).
@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "tritonreshard"
 #: Packages whose folder is not where their name says (pyproject's ``package-dir``).
 MAPPED = {"tritonreshard.kernels": ROOT / "kernels"}
-LAYERS = ["errors", "layout", "planning", "recipes", "kernels", "execute", "transport", "engine", "vllm",
-          "apps"]
+LAYERS = ["errors", "layout", "planning", "recipes", "kernels", "execute", "transport", "engine", "serving",
+          "vllm", "apps"]
 
 PROBE = r"""
 import importlib, json, pathlib, sys

@@ -71,10 +71,11 @@ def test_dtype_names_are_one_table():
     with pytest.raises(ValueError, match=re.escape(f"dtype must be one of {list(SRC_DTYPES)}, got torch.float64")):
         Trainer(LlamaConfig(**TINY), {"x": torch.zeros(2, dtype=torch.float64)}, rank=0, tp=2,
                 trainer_ranks=[0, 1], inference_ranks=[2, 3], store="127.0.0.1:9")
-    sources = {p.name: p.read_text() for p in (ROOT / "tritonreshard" / "vllm").glob("*.py")}
+    sources = {f"{p.parent.name}/{p.name}": p.read_text() for d in ("vllm", "serving")
+               for p in (ROOT / "tritonreshard" / d).glob("*.py")}
     for dtype in SRC_DTYPES.values():
         spelled = {n: src.count(str(dtype)) for n, src in sources.items() if str(dtype) in src}
-        assert spelled == {"__init__.py": 1}, (dtype, spelled)
+        assert spelled == {"serving/schema.py": 1}, (dtype, spelled)
 
 
 def test_engine_meets_its_worker_only_through_the_extension():

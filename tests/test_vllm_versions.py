@@ -30,8 +30,10 @@ import pytest
 from _vllm_sources import WHEELS_ENV, VllmSource, installed, wheels
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKER = ROOT / "tritonreshard" / "vllm" / "_worker.py"
+WORKER = ROOT / "tritonreshard" / "vllm" / "_worker.py"   # the engine class
 PACKAGE = ROOT / "tritonreshard" / "vllm" / "__init__.py"
+#: The worker's modules, one job each (agreement, model check, apply, the engine): what they read of vLLM.
+BACKEND = sorted(p for p in (ROOT / "tritonreshard" / "vllm").glob("_*.py") if p.name != "__init__.py")
 ENGINE, EXTENSION = "TritonreshardWeightTransferEngine", "WorkerExtension"
 BASE = "vllm.distributed.weight_transfer.base"
 RL_ROUTES = {("post", "/pause"), ("post", "/resume"), ("post", "/init_weight_transfer_engine"),
@@ -372,7 +374,7 @@ def test_plugin_group_and_config_fields(vsrc):
     used = {"pipeline_parallel_size", "data_parallel_size", "enable_expert_parallel", "enable_eplb",
             "expert_placement_strategy"}
     assert used <= fields, (vsrc.label, used - fields)
-    read = {n.attr for n in ast.walk(_ours(WORKER)) if isinstance(n, ast.Attribute)
+    read = {n.attr for p in BACKEND for n in ast.walk(_ours(p)) if isinstance(n, ast.Attribute)
             and isinstance(n.value, ast.Name) and n.value.id == "pc"}
     assert read == used, read
 
@@ -383,7 +385,7 @@ def test_layerwise_reload_internals(vsrc):
     assert info is not None, vsrc.label
     used = {"restore_metadata", "load_numel", "kernel_tensors", "can_load", "reset"}
     assert used <= _class_names(info), (vsrc.label, used - _class_names(info))
-    source = WORKER.read_text()
+    source = "".join(p.read_text() for p in BACKEND)
     for name in used:
         assert f"info.{name}" in source or f".{name}" in source, name
 
@@ -402,7 +404,7 @@ def test_fused_moe_prepack_is_still_skipped_on_updates(vsrc):
     calls = [n for n in ast.walk(cls) if isinstance(n, ast.Call)
              and ast.unparse(n.func).endswith("fused_experts.process_weights_after_loading")]
     assert len(guarded) == 1 and len(calls) == 1, vsrc.label
-    assert "qm.moe_kernel.fused_experts.process_weights_after_loading(mod)" in WORKER.read_text()
+    assert any("qm.moe_kernel.fused_experts.process_weights_after_loading(mod)" in p.read_text() for p in BACKEND)
     # On CPU that step is the padding and prepack.
     cpu = vsrc.tree("vllm.model_executor.layers.fused_moe.experts.cpu_moe")
     experts = _class(cpu, "CPUUnquantizedExperts")

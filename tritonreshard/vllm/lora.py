@@ -20,8 +20,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from .. import RefitInference, RefitTrainer, recipes
-from . import SRC_DTYPES, WorkerExtension
+from .. import RefitTrainer, recipes
+from ..serving import SRC_DTYPES, ServingInit, rank_problems, serving_rank, src_dtype_problems
+from . import WorkerExtension
 
 __all__ = ["LoraTrainer", "LoraWorkerExtension", "LORA_WORKER_EXTENSION", "lora_init_info", "setup_lora_refit",
            "refit_lora"]
@@ -47,10 +48,7 @@ def lora_init_info(lora_config, *, lora_name: str, lora_id: int, store: str, tra
         problems.append(f"lora_name={lora_name!r} must be a non-empty str")
     if isinstance(lora_id, bool) or not isinstance(lora_id, int) or lora_id < 1:
         problems.append(f"lora_id={lora_id!r} must be an int >= 1 (vLLM's LoRARequest)")
-    if src_dtype not in SRC_DTYPES:
-        problems.append(f"src_dtype must be one of {list(SRC_DTYPES)}, got src_dtype={src_dtype!r}")
-    if set(trainer_ranks) & set(inference_ranks):
-        problems.append(f"trainer_ranks={list(trainer_ranks)} and inference_ranks={list(inference_ranks)} overlap")
+    problems += src_dtype_problems(src_dtype) + rank_problems(trainer_ranks, inference_ranks)
     if problems:
         raise ValueError("lora_init_info: " + "; ".join(problems))
     return {"adapter": _adapter_dict(lora_config), "lora_name": lora_name, "lora_id": lora_id, "store": store,
@@ -89,7 +87,12 @@ class _LoraSlot:
                                     info["inference_ranks"], max_lora_rank=lc.max_lora_rank, dtype=lc.lora_dtype,
                                     src_dtype=SRC_DTYPES[info["src_dtype"]], fsdp=info["fsdp"],
                                     served_modules=lc.target_modules)
-        self.spec, self.lora_id, self.rank = spec, info["lora_id"], info["inference_ranks"][self.tp_rank]
+        # The group this slot joins, as any serving rank does (one replica; the pull runs in update_lora).
+        place = serving_rank(ServingInit(store=info["store"], trainer_ranks=info["trainer_ranks"],
+                                         inference_ranks=info["inference_ranks"], src_dtype=info["src_dtype"],
+                                         group=info["group"], timeout=info["timeout"], prefetch=False),
+                             spec, tp=tp, tp_rank=self.tp_rank)
+        self.spec, self.lora_id, self.rank = spec, info["lora_id"], place.rank
         if self.lora_id in manager.list_adapters():
             raise ValueError(f"init_lora_refit: vLLM already holds an adapter with lora_id={self.lora_id}")
         helper = PEFTHelper.from_dict(adapter)
@@ -115,9 +118,7 @@ class _LoraSlot:
             raise ValueError(f"init_lora_refit (TP rank {self.tp_rank}): vLLM's LoRA slots do not match "
                              f"lora_to_vllm: " + "; ".join(problems))
         self.device = next(iter(self.views.values())).device
-        self._sub = RefitInference(spec.dst, parts=spec.parts, rank=self.rank, mode="shadow", device=self.device,
-                                   world_size=len(info["trainer_ranks"]) + len(info["inference_ranks"]),
-                                   store=info["store"], group=info["group"], timeout=info["timeout"])
+        self._sub, _ = place.join(device=self.device, mode="shadow")
         self.manager, self.applied = manager, 0
 
     def update(self, version: int, timeout: float | None) -> dict:

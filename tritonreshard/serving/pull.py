@@ -1,0 +1,185 @@
+"""Background or inline pull: how a serving rank gets a published version, chosen once.
+
+:func:`pull_mode` picks :class:`BackgroundPull` (``ServingInit.prefetch=True``) or
+:class:`InlinePull` when an engine sets up; both have one interface, and only need the rank's
+:class:`~tritonreshard.RefitInference`. Engine-agnostic: the engine's refit
+(:func:`~.session.refit`) calls them; they never touch the engine's own parameters.
+
+* ``MODE``, ``BUFFER_SETS``: the endpoint's buffer mode and how many buffer sets it holds;
+* ``start(sub)`` / ``stop()``: bind to the joined endpoint (the background thread starts) / end;
+* ``session()``: a context held for a whole refit: the background thread neither swaps a finished
+  pull in nor starts one while it is held, so a set being applied is never pulled into;
+* ``holds(sub)``: the newest version this rank holds or is pulling (raising a background failure
+  not yet reported);
+* ``obtain(sub, target, timeout)``: make ``target`` the endpoint's serving buffer set.
+
+**Background pull.** A thread (``trs-prefetch-<rank>``) watches the trainers' version words; as
+soon as every trainer this rank reads from published a version newer than the one it holds, it
+pulls it into the spare buffer set (on CUDA on its own stream) and acks it, while the engine keeps
+generating. The trainers' ``fence()`` therefore returns without any engine call. A prefetched
+version is not installed: the engine's parameters change only in its refit. The trainers cannot
+publish over a version a rank is still pulling (``fence()`` waits for its ack); once it acked, a
+newer version replaces the prefetched one that was never installed (the arenas hold only the
+newest version anyway). A background pull that failed is reported by the next refit; the thread
+retries only once a newer version is published.
+
+**Inline pull.** The pull runs inside the refit (and the trainers' ``fence()`` waits for it); one
+buffer set is enough: the engine's own parameters are what is served, and they are written only
+after every TP rank pulled the whole version.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from .. import RefitError, RefitInference
+
+__all__ = ["BackgroundPull", "InlinePull", "pull_mode"]
+
+
+def _obtain_now(sub: RefitInference, target: int, timeout: float) -> None:
+    """Pull ``target`` into ``sub``'s buffers unless it holds it already (both modes' last step)."""
+    if sub.version > target:
+        raise ValueError(f"update_info version={target}: this rank already pulled version {sub.version}, "
+                         f"published after it; a trainer's arena holds only its newest version: install "
+                         f"{sub.version} (or pass no version)")
+    if sub.version < target:
+        try:
+            sub.pull(target, timeout)
+        except TimeoutError as exc:
+            newest = sub.available_version()
+            if newest < target:
+                raise RefitError(f"update_info version={target} was never published: the newest version "
+                                 f"the trainers published is {newest} (waited {timeout:g} s)") from exc
+            raise
+
+
+class InlinePull:
+    """Pull inside the refit (``prefetch=False``): one buffer set, nothing in the background."""
+
+    MODE, BUFFER_SETS, BACKGROUND = "inplace", 1, False
+
+    def __init__(self, *, rank: int, logger: logging.Logger | None = None, served: Callable[[], int] = lambda: 0):
+        self.rank = rank
+        self._lock = threading.Lock()  # one refit at a time, as in the background mode
+
+    def start(self, sub: RefitInference) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def session(self):
+        return self._lock
+
+    def holds(self, sub: RefitInference) -> int:
+        return sub.version
+
+    def obtain(self, sub: RefitInference, target: int, timeout: float) -> None:
+        _obtain_now(sub, target, timeout)
+
+
+class BackgroundPull:
+    """Pull every published version in the background (``prefetch=True``; see the module docstring).
+
+    ``logger``: where a background failure is logged (an engine passes its own: vLLM's must be
+    under ``"vllm"`` to reach its handler); ``served``: the version the engine serves, for that line."""
+
+    MODE, BUFFER_SETS, BACKGROUND = "shadow", 2, True
+    # How often the watcher looks at the trainers' version words (a read of shared memory): a
+    # published version starts pulling within this much, at a negligible CPU cost.
+    POLL_S = 0.005
+
+    def __init__(self, *, rank: int, logger: logging.Logger | None = None, served: Callable[[], int] = lambda: 0):
+        self.rank, self._log, self._served = rank, logger or logging.getLogger(__name__), served
+        # The lock is held by the watcher while it swaps a finished pull in or starts one, and by
+        # the refit for the whole call, so a set being applied is never pulled into.
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self._inflight: int | None = None     # the version the background pull is pulling
+        self._error: tuple[int, BaseException] | None = None  # (version, error), until reported
+        self._failed = 0                      # the last version a background pull failed on
+
+    def start(self, sub: RefitInference) -> None:
+        self._stop.clear()
+        self._watcher = threading.Thread(target=self._watch, args=(sub,), daemon=True,
+                                         name=f"trs-prefetch-{self.rank}")
+        self._watcher.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.join(60.0)
+            self._watcher = None
+
+    def session(self):
+        return self._lock
+
+    def _watch(self, sub: RefitInference) -> None:
+        """The watcher thread: swap each finished background pull into the endpoint's buffer sets
+        (not into the engine: that is the refit's job), and start the next one as soon as a newer
+        version is published."""
+        while not self._stop.wait(self.POLL_S):
+            with self._lock:
+                if self._stop.is_set():  # stopped while waiting for the lock (shut down, re-initialized)
+                    return
+                # Broad on purpose: the thread must not die silently; whatever failed is reported
+                # by the next refit (with the engine's weights untouched) and retried only for a
+                # newer version.
+                try:
+                    self._watch_step(sub)
+                except Exception as exc:  # noqa: BLE001
+                    self._background_failed(self._inflight, exc)
+
+    def _watch_step(self, sub: RefitInference) -> None:
+        if sub.pulling:
+            if not sub.pull_done():
+                return
+            target, self._inflight = self._inflight, None
+            try:
+                sub.swap(timeout=0)  # the endpoint's sets only: the engine's parameters stay as they are
+            except Exception as exc:  # noqa: BLE001  (a failed pull: reported, see _watch)
+                self._background_failed(target, exc)
+            return
+        newest = sub.available_version()
+        if newest > max(sub.version, self._failed):
+            self._inflight = sub.start_pull(newest)
+
+    def _background_failed(self, version, exc: BaseException) -> None:
+        self._inflight = None
+        self._failed = max(self._failed, version or 0)
+        self._error = (version, exc)
+        self._log.warning("tritonreshard (rank %s): background pull of version %s failed: %s: %s (reported at the "
+                          "next update_weights; the engine keeps serving version %s)", self.rank, version,
+                          type(exc).__name__, exc, self._served())
+
+    def holds(self, sub: RefitInference) -> int:
+        if self._error is not None:
+            (failed, exc), self._error = self._error, None
+            raise RefitError(f"the background pull of version {failed} failed: {type(exc).__name__}: {exc}") from exc
+        return max(sub.version, self._inflight or 0)
+
+    def obtain(self, sub: RefitInference, target: int, timeout: float) -> None:
+        """A prefetched version is there already; a pull in flight is waited for; otherwise pull
+        it now."""
+        if sub.version < target and sub.pulling:
+            inflight, self._inflight = self._inflight, None
+            try:
+                sub.swap(timeout)
+            except TimeoutError:
+                self._inflight = inflight  # it goes on; the watcher swaps it in later
+                raise
+            except Exception as exc:
+                self._failed = max(self._failed, inflight or 0)
+                raise RefitError(f"the background pull of version {inflight} failed: {type(exc).__name__}: "
+                                 f"{exc}") from exc
+        _obtain_now(sub, target, timeout)
+
+
+def pull_mode(prefetch: bool, *, rank: int, logger: logging.Logger | None = None,
+              served: Callable[[], int] = lambda: 0) -> BackgroundPull | InlinePull:
+    """The pull of a serving rank, chosen once (the one ``prefetch`` test of the serving side)."""
+    return (BackgroundPull if prefetch else InlinePull)(rank=rank, logger=logger, served=served)
+

@@ -1,0 +1,189 @@
+"""What a serving engine is told when it joins a refit group: :class:`ServingInit`, written once.
+
+The one schema of an engine's init info, its defaults and its checks: vLLM's
+``TritonreshardInitInfo`` *is* a :class:`ServingInit` (it only adds vLLM's base class),
+:func:`tritonreshard.vllm.init_info` builds one and returns :meth:`ServingInit.to_dict`, and any
+other engine builds its own from the same dict. Also here: :data:`SRC_DTYPES`, the one table of
+the trainers' dtypes, and the two checks the trainer side and the LoRA refit share with it
+(:func:`rank_problems`, :func:`src_dtype_problems`). Pure Python: no engine is imported.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import torch
+
+from ..engine.elastic import MAX_RANKS
+from ..recipes import Megatron
+from ..transport import delta_problems
+
+__all__ = ["ServingInit", "SRC_DTYPES", "src_dtype_name", "rank_problems", "src_dtype_problems"]
+
+# The trainers' parameter dtypes a serving engine accepts, by the name that crosses the wire in the
+# init info (a plain dict: vLLM's RPC carries names, not torch dtypes). The one table: the init
+# info, the trainers and the workers all read it.
+SRC_DTYPES = MappingProxyType({"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16})
+
+
+def src_dtype_name(dtype) -> str | None:
+    """The :data:`SRC_DTYPES` name of torch ``dtype`` (None: not one the engines accept)."""
+    return next((n for n, d in SRC_DTYPES.items() if d == dtype), None)
+
+
+def src_dtype_problems(src_dtype) -> list[str]:
+    """``src_dtype`` is a name of :data:`SRC_DTYPES` (else one problem)."""
+    if isinstance(src_dtype, str) and src_dtype in SRC_DTYPES:
+        return []
+    return [f"src_dtype must be one of {list(SRC_DTYPES)}, got src_dtype={src_dtype!r}"]
+
+
+def rank_problems(trainer_ranks, inference_ranks) -> list[str]:
+    """The trainers and the inference ranks are distinct ranks of one group (else one problem).
+    Both are lists of ints; every entry point of the serving side (init info, trainers, LoRA)
+    runs this one check."""
+    if set(trainer_ranks) & set(inference_ranks):
+        return [f"trainer_ranks={list(trainer_ranks)} and inference_ranks={list(inference_ranks)} overlap"]
+    return []
+
+
+def _int_list(value, what: str, problems: list[str]) -> tuple[int, ...]:
+    try:
+        return tuple(int(r) for r in value)
+    except (TypeError, ValueError):
+        problems.append(f"{what}={value!r} must be a list of int ranks")
+        return ()
+
+
+def _number(value, what: str, problems: list[str]) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        problems.append(f"{what} must be a number of seconds, got {what}={value!r}")
+        return 0.0
+
+
+def _megatron_dict(value, problems: list[str]) -> dict | None:
+    """``megatron`` as it crosses the wire: None, or every field of a ``trs.recipes.Megatron``
+    (what :meth:`ServingInit.to_dict` writes; a partial dict is refused, not completed with defaults
+    the trainers may not have used)."""
+    if value is None:
+        return None
+    if isinstance(value, Megatron):
+        return dataclasses.asdict(value)
+    names = {f.name for f in dataclasses.fields(Megatron)}
+    if isinstance(value, dict) and set(value) == names:
+        try:
+            return dataclasses.asdict(Megatron(**value))
+        except ValueError as exc:
+            problems.append(f"megatron={value!r}: {exc}")
+            return None
+    problems.append(f"megatron must be a trs.recipes.Megatron or None (on the wire: all its fields "
+                    f"{sorted(names)}), got megatron={value!r}")
+    return None
+
+
+@dataclass(frozen=True)
+class ServingInit:
+    """One serving engine's place in a refit group (what ``init_weight_transfer_engine`` gets).
+
+    ``store``: ``"host:port"`` of the group's TCPStore (trainer rank 0 hosts it). ``trainer_ranks``:
+    the trainers' global ranks. ``inference_ranks``: every replica's TP ranks, replica after replica
+    (``inference_ranks[i]`` is TP rank ``i % tp`` of replica ``i // tp``); with ``elastic`` this
+    engine's own TP ranks only. ``src_dtype``: the trainers' dtype, a name of :data:`SRC_DTYPES`.
+    ``group``: the refit group's name (vLLM's backend has always defaulted to ``"vllm"``; another
+    engine passes its own). ``timeout`` / ``peer_timeout``: seconds (the endpoint's). ``replica``:
+    which replica this engine is (fixed groups: ``0 <= replica < number of replicas``; elastic: its
+    index among the engines, any int >= 0). ``megatron``: a ``trs.recipes.Megatron`` (or its fields:
+    stored as a dict, it crosses the wire as one) when the trainers are Megatron-Core ranks.
+    ``prefetch``: pull each published version in the background (:class:`~.pull.BackgroundPull`)
+    or inside the refit (:class:`~.pull.InlinePull`). ``delta``, ``delta_anchor``: the cross-host
+    deltas, as the trainers'. ``elastic``: join an elastic group while it runs
+    (:mod:`~.membership`).
+
+    Every check runs once, at construction: one ``ValueError`` naming every problem. Ranks are
+    stored as tuples of ints, timeouts as floats; :meth:`to_dict` is the plain JSON dict (lists).
+    """
+
+    store: str
+    trainer_ranks: tuple[int, ...]
+    inference_ranks: tuple[int, ...]
+    src_dtype: str = "float32"
+    group: str = "vllm"
+    timeout: float = 60.0
+    peer_timeout: float = 10.0
+    replica: int = 0   # which replica (engine) these workers are: inference_ranks[replica * tp + tp rank]
+    megatron: dict | None = None  # trs.recipes.Megatron's fields: the trainers are Megatron-Core ranks
+    prefetch: bool = True  # pull each published version in the background (serving.pull)
+    delta: str = "auto"    # cross-host deltas, as the trainers' (tritonreshard.vllm.Trainer(delta=))
+    delta_anchor: int = 64
+    elastic: bool = False  # join an elastic group: inference_ranks are this engine's own TP ranks
+
+    def __post_init__(self):
+        problems = list(delta_problems(self.delta, self.delta_anchor))
+        trainers = _int_list(self.trainer_ranks, "trainer_ranks", problems)
+        readers = _int_list(self.inference_ranks, "inference_ranks", problems)
+        for name in ("elastic", "prefetch"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name} must be True or False, got {name}={getattr(self, name)!r}")
+        megatron = _megatron_dict(self.megatron, problems)
+        replica = self.replica
+        if self.elastic is True:  # any index: the engines in the group are not known here
+            if isinstance(replica, bool) or not isinstance(replica, int) or replica < 0:
+                problems.append(f"replica={replica!r} must be an int >= 0 (this engine's index among the elastic "
+                                f"group's engines)")
+            big = [r for r in readers + trainers if not 0 <= r < MAX_RANKS]
+            if big:
+                problems.append(f"ranks {big} are outside an elastic group's [0, {MAX_RANKS})")
+        elif isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < max(1, len(readers)):
+            problems.append(f"replica={replica!r} must be an int in [0, number of replicas)")
+        problems += rank_problems(trainers, readers)
+        if not isinstance(self.store, str) or ":" not in self.store:
+            problems.append(f"store must be 'host:port', got store={self.store!r}")
+        if not isinstance(self.group, str) or not self.group:
+            problems.append(f"group must be a non-empty str, got group={self.group!r}")
+        problems += src_dtype_problems(self.src_dtype)
+        timeout = _number(self.timeout, "timeout", problems)
+        peer_timeout = _number(self.peer_timeout, "peer_timeout", problems)
+        if problems:
+            raise ValueError("init_info: " + "; ".join(problems))
+        # Frozen: the normalized values are set once, here, as dataclasses' own __init__ does.
+        for name, value in (("trainer_ranks", trainers), ("inference_ranks", readers), ("megatron", megatron),
+                            ("timeout", timeout), ("peer_timeout", peer_timeout)):
+            object.__setattr__(self, name, value)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The trainers' torch dtype (``SRC_DTYPES[src_dtype]``)."""
+        return SRC_DTYPES[self.src_dtype]
+
+    @property
+    def megatron_config(self) -> Megatron | None:
+        """``megatron`` as a ``trs.recipes.Megatron`` (None: the trainers hold HF shards)."""
+        return None if self.megatron is None else Megatron(**self.megatron)
+
+    def to_dict(self) -> dict:
+        """The plain JSON dict that crosses vLLM's RPC / HTTP (``cls(**d)`` rebuilds it)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(ServingInit)}
+        out["trainer_ranks"], out["inference_ranks"] = list(self.trainer_ranks), list(self.inference_ranks)
+        out["megatron"] = None if self.megatron is None else dict(self.megatron)
+        return out
+
+    @classmethod
+    def from_dict(cls, data) -> "ServingInit":
+        """The init info of a plain dict (one :meth:`to_dict` made, or its JSON). Unknown keys are
+        one ``ValueError`` naming them."""
+        if isinstance(data, ServingInit):
+            return data
+        if not isinstance(data, dict):
+            raise ValueError(f"init_info must be a dict, got {type(data).__name__}")
+        names = {f.name for f in dataclasses.fields(ServingInit)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"init_info: unknown keys {unknown} (known: {sorted(names)})")
+        missing = sorted(f.name for f in dataclasses.fields(ServingInit)
+                         if f.default is dataclasses.MISSING and f.name not in data)
+        if missing:
+            raise ValueError(f"init_info: missing keys {missing}")
+        return cls(**data)

@@ -1,0 +1,110 @@
+"""vLLM's apply step: the pulled buffers into vLLM's parameters, :func:`apply`.
+
+Called by the refit session (:func:`tritonreshard.serving.refit`) on every TP rank once every TP
+rank holds the same version, with the :class:`~._model.ModelMatch` of the model check:
+
+* layers whose live parameters are not their load format (vLLM's CPU backend repacks linear
+  weights into oneDNN handles, leaving ``weight`` of shape [0]; quantized layers; MLA attention)
+  go through vLLM's layerwise reload: the load-format parameters are materialized, filled from the
+  pulled buffers, and vLLM's own ``process_weights_after_loading`` runs and copies into the kernel
+  tensors;
+* when no layer needs that (unquantized on CUDA), every parameter is written in place by one
+  multi-tensor copy (``torch._foreach_copy_``): the addresses CUDA graphs captured stay valid.
+
+Imported inside vLLM's workers only.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from vllm.model_executor.layers.attention import is_deferred_attention_layer
+from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+from vllm.model_executor.model_loader.reload import layerwise as _layerwise
+from vllm.model_executor.model_loader.reload.meta import materialize_layer
+
+from ._model import ModelMatch
+
+__all__ = ["apply"]
+
+
+@torch.no_grad()
+def apply(model: torch.nn.Module, model_config, match: ModelMatch, bufs: dict[str, torch.Tensor],
+          device: torch.device) -> dict:
+    """Copy the pulled buffers (``{vLLM name: this rank's load-format shard}``, padding rows
+    already zero) into vLLM's parameters. Returns the split: ``copy_ms`` (into vLLM's tensors)
+    and ``post_ms`` (vLLM's post-processing and the layerwise reload around it), ``layerwise``,
+    ``experts_processed``."""
+    if match.layerwise:
+        return _layerwise_apply(model, model_config, match, bufs)
+    # Plain layers: one multi-tensor copy in place, so every parameter keeps its address (CUDA
+    # graphs captured on them stay valid); a tied parameter is the tensor written here already.
+    t0 = time.perf_counter()
+    dst, src = _plain_copy(match, bufs)
+    torch._foreach_copy_(dst, src)
+    if device.type == "cuda":  # the copy is done (and timed) before update_weights returns
+        torch.cuda.current_stream(device).synchronize()
+    return {"copy_ms": (time.perf_counter() - t0) * 1e3, "post_ms": 0.0, "layerwise": False,
+            "experts_processed": 0}
+
+
+def _layerwise_apply(model: torch.nn.Module, model_config, match: ModelMatch, bufs: dict) -> dict:
+    t0 = time.perf_counter()
+    initialize_layerwise_reload(model)
+    copy_s, experts = 0.0, 0
+    for mname in sorted(match.layers):
+        mod, params = match.layers[mname]
+        info = _layerwise.get_layerwise_info(mod)
+        materialize_layer(mod, info)
+        # Copy, never alias the shadow buffers: some post-processing keeps views of the
+        # load-format weight (zentorch), and a later pull into an aliased buffer would then
+        # change the served weights unprocessed.
+        tc = time.perf_counter()
+        for pname, name, _ in params:
+            getattr(mod, pname).data.copy_(bufs[name])
+        copy_s += time.perf_counter() - tc
+        # vLLM's own post-load processing; for a plain layer it only copies into the kernel tensors.
+        experts += _process(mod, info)
+    # Layers nothing of ours lands in (rotary caches): put vLLM's own tensors back as
+    # finalize would, minus its "failed to load weights" warning on every refit.
+    bound = {id(mod) for mod, _ in match.layers.values()}
+    for mod in model.modules():
+        info = _layerwise.get_layerwise_info(mod)
+        if (id(mod) not in bound and info.can_load() and info.load_numel == 0
+                and info.kernel_tensors is not None and not is_deferred_attention_layer(mod)):
+            _layerwise._place_kernel_tensors(mod, info)
+            info.reset()
+    finalize_layerwise_reload(model, model_config)
+    return {"copy_ms": copy_s * 1e3, "post_ms": (time.perf_counter() - t0 - copy_s) * 1e3,
+            "layerwise": True, "experts_processed": experts}
+
+
+def _plain_copy(match: ModelMatch, bufs: dict[str, torch.Tensor]) -> tuple[list, list]:
+    """``(vLLM's tensors, the pulled buffers)`` of the in-place apply, in one order."""
+    pairs = [(getattr(mod, pname).data, bufs[name]) for mod, params in match.layers.values()
+             for pname, name, tied in params if not tied]
+    return [d for d, _ in pairs], [s for _, s in pairs]
+
+
+def _process(mod: torch.nn.Module, info) -> bool:
+    """vLLM's post-load processing of one refitted layer, exactly once, then its kernel tensors
+    refreshed in place (their storage is what vLLM serves from).
+
+    Unquantized MoE experts need one step more than vLLM's layerwise reload runs: on a weight
+    update (``moe_kernel`` already built) vLLM 0.32's ``UnquantizedFusedMoEMethod._setup_kernel``
+    skips ``moe_kernel.fused_experts.process_weights_after_loading``, which on CPU pads each
+    rank's intermediate size to a multiple of 32 and prepacks ``w13_weight`` / ``w2_weight``
+    (``cpu_prepack_moe_weight``). Without it the load-format tensors land in the prepacked
+    storage (or fail to fit it when padded) and greedy output diverges. Elsewhere that step is
+    vLLM's no-op, so running it is the same as vLLM's first load. Returns whether ``mod`` was
+    such an experts layer."""
+    qm = getattr(mod, "quant_method", None)
+    if not (isinstance(qm, UnquantizedFusedMoEMethod) and qm.moe_kernel is not None):
+        _layerwise._layerwise_process(mod, info)
+        return False
+    qm.process_weights_after_loading(mod)  # padding and kernel format (apply materialized and filled the layer)
+    qm.moe_kernel.fused_experts.process_weights_after_loading(mod)  # the step vLLM skips on an update
+    _layerwise._copy_and_restore_kernel_tensors(mod, info)
+    info.reset()
+    return True
