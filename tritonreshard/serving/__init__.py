@@ -5,7 +5,8 @@ writes only what is its own (its TP agreement, its model check, its apply) and u
 
 * :mod:`~.schema`: :class:`ServingInit`, the one init-info schema (defaults and checks once), and
   :data:`SRC_DTYPES`;
-* :mod:`~.trainer`: :class:`ServingTrainer`, the trainer side;
+* :mod:`~.trainer`: :class:`ServingTrainer`, the trainer side (:func:`join_as_trainer` for a trainer
+  class of an engine's own, e.g. LoRA's);
 * :mod:`~.layout`: :func:`serving_rank` (a TP rank's global rank, group kind and recipe) and
   :meth:`ServingRank.join` (the one ``RefitInference`` of the serving side); :func:`recipe_spec`;
 * :mod:`~.membership`: fixed or elastic, chosen once (:func:`membership`);
@@ -19,8 +20,8 @@ from .membership import ElasticGroup, FixedGroup, membership
 from .pull import BackgroundPull, InlinePull, pull_mode
 from .schema import SRC_DTYPES, ServingInit, rank_problems, src_dtype_name, src_dtype_problems
 from .session import any_failed, failure_text, outcome, refit
-from .trainer import ServingTrainer
+from .trainer import ServingTrainer, join_as_trainer
 
-__all__ = ["ServingInit", "SRC_DTYPES", "src_dtype_name", "rank_problems", "src_dtype_problems", "ServingTrainer",
+__all__ = ["ServingInit", "SRC_DTYPES", "src_dtype_name", "rank_problems", "src_dtype_problems", "ServingTrainer", "join_as_trainer",
            "ServingRank", "serving_rank", "recipe_spec", "FixedGroup", "ElasticGroup", "membership",
            "BackgroundPull", "InlinePull", "pull_mode", "refit", "outcome", "failure_text", "any_failed"]

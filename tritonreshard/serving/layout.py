@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .. import RefitInference, recipes
+from .. import PullOptions, RefitInference, recipes
 from ..engine.rendezvous import connect_store
 from .membership import ElasticGroup, FixedGroup, membership
 from .schema import ServingInit
@@ -67,9 +67,8 @@ class ServingRank:
         # What RefitInference.from_recipe does, for any spec with ``dst`` / ``parts`` (/ ``quant``):
         # a RecipeSpec, LoRA's LoraSpec, an engine's own.
         sub = RefitInference(self.spec.dst, parts=self.spec.parts, quant=getattr(self.spec, "quant", None) or None,
-                             rank=self.rank, store=init.store, mode=mode, device=device, timeout=init.timeout,
-                             peer_timeout=init.peer_timeout, group=init.group, delta=init.delta,
-                             delta_anchor=init.delta_anchor, **self.group.endpoint_args())
+                             rank=self.rank, store=init.store, group=init.group,
+                             pull=PullOptions(mode=mode, device=device), **init.configs, **self.group.endpoint_args())
         return sub, (time.perf_counter() - t0) * 1e3
 
 

@@ -5,8 +5,8 @@
 lives here, behind one interface, and nothing else in the serving code tests ``elastic``:
 
 * ``rank(tp, tp_rank)``: the global rank TP rank ``tp_rank`` of this engine joins as;
-* ``endpoint_args()``: what the inference endpoint needs for this kind of group (``world_size`` of
-  a fixed group; ``elastic=True, replica=`` of an elastic one);
+* ``endpoint_args()``: what the inference endpoint needs for this kind of group (its membership,
+  ``trs.Fixed()`` with the ``world_size`` of a fixed group, ``trs.Elastic(replica=)`` of an elastic one);
 * ``check_store(store)``: both sides elastic or neither (the trainers' epoch key in the store);
 * ``asks_store(rank)``: whether that check can run before joining.
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 
+from ..engine import Elastic, Fixed
 from ..engine.elastic import epoch_key
 from .schema import ServingInit
 
@@ -42,7 +43,7 @@ class FixedGroup:
         return init.inference_ranks[init.replica * tp + tp_rank]
 
     def endpoint_args(self) -> dict:
-        return {"world_size": len(self.init.trainer_ranks) + len(self.init.inference_ranks)}
+        return {"world_size": len(self.init.trainer_ranks) + len(self.init.inference_ranks), "membership": Fixed()}
 
     @staticmethod
     def asks_store(rank: int) -> bool:
@@ -78,7 +79,7 @@ class ElasticGroup:
 
     def endpoint_args(self) -> dict:
         # joins the running group: meet, check, plan, map, admit (JoinStats)
-        return {"elastic": True, "replica": self.init.replica}
+        return {"membership": Elastic(replica=self.init.replica)}
 
     @staticmethod
     def asks_store(rank: int) -> bool:

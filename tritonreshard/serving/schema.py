@@ -15,16 +15,25 @@ from types import MappingProxyType
 
 import torch
 
+from ..engine import Timeouts
 from ..engine.elastic import MAX_RANKS
 from ..recipes import Megatron
-from ..transport import delta_problems
+from ..transport import codec_for, delta_problems
 
-__all__ = ["ServingInit", "SRC_DTYPES", "src_dtype_name", "rank_problems", "src_dtype_problems"]
+__all__ = ["ServingInit", "SRC_DTYPES", "endpoint_configs", "src_dtype_name", "rank_problems", "src_dtype_problems"]
 
 # The trainers' parameter dtypes a serving engine accepts, by the name that crosses the wire in the
 # init info (a plain dict: vLLM's RPC carries names, not torch dtypes). The one table: the init
 # info, the trainers and the workers all read it.
 SRC_DTYPES = MappingProxyType({"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16})
+
+
+def endpoint_configs(delta: str = "auto", delta_anchor: int = 64, timeout: float = 60.0,
+                     peer_timeout: float = 10.0) -> dict:
+    """The serving side's spelling (plain values, as the init info carries them and the trainers
+    take them: ``delta=``, ``delta_anchor=``, ``timeout=``, ``peer_timeout=``) as the endpoint's
+    typed configs, ``{"codec": ..., "timeouts": ...}``; each checks its values once, here."""
+    return {"codec": codec_for(delta, delta_anchor), "timeouts": Timeouts(wait=timeout, peer=peer_timeout)}
 
 
 def src_dtype_name(dtype) -> str | None:
@@ -152,6 +161,11 @@ class ServingInit:
         for name, value in (("trainer_ranks", trainers), ("inference_ranks", readers), ("megatron", megatron),
                             ("timeout", timeout), ("peer_timeout", peer_timeout)):
             object.__setattr__(self, name, value)
+
+    @property
+    def configs(self) -> dict:
+        """The endpoint's codec and timeouts of this init info (:func:`endpoint_configs`)."""
+        return endpoint_configs(self.delta, self.delta_anchor, self.timeout, self.peer_timeout)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -11,9 +11,26 @@ no serving engine.
 from __future__ import annotations
 
 from .. import Layout, RefitTrainer, recipes
-from .schema import SRC_DTYPES, rank_problems, src_dtype_name
+from ..engine import Elastic, Fixed
+from .schema import SRC_DTYPES, endpoint_configs, rank_problems, src_dtype_name
 
-__all__ = ["ServingTrainer"]
+__all__ = ["ServingTrainer", "join_as_trainer"]
+
+
+def join_as_trainer(trainer: RefitTrainer, tensors, layouts, *, elastic: bool = False, **kwargs) -> None:
+    """Initialise ``trainer`` (an instance of a ``RefitTrainer`` subclass: :class:`ServingTrainer`,
+    vLLM's ``LoraTrainer``) as a serving group's trainer. The serving side speaks the init info's
+    plain values (``elastic=``, ``delta=``, ``delta_anchor=``, ``timeout=``, ``peer_timeout=``, the
+    same on the trainers and in every engine's init info); they become the endpoint's typed configs
+    here, once. Every other keyword is ``RefitTrainer``'s."""
+    spelled = {k: kwargs.pop(k) for k in ("delta", "delta_anchor", "timeout", "peer_timeout") if k in kwargs}
+    configs = endpoint_configs(**spelled)
+    if not {"delta", "delta_anchor"} & set(spelled):
+        configs.pop("codec")
+    if not {"timeout", "peer_timeout"} & set(spelled):
+        configs.pop("timeouts")
+    RefitTrainer.__init__(trainer, tensors, layouts, membership=Elastic() if elastic else Fixed(), **configs,
+                          **kwargs)
 
 
 def _first_dtype(shards):
@@ -92,10 +109,12 @@ class ServingTrainer(RefitTrainer):
         self._join(shards, self.spec.src, rank=rank, world_size=world, store=store, group=group,
                    elastic=elastic, **kwargs)
 
-    def _join(self, tensors, layouts, **kwargs) -> None:
+    def _join(self, tensors, layouts, *, elastic: bool = False, **kwargs) -> None:
         """Join the refit group as its trainer: the one construction of a ``RefitTrainer`` on the
-        serving side (``__init__`` and :meth:`from_weight_source` both end here)."""
-        RefitTrainer.__init__(self, tensors, layouts, **kwargs)
+        serving side (``__init__``, :meth:`from_spec` and :meth:`from_weight_source` all end here).
+        The serving side's spelling (``elastic=``, ``delta=``, ``delta_anchor=``, ``timeout=``,
+        ``peer_timeout=``: the init info's) becomes the endpoint's configs here, once."""
+        join_as_trainer(self, tensors, layouts, elastic=elastic, **kwargs)
 
     @classmethod
     def from_spec(cls, spec, shards, *, rank: int, trainer_ranks, inference_ranks, store, group: str = "vllm",

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .. import RefitTrainer, recipes
-from ..serving import SRC_DTYPES, ServingInit, rank_problems, serving_rank, src_dtype_problems
+from ..serving import SRC_DTYPES, ServingInit, join_as_trainer, rank_problems, serving_rank, src_dtype_problems
 from . import WorkerExtension
 
 __all__ = ["LoraTrainer", "LoraWorkerExtension", "LORA_WORKER_EXTENSION", "lora_init_info", "setup_lora_refit",
@@ -66,8 +66,8 @@ class LoraTrainer(RefitTrainer):
         dtype = next(iter(tensors.values())).dtype
         self.spec = recipes.lora_to_vllm(_adapter_dict(lora_config), config, tp, trainer_ranks, inference_ranks,
                                          max_lora_rank=max_lora_rank, src_dtype=dtype, fsdp=fsdp)
-        super().__init__(tensors, self.spec.src, rank=rank, world_size=len(trainer_ranks) + len(inference_ranks),
-                         store=store, group=group, **kwargs)
+        join_as_trainer(self, tensors, self.spec.src, rank=rank,
+                        world_size=len(trainer_ranks) + len(inference_ranks), store=store, group=group, **kwargs)
 
 
 class _LoraSlot:
