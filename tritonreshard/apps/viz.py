@@ -135,6 +135,7 @@ class _Panels:
         self.aspect_rc = max(self.rows, 1) / max(self.cols, 1)
 
     def setup(self, ax, nrows, ncols, heading):
+        # Lazy, as every matplotlib import here: only a picture needs it (see _figure).
         from matplotlib.ticker import MaxNLocator, MultipleLocator
 
         ax.set_xlim(0, max(ncols, 1))
@@ -162,7 +163,7 @@ class _Panels:
                 rotation=90 if vertical else 0)
 
     def paint(self, ax, groups, prefix):
-        from matplotlib.patches import Rectangle
+        from matplotlib.patches import Rectangle  # lazy: only a picture needs matplotlib (see _figure)
 
         for ranks, rects in groups:
             text = prefix + ",".join(map(str, ranks))
@@ -174,6 +175,7 @@ class _Panels:
 
 def _draw_parts(panels: _Panels, ax, parts) -> None:
     """A destination built from parts: each part's boxes, labeled with its source (or ``zeros``)."""
+    # Lazy, as every matplotlib import here: only a picture needs it (see _figure).
     import matplotlib
     from matplotlib.patches import Rectangle
 
@@ -192,7 +194,7 @@ def _draw_parts(panels: _Panels, ax, parts) -> None:
 
 def _draw_received(panels: _Panels, ax, plan: Plan, name: str, d: int, has_parts: bool) -> None:
     """Destination rank ``d``'s local shard of ``name``: what each op (or fill) writes there."""
-    from matplotlib.patches import Rectangle
+    from matplotlib.patches import Rectangle  # lazy: only a picture needs matplotlib (see _figure)
 
     dst = plan.dst_layouts[name]
     lr, lc = _view_extent(dst.local_shape(d))
