@@ -34,7 +34,7 @@ import torch
 
 from ..layout import Layout, Part, Replicate, Shard
 from ..planning import Plan, plan_reshard
-from .builder import check_divisible, check_tp, positive_int, raise_problems, rank_list, vllm_layout
+from .builder import check_divisible, check_tp, positive_int, raise_problems, rank_list, tp_layout
 
 __all__ = ["LoraSpec", "lora_to_vllm", "LORA_MODEL_TYPES", "LORA_MODULES", "PEFT_PREFIX"]
 
@@ -296,18 +296,18 @@ class _SlotLayouts:
         pad_rows = [Part(None, [(r, R), None])] if r < R else []
         pad_cols = [Part(None, [None, (r, R)])] if r < R else []
         a_place = Shard(1) if par == "row" else Replicate()
-        self.dst[a_dst] = vllm_layout((R, in_size), self.dst_ranks, tp, a_place, self.dtype)
+        self.dst[a_dst] = tp_layout((R, in_size), self.dst_ranks, tp, a_place, self.dtype)
         self.parts[a_dst] = (Part(a_name, [(0, r), None]), *pad_rows)
         if par == "row":
-            self.dst[b_dst] = vllm_layout((out_size, R), self.dst_ranks, tp, Replicate(), self.dtype)
+            self.dst[b_dst] = tp_layout((out_size, R), self.dst_ranks, tp, Replicate(), self.dtype)
             plist = [Part(b_name, [None, (0, r)])]
         elif kind.endswith(("k_proj", "v_proj")) and tp > nkv:
             # one KV head per rank, rank j's from head j // replicas (as the base qkv_proj)
             rep = tp // nkv
-            self.dst[b_dst] = vllm_layout((tp * hd, R), self.dst_ranks, tp, Shard(0), self.dtype)
+            self.dst[b_dst] = tp_layout((tp * hd, R), self.dst_ranks, tp, Shard(0), self.dtype)
             plist = [Part(b_name, [(j * hd, (j + 1) * hd), (0, r)], ((j // rep) * hd, 0)) for j in range(tp)]
         else:
-            self.dst[b_dst] = vllm_layout((out_size, R), self.dst_ranks, tp, Shard(0), self.dtype)
+            self.dst[b_dst] = tp_layout((out_size, R), self.dst_ranks, tp, Shard(0), self.dtype)
             plist = [Part(b_name, [None, (0, r)])]
         self.parts[b_dst] = (*plist, *pad_cols)
         self.scaling[b_dst] = float(scale)
