@@ -52,7 +52,7 @@ def test_every_name_in_every_all_resolves_and_star_import_works():
     for pkg in ("tritonreshard", "tritonreshard.recipes", "tritonreshard.planning", "tritonreshard.kernels",
                 "tritonreshard.engine", "tritonreshard.transport", "tritonreshard.vllm"):
         assert pkg in report, sorted(report)
-    assert "vllm_layout" in report["tritonreshard.recipes"]["all"]
+    assert {"tp_layout", "vllm_layout"} <= set(report["tritonreshard.recipes"]["all"])
     problems = [f"{name}: a package without __all__" for name, r in report.items() if r["package"] and r["all"] is None]
     for name, r in report.items():
         if r["all"] is None:

@@ -8,7 +8,10 @@
   serving seam, then the vLLM backend and the apps on top; a module imports only its own layer or those below;
 * a private module (``_name``) is imported only inside its own package, and a private name only
   inside its own module;
-* the library never imports its applications (nor matplotlib, which only the apps' pictures need).
+* the library never imports its applications (nor matplotlib, which only the apps' pictures need);
+* every module of ``tritonreshard/`` is at most 600 lines and every function in it (methods and nested
+  functions too) at most 80, from its ``def`` to its last line; the Triton kernels (``kernels/``) are
+  exempt.
 """
 import ast
 import subprocess
@@ -162,3 +165,28 @@ def test_imports_are_at_the_top_or_say_why_they_are_lazy():
             if imports and not ("#" in lines[imports[0] - 1] or lines[imports[0] - 2].strip().startswith("#")):
                 silent.append(f"{path.relative_to(ROOT)}:{imports[0]}: {lines[imports[0] - 1].strip()}")
     assert not silent, "lazy imports without a reason:\n" + "\n".join(sorted(set(silent)))
+
+
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 80
+
+
+def test_modules_and_functions_stay_small():
+    """Every module of the package (kernels/ excluded) at most MAX_MODULE_LINES lines, every function
+    (methods, nested functions) at most MAX_FUNCTION_LINES, ``def`` to last line: each one over is
+    named with its count."""
+    over = []
+    for path in sorted(PKG.rglob("*.py")):
+        if "kernels" in path.relative_to(ROOT).parts:
+            continue
+        text = path.read_text()
+        where = path.relative_to(ROOT)
+        lines = len(text.splitlines())
+        if lines > MAX_MODULE_LINES:
+            over.append(f"{where}: {lines} lines (module, at most {MAX_MODULE_LINES})")
+        for fn in ast.walk(ast.parse(text)):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = fn.end_lineno - fn.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    over.append(f"{where}:{fn.lineno}: {fn.name} is {n} lines (function, at most {MAX_FUNCTION_LINES})")
+    assert not over, "too long:\n" + "\n".join(over)

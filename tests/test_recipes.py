@@ -528,3 +528,14 @@ def test_deepseek_refuses_fp8_it_does_not_lay_out():
     with pytest.raises(ValueError, match="not laid out for deepseek_v3"):
         trs.recipes.hf_to_vllm(_configs()["deepseek_v3"], tp=2, trainer_ranks=TRAINERS, inference_ranks=[2, 3],
                    quantization="fp8-block")
+
+
+def test_vllm_layout_is_a_deprecated_alias_of_tp_layout():
+    """``vllm_layout`` (the old name) warns, naming ``tp_layout``, and lays out exactly what it does:
+    one TP group (a 1-D mesh) and two replicas of TP 2 (a (2, 2) mesh, Replicate over replicas)."""
+    for ranks in ([2, 3], [2, 3, 4, 5]):
+        new = trs.recipes.tp_layout((8, 4), ranks, 2, trs.Shard(0), torch.bfloat16)
+        with pytest.warns(DeprecationWarning, match="tp_layout"):
+            old = trs.recipes.vllm_layout((8, 4), ranks, 2, trs.Shard(0), torch.bfloat16)
+        assert old == new and old.mesh == new.mesh and old.ranks == new.ranks
+    assert trs.recipes.tp_layout((8, 4), [2, 3, 4, 5], 2, trs.Shard(0), torch.bfloat16).mesh == ((2, 3), (4, 5))

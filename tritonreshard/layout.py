@@ -180,6 +180,88 @@ def segments_by_mesh_index(shape: tuple[int, ...], mesh_shape: tuple[int, ...],
     return tuple(out)
 
 
+def _check_shape(shape, dtype, problems: list[str]) -> tuple[int, ...]:
+    """``shape`` as a tuple of ints (``()`` if it is not one), with a problem for each thing wrong
+    with it or ``dtype``."""
+    try:
+        shape_t = tuple(int(s) for s in shape)
+    except (TypeError, ValueError):
+        shape_t = ()
+        problems.append(f"shape={shape!r} must be a sequence of non-negative ints")
+    if any(s < 0 for s in shape_t):
+        problems.append(f"shape={shape!r} has a negative size")
+    if not isinstance(dtype, torch.dtype):
+        problems.append(f"dtype={dtype!r} must be a torch.dtype")
+    else:
+        # Element counts, strides and byte offsets are int64 in torch and in the kernels: past that
+        # they wrap, so such a tensor cannot exist (and its plan would print nonsense sizes).
+        nbytes = math.prod(shape_t) * dtype.itemsize
+        huge = [d for d, n in enumerate(shape_t) if n > _INT64_MAX]
+        if huge:
+            problems.append(f"shape={shape_t!r}: shape[{huge[0]}]={shape_t[huge[0]]} is past int64 (2**63 - 1)")
+        elif nbytes > _INT64_MAX:
+            problems.append(f"shape={shape_t!r} of {dtype} is {nbytes} bytes ({math.prod(shape_t)} "
+                            f"elements): more than int64 sizes and offsets hold (2**63 - 1)")
+    return shape_t
+
+
+def _convert_placements(placements, shape_t: tuple[int, ...], problems: list[str]) -> list[Placement]:
+    """The placements as this module's (shard dims made non-negative), with a problem for each one
+    that is unsupported or does not fit ``shape_t``; those are left out."""
+    converted: list[Placement] = []
+    for i, p in enumerate(placements):
+        c = _convert_placement(p)
+        if c is None:
+            problems.append(
+                f"placements[{i}]={p!r} is not a supported placement (use trs.Shard(dim) or "
+                f"trs.Replicate(); Partial and strided shards are not supported)")
+            continue
+        if isinstance(c, Shard):
+            ndim = len(shape_t)
+            if not isinstance(c.dim, int) or not -ndim <= c.dim < ndim:
+                problems.append(f"placements[{i}]={c}: shard dim {c.dim} is out of range for "
+                                f"shape={shape_t} ({ndim} dims)")
+                continue
+            if c.dim < 0:
+                c = Shard(c.dim + ndim, c.blocks, c.balanced)
+            if not isinstance(c.balanced, bool):
+                problems.append(f"placements[{i}]={c!r}: balanced must be a bool")
+            if c.blocks is not None:
+                if any((not isinstance(b, int)) or b < 0 for b in c.blocks) or not c.blocks:
+                    problems.append(f"placements[{i}]={c}: blocks must be non-negative ints")
+                elif sum(c.blocks) != shape_t[c.dim]:
+                    problems.append(f"placements[{i}]={c}: blocks sum to {sum(c.blocks)} but "
+                                    f"shape[{c.dim}]={shape_t[c.dim]}")
+        converted.append(c)
+    return converted
+
+
+def _check_same_split_per_dim(converted: list[Placement], problems: list[str]) -> None:
+    """Every mesh dim sharding one tensor dim gives the same blocks and the same ``balanced``."""
+    by_dim: dict[int, set] = {}
+    split_by_dim: dict[int, set] = {}
+    for c in converted:
+        if isinstance(c, Shard):
+            by_dim.setdefault(c.dim, set()).add(c.blocks)
+            split_by_dim.setdefault(c.dim, set()).add(c.balanced)
+    for d, bl in sorted(by_dim.items()):
+        if len(bl) > 1:
+            problems.append(f"placements shard dim {d} with conflicting blocks "
+                            f"{sorted(bl, key=str)}; every mesh dim sharding it must give the same blocks")
+    for d, bal in sorted(split_by_dim.items()):
+        if len(bal) > 1:  # one rule per tensor dim keeps nested splits easy to reason about
+            problems.append(f"placements shard dim {d} both balanced and not; every mesh dim sharding "
+                            f"it must give the same balanced=")
+
+
+def _nest(flat: tuple[int, ...], shp: tuple[int, ...]):
+    """The flat ranks as nested tuples of mesh shape ``shp``."""
+    if len(shp) == 1:
+        return tuple(flat)
+    step = len(flat) // shp[0]
+    return tuple(_nest(flat[i * step:(i + 1) * step], shp[1:]) for i in range(shp[0]))
+
+
 @dataclass(frozen=True, init=False)
 class Layout:
     """A global tensor of ``shape`` and ``dtype`` placed on ``mesh`` with one placement per mesh dim.
@@ -207,84 +289,21 @@ class Layout:
 
     def __init__(self, shape, mesh, placements, dtype=torch.float32):
         problems: list[str] = []
-        try:
-            shape_t = tuple(int(s) for s in shape)
-        except (TypeError, ValueError):
-            shape_t = ()
-            problems.append(f"shape={shape!r} must be a sequence of non-negative ints")
-        if any(s < 0 for s in shape_t):
-            problems.append(f"shape={shape!r} has a negative size")
-        if not isinstance(dtype, torch.dtype):
-            problems.append(f"dtype={dtype!r} must be a torch.dtype")
-        else:
-            # Element counts, strides and byte offsets are int64 in torch and in the kernels: past that
-            # they wrap, so such a tensor cannot exist (and its plan would print nonsense sizes).
-            nbytes = math.prod(shape_t) * dtype.itemsize
-            huge = [d for d, n in enumerate(shape_t) if n > _INT64_MAX]
-            if huge:
-                problems.append(f"shape={shape_t!r}: shape[{huge[0]}]={shape_t[huge[0]]} is past int64 (2**63 - 1)")
-            elif nbytes > _INT64_MAX:
-                problems.append(f"shape={shape_t!r} of {dtype} is {nbytes} bytes ({math.prod(shape_t)} "
-                                f"elements): more than int64 sizes and offsets hold (2**63 - 1)")
-
+        shape_t = _check_shape(shape, dtype, problems)
         mesh_shape, ranks, mesh_problems = _normalize_mesh(mesh)
         problems += mesh_problems
-
         if isinstance(placements, (Shard, Replicate)) or not isinstance(placements, Sequence):
             placements = [placements]
-        converted: list[Placement] = []
-        for i, p in enumerate(placements):
-            c = _convert_placement(p)
-            if c is None:
-                problems.append(
-                    f"placements[{i}]={p!r} is not a supported placement (use trs.Shard(dim) or "
-                    f"trs.Replicate(); Partial and strided shards are not supported)")
-                continue
-            if isinstance(c, Shard):
-                ndim = len(shape_t)
-                if not isinstance(c.dim, int) or not -ndim <= c.dim < ndim:
-                    problems.append(f"placements[{i}]={c}: shard dim {c.dim} is out of range for "
-                                    f"shape={shape_t} ({ndim} dims)")
-                    continue
-                if c.dim < 0:
-                    c = Shard(c.dim + ndim, c.blocks, c.balanced)
-                if not isinstance(c.balanced, bool):
-                    problems.append(f"placements[{i}]={c!r}: balanced must be a bool")
-                if c.blocks is not None:
-                    if any((not isinstance(b, int)) or b < 0 for b in c.blocks) or not c.blocks:
-                        problems.append(f"placements[{i}]={c}: blocks must be non-negative ints")
-                    elif sum(c.blocks) != shape_t[c.dim]:
-                        problems.append(f"placements[{i}]={c}: blocks sum to {sum(c.blocks)} but "
-                                        f"shape[{c.dim}]={shape_t[c.dim]}")
-            converted.append(c)
+        converted = _convert_placements(placements, shape_t, problems)
         if mesh_shape and len(placements) != len(mesh_shape):
             problems.append(f"placements has {len(placements)} entries but mesh has "
                             f"{len(mesh_shape)} dims (mesh shape {mesh_shape})")
-        by_dim: dict[int, set] = {}
-        split_by_dim: dict[int, set] = {}
-        for c in converted:
-            if isinstance(c, Shard):
-                by_dim.setdefault(c.dim, set()).add(c.blocks)
-                split_by_dim.setdefault(c.dim, set()).add(c.balanced)
-        for d, bl in sorted(by_dim.items()):
-            if len(bl) > 1:
-                problems.append(f"placements shard dim {d} with conflicting blocks "
-                                f"{sorted(bl, key=str)}; every mesh dim sharding it must give the same blocks")
-        for d, bal in sorted(split_by_dim.items()):
-            if len(bal) > 1:  # one rule per tensor dim keeps nested splits easy to reason about
-                problems.append(f"placements shard dim {d} both balanced and not; every mesh dim sharding "
-                                f"it must give the same balanced=")
+        _check_same_split_per_dim(converted, problems)
         if problems:
             raise ValueError("invalid Layout:\n  - " + "\n  - ".join(problems))
 
-        def nest(flat: tuple[int, ...], shp: tuple[int, ...]):
-            if len(shp) == 1:
-                return tuple(flat)
-            step = len(flat) // shp[0]
-            return tuple(nest(flat[i * step:(i + 1) * step], shp[1:]) for i in range(shp[0]))
-
         object.__setattr__(self, "shape", shape_t)
-        object.__setattr__(self, "mesh", nest(ranks, mesh_shape))
+        object.__setattr__(self, "mesh", _nest(ranks, mesh_shape))
         object.__setattr__(self, "placements", tuple(converted))
         object.__setattr__(self, "dtype", dtype)
         object.__setattr__(self, "mesh_shape", mesh_shape)

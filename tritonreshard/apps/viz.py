@@ -83,8 +83,6 @@ def _figure(plan: Plan, name: str | None, title: str | None):
     # would pick (or need forcing to) a global backend; a Figure saves through Agg by itself.
     import matplotlib
     from matplotlib.figure import Figure
-    from matplotlib.patches import Rectangle
-    from matplotlib.ticker import MaxNLocator, MultipleLocator
 
     name = name if name is not None else plan.names[0]
     if name not in plan.dst_layouts:
@@ -94,9 +92,8 @@ def _figure(plan: Plan, name: str | None, title: str | None):
     src = dst if parts is not None else plan.src_layouts[name]
     all_ranks = sorted(set(plan.src_ranks) | set(plan.dst_ranks))
     cmap = matplotlib.colormaps["tab20" if len(all_ranks) > 10 else "tab10"]
-    color = {r: cmap(i % cmap.N) for i, r in enumerate(all_ranks)}
-    rows, cols = _view_extent(src.shape)
-    aspect_rc = max(rows, 1) / max(cols, 1)
+    panels = _Panels(src.shape, {r: cmap(i % cmap.N) for i, r in enumerate(all_ranks)})
+    rows, cols = panels.rows, panels.cols
     hidden = len(src.shape) - 2  # dims past the 2-D view
 
     dst_ranks = list(dst.ranks)[:_MAX_DST_PANELS]
@@ -109,13 +106,44 @@ def _figure(plan: Plan, name: str | None, title: str | None):
     ax_dst = fig.add_subplot(top[0, 1])
     ax_mat = fig.add_subplot(top[0, 2])
 
-    def setup(ax, nrows, ncols, heading):
+    if parts is None:
+        panels.setup(ax_src, rows, cols, f"{name} {_shape_text(src.shape)}: source owners\n{src}")
+        panels.paint(ax_src, _owner_groups(src), "src ")
+    else:
+        panels.setup(ax_src, rows, cols, f"{_short(name)} {_shape_text(dst.shape)}\nbuilt from {len(parts)} part(s)")
+        _draw_parts(panels, ax_src, parts)
+    panels.setup(ax_dst, rows, cols, f"destination owners\n{dst}")
+    panels.paint(ax_dst, _owner_groups(dst), "dst ")
+    for i, d in enumerate(dst_ranks):
+        _draw_received(panels, fig.add_subplot(bottom[0, i]), plan, name, d, bool(parts))
+    _draw_matrix(ax_mat, plan)
+    heading = title or plan.summary()
+    if hidden > 0:
+        dims = "dim 2" if hidden == 1 else f"dims 2-{len(src.shape) - 1}"
+        heading += f"\n{name} is drawn on dims 0 and 1; {dims} not shown"
+    fig.suptitle(heading, fontsize=11)
+    return fig
+
+
+class _Panels:
+    """How every panel of one picture is set up, labeled and painted: the drawn tensor's 2-D view
+    (``rows`` x ``cols`` of ``shape``) and one colour per rank."""
+
+    def __init__(self, shape, color: dict):
+        self.shape, self.color = shape, color
+        self.rows, self.cols = _view_extent(shape)
+        self.aspect_rc = max(self.rows, 1) / max(self.cols, 1)
+
+    def setup(self, ax, nrows, ncols, heading):
+        # Lazy, as every matplotlib import here: only a picture needs it (see _figure).
+        from matplotlib.ticker import MaxNLocator, MultipleLocator
+
         ax.set_xlim(0, max(ncols, 1))
         ax.set_ylim(max(nrows, 1), 0)
-        ax.set_aspect("equal" if 0.05 < aspect_rc < 20 else "auto")
+        ax.set_aspect("equal" if 0.05 < self.aspect_rc < 20 else "auto")
         ax.set_title(heading, fontsize=9)
-        ax.set_xlabel("dim 1" if len(src.shape) > 1 else "dim 0", fontsize=8)
-        ax.set_ylabel("dim 0" if len(src.shape) > 1 else "", fontsize=8)
+        ax.set_xlabel("dim 1" if len(self.shape) > 1 else "dim 0", fontsize=8)
+        ax.set_ylabel("dim 0" if len(self.shape) > 1 else "", fontsize=8)
         ax.tick_params(labelsize=7)
         # At most ~8 labelled ticks per axis: every integer overlaps in a narrow panel.
         ax.xaxis.set_major_locator(MaxNLocator(8, integer=True, steps=[1, 2, 4, 5, 10]))
@@ -126,6 +154,7 @@ def _figure(plan: Plan, name: str | None, title: str | None):
             ax.tick_params(which="minor", length=0)
             ax.grid(True, which="both", color="white", linewidth=0.6)
 
+    @staticmethod
     def label(ax, r0, r1, c0, c1, nrows, ncols, text, size):
         # A tall strip narrower than its label (a column shard among many) gets a vertical label.
         # (Equal aspect: a panel's longer side sets the scale, so width / that side is its share.)
@@ -133,80 +162,83 @@ def _figure(plan: Plan, name: str | None, title: str | None):
         ax.text((c0 + c1) / 2, (r0 + r1) / 2, text, ha="center", va="center", fontsize=size,
                 rotation=90 if vertical else 0)
 
-    def paint(ax, groups, prefix):
+    def paint(self, ax, groups, prefix):
+        from matplotlib.patches import Rectangle  # lazy: only a picture needs matplotlib (see _figure)
+
         for ranks, rects in groups:
             text = prefix + ",".join(map(str, ranks))
             for (r0, r1), (c0, c1) in rects:
-                ax.add_patch(Rectangle((c0, r0), c1 - c0, r1 - r0, facecolor=color[ranks[0]],
+                ax.add_patch(Rectangle((c0, r0), c1 - c0, r1 - r0, facecolor=self.color[ranks[0]],
                                        edgecolor="black", linewidth=1.0, alpha=0.85))
-                label(ax, r0, r1, c0, c1, rows, cols, text, 8)
+                self.label(ax, r0, r1, c0, c1, self.rows, self.cols, text, 8)
 
-    if parts is None:
-        setup(ax_src, rows, cols, f"{name} {_shape_text(src.shape)}: source owners\n{src}")
-        paint(ax_src, _owner_groups(src), "src ")
-    else:
-        setup(ax_src, rows, cols, f"{_short(name)} {_shape_text(dst.shape)}\nbuilt from {len(parts)} part(s)")
-        pcolor = matplotlib.colormaps["Pastel1"]
-        sources = sorted({p.sources for p in parts if p.src is not None})   # aliases: one colour
-        for p in parts:
-            text = "zeros" if p.src is None else " or ".join(map(_short, p.sources))
-            if p.src is not None and p.src_start and any(p.src_start):  # a replica's source rows
-                text += f" @{list(p.src_start)}"
-            face = "white" if p.src is None else pcolor(sources.index(p.sources) % pcolor.N)
-            for (r0, r1), (c0, c1) in _rect_2d([(iv,) for iv in p.dst]):
-                ax_src.add_patch(Rectangle((c0, r0), c1 - c0, r1 - r0, facecolor=face, edgecolor="black",
-                                           linewidth=1.0, hatch="//" if p.src is None else None))
-                label(ax_src, r0, r1, c0, c1, rows, cols, text, 7)
-    setup(ax_dst, rows, cols, f"destination owners\n{dst}")
-    paint(ax_dst, _owner_groups(dst), "dst ")
 
-    for i, d in enumerate(dst_ranks):
-        ax = fig.add_subplot(bottom[0, i])
-        lr, lc = _view_extent(dst.local_shape(d))
-        setup(ax, lr, lc, f"rank {d} receives\n{_shape_text(dst.local_shape(d))}")
-        # One box per rectangle of the view: ops that differ only in hidden dims share it, and its
-        # label names every source (``from 0,1``) instead of stacking labels on one spot.
-        boxes: dict = {}
-        for op in plan.ops_for_dst(d):
-            if op.name == name:
-                for rect in _rect_2d([((s.start, s.stop),) for s in op.dst_slices]):
-                    boxes.setdefault(rect, {}).setdefault(op.src_name if parts else "", []).append(op.src_rank)
-        for f in plan.fills_for_dst(d):
-            if f.name == name:
-                for rect in _rect_2d([((s.start, s.stop),) for s in f.dst_slices]):
-                    boxes.setdefault(rect, {}).setdefault(None, [])  # None: zero-filled
-        for ((r0, r1), (c0, c1)), by_src in boxes.items():
-            texts = ["zeros" if src_name is None else
-                     (f"{_short(src_name)}\n" if src_name else "") + "from " + ",".join(map(str, dict.fromkeys(ranks)))
-                     for src_name, ranks in by_src.items()]
-            first = next((ranks[0] for ranks in by_src.values() if ranks), None)
-            fill = dict(facecolor="white", hatch="//") if first is None else dict(facecolor=color[first], alpha=0.85)
-            ax.add_patch(Rectangle((c0, r0), c1 - c0, r1 - r0, edgecolor="black", linewidth=1.0, **fill))
-            label(ax, r0, r1, c0, c1, lr, lc, "\n".join(texts), 7)
+def _draw_parts(panels: _Panels, ax, parts) -> None:
+    """A destination built from parts: each part's boxes, labeled with its source (or ``zeros``)."""
+    # Lazy, as every matplotlib import here: only a picture needs it (see _figure).
+    import matplotlib
+    from matplotlib.patches import Rectangle
 
+    pcolor = matplotlib.colormaps["Pastel1"]
+    sources = sorted({p.sources for p in parts if p.src is not None})   # aliases: one colour
+    for p in parts:
+        text = "zeros" if p.src is None else " or ".join(map(_short, p.sources))
+        if p.src is not None and p.src_start and any(p.src_start):  # a replica's source rows
+            text += f" @{list(p.src_start)}"
+        face = "white" if p.src is None else pcolor(sources.index(p.sources) % pcolor.N)
+        for (r0, r1), (c0, c1) in _rect_2d([(iv,) for iv in p.dst]):
+            ax.add_patch(Rectangle((c0, r0), c1 - c0, r1 - r0, facecolor=face, edgecolor="black",
+                                   linewidth=1.0, hatch="//" if p.src is None else None))
+            panels.label(ax, r0, r1, c0, c1, panels.rows, panels.cols, text, 7)
+
+
+def _draw_received(panels: _Panels, ax, plan: Plan, name: str, d: int, has_parts: bool) -> None:
+    """Destination rank ``d``'s local shard of ``name``: what each op (or fill) writes there."""
+    from matplotlib.patches import Rectangle  # lazy: only a picture needs matplotlib (see _figure)
+
+    dst = plan.dst_layouts[name]
+    lr, lc = _view_extent(dst.local_shape(d))
+    panels.setup(ax, lr, lc, f"rank {d} receives\n{_shape_text(dst.local_shape(d))}")
+    # One box per rectangle of the view: ops that differ only in hidden dims share it, and its
+    # label names every source (``from 0,1``) instead of stacking labels on one spot.
+    boxes: dict = {}
+    for op in plan.ops_for_dst(d):
+        if op.name == name:
+            for rect in _rect_2d([((s.start, s.stop),) for s in op.dst_slices]):
+                boxes.setdefault(rect, {}).setdefault(op.src_name if has_parts else "", []).append(op.src_rank)
+    for f in plan.fills_for_dst(d):
+        if f.name == name:
+            for rect in _rect_2d([((s.start, s.stop),) for s in f.dst_slices]):
+                boxes.setdefault(rect, {}).setdefault(None, [])  # None: zero-filled
+    for ((r0, r1), (c0, c1)), by_src in boxes.items():
+        texts = ["zeros" if src_name is None else
+                 (f"{_short(src_name)}\n" if src_name else "") + "from " + ",".join(map(str, dict.fromkeys(ranks)))
+                 for src_name, ranks in by_src.items()]
+        first = next((ranks[0] for ranks in by_src.values() if ranks), None)
+        fill = dict(facecolor="white", hatch="//") if first is None else dict(facecolor=panels.color[first], alpha=0.85)
+        ax.add_patch(Rectangle((c0, r0), c1 - c0, r1 - r0, edgecolor="black", linewidth=1.0, **fill))
+        panels.label(ax, r0, r1, c0, c1, lr, lc, "\n".join(texts), 7)
+
+
+def _draw_matrix(ax, plan: Plan) -> None:
+    """The bytes between every source and destination rank, over all the plan's tensors."""
     st = plan.stats
     srcs, dsts = list(plan.src_ranks), list(plan.dst_ranks)
     matrix = [[st.pair_bytes.get((s, d), 0) for d in dsts] for s in srcs]
     peak = max((v for row in matrix for v in row), default=0) or 1
     # vmax above the peak keeps the darkest cell light enough for black labels.
-    ax_mat.imshow(matrix, cmap="Blues", vmin=0, vmax=peak * 1.6, aspect="auto")
-    ax_mat.set_xticks(range(len(dsts)), [str(d) for d in dsts], fontsize=7)
-    ax_mat.set_yticks(range(len(srcs)), [str(s) for s in srcs], fontsize=7)
-    ax_mat.set_xlabel("destination rank", fontsize=8)
-    ax_mat.set_ylabel("source rank", fontsize=8)
-    ax_mat.set_title(f"bytes between ranks (all {len(plan.names)} tensor(s))\n"
-                     f"{st.num_ops} ops, {_fmt_bytes(st.total_bytes)}, local {_fmt_bytes(st.local_bytes)}",
-                     fontsize=9)
+    ax.imshow(matrix, cmap="Blues", vmin=0, vmax=peak * 1.6, aspect="auto")
+    ax.set_xticks(range(len(dsts)), [str(d) for d in dsts], fontsize=7)
+    ax.set_yticks(range(len(srcs)), [str(s) for s in srcs], fontsize=7)
+    ax.set_xlabel("destination rank", fontsize=8)
+    ax.set_ylabel("source rank", fontsize=8)
+    ax.set_title(f"bytes between ranks (all {len(plan.names)} tensor(s))\n"
+                 f"{st.num_ops} ops, {_fmt_bytes(st.total_bytes)}, local {_fmt_bytes(st.local_bytes)}",
+                 fontsize=9)
     if len(srcs) * len(dsts) <= 144:
         for i, row in enumerate(matrix):
             for j, v in enumerate(row):
-                ax_mat.text(j, i, _fmt_bytes(v) if v else ".", ha="center", va="center", fontsize=7)
-    heading = title or plan.summary()
-    if hidden > 0:
-        dims = "dim 2" if hidden == 1 else f"dims 2-{len(src.shape) - 1}"
-        heading += f"\n{name} is drawn on dims 0 and 1; {dims} not shown"
-    fig.suptitle(heading, fontsize=11)
-    return fig
+                ax.text(j, i, _fmt_bytes(v) if v else ".", ha="center", va="center", fontsize=7)
 
 
 def check_figure_path(path: str, what: str = "--png") -> None:

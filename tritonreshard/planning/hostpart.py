@@ -351,50 +351,12 @@ def host_part(src_layouts, dst_layouts, parts, quant, planned, resolved, hosts, 
 
     jobs = rows_into(src_layouts, planned, resolved, frozenset(mine))
     crossing = {s for s, h in host_of.items() if h != host}
-
-    def cross(row: OpRow) -> bool:
-        return row.src_rank in crossing
-
-    # Per geometry: the rows within the host, and whether a cross-host row has a replica on the host.
-    local_of: dict[tuple, dict] = {}
-    local_jobs, by_source = [], defaultdict(list)
-    for job in jobs:
-        by_dst = local_of.get(job.key)
-        if by_dst is None:
-            by_dst = defaultdict(list)
-            for row in job.rows:
-                if row.src_rank not in crossing:
-                    by_dst[row.dst_rank].append(row)
-                elif len(row.group) > 1 and any(r not in crossing for r in row.group):
-                    by_dst = None   # re-sourced on the host, in plan order over all ops: plan_hosts does it
-                    break
-            if by_dst is None:
-                return plan_hosts(make_plan(), hosts, src_offsets=src_offsets, align=align, host=host,
-                                  first_index=first_index)
-            by_dst = local_of[job.key] = dict(by_dst)
-        if by_dst:
-            local_jobs.append((job, by_dst))
-        by_source[job.src_name].append(job)
-    # Per source tensor: its needs (a union per replica set), shared by the sources of one geometry.
-    need_of: dict[tuple, dict] = {}
-    sources: list[_Source] = []
-    crossings: list[Crossing] = []
-    receivers: set[int] = set()
-    for name in sorted(by_source, key=name_key):
-        src_jobs = tuple(by_source[name])
-        key = tuple(j.key for j in src_jobs)
-        needs = need_of.get(key)
-        if needs is None:
-            groups = sorted({row.group for j in src_jobs for row in j.rows if row.src_rank in crossing})
-            jobs_rows = tuple(j.rows for j in src_jobs)
-            needs = need_of[key] = {g: _need(jobs_rows, g, cross) for g in groups}
-        if not needs:
-            continue
-        sources.append(_Source(name, src_jobs, needs, {}, {}))
-        for group, need in needs.items():
-            receivers.update(need.by_dst)
-            sender = group[0] if len(group) == 1 else -1
-            crossings += [new_crossing((host, name, group, box, sender, -1)) for box in need.boxes]
+    split = _split_by_geometry(jobs, crossing)
+    if split is None:
+        return plan_hosts(make_plan(), hosts, src_offsets=src_offsets, align=align, host=host,
+                          first_index=first_index)
+    local_jobs, by_source = split
+    sources, crossings, receivers = _needs(by_source, crossing, host)
     knobs = replicas.KNOBS
 
     # (sender, name) -> the shard's offset in the sender's arena; None: every offset 0
@@ -414,6 +376,67 @@ def host_part(src_layouts, dst_layouts, parts, quant, planned, resolved, hosts, 
         return got
 
     transfers, buffers, order = lay_out_buffers(boxes, host_of, src_lay, arena_pos, align, first_index, shape_of)
+    _attach_transfers(sources, order, transfers)
+    return _HostPart(make_plan, src_layouts, dst_layouts, host_of, host, tuple(transfers), buffers, sources,
+                     jobs, local_jobs, mine)
+
+
+def _split_by_geometry(jobs, crossing: set[int]):
+    """Per geometry, the rows within the host (``crossing``: the source ranks on other hosts).
+    Returns ``(local_jobs, by_source)``: ``[(job, {dst rank: [row, ...]})]`` of the jobs with rows
+    within the host, and ``{source name: [job, ...]}``; or None when a cross-host row has a replica
+    on the host (re-sourced there, in plan order over all ops: plan_hosts does it)."""
+    local_of: dict[tuple, dict] = {}
+    local_jobs, by_source = [], defaultdict(list)
+    for job in jobs:
+        by_dst = local_of.get(job.key)
+        if by_dst is None:
+            by_dst = defaultdict(list)
+            for row in job.rows:
+                if row.src_rank not in crossing:
+                    by_dst[row.dst_rank].append(row)
+                elif len(row.group) > 1 and any(r not in crossing for r in row.group):
+                    return None
+            by_dst = local_of[job.key] = dict(by_dst)
+        if by_dst:
+            local_jobs.append((job, by_dst))
+        by_source[job.src_name].append(job)
+    return local_jobs, by_source
+
+
+def _needs(by_source, crossing: set[int], host: str) -> tuple[list[_Source], list[Crossing], set[int]]:
+    """Per source tensor: its needs (a union per replica set), shared by the sources of one
+    geometry. Returns the sources that need anything from other hosts, the crossings of their
+    needs' boxes (sender chosen later unless the replica set is one rank), and the receiving ranks."""
+
+    def cross(row: OpRow) -> bool:
+        return row.src_rank in crossing
+
+    need_of: dict[tuple, dict] = {}
+    sources: list[_Source] = []
+    crossings: list[Crossing] = []
+    receivers: set[int] = set()
+    for name in sorted(by_source, key=name_key):
+        src_jobs = tuple(by_source[name])
+        key = tuple(j.key for j in src_jobs)
+        needs = need_of.get(key)
+        if needs is None:
+            groups = sorted({row.group for j in src_jobs for row in j.rows if row.src_rank in crossing})
+            jobs_rows = tuple(j.rows for j in src_jobs)
+            needs = need_of[key] = {g: _need(jobs_rows, g, cross) for g in groups}
+        if not needs:
+            continue
+        sources.append(_Source(name, src_jobs, needs, {}, {}))
+        for group, need in needs.items():
+            receivers.update(need.by_dst)
+            sender = group[0] if len(group) == 1 else -1
+            crossings += [new_crossing((host, name, group, box, sender, -1)) for box in need.boxes]
+    return sources, crossings, receivers
+
+
+def _attach_transfers(sources: list[_Source], order, transfers) -> None:
+    """Each source's transfers per replica set (``order``: the crossing each transfer came from),
+    and ``aligned``: those in the order of the need's boxes, or None where a box was cut."""
     by_need: dict[tuple[str, tuple], list[CrossTransfer]] = defaultdict(list)
     for c, t in zip(order, transfers):
         by_need[(c.name, c.group)].append(t)
@@ -428,5 +451,3 @@ def host_part(src_layouts, dst_layouts, parts, quant, planned, resolved, hosts, 
             else:
                 at = {box_of(t.box): t for t in got}
                 src.aligned[group] = tuple(at[b] for b in need.boxes)
-    return _HostPart(make_plan, src_layouts, dst_layouts, host_of, host, tuple(transfers), buffers, sources,
-                     jobs, local_jobs, mine)

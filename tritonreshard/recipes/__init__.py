@@ -4,7 +4,7 @@ Pure Python planning (no transformers or vLLM import). Modules, bottom up (each 
 above it in this list):
 
 * :mod:`~tritonreshard.recipes.builder`: the vLLM side every recipe shares (:class:`RecipeSpec`,
-  :class:`RecipeBuilder`, :func:`vllm_layout`, vLLM's vocab padding) and the argument and size checks;
+  :class:`RecipeBuilder`, :func:`tp_layout`, vLLM's vocab padding) and the argument and size checks;
 * :mod:`~tritonreshard.recipes.fp8`: vLLM's block-FP8 destinations (``quantization=``);
 * :mod:`~tritonreshard.recipes.dense`: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE (:data:`FAMILIES`);
 * :mod:`~tritonreshard.recipes.deepseek`: DeepSeek-V2 / V3 (MLA, dense-then-MoE layers, shared experts);
@@ -14,14 +14,14 @@ above it in this list):
 * :mod:`~tritonreshard.recipes.megatron`: Megatron-Core TP x PP x DP x EP shards (``megatron_to_vllm``,
   ``megatron_tensors``, ``megatron_bind``).
 """
-from .builder import RecipeBuilder, RecipeSpec, pad_vocab_size, vllm_layout
+from .builder import RecipeBuilder, RecipeSpec, pad_vocab_size, tp_layout, vllm_layout
 from .deepseek import DEEPSEEK_MODEL_TYPES, build_deepseek, deepseek_to_vllm
 from .dense import FAMILIES, Family, build_dense
 from .hf import RECIPES, hf_to_vllm
 from .lora import LORA_MODEL_TYPES, LORA_MODULES, PEFT_PREFIX, LoraSpec, lora_to_vllm
 from .megatron import Megatron, megatron_bind, megatron_tensors, megatron_to_vllm, megatron_vocab_size
 
-__all__ = ["hf_to_vllm", "RECIPES", "RecipeSpec", "RecipeBuilder", "vllm_layout", "Family", "FAMILIES",
+__all__ = ["hf_to_vllm", "RECIPES", "RecipeSpec", "RecipeBuilder", "tp_layout", "vllm_layout", "Family", "FAMILIES",
            "pad_vocab_size", "build_dense", "build_deepseek", "deepseek_to_vllm", "DEEPSEEK_MODEL_TYPES", "Megatron",
            "megatron_to_vllm", "megatron_tensors", "megatron_bind", "megatron_vocab_size", "lora_to_vllm", "LoraSpec",
            "LORA_MODEL_TYPES", "LORA_MODULES", "PEFT_PREFIX"]

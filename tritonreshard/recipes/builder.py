@@ -1,4 +1,4 @@
-"""The vLLM side every recipe shares: :class:`RecipeSpec`, :class:`RecipeBuilder`, :func:`vllm_layout`,
+"""The vLLM side every recipe shares: :class:`RecipeSpec`, :class:`RecipeBuilder`, :func:`tp_layout`,
 and the argument and size checks each recipe runs, written once.
 
 Pure Python planning (no transformers or vLLM import). Facts follow vLLM 0.32:
@@ -18,6 +18,7 @@ problem at once (:func:`raise_problems`).
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -26,7 +27,7 @@ import torch
 from ..layout import Layout, Part, Replicate, Shard
 from ..planning import BlockQuant, Plan, plan_quantized
 
-__all__ = ["RecipeSpec", "RecipeBuilder", "vllm_layout", "pad_vocab_size", "VOCAB_PADDING", "positive_int",
+__all__ = ["RecipeSpec", "RecipeBuilder", "tp_layout", "vllm_layout", "pad_vocab_size", "VOCAB_PADDING", "positive_int",
            "rank_list", "check_tp", "check_divisible", "check_vocab", "raise_problems"]
 
 #: vLLM's ``DEFAULT_VOCAB_PADDING_SIZE``.
@@ -109,16 +110,23 @@ class RecipeSpec:
         return plan_quantized(self.src, self.dst, self.parts, self.quant or None, rank=rank)
 
 
-def vllm_layout(shape, dst_ranks: Sequence[int], tp: int, placement, dtype: torch.dtype) -> Layout:
-    """A vLLM parameter's layout over ``k * tp`` inference ranks (``k = len(dst_ranks) // tp``
-    replicas of TP-``tp``, in order): ``placement`` over each replica's TP ranks; with several
-    replicas a ``(k, tp)`` mesh, ``Replicate`` over the replicas, so each replica holds a full copy
-    of one TP group's shards (one replica keeps the 1-D mesh it always had). Every recipe's
-    destination side goes through here."""
+def tp_layout(shape, dst_ranks: Sequence[int], tp: int, placement, dtype: torch.dtype) -> Layout:
+    """A tensor-parallel serving engine's parameter layout over ``k * tp`` inference ranks
+    (``k = len(dst_ranks) // tp`` replicas of TP-``tp``, in order): ``placement`` over each replica's
+    TP ranks; with several replicas a ``(k, tp)`` mesh, ``Replicate`` over the replicas, so each
+    replica holds a full copy of one TP group's shards (one replica keeps the 1-D mesh it always
+    had). Every recipe's destination side goes through here."""
     if len(dst_ranks) == tp:
         return Layout(shape, dst_ranks, [placement], dtype)
     mesh = [list(dst_ranks[i:i + tp]) for i in range(0, len(dst_ranks), tp)]
     return Layout(shape, mesh, [Replicate(), placement], dtype)
+
+
+def vllm_layout(shape, dst_ranks: Sequence[int], tp: int, placement, dtype: torch.dtype) -> Layout:
+    """Deprecated alias of :func:`tp_layout` (the layout is not vLLM's alone), kept for one release."""
+    warnings.warn("tritonreshard.recipes.vllm_layout is deprecated; use tritonreshard.recipes.tp_layout",
+                  DeprecationWarning, stacklevel=2)
+    return tp_layout(shape, dst_ranks, tp, placement, dtype)
 
 
 class RecipeBuilder:
@@ -127,7 +135,7 @@ class RecipeBuilder:
 
     Sources are FSDP rows (``Shard(0)``) of the trainer's tensors over ``src_ranks`` in
     ``src_dtype`` unless told otherwise; destinations are vLLM parameters over ``dst_ranks`` in
-    ``dtype``, laid out by :func:`vllm_layout` (``k`` replicas of TP-``tp``)."""
+    ``dtype``, laid out by :func:`tp_layout` (``k`` replicas of TP-``tp``)."""
 
     def __init__(self, src_ranks: Sequence[int], dst_ranks: Sequence[int], tp: int, dtype: torch.dtype,
                  src_dtype: torch.dtype):
@@ -142,7 +150,7 @@ class RecipeBuilder:
     def target(self, name: str, shape, placement, plist=None, dtype: torch.dtype | None = None) -> None:
         """vLLM parameter ``name`` of global ``shape``, split by ``placement`` over each replica's TP
         ranks; ``plist``: its parts (None: the source of the same name and shape)."""
-        self.dst[name] = vllm_layout(shape, self.dst_ranks, self.tp, placement, dtype or self.dtype)
+        self.dst[name] = tp_layout(shape, self.dst_ranks, self.tp, placement, dtype or self.dtype)
         if plist is not None:
             self.parts[name] = tuple(plist)
 

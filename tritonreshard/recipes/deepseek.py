@@ -97,50 +97,56 @@ def build_deepseek(config: Any, b: RecipeBuilder, *, expert_parallel: bool, quan
     raise_problems(f"hf_to_vllm: {model_type} (hidden_size={H}, heads={nq}, kv_lora_rank={kv_lora}), tp={tp}",
                    problems)
 
-    source, target, same = b.source, b.target, b.same
-
-    def mlp(pre, size):
-        b.gate_up(pre, "weight", (H,), size)
-        same(f"{pre}.down_proj.weight", (H, size), Shard(1))
-
-    source("model.embed_tokens.weight", (V, H))
+    b.source("model.embed_tokens.weight", (V, H))
     b.vocab("model.embed_tokens.weight", "model.embed_tokens.weight", V, H)
-    qk = nope + rope
     for i in range(L):
         pre = f"model.layers.{i}"
-        att = f"{pre}.self_attn"
-        kv_a = f"{att}.kv_a_proj_with_mqa.weight"
-        source(kv_a, (kv_lora + rope, H))
-        if q_lora:
-            q_a = f"{att}.q_a_proj.weight"
-            source(q_a, (q_lora, H))
-            target(f"{att}.fused_qkv_a_proj.weight", (q_lora + kv_lora + rope, H), Replicate(),
-                   [Part(q_a, [(0, q_lora), None]), Part(kv_a, [(q_lora, q_lora + kv_lora + rope), None])])
-            same(f"{att}.q_a_layernorm.weight", (q_lora,), Replicate())
-            same(f"{att}.q_b_proj.weight", (nq * qk, q_lora), Shard(0))
-        else:
-            target(kv_a, (kv_lora + rope, H), Replicate())
-            same(f"{att}.q_proj.weight", (nq * qk, H), Shard(0))
-        same(f"{att}.kv_a_layernorm.weight", (kv_lora,), Replicate())
-        same(f"{att}.kv_b_proj.weight", (nq * (nope + vhd), kv_lora), Shard(0))
-        same(f"{att}.o_proj.weight", (H, nq * vhd), Shard(1))
+        _mla(b, f"{pre}.self_attn", H, nq, q_lora, kv_lora, nope, rope, vhd)
         if i in moe_layers:
-            same(f"{pre}.mlp.gate.weight", (E, H), Replicate())
+            b.same(f"{pre}.mlp.gate.weight", (E, H), Replicate())
             if bias:  # a float32 buffer in transformers: whole on every trainer
                 name = f"{pre}.mlp.gate.e_score_correction_bias"
-                source(name, (E,), Replicate(), torch.float32)
-                target(name, (E,), Replicate(), dtype=torch.float32)
+                b.source(name, (E,), Replicate(), torch.float32)
+                b.target(name, (E,), Replicate(), dtype=torch.float32)
             if n_shared:
-                mlp(f"{pre}.mlp.shared_experts", moe_i * n_shared)
+                _mlp(b, f"{pre}.mlp.shared_experts", H, moe_i * n_shared)
             b.experts(f"{pre}.mlp", E, moe_i, H, expert_parallel)
         else:
-            mlp(f"{pre}.mlp", inter)
-        same(f"{pre}.input_layernorm.weight", (H,), Replicate())
-        same(f"{pre}.post_attention_layernorm.weight", (H,), Replicate())
-    same("model.norm.weight", (H,), Replicate())
+            _mlp(b, f"{pre}.mlp", H, inter)
+        b.same(f"{pre}.input_layernorm.weight", (H,), Replicate())
+        b.same(f"{pre}.post_attention_layernorm.weight", (H,), Replicate())
+    b.same("model.norm.weight", (H,), Replicate())
     if not tied:
-        source("lm_head.weight", (V, H))
+        b.source("lm_head.weight", (V, H))
     b.vocab("model.embed_tokens.weight" if tied else "lm_head.weight", "lm_head.weight", V, H)  # vLLM never ties it
+
+
+def _mla(b: RecipeBuilder, att: str, H: int, nq: int, q_lora: int | None, kv_lora: int, nope: int, rope: int,
+         vhd: int) -> None:
+    """One layer's MLA attention (``att``: ``model.layers.{i}.self_attn``): with q-lora (V3) q_a and
+    kv_a fused into ``fused_qkv_a_proj``, without it (V2) ``q_proj`` and ``kv_a_proj_with_mqa`` as they are."""
+    qk = nope + rope
+    kv_a = f"{att}.kv_a_proj_with_mqa.weight"
+    b.source(kv_a, (kv_lora + rope, H))
+    if q_lora:
+        q_a = f"{att}.q_a_proj.weight"
+        b.source(q_a, (q_lora, H))
+        b.target(f"{att}.fused_qkv_a_proj.weight", (q_lora + kv_lora + rope, H), Replicate(),
+                 [Part(q_a, [(0, q_lora), None]), Part(kv_a, [(q_lora, q_lora + kv_lora + rope), None])])
+        b.same(f"{att}.q_a_layernorm.weight", (q_lora,), Replicate())
+        b.same(f"{att}.q_b_proj.weight", (nq * qk, q_lora), Shard(0))
+    else:
+        b.target(kv_a, (kv_lora + rope, H), Replicate())
+        b.same(f"{att}.q_proj.weight", (nq * qk, H), Shard(0))
+    b.same(f"{att}.kv_a_layernorm.weight", (kv_lora,), Replicate())
+    b.same(f"{att}.kv_b_proj.weight", (nq * (nope + vhd), kv_lora), Shard(0))
+    b.same(f"{att}.o_proj.weight", (H, nq * vhd), Shard(1))
+
+
+def _mlp(b: RecipeBuilder, pre: str, H: int, size: int) -> None:
+    """A dense MLP (or the shared experts) of intermediate ``size``: gate_up_proj and down_proj."""
+    b.gate_up(pre, "weight", (H,), size)
+    b.same(f"{pre}.down_proj.weight", (H, size), Shard(1))
 
 
 def deepseek_to_vllm(config: Any, tp: int, src_ranks: tuple[int, ...], dst_ranks: tuple[int, ...],

@@ -80,7 +80,6 @@ def build_dense(config: Any, b: RecipeBuilder, *, expert_parallel: bool, quantiz
     V = config.vocab_size
     L = config.num_hidden_layers
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    Q = nq * hd
     moe = moe_layers(config)
     E = getattr(config, "num_experts", 0)
     moe_i = getattr(config, "moe_intermediate_size", 0)
@@ -105,38 +104,11 @@ def build_dense(config: Any, b: RecipeBuilder, *, expert_parallel: bool, quantiz
     raise_problems(f"hf_to_vllm: {config.model_type} (hidden_size={H}, heads={nq}, kv_heads={nkv}, "
                    f"head_dim={hd}), tp={tp}", problems)
 
-    def qkv(pre, suffix, tail):
-        """q/k/v -> qkv_proj (weight: tail=(H,), bias: tail=())."""
-        q, k, v = (f"{pre}.{x}_proj.{suffix}" for x in "qkv")
-        b.source(q, (Q, *tail))
-        b.source(k, (nkv * hd, *tail))
-        b.source(v, (nkv * hd, *tail))
-        rest = [None] * len(tail)
-        if tp <= nkv:
-            kv = nkv * hd
-            plist = [Part(q, [(0, Q), *rest]), Part(k, [(Q, Q + kv), *rest]), Part(v, [(Q + kv, Q + 2 * kv), *rest])]
-        else:  # one KV head per rank: rank r's box comes from head r // replicas
-            kv, rep = tp * hd, tp // nkv
-            plist = [Part(q, [(0, Q), *rest])]
-            for base, name in ((Q, k), (Q + kv, v)):
-                plist += [Part(name, [(base + j * hd, base + (j + 1) * hd), *rest],
-                               ((j // rep) * hd, *([0] * len(tail)))) for j in range(tp)]
-        b.target(f"{pre}.qkv_proj.{suffix}", (Q + 2 * kv, *tail), Shard(0, (Q, kv, kv)), plist)
-
     b.source("model.embed_tokens.weight", (V, H))
     b.vocab("model.embed_tokens.weight", "model.embed_tokens.weight", V, H)
     for i in range(L):
         pre = f"model.layers.{i}"
-        att = f"{pre}.self_attn"
-        qkv(att, "weight", (H,))
-        if _flag(fam.qkv_bias, config):
-            qkv(att, "bias", ())
-        b.same(f"{att}.o_proj.weight", (H, Q), Shard(1))
-        if _flag(fam.o_bias, config):
-            b.same(f"{att}.o_proj.bias", (H,), Replicate())
-        if fam.qk_norm:
-            b.same(f"{att}.q_norm.weight", (hd,), Replicate())
-            b.same(f"{att}.k_norm.weight", (hd,), Replicate())
+        _attention(b, config, fam, f"{pre}.self_attn", H, nq, nkv, hd)
         if i in moe:
             b.same(f"{pre}.mlp.gate.weight", (E, H), Replicate())
             b.experts(f"{pre}.mlp", E, moe_i, H, expert_parallel)
@@ -152,3 +124,37 @@ def build_dense(config: Any, b: RecipeBuilder, *, expert_parallel: bool, quantiz
     if not tied:
         b.source("lm_head.weight", (V, H))
         b.vocab("lm_head.weight", "lm_head.weight", V, H)
+
+
+def _attention(b: RecipeBuilder, config: Any, fam: Family, att: str, H: int, nq: int, nkv: int, hd: int) -> None:
+    """One layer's attention (``att``: ``model.layers.{i}.self_attn``): qkv_proj (and its bias),
+    o_proj (and its bias), the q/k norms, as ``fam`` has them."""
+    _qkv(b, att, "weight", (H,), nq * hd, nkv, hd)
+    if _flag(fam.qkv_bias, config):
+        _qkv(b, att, "bias", (), nq * hd, nkv, hd)
+    b.same(f"{att}.o_proj.weight", (H, nq * hd), Shard(1))
+    if _flag(fam.o_bias, config):
+        b.same(f"{att}.o_proj.bias", (H,), Replicate())
+    if fam.qk_norm:
+        b.same(f"{att}.q_norm.weight", (hd,), Replicate())
+        b.same(f"{att}.k_norm.weight", (hd,), Replicate())
+
+
+def _qkv(b: RecipeBuilder, pre: str, suffix: str, tail: tuple, Q: int, nkv: int, hd: int) -> None:
+    """q/k/v -> qkv_proj (weight: tail=(H,), bias: tail=()); ``Q``: the query rows (heads * hd)."""
+    tp = b.tp
+    q, k, v = (f"{pre}.{x}_proj.{suffix}" for x in "qkv")
+    b.source(q, (Q, *tail))
+    b.source(k, (nkv * hd, *tail))
+    b.source(v, (nkv * hd, *tail))
+    rest = [None] * len(tail)
+    if tp <= nkv:
+        kv = nkv * hd
+        plist = [Part(q, [(0, Q), *rest]), Part(k, [(Q, Q + kv), *rest]), Part(v, [(Q + kv, Q + 2 * kv), *rest])]
+    else:  # one KV head per rank: rank r's box comes from head r // replicas
+        kv, rep = tp * hd, tp // nkv
+        plist = [Part(q, [(0, Q), *rest])]
+        for base, name in ((Q, k), (Q + kv, v)):
+            plist += [Part(name, [(base + j * hd, base + (j + 1) * hd), *rest],
+                           ((j // rep) * hd, *([0] * len(tail)))) for j in range(tp)]
+    b.target(f"{pre}.qkv_proj.{suffix}", (Q + 2 * kv, *tail), Shard(0, (Q, kv, kv)), plist)

@@ -34,7 +34,7 @@ import torch
 
 from ..layout import Layout, Part, Replicate, Shard
 from ..planning import Plan, plan_reshard
-from .builder import check_divisible, check_tp, positive_int, raise_problems, rank_list, vllm_layout
+from .builder import check_divisible, check_tp, positive_int, raise_problems, rank_list, tp_layout
 
 __all__ = ["LoraSpec", "lora_to_vllm", "LORA_MODEL_TYPES", "LORA_MODULES", "PEFT_PREFIX"]
 
@@ -224,27 +224,66 @@ def lora_to_vllm(lora_config: Any, config: Any, tp: int, trainer_ranks, inferenc
     modules = [f"model.layers.{i}.{kind}" for i in range(L) for kind in LORA_MODULES]
     others = list(_NOT_LAID_OUT)
     chosen = _check_adapter(lora_config, modules, others, max_lora_rank, served_modules, problems)
-    H, nq = config.hidden_size, config.num_attention_heads
-    nkv = getattr(config, "num_key_value_heads", None) or nq
-    hd = getattr(config, "head_dim", None) or H // nq
-    inter = config.intermediate_size
+    dims = _Dims.of(config)
     if tp:
-        check_divisible(problems, "num_attention_heads", nq, tp)
-        if tp >= nkv and tp % nkv:
-            problems.append(f"tp={tp} >= num_key_value_heads={nkv} but is not a multiple of it")
-        if tp < nkv:
-            check_divisible(problems, "num_key_value_heads", nkv, tp)
-        check_divisible(problems, "intermediate_size", inter, tp)
+        _check_split(dims, tp, problems)
     raise_problems(f"lora_to_vllm: {model_type}, tp={tp}, max_lora_rank={max_lora_rank}", problems)
 
-    R = max_lora_rank
-    Q = nq * hd
-    src: dict[str, Layout] = {}
-    dst: dict[str, Layout] = {}
-    parts: dict[str, tuple[Part, ...]] = {}
-    scaling: dict[str, float] = {}
-    src_placement = Shard(0) if fsdp else Replicate()
+    slots = _SlotLayouts(dims, tp, max_lora_rank, src_ranks, dst_ranks, dtype, src_dtype,
+                         Shard(0) if fsdp else Replicate())
     for m, (r, scale) in chosen.items():
+        slots.module(m, r, scale)
+    return LoraSpec(model_type, tp, max_lora_rank, slots.src, slots.dst, slots.parts, slots.scaling,
+                    {m: r for m, (r, _) in chosen.items()})
+
+
+@dataclass(frozen=True)
+class _Dims:
+    """The base model's sizes an adapter's factors take theirs from."""
+
+    H: int
+    nq: int
+    nkv: int
+    hd: int
+    inter: int
+
+    @classmethod
+    def of(cls, config: Any) -> _Dims:
+        H, nq = config.hidden_size, config.num_attention_heads
+        return cls(H, nq, getattr(config, "num_key_value_heads", None) or nq,
+                   getattr(config, "head_dim", None) or H // nq, config.intermediate_size)
+
+
+def _check_split(dims: _Dims, tp: int, problems: list[str]) -> None:
+    """vLLM's split of the heads, KV heads (replicated when tp exceeds them) and MLP over ``tp``."""
+    check_divisible(problems, "num_attention_heads", dims.nq, tp)
+    if tp >= dims.nkv and tp % dims.nkv:
+        problems.append(f"tp={tp} >= num_key_value_heads={dims.nkv} but is not a multiple of it")
+    if tp < dims.nkv:
+        check_divisible(problems, "num_key_value_heads", dims.nkv, tp)
+    check_divisible(problems, "intermediate_size", dims.inter, tp)
+
+
+class _SlotLayouts:
+    """An adapter's layouts, parts and scalings as they are collected, one targeted module at a
+    time: its A/B factors on the trainers (``src_placement``), its slot views on vLLM's ranks."""
+
+    def __init__(self, dims: _Dims, tp: int, max_lora_rank: int, src_ranks, dst_ranks, dtype: torch.dtype,
+                 src_dtype: torch.dtype, src_placement):
+        self.dims, self.tp, self.R = dims, tp, max_lora_rank
+        self.src_ranks, self.dst_ranks, self.dtype, self.src_dtype = src_ranks, dst_ranks, dtype, src_dtype
+        self.src_placement = src_placement
+        self.src: dict[str, Layout] = {}
+        self.dst: dict[str, Layout] = {}
+        self.parts: dict[str, tuple[Part, ...]] = {}
+        self.scaling: dict[str, float] = {}
+
+    def module(self, m: str, r: int, scale: float) -> None:
+        """HF module ``m`` (``model.layers.{i}.{kind}``) with adapter rank ``r``: its ``lora_A`` into
+        slice ``i``'s ``lora_a_stacked`` rows ``[0, r)``, its ``lora_B`` into ``lora_b_stacked``
+        columns ``[0, r)``, the rest of the slot zero-filled."""
+        H, nkv, hd, inter = self.dims.H, self.dims.nkv, self.dims.hd, self.dims.inter
+        tp, R, Q = self.tp, self.R, self.dims.nq * hd
         pre, kind = m.rsplit(".", 2)[0], m.split(".", 3)[3]
         vmod, i, par = LORA_MODULES[kind]
         a_name, b_name = f"{PEFT_PREFIX}{m}.lora_A.weight", f"{PEFT_PREFIX}{m}.lora_B.weight"
@@ -252,24 +291,23 @@ def lora_to_vllm(lora_config: Any, config: Any, tp: int, trainer_ranks, inferenc
         out_size = {"q_proj": Q, "k_proj": nkv * hd, "v_proj": nkv * hd, "o_proj": H, "gate_proj": inter,
                     "up_proj": inter, "down_proj": H}[kind.rsplit(".", 1)[-1]]
         in_size = {"o_proj": Q, "down_proj": inter}.get(kind.rsplit(".", 1)[-1], H)
-        src[a_name] = Layout((r, in_size), src_ranks, [src_placement], src_dtype)
-        src[b_name] = Layout((out_size, r), src_ranks, [src_placement], src_dtype)
+        self.src[a_name] = Layout((r, in_size), self.src_ranks, [self.src_placement], self.src_dtype)
+        self.src[b_name] = Layout((out_size, r), self.src_ranks, [self.src_placement], self.src_dtype)
         pad_rows = [Part(None, [(r, R), None])] if r < R else []
         pad_cols = [Part(None, [None, (r, R)])] if r < R else []
         a_place = Shard(1) if par == "row" else Replicate()
-        dst[a_dst] = vllm_layout((R, in_size), dst_ranks, tp, a_place, dtype)
-        parts[a_dst] = (Part(a_name, [(0, r), None]), *pad_rows)
+        self.dst[a_dst] = tp_layout((R, in_size), self.dst_ranks, tp, a_place, self.dtype)
+        self.parts[a_dst] = (Part(a_name, [(0, r), None]), *pad_rows)
         if par == "row":
-            dst[b_dst] = vllm_layout((out_size, R), dst_ranks, tp, Replicate(), dtype)
+            self.dst[b_dst] = tp_layout((out_size, R), self.dst_ranks, tp, Replicate(), self.dtype)
             plist = [Part(b_name, [None, (0, r)])]
         elif kind.endswith(("k_proj", "v_proj")) and tp > nkv:
             # one KV head per rank, rank j's from head j // replicas (as the base qkv_proj)
             rep = tp // nkv
-            dst[b_dst] = vllm_layout((tp * hd, R), dst_ranks, tp, Shard(0), dtype)
+            self.dst[b_dst] = tp_layout((tp * hd, R), self.dst_ranks, tp, Shard(0), self.dtype)
             plist = [Part(b_name, [(j * hd, (j + 1) * hd), (0, r)], ((j // rep) * hd, 0)) for j in range(tp)]
         else:
-            dst[b_dst] = vllm_layout((out_size, R), dst_ranks, tp, Shard(0), dtype)
+            self.dst[b_dst] = tp_layout((out_size, R), self.dst_ranks, tp, Shard(0), self.dtype)
             plist = [Part(b_name, [None, (0, r)])]
-        parts[b_dst] = (*plist, *pad_cols)
-        scaling[b_dst] = float(scale)
-    return LoraSpec(model_type, tp, R, src, dst, parts, scaling, {m: r for m, (r, _) in chosen.items()})
+        self.parts[b_dst] = (*plist, *pad_cols)
+        self.scaling[b_dst] = float(scale)

@@ -129,126 +129,190 @@ def megatron_to_vllm(config: Any, *, megatron: Megatron, tp: int, trainer_ranks,
     if model_type not in FAMILIES:
         problems.append(f"config.model_type={model_type!r} has no recipe; known: {sorted(FAMILIES)}")
     raise_problems("megatron_to_vllm", problems)
-    m = megatron
-    W, mtp, pp, ep, etp = len(src_ranks), m.tp, m.pp, m.ep, m.expert_tp
-    H, nq = config.hidden_size, config.num_attention_heads
-    nkv = getattr(config, "num_key_value_heads", None) or nq
-    hd = getattr(config, "head_dim", None) or H // nq
-    L, V = config.num_hidden_layers, config.vocab_size
-    inter = getattr(config, "intermediate_size", 0)
-    moe = moe_layers(config)
-    E = getattr(config, "num_experts", 0) if moe else 0
-    moe_i = getattr(config, "moe_intermediate_size", 0)
-    dp = W // (mtp * pp) if W % (mtp * pp) == 0 else 0
-    if not dp:
-        problems.append(f"world {W} (len(trainer_ranks)) is not divisible by tp*pp={mtp}*{pp}")
-    if L % (pp * m.vpp):
-        problems.append(f"num_hidden_layers={L} is not divisible by pp={pp}" +
-                        (f" * vpp={m.vpp}" if m.vpp > 1 else ""))
-    check_divisible(problems, "num_attention_heads", nq, mtp, "Megatron tp")
-    if nkv % mtp:
-        problems.append(f"num_key_value_heads={nkv} (query groups) is not divisible by Megatron tp={mtp}")
-    if nq % nkv:
-        problems.append(f"num_attention_heads={nq} is not a multiple of num_key_value_heads={nkv}")
-    if len(moe) < L:
-        check_divisible(problems, "intermediate_size", inter, mtp, "Megatron tp")
-    if moe:
-        check_divisible(problems, "num_experts", E, ep, "ep")
-        check_divisible(problems, "moe_intermediate_size", moe_i, etp, "etp")
-    elif ep > 1 or m.etp not in (None, mtp):
-        problems.append(f"ep={ep}, etp={m.etp} but {model_type} has no expert layers")
-    if dp and (mtp * dp) % (etp * ep):
-        problems.append(f"etp*ep={etp}*{ep} does not divide tp*dp={mtp}*{dp} (expert-DP would not be whole)")
-    raise_problems(f"megatron_to_vllm: {model_type} with {m} over {W} trainer ranks", problems)
+    sizes = _Sizes.of(config, megatron, len(src_ranks))
+    raise_problems(f"megatron_to_vllm: {model_type} with {megatron} over {sizes.W} trainer ranks",
+                   _size_problems(sizes, megatron, model_type))
 
     hf = hf_to_vllm(config, tp=tp, trainer_ranks=src_ranks, inference_ranks=inference_ranks, dtype=dtype,
                     src_dtype=src_dtype, expert_parallel=expert_parallel, quantization=quantization,
                     scale_rule=scale_rule)
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    Vm = megatron_vocab_size(V, m)
-    edp = mtp * dp // (etp * ep)
-    qpg = nq // nkv
-    per_chunk = L // (pp * m.vpp)
+    sources = _MegatronSources(hf.src, megatron, sizes, src_ranks, src_dtype)
+    sources.vocab_and_final_norm(bool(getattr(config, "tie_word_embeddings", False)))
+    for i in range(sizes.L):
+        sources.layer(i)
+    missing = sorted(set(hf.src) - set(sources.pieces))
+    assert not missing, f"megatron_to_vllm: no Megatron mapping for HF sources {missing}"  # a new family row
+    parts = _megatron_parts(hf, sources.pieces)
+    return RecipeSpec(hf.model_type, hf.tp, hf.expert_parallel, sources.src, dict(hf.dst), parts, dict(hf.quant))
 
-    def dense_mesh(stage):
-        return [[src_ranks[m.dense_rank(t, d, stage, dp)] for t in range(mtp)] for d in range(dp)]
 
-    src: dict[str, Layout] = {}
-    # HF name -> [(hf box start, hf box stop, Megatron name (or aliases: copies), Megatron start)]
-    pieces: dict[str, list[tuple[tuple[int, ...], tuple[int, ...], str | tuple[str, ...], tuple[int, ...]]]] = {}
+@dataclass(frozen=True)
+class _Sizes:
+    """The model's sizes (from its ``transformers`` config) and the trainer's world ``W`` and data
+    parallel size ``dp`` (0 when ``W`` is not a multiple of ``tp * pp``), as megatron_to_vllm reads them."""
 
-    def dense(name, shape, placement, stage):
-        src[name] = Layout(shape, dense_mesh(stage), [Replicate(), placement], src_dtype)
+    W: int
+    H: int
+    nq: int
+    nkv: int
+    hd: int
+    L: int
+    V: int
+    inter: int
+    moe: set[int]  # moe_layers(config)
+    E: int
+    moe_i: int
+    dp: int
 
-    def same(hf_name, name, stage, placement=Replicate()):
-        shape = hf.src[hf_name].shape
-        dense(name, shape, placement, stage)
-        pieces[hf_name] = [((0,) * len(shape), shape, name, (0,) * len(shape))]
+    @classmethod
+    def of(cls, config: Any, m: Megatron, W: int) -> _Sizes:
+        H, nq = config.hidden_size, config.num_attention_heads
+        nkv = getattr(config, "num_key_value_heads", None) or nq
+        moe = moe_layers(config)
+        return cls(W=W, H=H, nq=nq, nkv=nkv, hd=getattr(config, "head_dim", None) or H // nq,
+                   L=config.num_hidden_layers, V=config.vocab_size, inter=getattr(config, "intermediate_size", 0),
+                   moe=moe, E=getattr(config, "num_experts", 0) if moe else 0,
+                   moe_i=getattr(config, "moe_intermediate_size", 0),
+                   dp=W // (m.tp * m.pp) if W % (m.tp * m.pp) == 0 else 0)
 
-    # Embedding: rows [0, V) of Megatron's padded vocab. Tied, pp = 1: output_layer is the
-    # embedding's own tensor; tied, pp > 1: the last stage's copy is an alias of the first's.
-    emb, out = "embedding.word_embeddings.weight", "output_layer.weight"
-    dense(emb, (Vm, H), Shard(0), 0)
-    if not tied or pp > 1:
-        dense(out, (Vm, H), Shard(0), pp - 1)
-    if not tied:
-        pieces["lm_head.weight"] = [((0, 0), (V, H), out, (0, 0))]
-    pieces["model.embed_tokens.weight"] = [((0, 0), (V, H), (emb, out) if tied and pp > 1 else emb, (0, 0))]
-    same("model.norm.weight", "decoder.final_layernorm.weight", pp - 1)
 
-    for i in range(L):
-        stage = (i // per_chunk) % pp
+def _size_problems(z: _Sizes, m: Megatron, model_type: str) -> list[str]:
+    """Every way the model's sizes do not split over Megatron's parallel settings."""
+    problems: list[str] = []
+    mtp, pp, ep, etp = m.tp, m.pp, m.ep, m.expert_tp
+    if not z.dp:
+        problems.append(f"world {z.W} (len(trainer_ranks)) is not divisible by tp*pp={mtp}*{pp}")
+    if z.L % (pp * m.vpp):
+        problems.append(f"num_hidden_layers={z.L} is not divisible by pp={pp}" +
+                        (f" * vpp={m.vpp}" if m.vpp > 1 else ""))
+    check_divisible(problems, "num_attention_heads", z.nq, mtp, "Megatron tp")
+    if z.nkv % mtp:
+        problems.append(f"num_key_value_heads={z.nkv} (query groups) is not divisible by Megatron tp={mtp}")
+    if z.nq % z.nkv:
+        problems.append(f"num_attention_heads={z.nq} is not a multiple of num_key_value_heads={z.nkv}")
+    if len(z.moe) < z.L:
+        check_divisible(problems, "intermediate_size", z.inter, mtp, "Megatron tp")
+    if z.moe:
+        check_divisible(problems, "num_experts", z.E, ep, "ep")
+        check_divisible(problems, "moe_intermediate_size", z.moe_i, etp, "etp")
+    elif ep > 1 or m.etp not in (None, mtp):
+        problems.append(f"ep={ep}, etp={m.etp} but {model_type} has no expert layers")
+    if z.dp and (mtp * z.dp) % (etp * ep):
+        problems.append(f"etp*ep={etp}*{ep} does not divide tp*dp={mtp}*{z.dp} (expert-DP would not be whole)")
+    return problems
+
+
+#: One piece of an HF source held by a Megatron tensor: (HF box start, HF box stop, Megatron name (or
+#: aliases: copies), Megatron start).
+_Piece = tuple[tuple[int, ...], tuple[int, ...], "str | tuple[str, ...]", tuple[int, ...]]
+
+
+class _MegatronSources:
+    """The Megatron tensors' layouts (``src``) as they are collected, and ``pieces``: ``{HF name:
+    [_Piece, ...]}``, where each region of every HF source lives among them."""
+
+    def __init__(self, hf_src: dict[str, Layout], m: Megatron, sizes: _Sizes, src_ranks, src_dtype: torch.dtype):
+        self.hf_src, self.m, self.z, self.src_ranks, self.src_dtype = hf_src, m, sizes, src_ranks, src_dtype
+        self.src: dict[str, Layout] = {}
+        self.pieces: dict[str, list[_Piece]] = {}
+
+    def dense(self, name, shape, placement, stage):
+        """A dense Megatron tensor of stage ``stage``: ``placement`` over its TP ranks, replicated over DP."""
+        m, dp = self.m, self.z.dp
+        mesh = [[self.src_ranks[m.dense_rank(t, d, stage, dp)] for t in range(m.tp)] for d in range(dp)]
+        self.src[name] = Layout(shape, mesh, [Replicate(), placement], self.src_dtype)
+
+    def same(self, hf_name, name, stage, placement=Replicate()):
+        """A Megatron tensor that is the whole of HF source ``hf_name``."""
+        shape = self.hf_src[hf_name].shape
+        self.dense(name, shape, placement, stage)
+        self.pieces[hf_name] = [((0,) * len(shape), shape, name, (0,) * len(shape))]
+
+    def vocab_and_final_norm(self, tied: bool):
+        """Embedding: rows [0, V) of Megatron's padded vocab. Tied, pp = 1: output_layer is the
+        embedding's own tensor; tied, pp > 1: the last stage's copy is an alias of the first's."""
+        pp, V, H = self.m.pp, self.z.V, self.z.H
+        Vm = megatron_vocab_size(V, self.m)
+        emb, out = "embedding.word_embeddings.weight", "output_layer.weight"
+        self.dense(emb, (Vm, H), Shard(0), 0)
+        if not tied or pp > 1:
+            self.dense(out, (Vm, H), Shard(0), pp - 1)
+        if not tied:
+            self.pieces["lm_head.weight"] = [((0, 0), (V, H), out, (0, 0))]
+        self.pieces["model.embed_tokens.weight"] = [((0, 0), (V, H), (emb, out) if tied and pp > 1 else emb, (0, 0))]
+        self.same("model.norm.weight", "decoder.final_layernorm.weight", pp - 1)
+
+    def layer(self, i: int):
+        """Decoder layer ``i`` (global), on the stage its virtual chunk is on."""
+        stage = (i // (self.z.L // (self.m.pp * self.m.vpp))) % self.m.pp
         hpre, mpre = f"model.layers.{i}", f"decoder.layers.{i}"
-        att, matt = f"{hpre}.self_attn", f"{mpre}.self_attention"
-        for suffix, tail in (("weight", (H,)), ("bias", ())):
-            if f"{att}.q_proj.{suffix}" not in hf.src:
+        self.attention(f"{hpre}.self_attn", f"{mpre}.self_attention", stage)
+        self.same(f"{hpre}.input_layernorm.weight", f"{mpre}.self_attention.linear_qkv.layer_norm_weight", stage)
+        if i in self.z.moe:
+            self.same(f"{hpre}.post_attention_layernorm.weight", f"{mpre}.pre_mlp_layernorm.weight", stage)
+            self.experts(f"{hpre}.mlp", f"{mpre}.mlp", stage)
+        else:
+            self.same(f"{hpre}.post_attention_layernorm.weight", f"{mpre}.mlp.linear_fc1.layer_norm_weight", stage)
+            self.mlp(f"{hpre}.mlp", f"{mpre}.mlp", stage)
+
+    def attention(self, att, matt, stage):
+        """q/k/v from ``linear_qkv``, interleaved per query group; o_proj, the q/k norms."""
+        nkv, hd = self.z.nkv, self.z.hd
+        qpg = self.z.nq // nkv
+        for suffix, tail in (("weight", (self.z.H,)), ("bias", ())):
+            if f"{att}.q_proj.{suffix}" not in self.hf_src:
                 continue
-            rows = nkv * (qpg + 2) * hd
             qkv = f"{matt}.linear_qkv.{suffix}"
-            dense(qkv, (rows, *tail), Shard(0), stage)
+            self.dense(qkv, (nkv * (qpg + 2) * hd, *tail), Shard(0), stage)
             zeros, full = (0,) * len(tail), tuple(tail)
             for x, width, at in (("q", qpg * hd, 0), ("k", hd, qpg * hd), ("v", hd, (qpg + 1) * hd)):
-                pieces[f"{att}.{x}_proj.{suffix}"] = [
+                self.pieces[f"{att}.{x}_proj.{suffix}"] = [
                     ((g * width, *zeros), ((g + 1) * width, *full), qkv, (g * (qpg + 2) * hd + at, *zeros))
                     for g in range(nkv)]
-        same(f"{att}.o_proj.weight", f"{matt}.linear_proj.weight", stage, Shard(1))
-        if f"{att}.o_proj.bias" in hf.src:
-            same(f"{att}.o_proj.bias", f"{matt}.linear_proj.bias", stage)
-        if f"{att}.q_norm.weight" in hf.src:
-            same(f"{att}.q_norm.weight", f"{matt}.q_layernorm.weight", stage)
-            same(f"{att}.k_norm.weight", f"{matt}.k_layernorm.weight", stage)
-        same(f"{hpre}.input_layernorm.weight", f"{matt}.linear_qkv.layer_norm_weight", stage)
-        mlp, mmlp = f"{hpre}.mlp", f"{mpre}.mlp"
-        if i in moe:
-            same(f"{hpre}.post_attention_layernorm.weight", f"{mpre}.pre_mlp_layernorm.weight", stage)
-            same(f"{mlp}.gate.weight", f"{mmlp}.router.weight", stage)
-            per_ep = E // ep
-            for e in range(E):
-                ep_rank = e // per_ep
-                mesh = [[src_ranks[m.expert_rank(t, ep_rank, d, stage, dp)] for t in range(etp)] for d in range(edp)]
-                fc1, fc2 = (f"{mmlp}.experts.local_experts.{e}.linear_fc{k}.weight" for k in (1, 2))
-                src[fc1] = Layout((1, 2 * moe_i, H), mesh, [Replicate(), Shard(1, (moe_i, moe_i))], src_dtype)
-                src[fc2] = Layout((1, H, moe_i), mesh, [Replicate(), Shard(2)], src_dtype)
-                pieces.setdefault(f"{mlp}.experts.gate_up_proj", []).append(
-                    ((e, 0, 0), (e + 1, 2 * moe_i, H), fc1, (0, 0, 0)))
-                pieces.setdefault(f"{mlp}.experts.down_proj", []).append(
-                    ((e, 0, 0), (e + 1, H, moe_i), fc2, (0, 0, 0)))
-        else:
-            same(f"{hpre}.post_attention_layernorm.weight", f"{mmlp}.linear_fc1.layer_norm_weight", stage)
-            for suffix, tail in (("weight", (H,)), ("bias", ())):
-                if f"{mlp}.gate_proj.{suffix}" not in hf.src:
-                    continue
-                fc1 = f"{mmlp}.linear_fc1.{suffix}"
-                dense(fc1, (2 * inter, *tail), Shard(0, (inter, inter)), stage)
-                zeros = (0,) * len(tail)
-                pieces[f"{mlp}.gate_proj.{suffix}"] = [((0, *zeros), (inter, *tail), fc1, (0, *zeros))]
-                pieces[f"{mlp}.up_proj.{suffix}"] = [((0, *zeros), (inter, *tail), fc1, (inter, *zeros))]
-            same(f"{mlp}.down_proj.weight", f"{mmlp}.linear_fc2.weight", stage, Shard(1))
-            if f"{mlp}.down_proj.bias" in hf.src:
-                same(f"{mlp}.down_proj.bias", f"{mmlp}.linear_fc2.bias", stage)
+        self.same(f"{att}.o_proj.weight", f"{matt}.linear_proj.weight", stage, Shard(1))
+        if f"{att}.o_proj.bias" in self.hf_src:
+            self.same(f"{att}.o_proj.bias", f"{matt}.linear_proj.bias", stage)
+        if f"{att}.q_norm.weight" in self.hf_src:
+            self.same(f"{att}.q_norm.weight", f"{matt}.q_layernorm.weight", stage)
+            self.same(f"{att}.k_norm.weight", f"{matt}.k_layernorm.weight", stage)
 
-    missing = sorted(set(hf.src) - set(pieces))
-    assert not missing, f"megatron_to_vllm: no Megatron mapping for HF sources {missing}"  # a new family row
+    def experts(self, mlp, mmlp, stage):
+        """The router and each expert's ``[1, ...]`` slab of the HF ``[E, ...]`` stacks, on the expert grid."""
+        m, z = self.m, self.z
+        H, moe_i, etp = z.H, z.moe_i, m.expert_tp
+        edp = m.tp * z.dp // (etp * m.ep)
+        self.same(f"{mlp}.gate.weight", f"{mmlp}.router.weight", stage)
+        per_ep = z.E // m.ep
+        for e in range(z.E):
+            ep_rank = e // per_ep
+            mesh = [[self.src_ranks[m.expert_rank(t, ep_rank, d, stage, z.dp)] for t in range(etp)]
+                    for d in range(edp)]
+            fc1, fc2 = (f"{mmlp}.experts.local_experts.{e}.linear_fc{k}.weight" for k in (1, 2))
+            self.src[fc1] = Layout((1, 2 * moe_i, H), mesh, [Replicate(), Shard(1, (moe_i, moe_i))], self.src_dtype)
+            self.src[fc2] = Layout((1, H, moe_i), mesh, [Replicate(), Shard(2)], self.src_dtype)
+            self.pieces.setdefault(f"{mlp}.experts.gate_up_proj", []).append(
+                ((e, 0, 0), (e + 1, 2 * moe_i, H), fc1, (0, 0, 0)))
+            self.pieces.setdefault(f"{mlp}.experts.down_proj", []).append(
+                ((e, 0, 0), (e + 1, H, moe_i), fc2, (0, 0, 0)))
+
+    def mlp(self, mlp, mmlp, stage):
+        """A dense MLP: gate/up from ``linear_fc1`` (``[gate; up]``), down from ``linear_fc2``."""
+        inter = self.z.inter
+        for suffix, tail in (("weight", (self.z.H,)), ("bias", ())):
+            if f"{mlp}.gate_proj.{suffix}" not in self.hf_src:
+                continue
+            fc1 = f"{mmlp}.linear_fc1.{suffix}"
+            self.dense(fc1, (2 * inter, *tail), Shard(0, (inter, inter)), stage)
+            zeros = (0,) * len(tail)
+            self.pieces[f"{mlp}.gate_proj.{suffix}"] = [((0, *zeros), (inter, *tail), fc1, (0, *zeros))]
+            self.pieces[f"{mlp}.up_proj.{suffix}"] = [((0, *zeros), (inter, *tail), fc1, (inter, *zeros))]
+        self.same(f"{mlp}.down_proj.weight", f"{mmlp}.linear_fc2.weight", stage, Shard(1))
+        if f"{mlp}.down_proj.bias" in self.hf_src:
+            self.same(f"{mlp}.down_proj.bias", f"{mmlp}.linear_fc2.bias", stage)
+
+
+def _megatron_parts(hf: RecipeSpec, pieces: dict[str, list[_Piece]]) -> dict[str, tuple[Part, ...]]:
+    """``hf``'s parts with each HF source region re-read from the Megatron tensors holding it."""
     parts: dict[str, tuple[Part, ...]] = {}
     scales = {q.scale for q in hf.quant.values()}  # written by the quantizer, read from no source
     for name, lay in hf.dst.items():
@@ -257,25 +321,32 @@ def megatron_to_vllm(config: Any, *, megatron: Megatron, tp: int, trainer_ranks,
         plist = hf.parts.get(name) or (Part(name, [None] * lay.ndim),)
         out: list[Part] = []
         for p in plist:
-            box = [(0, n) if iv is None else iv for iv, n in zip(p.dst, lay.shape)]
-            if p.src is None:
-                out.append(Part(None, box))
-                continue
-            start = p.src_start or (0,) * lay.ndim
-            lo = tuple(start)
-            hi = tuple(s + (b - a) for s, (a, b) in zip(start, box))
-            covered = 0
-            for plo, phi, mname, morigin in pieces[p.src]:
-                ilo = tuple(max(a, b) for a, b in zip(lo, plo))
-                ihi = tuple(min(a, b) for a, b in zip(hi, phi))
-                if any(a >= b for a, b in zip(ilo, ihi)):
-                    continue
-                covered += _numel(ilo, ihi)
-                out.append(Part(mname, [(a + (x - s), a + (y - s)) for (a, _), x, y, s in zip(box, ilo, ihi, lo)],
-                                tuple(o + (x - q) for o, x, q in zip(morigin, ilo, plo))))
-            assert covered == _numel(lo, hi), f"{name}: {p} is not covered by Megatron tensors"
+            out.extend(_split_part(name, p, lay, pieces))
         parts[name] = tuple(out)
-    return RecipeSpec(hf.model_type, hf.tp, hf.expert_parallel, src, dict(hf.dst), parts, dict(hf.quant))
+    return parts
+
+
+def _split_part(name: str, p: Part, lay: Layout, pieces: dict[str, list[_Piece]]) -> list[Part]:
+    """Part ``p`` of destination ``name`` (an HF source region, or a fill) as the parts that read
+    it from Megatron tensors, one per piece it crosses."""
+    box = [(0, n) if iv is None else iv for iv, n in zip(p.dst, lay.shape)]
+    if p.src is None:
+        return [Part(None, box)]
+    start = p.src_start or (0,) * lay.ndim
+    lo = tuple(start)
+    hi = tuple(s + (b - a) for s, (a, b) in zip(start, box))
+    out: list[Part] = []
+    covered = 0
+    for plo, phi, mname, morigin in pieces[p.src]:
+        ilo = tuple(max(a, b) for a, b in zip(lo, plo))
+        ihi = tuple(min(a, b) for a, b in zip(hi, phi))
+        if any(a >= b for a, b in zip(ilo, ihi)):
+            continue
+        covered += _numel(ilo, ihi)
+        out.append(Part(mname, [(a + (x - s), a + (y - s)) for (a, _), x, y, s in zip(box, ilo, ihi, lo)],
+                        tuple(o + (x - q) for o, x, q in zip(morigin, ilo, plo))))
+    assert covered == _numel(lo, hi), f"{name}: {p} is not covered by Megatron tensors"
+    return out
 
 
 def _numel(lo, hi) -> int:

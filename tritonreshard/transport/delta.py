@@ -60,7 +60,7 @@ _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _DIFF_WORDS = (2, 4)                  # word widths DIFF8 is offered for (1: no gain; 8: int64 range)
 _ESCAPE = -128                        # the DIFF8 byte of an entry whose new word follows whole
 _SECTION = 8                          # payload sections start at multiples of this
-_GATHER_BITS = 0x0102040810204080     # see encode (BITMASK)
+_GATHER_BITS = 0x0102040810204080     # see _TorchDelta.write_bitmask
 
 
 def _align(n: int) -> int:
@@ -162,16 +162,54 @@ def _diffs(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     return new.to(wide) - old.to(wide)
 
 
-def encode(new: torch.Tensor, old: torch.Tensor, word: int, *, force_sparse: bool = False,
-           backend: str | None = None, kind: int | None = None) -> Encoded:
-    """Encode ``new`` against ``old`` (flat uint8 tensors of the same length, on one device,
-    a multiple of ``word`` bytes). Returns the smallest :class:`Encoded` (``DENSE`` when no sparse
-    encoding is smaller; ``force_sparse``: the smallest sparse one even if it is not; ``kind``:
-    that one of :data:`KINDS`, whatever its size, for tests and benches).
+class _TorchDelta:
+    """Compare and compact with torch (any device; also Triton's fallback for 2**31 words or more).
 
-    ``backend``: ``"triton"`` (the compare-and-compact kernels of ``kernels.delta``: two passes
-    over the words, interpreted on CPU), ``"torch"``, or None: Triton on CUDA, torch elsewhere.
-    Both give the same encoding, byte for byte; messages of 2**31 words or more use torch."""
+    Built from the two messages' words: ``changed``, the words that differ. ``compact()``: their
+    positions (int64, ascending) and new values; ``write_bitmask(payload)``: the BITMASK section."""
+
+    def __init__(self, nw: torch.Tensor, ow: torch.Tensor, nmask: int):
+        self.nw, self.nmask = nw, nmask
+        self.mask = nw != ow
+        self.changed = int(torch.count_nonzero(self.mask))
+
+    def compact(self) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.nonzero(self.mask).view(-1)
+        return idx, self.nw[idx]
+
+    def write_bitmask(self, payload: torch.Tensor) -> None:
+        n = self.nw.numel()
+        if self.nw.device.type == "cpu":   # numpy's packbits: ~15x the torch bit-gather below on CPU
+            payload[:-(-n // 8)] = torch.from_numpy(np.packbits(self.mask.numpy(), bitorder="little"))
+            return
+        padded = torch.zeros(self.nmask * 8, dtype=torch.uint8, device=self.nw.device)
+        padded[:n] = self.mask
+        # Eight 0/1 bytes (an int64, little-endian) -> one byte, first byte lowest bit: the
+        # product gathers byte i into bit 56 + i, with no carries between them.
+        payload[:self.nmask] = ((padded.view(torch.int64) * _GATHER_BITS) >> 56).to(torch.uint8)
+
+
+class _TritonDelta:
+    """Compare and compact with ``kernels.delta`` (under 2**31 words): what :class:`_TorchDelta`
+    gives, byte for byte. Pass 1 (here) counts the changed words per block and writes the bitmask
+    (its bytes are the BITMASK section as they are); pass 2 (``compact()``) the changed words'
+    positions (ascending, as nonzero gives them) and new values."""
+
+    def __init__(self, nw: torch.Tensor, ow: torch.Tensor, nmask: int):
+        self.nw, self.ow, self.nmask = nw, ow, nmask
+        self.counts, self.bits = delta_count(nw, ow, nmask)
+        self.changed = int(self.counts.sum())
+
+    def compact(self) -> tuple[torch.Tensor, torch.Tensor]:
+        idx32, vals = delta_compact(self.nw, self.ow, self.counts, self.changed)
+        return idx32.to(torch.int64), vals
+
+    def write_bitmask(self, payload: torch.Tensor) -> None:
+        payload[:self.nmask] = self.bits
+
+
+def _check_encode(new: torch.Tensor, old: torch.Tensor, word: int, backend: str | None, kind: int | None) -> None:
+    """encode's arguments: one ValueError naming every problem."""
     problems = []
     if new.dtype != torch.uint8 or old.dtype != torch.uint8 or new.shape != old.shape or new.dim() != 1:
         problems.append(f"new and old must be flat uint8 tensors of one length, got "
@@ -186,38 +224,65 @@ def encode(new: torch.Tensor, old: torch.Tensor, word: int, *, force_sparse: boo
                         f"(DIFF8: words of {_DIFF_WORDS} bytes; INDEX32: under 2**31 words)")
     if problems:
         raise ValueError("encode: " + "; ".join(problems))
+
+
+def _dense_before_compacting(nw: torch.Tensor, ow: torch.Tensor, word: int, changed: int, nmask: int,
+                             kind: int | None, force_sparse: bool) -> bool:
+    """Whether ``DENSE`` is the answer before the positions are compacted: asked for, or no sparse
+    encoding can beat it. Every sparse encoding costs at least one byte an entry or one bit a word
+    for its positions, plus its values: the words themselves, or (DIFF8) one byte each and the
+    escaped words whole. The escapes are counted (a pass over every word) only where DIFF8 alone
+    could still win: at most 1/16 unchanged."""
+    if kind == DENSE:
+        return True
+    dense = nw.numel() * word
+    if kind is not None or force_sparse or min(changed * (word + 1), nmask + changed * word) < dense:
+        return False
+    diff8_bound = min(2 * changed, nmask + changed)
+    if word not in _DIFF_WORDS or diff8_bound >= dense:
+        return True
+    escaped = int(torch.count_nonzero(_diffs(nw, ow).abs() > 127))
+    return diff8_bound + escaped * word >= dense
+
+
+def _write_where(payload: torch.Tensor, where: int, delta, idx: torch.Tensor, gaps: torch.Tensor,
+                 pos: torch.Tensor, slots: torch.Tensor | None) -> None:
+    """The positions section of kind ``where`` (``pos``: the positions with gap fillers, ``slots``
+    None when there are none) at the start of ``payload``."""
+    m = pos.numel()
+    if where == BITMASK:
+        delta.write_bitmask(payload)
+    elif where == INDEX32:
+        payload[:4 * m].view(torch.int32).copy_(idx)
+    else:
+        gd = _GAP_DTYPE[where]
+        g = gaps if slots is None else _gaps(pos)
+        # 1..65535 as uint16 bits (two's complement of the int32), 1..255 as uint8
+        payload[:m * gd.itemsize].view(gd).copy_(g.to(torch.int32).to(gd))
+
+
+def encode(new: torch.Tensor, old: torch.Tensor, word: int, *, force_sparse: bool = False,
+           backend: str | None = None, kind: int | None = None) -> Encoded:
+    """Encode ``new`` against ``old`` (flat uint8 tensors of the same length, on one device,
+    a multiple of ``word`` bytes). Returns the smallest :class:`Encoded` (``DENSE`` when no sparse
+    encoding is smaller; ``force_sparse``: the smallest sparse one even if it is not; ``kind``:
+    that one of :data:`KINDS`, whatever its size, for tests and benches).
+
+    ``backend``: ``"triton"`` (the compare-and-compact kernels of ``kernels.delta``: two passes
+    over the words, interpreted on CPU), ``"torch"``, or None: Triton on CUDA, torch elsewhere.
+    Both give the same encoding, byte for byte; messages of 2**31 words or more use torch."""
+    _check_encode(new, old, word, backend, kind)
     wd = word_dtype(word)
     nw, ow = new.view(wd), old.view(wd)
     n = nw.numel()
     nmask = _align(-(-n // 8))
     if backend is None:
         backend = "triton" if new.device.type == "cuda" else "torch"
-    fused = backend == "triton" and n < 2 ** 31
-    if fused:
-        # pass 1: per-block counts and the bitmask (its bytes are the BITMASK section as they are)
-        counts, bits = delta_count(nw, ow, nmask)
-        changed = int(counts.sum())
-    else:
-        mask = nw != ow
-        changed = int(torch.count_nonzero(mask))
-    # Every sparse encoding costs at least one byte an entry or one bit a word for its positions,
-    # plus its values: the words themselves, or (DIFF8) one byte each and the escaped words whole.
-    # When no such bound beats dense, the positions are never compacted; the escapes are counted
-    # here (a pass over every word) only where DIFF8 alone could still win: at most 1/16 unchanged.
-    bound = min(changed * (word + 1), nmask + changed * word)
-    if kind == DENSE or (kind is None and not force_sparse and bound >= n * word):
-        escaped = None
-        if kind is None and word in _DIFF_WORDS and min(2 * changed, nmask + changed) < n * word:
-            escaped = int(torch.count_nonzero(_diffs(nw, ow).abs() > 127))
-        if kind == DENSE or escaped is None or min(2 * changed, nmask + changed) + escaped * word >= n * word:
-            return Encoded(DENSE, n * word, n, word, changed)
-    if fused:
-        # pass 2: the changed words' positions (ascending, as nonzero gives them) and new values
-        idx32, vals = delta_compact(nw, ow, counts, changed)
-        idx = idx32.to(torch.int64)
-    else:
-        idx = torch.nonzero(mask).view(-1)
-        vals = nw[idx]
+    delta = (_TritonDelta if backend == "triton" and n < 2 ** 31 else _TorchDelta)(nw, ow, nmask)
+    changed = delta.changed
+    if _dense_before_compacting(nw, ow, word, changed, nmask, kind, force_sparse):
+        return Encoded(DENSE, n * word, n, word, changed)
+    idx, vals = delta.compact()
     gaps = _gaps(idx)
     fillers = {k: int(((gaps - 1) // m).sum()) for k, m in _MAX_GAP.items()}
     escapes = d = None
@@ -237,24 +302,7 @@ def encode(new: torch.Tensor, old: torch.Tensor, word: int, *, force_sparse: boo
                   else (idx, None))
     m = pos.numel()
     wbytes = _where_bytes(where, n, m)
-    if where == BITMASK:
-        if fused:
-            payload[:nmask] = bits
-        elif new.device.type == "cpu":   # numpy's packbits: ~15x the torch bit-gather below on CPU
-            payload[:-(-n // 8)] = torch.from_numpy(np.packbits(mask.numpy(), bitorder="little"))
-        else:
-            padded = torch.zeros(nmask * 8, dtype=torch.uint8, device=new.device)
-            padded[:n] = mask
-            # Eight 0/1 bytes (an int64, little-endian) -> one byte, first byte lowest bit: the
-            # product gathers byte i into bit 56 + i, with no carries between them.
-            payload[:nmask] = ((padded.view(torch.int64) * _GATHER_BITS) >> 56).to(torch.uint8)
-    elif where == INDEX32:
-        payload[:4 * m].view(torch.int32).copy_(idx)
-    else:
-        gd = _GAP_DTYPE[where]
-        g = gaps if slots is None else _gaps(pos)
-        # 1..65535 as uint16 bits (two's complement of the int32), 1..255 as uint8
-        payload[:m * gd.itemsize].view(gd).copy_(g.to(torch.int32).to(gd))
+    _write_where(payload, where, delta, idx, gaps, pos, slots)
     values = nw[pos] if slots is not None else vals        # a filler's value: its word as it is
     if not kind & DIFF8:
         payload[wbytes:].view(wd).copy_(values)

@@ -34,16 +34,7 @@ def run_trainer(rank: int, rc: RunConfig, refit_store, dstore, epoch: int, devic
     cfg = PolicyConfig()
     comm = Comm(device, rc.comm_backend)
     src_layouts = trainer_layouts(cfg, rc.trainer_ranks)
-    resume = last_checkpoint(rc) if epoch > 0 else None
-    if epoch > 0 and resume is None:
-        raise RuntimeError(f"trainer epoch {epoch}: no complete checkpoint in {rc.checkpoint_dir} to restart from")
-    if resume is None:
-        full0 = init_params(cfg, rc.seed)
-        local = {n: lay.shard(full0[n], rank).to(device) for n, lay in src_layouts.items()}
-        ckpt = None
-    else:
-        ckpt = load_checkpoint(rc, resume, rank)
-        local = {n: t.to(device) for n, t in ckpt["params"].items()}
+    resume, ckpt, local = _starting_point(rank, rc, epoch, cfg, src_layouts, device)
     if rank == 0:
         dstore.set(f"trainers_up/{epoch}", "1")  # the inference group joins this epoch now
 
@@ -90,13 +81,10 @@ def run_trainer(rank: int, rc: RunConfig, refit_store, dstore, epoch: int, devic
                 "optimizer": opt.state_dict(), "queue": queue, "dropped": dropped})
             if rank == 0:
                 publish_probe(dstore, cfg, nxt, full)
-                dstore.set(f"step/{step}", json.dumps({
+                _report_step(dstore, rc, step, {
                     "step": step, "version": nxt, "reward": float(rewards.mean()), "epoch": epoch,
                     "batch_version": batch["version"], "staleness": staleness, "dropped": dropped,
-                    "loss": loss.item(), "step_ms": 1e3 * (time.perf_counter() - t_step)}))
-                if step == rc.steps:
-                    dstore.set("final_version", str(nxt))
-                dstore.add("steps_done", 1)
+                    "loss": loss.item(), "step_ms": 1e3 * (time.perf_counter() - t_step)})
             version = tr.publish()
             published = True
             assert version == nxt, (version, nxt)
@@ -111,6 +99,28 @@ def run_trainer(rank: int, rc: RunConfig, refit_store, dstore, epoch: int, devic
         wait_key(dstore, "inference_closed", rc.timeout)
     finally:
         tr.close()
+
+
+def _starting_point(rank: int, rc: RunConfig, epoch: int, cfg: PolicyConfig, src_layouts, device: torch.device):
+    """``(resume, ckpt, local)``: the version a restarted group resumes from (None for epoch 0), its
+    checkpoint (None: a fresh start), and this rank's row shards on ``device``, from the seed or the
+    checkpoint."""
+    resume = last_checkpoint(rc) if epoch > 0 else None
+    if epoch > 0 and resume is None:
+        raise RuntimeError(f"trainer epoch {epoch}: no complete checkpoint in {rc.checkpoint_dir} to restart from")
+    if resume is None:
+        full0 = init_params(cfg, rc.seed)
+        return None, None, {n: lay.shard(full0[n], rank).to(device) for n, lay in src_layouts.items()}
+    ckpt = load_checkpoint(rc, resume, rank)
+    return resume, ckpt, {n: t.to(device) for n, t in ckpt["params"].items()}
+
+
+def _report_step(dstore, rc: RunConfig, step: int, stats: dict) -> None:
+    """Rank 0's record of a finished step (and, after the last, the final version) in the store."""
+    dstore.set(f"step/{step}", json.dumps(stats))
+    if step == rc.steps:
+        dstore.set("final_version", str(stats["version"]))
+    dstore.add("steps_done", 1)
 
 
 def _next_batch(dstore, tr, rc: RunConfig, queue: int, dropped: int, version: int):
