@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from tritonreshard import PeerDiedError, RefitTrainer
+from tritonreshard import PeerDiedError, RefitTrainer, Timeouts
 
 from ..driver import wait_key
 from .config import RunConfig
@@ -40,7 +40,7 @@ def run_trainer(rank: int, rc: RunConfig, refit_store, dstore, epoch: int, devic
 
     # A restarted group resumes the version numbering: its first publish() is resume + 1.
     tr = RefitTrainer(local, src_layouts, rank=rank, world_size=rc.world_size, store=refit_store,
-                      timeout=rc.timeout, peer_timeout=rc.peer_timeout, epoch=epoch,
+                      timeouts=Timeouts(wait=rc.timeout, peer=rc.peer_timeout), epoch=epoch,
                       start_version=resume or 0)
     try:
         # Train on the arena tensors themselves: Parameter(t) shares t's storage, and Adam updates
