@@ -343,7 +343,7 @@ def test_endpoint_rejects_bad_destinations_before_moving_data(kind, mode):
     t = _bad_dst(kind)
     before = t.detach().clone() if isinstance(t, torch.Tensor) and t.device.type != "meta" else None
     with pytest.raises(ValueError, match=r"dst_tensors") as info:
-        _endpoint(dst_tensors={"w": t}, mode=mode)
+        _endpoint(dst_tensors={"w": t}, pull=trs.PullOptions(mode=mode))
     assert "nothing was moved" in str(info.value)
     if before is not None:
         assert torch.equal(t.detach(), before)
@@ -359,19 +359,23 @@ def test_endpoint_rejects_bad_sources(kind):
         _endpoint(src_tensors=src)
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(timeout=-1), dict(timeout="5"), dict(peer_timeout=0), dict(mode=None), dict(world_size=0),
-    dict(rank=-1), dict(rank="0"), dict(backend=3), dict(src_layouts=None),
+@pytest.mark.parametrize("make, key", [
+    (lambda: dict(timeouts=trs.Timeouts(wait=-1)), "wait"), (lambda: dict(timeouts=trs.Timeouts(wait="5")), "wait"),
+    (lambda: dict(timeouts=trs.Timeouts(peer=0)), "peer"), (lambda: dict(pull=trs.PullOptions(mode=None)), "mode"),
+    (lambda: dict(world_size=0), "world_size"), (lambda: dict(rank=-1), "rank"), (lambda: dict(rank="0"), "rank"),
+    (lambda: dict(pull=trs.PullOptions(backend=3)), "backend"), (lambda: dict(src_layouts=None), "src_tensors"),
+    (lambda: dict(timeouts=5), "timeouts"), (lambda: dict(pull="inplace"), "pull"),
+    (lambda: dict(timeouts=None, peer_timeout=0), "peer"),  # the old keyword: the same check, one warning
 ])
-def test_endpoint_bad_arguments(kwargs):
+@pytest.mark.filterwarnings("ignore:RefitEndpoint:DeprecationWarning")
+def test_endpoint_bad_arguments(make, key):
     with pytest.raises((ValueError, TypeError)) as info:
-        _endpoint(**kwargs)
-    key = next(iter(kwargs)).replace("src_layouts", "src_tensors")
+        _endpoint(**make())
     assert key in str(info.value)
 
 
 def test_endpoint_bad_call_arguments_name_the_parameter():
-    with _endpoint(mode="inplace") as ep:
+    with _endpoint(pull=trs.PullOptions(mode="inplace")) as ep:
         ep.publish()
         for bad in ("1", 1.5, None, True):
             if bad is None:

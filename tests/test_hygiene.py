@@ -121,30 +121,30 @@ def _endpoint(store, **kw):
 def test_endpoint_close_and_error_paths_release_everything():
     store = rdv.connect_store(f"127.0.0.1:{free_port()}", world_size=1, is_master=True, timeout=10)
     for mode in ("shadow", "inplace"):  # warm-up
-        with _endpoint(store, mode=mode) as ep:
+        with _endpoint(store, pull=trs.PullOptions(mode=mode)) as ep:
             ep.publish()
             ep.pull()
     del ep
     before = snapshot()
     for mode in ("shadow", "inplace"):
         # normal close
-        with _endpoint(store, mode=mode) as ep:
+        with _endpoint(store, pull=trs.PullOptions(mode=mode)) as ep:
             ep.publish()
             assert ep.pull() == 1
         del ep
         assert_clean(before)
         # a pull that raised (nothing publishes version 5), then close through __exit__
         with pytest.raises(TimeoutError, match="version 5"):
-            with _endpoint(store, mode=mode) as ep:
+            with _endpoint(store, pull=trs.PullOptions(mode=mode)) as ep:
                 ep.publish()
                 ep.pull(version=5, timeout=0.3)
         del ep
         assert_clean(before)
         # set-up failed validation: wrong shard shape, bad destination
         with pytest.raises(ValueError, match="nothing was moved"):
-            _endpoint(store, mode=mode, src_tensors={"w": torch.zeros(4, 5)})
+            _endpoint(store, pull=trs.PullOptions(mode=mode), src_tensors={"w": torch.zeros(4, 5)})
         with pytest.raises(ValueError, match="nothing was moved"):
-            _endpoint(store, mode=mode, dst_tensors={"w": torch.zeros(4, 6)})
+            _endpoint(store, pull=trs.PullOptions(mode=mode), dst_tensors={"w": torch.zeros(4, 6)})
         assert_clean(before)
 
 
