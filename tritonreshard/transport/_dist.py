@@ -50,6 +50,7 @@ from .wait import Doorbell, wait_until
 __all__ = ["DistLink", "CrossHostCopy", "PendingExchange", "LinkError"]
 
 
+_WHOLE = Dense()   # how a message travels to a receiver that gets no deltas this refit
 _HEADER_WORDS = 3   # (version, base version, bytes) per (sender, receiver) pair and refit (base 0: whole)
 
 
@@ -337,7 +338,7 @@ class CrossHostCopy:
                and bases[p] == self._last_sent[p] for p in self.receivers}
         encs = []
         for i, (p, view) in enumerate(self._send_views):
-            codec = self.codec if use[p] else Dense()
+            codec = self.codec if use[p] else _WHOLE
             encs.append(codec.encode(view, self._snap_views[i] if use[p] else None, self._send_word[i]))
         if self.link.device.type == "cuda":
             torch.cuda.current_stream(self.link.device).synchronize()  # payloads before NCCL reads them
