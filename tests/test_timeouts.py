@@ -18,7 +18,6 @@ import torch
 import tritonreshard as trs
 from tritonreshard import Layout, Replicate
 from tritonreshard.engine import rendezvous as rdv
-from tritonreshard.engine.liveness import HEARTBEAT_S, proc_state
 from tritonreshard.engine.sources import Sources
 
 from _faults import die, fd_targets, our_fds, our_maps
@@ -232,7 +231,7 @@ def _dead_reader_worker(rank, port, how):
         ep.store.set("gone_at", str(time.monotonic()).encode())
         if how == "kill":
             die()
-        os.kill(os.getpid(), signal.SIGSTOP)  # hung, not dead: only the heartbeat tells
+        os.kill(os.getpid(), signal.SIGSTOP)  # hung, not dead: alive per its pidfd, silent
         time.sleep(60)
         return {}
     with trs.RefitTrainer({"w": value(1)}, {"w": Layout(SHAPE, [0], [Replicate()])}, **kw) as ep:
@@ -241,25 +240,32 @@ def _dead_reader_worker(rank, port, how):
         ep.store.wait(["gone_at"])
         ep.source_tensors["w"].copy_(value(2))
         ep.publish()
-        with pytest.raises(trs.PeerDiedError) as info:
-            ep.fence()
+        # a dead reader: PeerDiedError at once; a stopped one only fails the fence on its own timeout
+        with pytest.raises(trs.PeerDiedError if how == "kill" else TimeoutError) as info:
+            ep.fence(timeout=None if how == "kill" else STOP_WAIT)
         latency = time.monotonic() - float(ep.store.get("gone_at"))
+        rep = {"error": str(info.value), "rank": getattr(info.value, "rank", None), "latency": latency,
+               "dead_peers": ep.dead_peers()}
         if how == "stop":
             os.kill(ep.members[1].pid, signal.SIGKILL)
-        return {"error": str(info.value), "rank": info.value.rank, "latency": latency}
+        return rep
+
+
+STOP_WAIT = 3.0  # the fence's timeout on the stopped reader (> peer_timeout=1.5 s: it is silent by then)
 
 
 @pytest.mark.parametrize("how", ["kill", "stop"])
-def test_reader_gone_makes_fence_raise_peer_died(how):
+def test_reader_dead_fails_the_fence_at_once_and_a_stopped_one_on_its_timeout(how):
     out = run_ranks(_dead_reader_worker, 2, args=(free_port(), how), timeout=120, victims=[1])
     rep = out[0]
-    assert rep["rank"] == 1 and "while waiting for readers [1] to ack version 2" in rep["error"], rep
+    assert "readers [1] to ack version 2" in rep["error"], rep
     if how == "kill":
-        assert "rank 1 (pid" in rep["error"] and "died" in rep["error"], rep
+        assert rep["rank"] == 1 and "rank 1 (pid" in rep["error"] and "died" in rep["error"], rep
         assert rep["latency"] < 20, rep
-    else:  # SIGSTOPped: alive but silent, noticed after peer_timeout=1.5 s
-        assert "sent no heartbeat" in rep["error"] and "peer_timeout=1.5 s" in rep["error"], rep
-        # Its last heartbeat may be up to one period older than "gone_at": detection that much
-        # earlier than 1.5 s is correct.
-        assert 1.5 - HEARTBEAT_S - 0.05 <= rep["latency"] < 1.5 + 20, rep
+    else:  # SIGSTOPped: alive per its pidfd, so never dead; the fence times out and names it silent
+        assert rep["dead_peers"] == [], rep
+        assert f"timed out after {STOP_WAIT:g} s" in rep["error"], rep
+        assert "rank 1 (pid" in rep["error"] and "is alive (stopped) but sent no heartbeat" in rep["error"], rep
+        assert "peer_timeout=1.5 s): hung or starved" in rep["error"], rep
+        assert STOP_WAIT <= rep["latency"] < STOP_WAIT + 20, rep
     print(f"reader {how}: noticed after {rep['latency']:.3f} s")

@@ -31,8 +31,9 @@ def _seconds(value) -> bool:
 @dataclass(frozen=True)
 class Timeouts:
     """``wait``: seconds for set-up and for each wait (fence, waiting for a version), the default of
-    every call's ``timeout=``; ``peer``: seconds without a heartbeat after which a peer counts as
-    dead (a local peer whose process is gone is noticed at once)."""
+    every call's ``timeout=``; ``peer``: seconds without a heartbeat after which a peer on another
+    host counts as dead (a local peer counts as dead once its process exited, noticed at once; one
+    alive but silent for ``peer`` is named in a wait's timeout error, see ``engine.liveness``)."""
 
     wait: float = 60.0
     peer: float = 10.0

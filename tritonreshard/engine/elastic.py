@@ -25,8 +25,9 @@ the newest version any of its sources admitted it at, and acks the one before to
 fence waits for a version the reader never reads and no reader reads an arena being written.
 
 Leaving: a reader that closes clears its join words (the trainers drop it at once); one that dies
-(its pidfd) or stops heart-beating for ``peer_timeout`` is dropped by the trainers' admitter threads
-and fences. ``fence()`` never waits for a dropped reader, and never raises for one: the group goes
+(its pidfd says it exited) is dropped by the trainers' admitter threads and fences at once; one
+that is alive but silent (hung, or starved by a loaded machine) only once its silence outlasted the
+wait timeout (``Timeouts(wait=)``), not ``peer_timeout``: a fence meanwhile may time out. ``fence()`` never waits for a dropped reader, and never raises for one: the group goes
 on. A trainer that dies still ends the epoch: the replicas ``rejoin()`` the restarted trainers'
 next epoch through the same join.
 
@@ -184,7 +185,10 @@ class ElasticPublisher(Publisher):
         self._next_reap = now + _wait.SLICE_S
         self._scan()  # one that cleared its join word and then exited left: it did not die
         for r in list(self._admitted):
-            reason = self.group.liveness.dead_reason(r)
+            live = self.group.liveness
+            reason = live.dead_reason(r)
+            if not reason and live.silent_s(r) > self.group.timeout:  # hung for a whole wait timeout
+                reason = f"{live.silence(r)}; dropped after the wait timeout ({self.group.timeout:g} s)"
             if reason:
                 self._drop(r, reason, dead=True)
 

@@ -78,7 +78,8 @@ class Group:
         rank, world_size: this rank and the number of processes of the group.
         epoch: the group epoch (>= 0).
         timeout: seconds for each set-up step; peer_timeout: seconds without a heartbeat after
-            which a peer counts as dead (a local process that is gone is noticed at once).
+            which a peer on another host counts as dead (a local process counts as dead only once
+            it exited, noticed at once; one that is alive but silent fails a wait on its timeout).
     """
 
     def __init__(self, base_store, *, rank: int, world_size: int, epoch: int = 0, name: str = "default",
@@ -135,8 +136,8 @@ class Group:
 
     # ------------------------------------------------------------------ liveness
     def dead_peers(self) -> list[int]:
-        """Ranks of this epoch known dead now (no waiting): local processes that are gone, and peers
-        whose heartbeat (shared memory or store) is older than ``peer_timeout``."""
+        """Ranks of this epoch known dead now (no waiting): local processes that exited, and peers
+        on other hosts whose heartbeat (the store's counter) stood still for ``peer_timeout``."""
         return [r for r in sorted(self.members) if r != self.rank and self.liveness.dead_reason(r)]
 
     def check_peers(self, peers, what: str, *, closed_is_gone: bool = True) -> None:
@@ -201,6 +202,8 @@ class Group:
             self.check_peers((), what)
         if not _wait.wait_until(done, doorbell or (lambda: None), time.monotonic() + timeout, check):
             extra = f" ({status()})" if status else ""
+            silent = [why for why in map(self.liveness.silence, peers) if why] if self.liveness else []
+            extra += "".join(f"; {why}" for why in silent)  # alive, not dead: the wait's own timeout ends it
             raise TimeoutError(f"rank {self.rank}: timed out after {timeout:g} s waiting for {what}{extra}")
 
     # ------------------------------------------------------------------ lifetime

@@ -1,18 +1,22 @@
 """Liveness: is a peer of this epoch still there? One answer for peers on this host and on others.
 
-* **This host**: a peer whose process exited is dead at once: a pidfd (``pidfd_open``, opened when the
-  epoch's members are known) turns readable when it exits, zombies included, and never names a
-  reused pid; where there is none (not Linux, or a kernel before 5.3), ``/proc/<pid>`` says so. A
-  peer
-  that stopped heart-beating into a control block this rank shares with it for ``peer_timeout``
-  seconds (a hung process) is dead too. The pidfd matters after a copy: right after a large CPU copy
-  evicted the caches, reading ``/proc`` took ~100 us where a poll of the pidfd takes ~20 us (measured
-  on the 2-core CI machine), and the post-copy check is on every pull's critical path. Heartbeats go into every block this rank
-  reads or owns (``beat_into``); this rank watches the blocks its peers beat into (``watch``).
+* **This host**: a peer is dead when its process exited, and only then: a pidfd (``pidfd_open``,
+  opened when the epoch's members are known) turns readable when it exits, zombies included, and
+  never names a reused pid; where there is none (not Linux, or a kernel before 5.3), ``/proc/<pid>``
+  says so. A peer that is alive but stopped heart-beating for ``peer_timeout`` seconds is *not*
+  dead: a loaded machine starves live processes (the whole VM, or the process, not running for
+  seconds), and a false death would end the epoch. It is *silent* (:meth:`Liveness.silence`): a
+  wait on it that runs out of its own timeout says so (hung or starved), and only then fails. The
+  pidfd matters after a copy: right after a large CPU copy evicted the caches, reading ``/proc``
+  took ~100 us where a poll of the pidfd takes ~20 us (measured on the 2-core CI machine), and the
+  post-copy check is on every pull's critical path. Heartbeats go into every block this rank reads
+  or owns (``beat_into``); this rank watches the blocks its peers beat into (``watch``).
 * **Other hosts** (only ranks of a cross-host route, ``watch_remote``): a counter per rank in the
-  group's store, bumped every heartbeat. A peer whose counter stood still for ``peer_timeout`` is
-  dead; one that set ``closed/<rank>`` left (a clean close: gone at once for a wait that needs it,
-  but not for a transfer it already completed, see ``dead_reason(closed_is_gone=)``).
+  group's store, bumped every heartbeat. A peer whose counter stood still for ``peer_timeout`` of
+  this rank's own looking is dead (a stretch in which this rank itself did not run, or did not look,
+  counts at most a quarter of it: a machine that paused both must not make the peer look silent).
+  One that set ``closed/<rank>`` left (a clean close: gone at once for a wait that needs it, but not
+  for a transfer it already completed, see ``dead_reason(closed_is_gone=)``).
 
 One thread per rank beats both. Who calls what: the :class:`~tritonreshard.engine.group.Group` owns
 one :class:`Liveness` per epoch; the publisher, subscriber and relay register the blocks and peers
@@ -34,6 +38,10 @@ __all__ = ["Liveness", "HEARTBEAT_S", "proc_state"]
 HEARTBEAT_S = 0.2
 # How often a waiter reads one cross-host peer's counter (a store round trip each).
 _LOOK_S = 0.5
+# The most one interval between two looks at a cross-host peer adds to its silence (and at most a
+# quarter of peer_timeout): when this rank itself was starved, or nobody waited, for longer, the
+# peer's counter is given the benefit of the doubt.
+_GAP_S = 4 * _LOOK_S
 
 
 def proc_state(pid: int) -> str | None:
@@ -51,8 +59,8 @@ class Liveness:
 
     Args:
         rank: this rank. members: ``{rank: Member}`` of the epoch (pid and host of each).
-        host: this rank's host identity. peer_timeout: seconds without a heartbeat before a peer
-        counts as dead. store: the epoch's store (cross-host counters live under ``live/``).
+        host: this rank's host identity. peer_timeout: seconds without a heartbeat before a peer on
+        another host counts as dead, and one on this host (alive) as silent. store: the epoch's store (cross-host counters live under ``live/``).
     """
 
     def __init__(self, rank: int, members: dict, host: str, peer_timeout: float, store):
@@ -61,7 +69,7 @@ class Liveness:
         self._beat: list = []                # control blocks this rank heart-beats into
         self._watch: dict[int, object] = {}  # local peer -> a block that peer heart-beats into
         self._remote: tuple[int, ...] = ()   # peers on other hosts (store counters)
-        self._counts: dict[int, tuple[int, float]] = {}  # remote peer -> (counter, when it changed)
+        self._counts: dict[int, tuple[int, float, float]] = {}  # remote peer -> (counter, silent s, last look)
         self._looked: dict[int, tuple[float, str | None]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -178,19 +186,32 @@ class Liveness:
         m = self.members[peer]
         if m.host == self.host:
             exited = self._exited(peer, m.pid)
-            if exited:
-                return f"rank {peer} (pid {m.pid}) {exited}"
-            control = self._watch.get(peer)
-            if control is not None:
-                beat = control.last_heartbeat_ns(peer)
-                age = (time.monotonic_ns() - beat) / 1e9
-                if beat > 0 and age > self.peer_timeout:
-                    return (f"rank {peer} (pid {m.pid}) sent no heartbeat for {age:.1f} s "
-                            f"(peer_timeout={self.peer_timeout:g} s)")
-            return None
+            return f"rank {peer} (pid {m.pid}) {exited}" if exited else None
         if peer not in self._remote:
             return None
         return self._remote_reason(peer, closed_is_gone)
+
+    def silent_s(self, peer: int) -> float:
+        """Seconds since a local ``peer`` that is alive last heart-beat (0.0: not watched, gone, or
+        never beat). Its silence is no death (see the module): what a hang is, the caller decides."""
+        m = self.members.get(peer)
+        control = self._watch.get(peer)
+        if m is None or m.host != self.host or control is None or self._exited(peer, m.pid):
+            return 0.0
+        beat = control.last_heartbeat_ns(peer)
+        return (time.monotonic_ns() - beat) / 1e9 if beat > 0 else 0.0
+
+    def silence(self, peer: int) -> str | None:
+        """Why a local ``peer`` that is alive looks hung, or None: it sent no heartbeat for more than
+        ``peer_timeout`` (for a wait's timeout message; a silent peer is not dead, see the module)."""
+        age = self.silent_s(peer)
+        if age <= self.peer_timeout:
+            return None
+        pid = self.members[peer].pid
+        state = {"T": "stopped", "t": "stopped (traced)", "D": "in uninterruptible sleep", "R": "running",
+                 "S": "sleeping"}.get(proc_state(pid) or "", "alive")
+        return (f"rank {peer} (pid {pid}) is alive ({state}) but sent no heartbeat for {age:.1f} s "
+                f"(peer_timeout={self.peer_timeout:g} s): hung or starved")
 
     def _remote_reason(self, peer: int, closed_is_gone: bool) -> str | None:
         now = time.monotonic()
@@ -210,13 +231,15 @@ class Liveness:
             return f"rank {peer} (pid {m.pid} on host {m.host!r}) closed its endpoint"
         count = self._store.add(f"hb/{peer}", 0)
         with self._lock:
-            seen, since = self._counts.get(peer, (None, now))
+            seen, silent, last = self._counts.get(peer, (None, 0.0, now))
             if count != seen:
-                self._counts[peer] = (count, now)
+                self._counts[peer] = (count, 0.0, now)
                 return None
-        if now - since > self.peer_timeout:
+            silent += min(now - last, _GAP_S, self.peer_timeout / 4)  # what this rank saw: its stalls count little
+            self._counts[peer] = (count, silent, now)
+        if silent > self.peer_timeout:
             return (f"rank {peer} (pid {m.pid} on host {m.host!r}) sent no heartbeat for "
-                    f"{now - since:.1f} s (peer_timeout={self.peer_timeout:g} s)")
+                    f"{silent:.1f} s (peer_timeout={self.peer_timeout:g} s)")
         return None
 
     # ------------------------------------------------------------------ lifetime
