@@ -179,6 +179,11 @@ def main(case):
             summary["fault_error"] = str(exc)
         summary["fault_serves_previous"] = \
             vllm_greedy(llm, prompts, MAX_TOKENS, lora_request=request) == summary["greedy"][-1]
+        # The version already served, asked again: refused on every worker, nothing installed.
+        try:
+            refit_lora(llm, refits, timeout=2.0)
+        except RuntimeError as exc:
+            summary["repeat_error"] = str(exc)
         for name, lora_id, path in case["probe"]:
             assert llm.llm_engine.add_lora(LoRARequest(name, lora_id, path)), name
         torch.save(llm.collective_rpc(read_slots), case["slots_out"])

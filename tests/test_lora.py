@@ -280,6 +280,12 @@ def test_lora_refit_in_place_equals_transformers_peft(live):
     # a failed refit installs nothing: the adapter keeps serving version 3 on every rank
     assert "refit of version 4 failed" in summary["fault_error"] and "keeps serving version 3" in summary["fault_error"]
     assert summary["fault_serves_previous"] is True
+    # a repeated version is refused by every worker (docs/lora.md), and the adapter keeps serving it
+    assert "refit of version 3 failed" in summary["repeat_error"], summary.get("repeat_error")
+    assert "must be newer than the serving version 3" in summary["repeat_error"]
+    assert "keeps serving version 3" in summary["repeat_error"]
+    # refit_lora returns one dict per worker: its version, pull and install times, bytes received
+    assert all(set(w) == {"ok", "version", "pull_ms", "agree_apply_ms", "bytes"} for s in summary["worker"] for w in s)
     assert [[w["version"] for w in step] for step in summary["worker"]] == [[1, 1], [2, 2], [3, 3]]
     # each worker pulled exactly its slot views, minus the rank padding it zero-fills itself
     spec = trs.recipes.lora_to_vllm(dict(r=8, lora_alpha=12, target_modules=ALL7), _config(), 2, TRAINERS, [2, 3],

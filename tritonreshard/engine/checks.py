@@ -223,6 +223,9 @@ def local_inputs(rank: int, src: SourceArgs | None, dst: DestinationArgs | None,
     if isinstance(tensors, torch.nn.Module):  # its parameters are re-pointed at the arena
         params = dict(tensors.named_parameters())
         tensors = {n: p.data for n, p in params.items()}
+    elif isinstance(tensors, Mapping):  # an optimizer steps these objects: re-pointed too, or its steps are lost
+        params = {n: t for n, t in tensors.items() if isinstance(t, torch.nn.Parameter) or (
+            isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad)}
     src_map, problems = local_sources(rank, tensors, src.layouts if src is not None else None)
     dst_map, dst_device, more = local_destinations(rank, dst.tensors if dst is not None else None,
                                                    dst.layouts if dst is not None else None, device)

@@ -328,8 +328,11 @@ class _TrainerMethods:
 
     def publish(self) -> int:
         """After ``optimizer.step()``: publish the arena's contents as a new version. Returns the
-        version. Call ``fence()`` before changing the weights again."""
-        return self._pub("publish").publish()
+        version. Call ``fence()`` before changing the weights again. ``ValueError`` (nothing
+        published) if a parameter the trainer re-pointed at its arena was re-pointed elsewhere since."""
+        pub = self._pub("publish")
+        self._trainer.arena.check_bound()
+        return pub.publish()
 
     def fence(self, timeout: float | None = None) -> None:
         """Before the next ``optimizer.step()``: wait until every rank that reads this rank's arena
@@ -527,8 +530,9 @@ class RefitTrainer(_TrainerMethods, _Rank):
     ``tensors``: this rank's local shards ``{name: tensor}`` or an ``nn.Module`` whose named
     parameters are the local shards (or a ``fully_shard`` FSDP2 model, which brings its layouts:
     ``layouts`` may then be None). They are copied into the exported arena once; a module's
-    parameters are re-pointed at the arena (``param.data``), so training runs on it with no copy per
-    step. Shapes must equal ``layouts[name].local_shape(rank)``, dtypes match. ``layouts``: the
+    parameters, and a dict's ``nn.Parameter`` and ``requires_grad`` leaf values, are re-pointed at the
+    arena (``param.data``), so an optimizer on them trains the arena with no copy per step. Other
+    tensors stay where they were: train ``tensors`` (the arena), not them. Shapes must equal ``layouts[name].local_shape(rank)``, dtypes match. ``layouts``: the
     trainer group's global layouts ``{name: Layout}`` (same on every trainer rank).
     ``start_version``: the version before the first ``publish()`` (a restarted trainer continues the
     numbering of its checkpoint). Where it meets (``rank``, ``world_size``, ``store``, ...) and its

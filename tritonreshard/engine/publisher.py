@@ -54,6 +54,7 @@ class SourceArena:
         self.device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
         self.arena = self.control = None
         self.tensors: dict[str, torch.Tensor] = {}
+        self.bound: dict[str, torch.Tensor] = {}  # the caller's parameters re-pointed at the arena
         try:
             self.arena = create_arena(max(total, 1), self.device, secret=group.secret)
             n = group.world_size if readers is None else readers  # elastic: join words for every rank < readers
@@ -67,14 +68,26 @@ class SourceArena:
                 view = fsdp2.rebind(name, self.arena.tensor(off, size // t.element_size(), t.dtype))
             else:
                 view = self.arena.tensor(off, t.shape, t.dtype)
-                view.copy_(t)  # the one copy: afterwards training runs on the arena
+                view.copy_(t.detach())  # the one copy: afterwards training runs on the arena
             self.tensors[name] = view
             if params and name in params:
                 params[name].data = view
+                self.bound[name] = params[name]
         self.control.publish(int(start_version))
         self.buffer = BufferRef("arena", self.rank)
         self.offsets = dict(zip(names, offsets))
         self.exported = Exported(self.buffer, self.arena.export(), self.control.export(), dict(self.offsets))
+
+    def check_bound(self) -> None:
+        """Before a publish: every re-pointed parameter must still be a view of its arena shard.
+        One re-pointed again since (``param.data = ...``, ``load_state_dict(assign=True)``,
+        ``module.to(...)``) trains memory no reader sees: one ``ValueError`` names them all."""
+        gone = [n for n, p in self.bound.items() if p.data_ptr() != self.tensors[n].data_ptr()
+                or p.shape != self.tensors[n].shape or p.stride() != self.tensors[n].stride()]
+        if gone:
+            raise ValueError(f"publish (rank {self.rank}): {gone} no longer are views of the trainer's arena (re-pointed "
+                             f"since the trainer bound them), so what trains them would never be published; "
+                             f"train the trainer's tensors, or make a new trainer from the new tensors")
 
     @property
     def flat(self) -> torch.Tensor:
@@ -96,7 +109,7 @@ class SourceArena:
 
     def close(self) -> None:
         """Release the arena and the control block (idempotent)."""
-        self.tensors = {}
+        self.tensors, self.bound = {}, {}
         if self.control is not None:
             self.control.close()
             self.control = None

@@ -24,8 +24,8 @@ from .. import RefitTrainer, recipes
 from ..serving import SRC_DTYPES, ServingInit, join_as_trainer, rank_problems, serving_rank, src_dtype_problems
 from . import WorkerExtension
 
-__all__ = ["LoraTrainer", "LoraWorkerExtension", "LORA_WORKER_EXTENSION", "lora_init_info", "setup_lora_refit",
-           "refit_lora"]
+__all__ = ["LoraTrainer", "LoraWorkerExtension", "LORA_WORKER_EXTENSION", "LORA_TIMEOUT", "lora_init_info",
+           "setup_lora_refit", "refit_lora"]
 
 LORA_WORKER_EXTENSION = f"{__name__}.LoraWorkerExtension"
 
@@ -37,12 +37,19 @@ def _adapter_dict(lora_config) -> dict:
     return json.loads(json.dumps(raw, default=lambda v: sorted(v) if isinstance(v, (set, frozenset)) else str(v)))
 
 
+#: The LoRA refit's default ``timeout`` (seconds; trainers and engine workers): the trainers meet the
+#: workers only once the engine has started, which took 35-69 s on 2 shared CPU cores in issue 41's
+#: runs (the general 60 s would expire first). A dead peer is still noticed by its heartbeat (``peer_timeout``, 10 s).
+LORA_TIMEOUT = 300.0
+
+
 def lora_init_info(lora_config, *, lora_name: str, lora_id: int, store: str, trainer_ranks, inference_ranks,
                    src_dtype: str = "float32", fsdp: bool = False, group: str = "vllm-lora",
-                   timeout: float = 60.0) -> dict:
+                   timeout: float = LORA_TIMEOUT) -> dict:
     """The plain dict for ``collective_rpc("init_lora_refit", kwargs={"info": ...})``: the adapter
-    (``lora_config``: a ``peft.LoraConfig``), the ``LoRARequest`` name and id requests will use, and
-    the refit group (as :func:`tritonreshard.vllm.init_info`)."""
+    (``lora_config``: a ``peft.LoraConfig`` or its dict), the ``LoRARequest`` name and id requests
+    will use, and the refit group (as :func:`tritonreshard.vllm.init_info`). ``timeout``: the
+    workers' wait for the trainers at set-up and the default of each pull (:data:`LORA_TIMEOUT`)."""
     problems = []
     if not isinstance(lora_name, str) or not lora_name:
         problems.append(f"lora_name={lora_name!r} must be a non-empty str")
@@ -56,18 +63,67 @@ def lora_init_info(lora_config, *, lora_name: str, lora_id: int, store: str, tra
             "src_dtype": src_dtype, "fsdp": bool(fsdp), "group": group, "timeout": float(timeout)}
 
 
+def _adapter_tensors(tensors, adapter_name: str) -> dict:
+    """``{PEFT saved name: tensor}`` of a ``peft`` model's LoRA parameters (the parameters themselves,
+    so that the trainer binds them; ``...lora_A.{adapter}.weight`` is saved as ``...lora_A.weight``,
+    as ``get_peft_model_state_dict`` names it), or ``tensors`` as given when they are a dict."""
+    if not isinstance(tensors, torch.nn.Module):
+        return tensors if isinstance(tensors, dict) else {}
+    out = {}
+    for name, p in tensors.named_parameters():
+        for kind in ("lora_A", "lora_B"):
+            if f".{kind}.{adapter_name}." in name:
+                out[name.replace(f".{kind}.{adapter_name}.", f".{kind}.")] = p
+    return out
+
+
 class LoraTrainer(RefitTrainer):
-    """Trainer side: this rank's adapter tensors ``{PEFT saved name: tensor}`` (what
-    ``peft.get_peft_model_state_dict`` gives, whole or, with ``fsdp=True``, this rank's ``Shard(0)``
-    rows), published to the vLLM workers' LoRA slots. ``spec``: the recipe (``lora_to_vllm``)."""
+    """Trainer side: this rank's adapter, published to the vLLM workers' LoRA slots.
+
+    ``tensors``: the ``peft`` model itself (its LoRA parameters of adapter ``adapter_name``), or
+    ``{PEFT saved name: tensor}`` (the names ``peft.get_peft_model_state_dict`` gives; whole or,
+    with ``fsdp=True``, this rank's ``Shard(0)`` rows). Every ``nn.Parameter`` (or ``requires_grad``
+    leaf) given is *bound*: re-pointed at the trainer's shared buffer (``param.data``), so that
+    ``optimizer.step()`` on the model writes what ``publish()`` publishes, with no copy. Any other
+    tensor is copied into the buffer once: train ``tensors`` then. ``publish()`` raises
+    ``ValueError`` naming each given tensor that was written after that copy (e.g. the detached
+    ``get_peft_model_state_dict`` tensors, whose parameters an optimizer stepped: those steps would
+    never be published) or each bound parameter re-pointed elsewhere since.
+
+    ``max_lora_rank``: the engine's (vLLM's default 16); the adapter's ranks are checked against it
+    here, the engine checks them against its own in :func:`setup_lora_refit`. ``timeout``: see
+    :data:`LORA_TIMEOUT`. ``spec``: the recipe (``lora_to_vllm``). Other keywords: ``RefitTrainer``'s.
+    """
 
     def __init__(self, config, lora_config, tensors, *, rank: int, tp: int, trainer_ranks, inference_ranks, store,
-                 max_lora_rank: int = 16, fsdp: bool = False, group: str = "vllm-lora", **kwargs):
-        dtype = next(iter(tensors.values())).dtype
+                 max_lora_rank: int = 16, fsdp: bool = False, group: str = "vllm-lora", adapter_name: str = "default",
+                 timeout: float = LORA_TIMEOUT, **kwargs):
+        given = _adapter_tensors(tensors, adapter_name)
+        if not given or not all(isinstance(t, torch.Tensor) for t in given.values()):
+            raise ValueError(f"LoraTrainer: tensors must be a peft model with LoRA parameters of adapter "
+                             f"{adapter_name!r}, or a dict PEFT saved name -> tensor; got {type(tensors).__name__}"
+                             f"{' without them' if isinstance(tensors, torch.nn.Module) else ''}")
+        dtype = next(iter(given.values())).dtype
         self.spec = recipes.lora_to_vllm(_adapter_dict(lora_config), config, tp, trainer_ranks, inference_ranks,
                                          max_lora_rank=max_lora_rank, src_dtype=dtype, fsdp=fsdp)
-        join_as_trainer(self, tensors, self.spec.src, rank=rank,
-                        world_size=len(trainer_ranks) + len(inference_ranks), store=store, group=group, **kwargs)
+        join_as_trainer(self, given, self.spec.src, rank=rank, world_size=len(trainer_ranks) + len(inference_ranks),
+                        store=store, group=group, timeout=timeout, **kwargs)
+        # The copied tensors (not views of the buffer now) and their version counters: torch bumps a
+        # tensor's ``_version`` on every in-place write, and shares it with the parameter a detached
+        # tensor came from, so an optimizer's step on that parameter shows here. Held (an adapter is
+        # small) so that a dropped state dict cannot hide it.
+        buffer = self.tensors
+        self._copied = {n: (t, t._version) for n, t in given.items()
+                        if n in buffer and t.data_ptr() != buffer[n].data_ptr()}
+
+    def publish(self) -> int:
+        """Publish the adapter's next version (see the class docstring for what is refused)."""
+        written = sorted(n for n, (t, v) in self._copied.items() if t._version != v)
+        if written:
+            raise ValueError(f"LoraTrainer.publish: {written} were written after the trainer copied them into its "
+                             f"buffer, and the buffer is what is published: pass the peft model (or its "
+                             f"nn.Parameters) so that they are bound to the buffer, or train tr.tensors")
+        return super().publish()
 
 
 class _LoraSlot:
