@@ -43,8 +43,9 @@ Faults (``--fault``, see its help): a rank's failure makes the driver set an ``a
 ranks waiting on the store poll; ranks blocked in a collective get gloo's "connection closed" at
 once; the engine raises PeerDiedError in fences and pulls. The inference group decides at each
 rollout boundary through its MIN all-reduce whether every TP rank's pull succeeded and nothing
-aborted: if not, every TP rank discards its pull, the group verifies what it serves (digest against
-the trainers' digest of that version) and records it, then exits. Survivors get ``--peer-timeout``
+aborted: if not, the group settles its pull (installed if every TP rank's pull completed, else
+discarded on every rank: the fault contract of docs/guarantees.md), verifies what it serves (digest
+against the trainers' digest of that version) and records it and why, then exits. Survivors get ``--peer-timeout``
 + 10 s to exit on their own before the driver terminates them. Each failed rank is reported in one
 line (``TRITONRESHARD_DEBUG=1`` prints the ranks' tracebacks too).
 
@@ -52,7 +53,7 @@ Restarts (``--restart``): when only trainers failed, the driver stops what is le
 group and starts new trainer processes in the refit group's next epoch; they load the newest
 checkpoint every trainer rank wrote (each rank checkpoints a version before publishing it, so the
 checkpoint is never older than what the inference group holds) and publish from the next version
-on. The inference processes drop the broken pull together, keep generating on their last complete
+on. The inference processes settle the pull in flight together (the same contract), keep generating on their last complete
 version, and ``rejoin()`` the new epoch once its trainers are up; refits go on, verified as before.
 ``recoveries`` counts the restarts, ``recovery_ms`` is the time from the failure to the first
 refit of the new epoch.

@@ -42,8 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--fault", metavar="KIND:K", default=None,
                         help="inject a fault, to see how failures are handled. kill-trainer:K: trainer "
                              "rank 0 SIGKILLs itself right after publishing version K (2 <= K <= steps+1), "
-                             "while the inference ranks pull it; they reject K and keep serving K-1 "
-                             "(checked against the trainers' digest of K-1). kill-inference:K: the first "
+                             "while the inference ranks pull it; they serve K if every TP rank's pull of K "
+                             "completed before the kill, else discard it and serve K-1 (checked against the "
+                             "trainers' digest of the version served; \"inference_why\" says which). kill-inference:K: the first "
                              "inference rank (TP rank 0, global rank --trainers) SIGKILLs itself when it "
                              "would pull version K; the trainers' fence() raises PeerDiedError naming it "
                              "and the refit fails (the dead reader is reported, never dropped silently). "

@@ -4,10 +4,12 @@ The serving loop of :class:`InferenceRank`, every TP rank in lockstep:
 
 1. :meth:`~InferenceRank.boundary`: at each rollout boundary one MIN all-reduce makes every TP rank
    take the same decision (newest version, pull done / failed, demo aborting, trainer epoch);
-2. :meth:`~InferenceRank.stop`: a failed pull (without ``--restart``) or an aborting demo: drop the
-   pull together, verify what the group serves, record it, raise :class:`InferenceGroupStopped`;
+2. :meth:`~InferenceRank.stop`: a failed pull (without ``--restart``) or an aborting demo: settle
+   the pull together (:meth:`~InferenceRank.settle_pull`: installed if complete on every TP rank,
+   else discarded), verify what the group serves, record it and why, raise
+   :class:`InferenceGroupStopped`;
 3. :meth:`~InferenceRank.follow_trainers`: ``--restart``: the trainers failed or a new trainer
-   epoch is up: drop the pull, keep serving, ``rejoin()`` that epoch;
+   epoch is up: settle the pull the same way, keep serving, ``rejoin()`` that epoch;
 4. :meth:`~InferenceRank.refit_shadow` / :meth:`~InferenceRank.refit_inplace`: swap in a finished
    background pull and start the next one / pull in place while generation waits;
 5. :meth:`~InferenceRank.record_refit`: the slowest rank's pull and stall, the verification probe;
@@ -150,25 +152,25 @@ class InferenceRank:
         return Boundary(latest, bool(all_done), bool(all_finished), bool(all_ok), bool(go_on), epoch, aborted)
 
     def stop(self, b: Boundary) -> None:
-        """Some TP rank's pull failed, or another rank of the demo did: every TP rank drops its pull
-        (even a successful one), so the group keeps serving one complete version; then raises."""
+        """Some TP rank's pull failed, or another rank of the demo did: the group settles its pull
+        (:meth:`settle_pull`: installed if complete on every TP rank, else discarded), so it serves
+        one complete version, verifies and records it, then raises."""
         noticed = time.time()
-        cause = self.drop_pull()
+        pulling = self.pulling
+        cause, why = self.settle_pull()
         if cause is None:
-            cause = (f"another TP rank's pull of version {self.pulling} failed" if not b.all_ok else
+            cause = (f"another TP rank's pull of version {pulling} failed" if not b.all_ok else
                      f"the demo is stopping ({self.dstore.get('abort').decode()})" if b.aborted else
                      "another TP rank saw the demo stop")
-        what = f"refit of version {self.pulling} failed" if self.pulling is not None else "refit stopped"
-        self.fail_group(what, cause, noticed)
+        what = "refit stopped" if pulling is None else f"refit of version {pulling} stopped"
+        self.fail_group(what, cause, noticed, why)
 
     def follow_trainers(self, epoch: int) -> int:
         """--restart: the trainers failed (a pull says so, or the driver already started new ones).
-        Drop the pull together, keep serving, and join the new epoch once its trainers are up; this
+        Settle the pull together (:meth:`settle_pull`), keep serving, and join the new epoch once its trainers are up; this
         process and its weights live on. Returns the newest version to pull."""
         inf = self.inf
-        if self.pulling is not None:
-            self.drop_pull()
-            self.pulling = None
+        self.settle_pull()
         self.orphaned = True
         if epoch > inf.epoch:
             inf.rejoin(epoch=epoch)
@@ -218,8 +220,9 @@ class InferenceRank:
         refit = (time.perf_counter() - t, time.time())
         ok = self.comm.all_reduce_min(torch.tensor([int(cause is None)], dtype=torch.int64), IGROUP)
         if not int(ok):
-            self.fail_group(f"in-place refit of version {latest} failed",
-                            cause or "another TP rank's pull failed", time.time())
+            self.fail_group(f"in-place refit of version {latest} failed", cause or "another TP rank's pull failed",
+                            time.time(), f"the in-place pull of version {latest} failed: the serving tensors "
+                            f"may be torn (consistent is False where its copy had started)")
         return refit
 
     def record_refit(self, stall: float, installed_at: float) -> None:
@@ -298,18 +301,38 @@ class InferenceRank:
             self.dstore.set("inference_closed", "1")
 
     # -- failures -------------------------------------------------------------------------------
-    def drop_pull(self):
-        """Every TP rank, after the group decided to drop its pull: wait for it to end (its own
-        waits are bounded), discard it; returns its error (None if it had succeeded or none ran)."""
-        if self.pulling is None:
-            return None
-        inf = self.inf
-        poll_until(inf.pull_done, timeout=2 * self.rc.timeout, what=f"the pull of version {self.pulling} to end")
+    def settle_pull(self) -> tuple[BaseException | None, str]:
+        """Every TP rank together, after the group decided to stop or to follow new trainers: the
+        fault contract (docs/guarantees.md). Each rank waits for its pull in flight to end (its
+        waits are bounded); if every TP rank's pull succeeded, the version is complete (every byte
+        copied while every source was alive and still at that version, then acked) and is swapped
+        in, verified and recorded like any refit; if any failed, every rank discards it. Returns
+        (this rank's pull error or None, why the group serves what it serves)."""
+        inf, version = self.inf, self.pulling
+        if version is None:
+            return None, (f"no pull was in flight: version {inf.version}, installed after every TP rank's pull "
+                          f"of it completed, is the last complete one")
+        poll_until(inf.pull_done, timeout=2 * self.rc.timeout, what=f"the pull of version {version} to end")
         cause = inf.pull_error()
-        inf.discard()
-        return cause
+        mine = torch.zeros(self.rc.inference, dtype=torch.int64)
+        mine[self.rank - self.rc.trainers] = int(cause is not None)
+        failed = [i for i, f in enumerate(self.comm.all_reduce(mine, IGROUP).tolist()) if f]
+        if failed:
+            inf.discard()
+            self.pulling = None
+            err = "" if cause is None else f" (here: {type(cause).__name__})"
+            return cause, (f"the pull of version {version} failed on TP rank(s) {failed}{err}: torn or "
+                           f"unvouched, discarded on every TP rank; version {inf.version}, the last complete "
+                           f"one, is served")
+        t = time.perf_counter()
+        inf.swap()
+        stall = time.perf_counter() - t
+        self.pulling = None
+        self.record_refit(stall, time.time())
+        return None, (f"every TP rank's pull of version {version} completed (copied while every source "
+                      f"was alive and at version {version}, then acked): complete, so installed and served")
 
-    def fail_group(self, what: str, cause, noticed: float) -> None:
+    def fail_group(self, what: str, cause, noticed: float, why: str) -> None:
         """Every TP rank, together, after the group decided to stop: check what the group serves
         (all ranks on one version, none torn, and the gathered weights' digest equal to the digest
         the trainers published for that version), record it as ``inference_final``, then raise."""
@@ -327,7 +350,7 @@ class InferenceRank:
             dstore.set("inference_final", json.dumps({
                 "version": vmin if same else None,
                 "consistent": None if ref is None else bool(cons and same and sha == ref),
-                "weights_sha1": sha, "expected_sha1": ref, "refits": self.refits,
+                "weights_sha1": sha, "expected_sha1": ref, "refits": self.refits, "why": why,
                 "bytes_per_refit": int(total) or self.plan_bytes, "staging_bytes": int(staging)}))
         if not isinstance(cause, str):
             cause = str(cause).splitlines()[0] if str(cause) else type(cause).__name__

@@ -22,7 +22,8 @@ SUMMARY_KEYS = ("steps", "refits", "verified", "reward_first", "reward_last", "r
                 "max_inference_stall_ms", "bytes_per_refit", "staleness_max", "staging_bytes",
                 "recoveries", "recovery_ms", "inference_pids")
 # Added to the summary of a failed run (after SUMMARY_KEYS, which then describe what got done).
-FAILURE_KEYS = ("error", "inference_version", "inference_consistent", "detect_ms", "fault", "pids")
+FAILURE_KEYS = ("error", "inference_version", "inference_consistent", "inference_why", "detect_ms", "fault",
+                "pids")
 
 
 def report(out: RunOutcome, rc: RunConfig, args: argparse.Namespace) -> int:
@@ -57,9 +58,10 @@ def _report_failure(out: RunOutcome, rc: RunConfig, args: argparse.Namespace) ->
     print("tritonreshard demo failed: " + "\n  ".join(lines), file=sys.stderr)
     if out.leaked:
         print(f"tritonreshard demo: /dev/shm entries appeared during the run: {out.leaked}", file=sys.stderr)
-    summary = _summarize_failure(out.store, rc, "; ".join(lines), out.pids, out.terminated, out.recoveries)
+    summary = _summarize_failure(out.store, rc, "; ".join(lines), out.pids, out.recoveries)
+    why = f": {summary['inference_why']}" if summary["inference_why"] else ""
     inf = (f"inference serves version {summary['inference_version']} (consistent: "
-           f"{summary['inference_consistent']})")
+           f"{summary['inference_consistent']}){why}")
     det = "" if summary["detect_ms"] is None else f"; survivors noticed within {summary['detect_ms']:.0f} ms"
     print(f"tritonreshard demo: {inf}{det}")
     if args.json:
@@ -104,15 +106,17 @@ def _summarize(dstore, rc: RunConfig, pids, recoveries):
     return summary, steps, refits
 
 
-def _summarize_failure(dstore, rc: RunConfig, error: str, pids, terminated, recoveries) -> dict:
+def _summarize_failure(dstore, rc: RunConfig, error: str, pids, recoveries) -> dict:
     """The summary of a failed run: SUMMARY_KEYS over what got done, then FAILURE_KEYS.
 
     ``inference_version`` / ``inference_consistent`` are what the inference group holds at the end:
-    when it noticed the failure together it verified its serving weights (gather + digest against
-    the trainers' digest of that version) and recorded them; otherwise the version is the one every
+    when it noticed the failure together it settled its pull in flight (the fault contract of
+    docs/guarantees.md), verified its serving weights (gather + digest against the trainers' digest
+    of that version) and recorded them with why it serves that version (``inference_why``);
+    otherwise the version is the one every
     surviving inference rank reported (None if they differ) and consistency is unknown (None).
     ``detect_ms``: for a --fault kill, the slowest surviving rank's time from the kill to noticing
-    it (its first error); None if a survivor never noticed (the driver had to terminate it)."""
+    it (its first error); None if a survivor never noticed (the driver stopped it first)."""
     get = lambda k: json.loads(dstore.get(k)) if dstore.check([k]) else None  # noqa: E731
     steps = [s for s in (get(f"step/{s}") for s in range(1, int(dstore.add("steps_done", 0)) + 1)) if s]
     refits = [get(f"refit/{i}") for i in range(1, int(dstore.add("refits_done", 0)) + 1)]
@@ -134,20 +138,24 @@ def _summarize_failure(dstore, rc: RunConfig, error: str, pids, terminated, reco
         "recovery_ms": None,
         "inference_pids": [pids[r] for r in rc.inference_ranks],
     }
+    why = None
     if final is not None:
-        version, consistent = final["version"], final["consistent"]
+        version, consistent, why = final["version"], final["consistent"], final["why"]
     else:
         states = [get(f"inference_state/{r}") for r in rc.inference_ranks]
         versions = {s["version"] for s in states if s is not None}
         version, consistent = (versions.pop() if len(versions) == 1 else None), None
     kill = get("fault/kill")
     detect_ms = None
-    if kill is not None and not terminated:
+    if kill is not None:
+        # When each survivor noticed (its own error), even one the driver had to terminate while it
+        # exited (a busy machine can be slow to tear a process down); one stopped before noticing
+        # recorded only its stop.
         noticed = [get(f"error/{r}") for r in range(rc.world_size) if r != kill["rank"]]
-        if all(n is not None for n in noticed):
+        if all(n is not None and not n["detail"].startswith("stopped (exit code") for n in noticed):
             detect_ms = 1e3 * max(n["time"] - kill["time"] for n in noticed)
     summary.update({
-        "error": error, "inference_version": version, "inference_consistent": consistent,
+        "error": error, "inference_version": version, "inference_consistent": consistent, "inference_why": why,
         "detect_ms": detect_ms, "fault": f"{rc.fault[0]}:{rc.fault[1]}" if rc.fault else None,
         "pids": [pids[r] for r in sorted(pids)]})
     assert tuple(summary) == SUMMARY_KEYS + FAILURE_KEYS

@@ -90,7 +90,8 @@ def run_trainer(rank: int, rc: RunConfig, refit_store, dstore, epoch: int, devic
             assert version == nxt, (version, nxt)
             if rank == 0 and epoch == 0 and fault_at(rc, "kill-trainer", version):
                 # Land the kill while the inference group pulls `version` (it has swapped in
-                # version - 1 by then), so it serves exactly version - 1 afterwards.
+                # version - 1 by then): it serves `version` if every TP rank's pull completed
+                # first, else version - 1 (the fault contract, docs/guarantees.md).
                 wait_key(dstore, f"pull_started/{version}", rc.timeout)
                 kill_self(dstore, rank, rc)
         tr.fence()  # the last version is read by everyone before the arena goes away
