@@ -159,6 +159,9 @@ def test_vllm_engine_refit_end_to_end():
     assert g[0] != g[1] and g[1] != g[2] and g[2] == g[3] == g[4] and g[4] != g[5]
     assert len(summary["refit_ms"]) == 3 and all(ms > 0 for ms in summary["refit_ms"])
     assert [w["version"] for w in summary["worker"]] == [1, 2, 1]  # the new group counts from 1
+    # verify= (on by default): each engine's recipe matched vLLM's own load_weights before it joined,
+    # every parameter of this 2-layer model (embed, norm, lm_head, both layers' 6 each).
+    assert [(w["verify_params"], w["verify_layers"]) for w in summary["worker"]] == [(15, [0, 1])] * 3, summary["worker"]
     # One host: nothing crossed hosts, and the workers' cross-host figures say so.
     assert summary["cross_host"] == [{"bytes": [0, 0], "delta_bytes": [0, 0], "dense_bytes": [0, 0],
                                       "changed": [None, None]}] * 3, summary["cross_host"]

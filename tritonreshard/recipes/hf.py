@@ -17,6 +17,8 @@ import torch
 from .builder import RecipeBuilder, RecipeSpec, check_tp, raise_problems, rank_list
 from .deepseek import DEEPSEEK_MODEL_TYPES, build_deepseek
 from .dense import FAMILIES, build_dense
+from .families import FAMILY_MODEL_TYPES, build_family
+from .hybrid import HYBRID_MODEL_TYPES, build_hybrid
 from .fp8 import check_quantization, quantize_destinations
 
 __all__ = ["hf_to_vllm", "RECIPES", "Builder"]
@@ -28,7 +30,8 @@ Builder = Callable[..., None]
 
 #: ``config.model_type`` -> its builder. A new family of the dense kind is a row of
 #: :data:`~tritonreshard.recipes.dense.FAMILIES`; a new kind of architecture, a builder here.
-RECIPES: dict[str, Builder] = {**{t: build_dense for t in FAMILIES}, **{t: build_deepseek for t in DEEPSEEK_MODEL_TYPES}}
+RECIPES: dict[str, Builder] = {**{t: build_dense for t in FAMILIES}, **{t: build_deepseek for t in DEEPSEEK_MODEL_TYPES},
+                               **{t: build_family for t in FAMILY_MODEL_TYPES}, **{t: build_hybrid for t in HYBRID_MODEL_TYPES}}
 
 
 def hf_to_vllm(config: Any, tp: int, trainer_ranks, inference_ranks, dtype: torch.dtype = torch.bfloat16,
@@ -39,7 +42,8 @@ def hf_to_vllm(config: Any, tp: int, trainer_ranks, inference_ranks, dtype: torc
     Args:
         config: a ``transformers`` config of a :data:`RECIPES` model type (``LlamaConfig``,
             ``MistralConfig``, ``Qwen2Config``, ``Qwen3Config``, ``Qwen3MoeConfig``,
-            ``DeepseekV2Config``, ``DeepseekV3Config``) or any object with the same fields.
+            ``DeepseekV2Config``, ``DeepseekV3Config``, ``MixtralConfig``, ``Phi3Config``,
+            ``Glm4MoeConfig``, ``Gemma3TextConfig``, ``Qwen3NextConfig``) or any object with the same fields.
         tp: vLLM's tensor-parallel size; ``len(inference_ranks)`` must be a multiple of it.
         trainer_ranks: global ranks of the trainers (FSDP rows, ``Shard(0)``), or their count.
         inference_ranks: global ranks of ``k * tp`` inference ranks (or their count): ``k`` replicas
@@ -60,7 +64,8 @@ def hf_to_vllm(config: Any, tp: int, trainer_ranks, inference_ranks, dtype: torc
     model_type = getattr(config, "model_type", None)
     build = RECIPES.get(model_type)
     if build is None:
-        problems.append(f"config.model_type={model_type!r} has no recipe; known: {sorted(RECIPES)}")
+        problems.append(f"config.model_type={model_type!r} has no recipe; known: {sorted(RECIPES)} (another model "
+                        f"type vLLM serves: trace its recipe from vLLM's loader, tritonreshard.vllm.trace.trace_recipe)")
     tp = check_tp(tp, problems)
     src_ranks = rank_list(trainer_ranks, "trainer_ranks", problems)
     dst_ranks = rank_list(inference_ranks, "inference_ranks", problems)

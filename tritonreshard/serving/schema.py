@@ -109,7 +109,11 @@ class ServingInit:
     ``prefetch``: pull each published version in the background (:class:`~.pull.BackgroundPull`)
     or inside the refit (:class:`~.pull.InlinePull`). ``delta``, ``delta_anchor``: the cross-host
     deltas, as the trainers'. ``elastic``: join an elastic group while it runs
-    (:mod:`~.membership`).
+    (:mod:`~.membership`). ``verify``: once, before joining, each worker checks that the recipe
+    puts every element where the engine's own loader puts it (vLLM: ``load_weights`` of the same
+    full tensors, integer-coded), and refuses on a mismatch: ``True`` a sample (the first layer of
+    each structure, the last layer, every parameter outside the layers), ``"all"`` every layer,
+    ``False`` off.
 
     Every check runs once, at construction: one ``ValueError`` naming every problem. Ranks are
     stored as tuples of ints, timeouts as floats; :meth:`to_dict` is the plain JSON dict (lists).
@@ -128,6 +132,7 @@ class ServingInit:
     delta: str = "auto"    # cross-host deltas, as the trainers' (tritonreshard.vllm.Trainer(delta=))
     delta_anchor: int = 64
     elastic: bool = False  # join an elastic group: inference_ranks are this engine's own TP ranks
+    verify: bool | str = True  # check the recipe against the engine's own loader once, before joining
 
     def __post_init__(self):
         problems = list(delta_problems(self.delta, self.delta_anchor))
@@ -136,6 +141,8 @@ class ServingInit:
         for name in ("elastic", "prefetch"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name} must be True or False, got {name}={getattr(self, name)!r}")
+        if not (isinstance(self.verify, bool) or self.verify == "all"):
+            problems.append(f"verify must be True, False or 'all', got verify={self.verify!r}")
         megatron = _megatron_dict(self.megatron, problems)
         replica = self.replica
         if self.elastic is True:  # any index: the engines in the group are not known here

@@ -1,0 +1,153 @@
+"""Recipes traced from vLLM 0.32's own loader (tritonreshard.vllm.trace), in this process: integer
+codes through each TP rank's ``load_weights``, compressed into the planner's boxes.
+
+* for every registered family (``TRACED``; tests/test_families.py's among them), the traced recipe has
+  the same effect as the hand-written one: the same sources, the same destinations (names, dtypes,
+  each rank's local shape) and every element of every destination on every rank from the same source
+  element, each recipe's own plan run;
+* Granite (no hand-written recipe) refitted exactly through the trace alone, against vLLM's own
+  ``load_weights`` of the same random tensors on every rank;
+* a loader that is no copy, sources vLLM leaves out, parameters nothing reaches, a config vLLM does
+  not serve, names vLLM's loader does not know: one ``ValueError`` each, naming every problem."""
+import pytest
+import torch
+
+import tritonreshard as trs
+from test_families import _configs as _family_configs
+from test_recipes import _configs
+from tritonreshard.recipes import RECIPES
+from tritonreshard.recipes.trace import encode, spec_from_trace
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("vllm")
+# Lazy (after the skip): this module imports vLLM.
+from tritonreshard.vllm.trace import (hf_sources, rank_models, recipe_differences, trace_recipe,  # noqa: E402
+                                      vllm_load)
+
+TRAINERS = [0, 1]
+
+
+def _architecture(config):
+    return transformers.AutoModelForCausalLM._model_mapping[type(config)].__name__
+
+
+def tiny_config(model_type):
+    """test_recipes' or test_families' tiny config of ``model_type`` where one has it, else
+    transformers' defaults at tiny sizes."""
+    config = next((c for c in [*_configs().values(), *_family_configs().values()] if c.model_type == model_type), None)
+    if config is None:
+        config = transformers.AutoConfig.for_model(
+            model_type, vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, num_experts=4,
+            num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2)
+    config.architectures = [_architecture(config)]
+    return config
+
+
+def _moe(config):
+    return any(getattr(config, k, None) for k in ("num_experts", "n_routed_experts", "num_local_experts"))
+
+
+# Every registered family is traced here, the families of tests/test_families.py too (the tracer
+# feeds checkpoint names: Mixtral's block_sparse_moe and per-expert w1/w3/w2, checked there against
+# save_pretrained).
+TRACED = sorted(RECIPES)
+CASES = [(t, tp, False) for t in TRACED for tp in (1, 2, 4)] + \
+    [(t, 2, True) for t in TRACED if _moe(tiny_config(t))]
+
+
+@pytest.mark.parametrize("model_type,tp,ep", CASES)
+def test_traced_recipe_equals_the_hand_written_one(model_type, tp, ep):
+    config = tiny_config(model_type)
+    inference = list(range(2, 2 + tp))
+    kw = dict(tp=tp, trainer_ranks=TRAINERS, inference_ranks=inference, dtype=torch.float32, expert_parallel=ep)
+    hand = trs.recipes.hf_to_vllm(config, **kw)
+    stats = {}
+    traced = trace_recipe(config, **kw, stats=stats)
+    assert recipe_differences(traced, hand) == []
+    assert stats["hand_written"] and stats["trace_ms"] > 0
+    # Not vacuous: the same recipe with the sources of two same-sized boxes of one destination
+    # exchanged differs (the comparison sees elements, not names and shapes). Two sources, or, where
+    # the checkpoint is fused already (Phi-3's qkv_proj), two regions of one.
+    def extent(n, p):
+        return tuple(size if d is None else d[1] - d[0] for d, size in zip(p.dst, hand.dst[n].shape))
+
+    name, i, j = next((n, i, j) for n, ps in hand.parts.items() for i in range(len(ps)) for j in range(i)
+                      if ps[i].src and ps[j].src and (ps[i].src, ps[i].src_start) != (ps[j].src, ps[j].src_start)
+                      and extent(n, ps[i]) == extent(n, ps[j]))
+    plist = list(hand.parts[name])
+    plist[i], plist[j] = (trs.Part(plist[j].src, plist[i].dst, plist[j].src_start),
+                          trs.Part(plist[i].src, plist[j].dst, plist[i].src_start))
+    wrong = trs.recipes.RecipeSpec(hand.model_type, tp, ep, hand.src, hand.dst, {**hand.parts, name: tuple(plist)})
+    assert any(name in d for d in recipe_differences(traced, wrong))
+
+
+def _refit(spec, full):
+    """The refit of ``full`` (HF tensors) through ``spec``'s own plan: FSDP shards in, every rank out."""
+    src = {r: {n: lay.shard(full[n], r) for n, lay in spec.src.items()} for r in TRAINERS}
+    return trs.execute_local(spec.plan(), src, backend="torch")
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_granite_refits_exactly_through_the_trace_alone(tp):
+    config = transformers.GraniteConfig(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, embedding_multiplier=12.0,
+                                        residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=8.0)
+    config.architectures = ["GraniteForCausalLM"]
+    assert "granite" not in RECIPES
+    inference = list(range(2, 2 + tp))
+    with pytest.raises(ValueError, match=r"model_type='granite' has no recipe; known: \[.*trace_recipe"):
+        trs.recipes.hf_to_vllm(config, tp=tp, trainer_ranks=TRAINERS, inference_ranks=inference)
+    spec = trace_recipe(config, tp=tp, trainer_ranks=TRAINERS, inference_ranks=inference, dtype=torch.float32)
+    torch.manual_seed(tp)
+    full = {n: torch.randn(lay.shape) for n, lay in spec.src.items()}
+    got = _refit(spec, full)
+    vllm = vllm_load(rank_models(config, tp, dtype=torch.float32), full)  # vLLM's own load_weights, per rank
+    for t, r in enumerate(inference):
+        assert sorted(got[r]) == sorted(vllm[t])
+        for name, w in vllm[t].items():
+            assert torch.equal(got[r][name].double(), w), (t, name)
+    if tp > 1:  # one rank holds everything: every destination is traced as Replicate
+        assert all(spec.dst[n].placements[-1].blocks for n in spec.dst if n.endswith("qkv_proj.weight"))
+
+
+def _sources():
+    return {"a": trs.Layout((4, 2), TRAINERS, [trs.Shard(0)]), "b": trs.Layout((4, 2), TRAINERS, [trs.Shard(0)])}
+
+
+def test_a_loader_that_is_no_copy_is_refused_by_name():
+    a, b = encode(0, (4, 2)), encode(1, (4, 2))
+    for bad, what in ((a * 0.5, "scaled"), (a + b, "summed"), (-a, "negated"), (a + 2, "shifted")):
+        traced = [{"w": bad.clone(), "b": b.clone()}]
+        with pytest.raises(ValueError) as e:
+            spec_from_trace("m", _sources(), traced, tp=1, inference_ranks=[2], dtypes={"w": torch.float32,
+                                                                                         "b": torch.float32})
+        assert "w: its loader is not a copy on TP rank 0" in str(e.value), what
+    # Left out, and not reached: both named in the one error.
+    with pytest.raises(ValueError) as e:
+        spec_from_trace("m", _sources(), [{"w": torch.full((4, 2), -1.0)}], tp=1, inference_ranks=[2],
+                        dtypes={"w": torch.float32})
+    msg = str(e.value)
+    assert "vLLM parameters no source reached (in part or whole): ['w']" in msg
+    assert "sources vLLM's loader left out (their names do not match its parameters): ['a', 'b']" in msg
+
+
+def test_bad_config_and_names_fail_with_every_problem_before_anything_moves():
+    config = transformers.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    config.architectures = ["NoSuchForCausalLM"]
+    with pytest.raises(ValueError) as e:
+        trace_recipe(config, tp=0, trainer_ranks=[], inference_ranks=[2, 3, 4])
+    msg = str(e.value)
+    for part in ("config.architectures=['NoSuchForCausalLM']: vLLM serves none of them", "LlamaForCausalLM",
+                 "tp=0 must be a positive int", "trainer_ranks=[] must be a non-empty list"):
+        assert part in msg, part
+    config.architectures = ["LlamaForCausalLM"]
+    models = rank_models(config, 2, dtype=torch.float32)
+    full = {n: encode(i, lay.shape) for i, (n, lay) in enumerate(hf_sources(config, TRAINERS).items())}
+    renamed = {n.replace("self_attn.", "attention.").replace("mlp.", "feed_forward."): t for n, t in full.items()}
+    with pytest.raises(ValueError) as e:
+        vllm_load(models, renamed)
+    msg = str(e.value)
+    assert "LlamaForCausalLM.load_weights refuses 7 tensor(s), their names do not match" in msg, msg
+    assert "model.layers.0.attention.q_proj.weight" in msg and "model.layers.0.feed_forward.down_proj.weight" in msg

@@ -1,0 +1,139 @@
+"""Qwen3-Next (transformers 5) parameters -> vLLM tensor-parallel parameters: the hybrid of gated
+DeltaNet linear attention and gated full attention.
+
+Pure Python planning (no transformers or vLLM import), reached through
+:func:`~tritonreshard.recipes.hf_to_vllm` (``config.model_type`` ``"qwen3_next"``). Facts follow vLLM
+0.32's ``models/qwen3_next.py`` and ``layers/mamba/gdn/qwen_gdn_linear_attn.py``, per TP rank r
+(checked element by element against vLLM's loader by ``tests/test_families.py``). With ``nk`` /
+``nv`` the linear key / value heads, ``kd = nk * linear_key_head_dim``, ``vd = nv * linear_value_head_dim``:
+
+* ``linear_attn.in_proj_qkvz.weight`` ``[2 kd + 2 vd, H]``: stored interleaved by key-head group
+  (each group's q, k, v, z rows together), which vLLM keeps as ONE output block, so rank r holds
+  plain row chunk r (whole groups; ``nk % tp == 0``). The same name and shape as a four-block
+  ``[q | k | v | z]`` layout (Qwen3.5's) hide a different split;
+* ``linear_attn.in_proj_ba.weight`` ``[2 nv, H]``: interleaved likewise, plain row chunk r;
+* ``linear_attn.conv1d.weight`` ``[2 kd + vd, 1, kernel]``: three blocks ``[q kd | k kd | v vd]``,
+  each split on its own (vLLM's ``mamba_v2_sharded_weight_loader``);
+* ``linear_attn.A_log`` / ``dt_bias`` ``[nv]``: split (``A_log`` float32 in vLLM whatever the model's
+  dtype); ``linear_attn.norm.weight`` replicated; ``out_proj`` split on dim 1;
+* full-attention layers: ``q_proj`` carries the output gate (``2 * heads * head_dim`` rows, each head's
+  query then gate), and vLLM's ``qkv_proj`` counts ``2 * heads`` heads, so rank r's query block is
+  whole heads with their gates: the Llama rule with twice the query rows;
+* MoE layers (``(i + 1) % decoder_sparse_step == 0``, not in ``mlp_only_layers``): router and
+  ``shared_expert_gate`` replicated, ``shared_expert`` as a dense MLP, routed experts as
+  :meth:`~tritonreshard.recipes.RecipeBuilder.experts` (vLLM refuses ``tp > num_experts``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..layout import Replicate, Shard
+from .builder import RecipeBuilder, check_divisible, check_vocab, raise_problems
+from .families import check_attention, qkv
+
+__all__ = ["HYBRID_MODEL_TYPES", "build_hybrid"]
+
+#: ``config.model_type`` values this module lays out (Qwen3NextForCausalLM).
+HYBRID_MODEL_TYPES = ("qwen3_next",)
+
+
+def _moe_layers(config: Any) -> set[int]:
+    """vLLM's Qwen3NextDecoderLayer rule for which layers hold routed experts."""
+    if not getattr(config, "num_experts", 0):
+        return set()
+    only = set(getattr(config, "mlp_only_layers", None) or ())
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    return {i for i in range(config.num_hidden_layers) if i not in only and (i + 1) % step == 0}
+
+
+def _check(config: Any, tp: int, moe: set[int], expert_parallel: bool, quantization: str | None) -> None:
+    problems: list[str] = []
+    if quantization is not None:
+        problems.append(f"quantization={quantization!r} is not laid out for {config.model_type} yet")
+    nq = config.num_attention_heads
+    check_attention(problems, tp, nq, getattr(config, "num_key_value_heads", None) or nq)
+    check_divisible(problems, "linear_num_key_heads", config.linear_num_key_heads, tp)
+    check_divisible(problems, "linear_num_value_heads", config.linear_num_value_heads, tp)
+    check_vocab(config.vocab_size, tp, problems)
+    if len(moe) < config.num_hidden_layers:
+        check_divisible(problems, "intermediate_size", config.intermediate_size, tp)
+    if moe:
+        if tp > config.num_experts:  # vLLM's Qwen3NextSparseMoeBlock refuses it, with or without EP
+            problems.append(f"tp={tp} is greater than num_experts={config.num_experts} (vLLM refuses it too)")
+        if not expert_parallel:
+            check_divisible(problems, "moe_intermediate_size", config.moe_intermediate_size, tp)
+        shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
+        if shared % tp:  # vLLM then replicates the shared expert, a layout not laid out here
+            check_divisible(problems, "shared_expert_intermediate_size", shared, tp)
+    elif expert_parallel:
+        problems.append(f"expert_parallel=True but {config.model_type} has no experts")
+    raise_problems(f"hf_to_vllm: {config.model_type} (hidden_size={config.hidden_size}, heads={nq}, linear heads "
+                   f"k={config.linear_num_key_heads} v={config.linear_num_value_heads}), tp={tp}", problems)
+
+
+def build_hybrid(config: Any, b: RecipeBuilder, *, expert_parallel: bool, quantization: str | None) -> None:
+    """Lay out one Qwen3-Next model on ``b`` (a registry builder, see
+    :data:`~tritonreshard.recipes.RECIPES`). Raises ``ValueError`` naming every size vLLM cannot
+    split over ``b.tp`` and any ``quantization`` (not laid out for it yet)."""
+    moe = _moe_layers(config)
+    _check(config, b.tp, moe, expert_parallel, quantization)
+    H, V = config.hidden_size, config.vocab_size
+    b.source("model.embed_tokens.weight", (V, H))
+    b.vocab("model.embed_tokens.weight", "model.embed_tokens.weight", V, H)
+    for i, kind in enumerate(config.layer_types[:config.num_hidden_layers]):
+        pre = f"model.layers.{i}"
+        if kind == "linear_attention":
+            _linear_attention(b, config, f"{pre}.linear_attn")
+        else:
+            _gated_attention(b, config, f"{pre}.self_attn")
+        if i in moe:
+            E, moe_i, shared = config.num_experts, config.moe_intermediate_size, config.shared_expert_intermediate_size
+            b.same(f"{pre}.mlp.gate.weight", (E, H), Replicate())
+            if shared:
+                b.same(f"{pre}.mlp.shared_expert_gate.weight", (1, H), Replicate())
+                b.gate_up(f"{pre}.mlp.shared_expert", "weight", (H,), shared)
+                b.same(f"{pre}.mlp.shared_expert.down_proj.weight", (H, shared), Shard(1))
+            b.experts(f"{pre}.mlp", E, moe_i, H, expert_parallel)
+        else:
+            b.gate_up(f"{pre}.mlp", "weight", (H,), config.intermediate_size)
+            b.same(f"{pre}.mlp.down_proj.weight", (H, config.intermediate_size), Shard(1))
+        b.same(f"{pre}.input_layernorm.weight", (H,), Replicate())
+        b.same(f"{pre}.post_attention_layernorm.weight", (H,), Replicate())
+    b.same("model.norm.weight", (H,), Replicate())
+    if not getattr(config, "tie_word_embeddings", False):
+        b.source("lm_head.weight", (V, H))
+        b.vocab("lm_head.weight", "lm_head.weight", V, H)
+
+
+def _linear_attention(b: RecipeBuilder, config: Any, pre: str) -> None:
+    """One gated-DeltaNet layer (``pre``: ``model.layers.{i}.linear_attn``)."""
+    H, nv = config.hidden_size, config.linear_num_value_heads
+    kd = config.linear_num_key_heads * config.linear_key_head_dim
+    vd = nv * config.linear_value_head_dim
+    b.same(f"{pre}.in_proj_qkvz.weight", (2 * kd + 2 * vd, H), Shard(0))  # one block: whole key-head groups
+    b.same(f"{pre}.in_proj_ba.weight", (2 * nv, H), Shard(0))
+    b.source(f"{pre}.conv1d.weight", (2 * kd + vd, 1, config.linear_conv_kernel_dim))
+    b.target(f"{pre}.conv1d.weight", (2 * kd + vd, 1, config.linear_conv_kernel_dim), Shard(0, (kd, kd, vd)))
+    b.same(f"{pre}.dt_bias", (nv,), Shard(0))
+    b.source(f"{pre}.A_log", (nv,))
+    b.target(f"{pre}.A_log", (nv,), Shard(0), dtype=torch.float32)  # float32 in vLLM whatever the model's dtype
+    b.same(f"{pre}.norm.weight", (config.linear_value_head_dim,), Replicate())
+    b.same(f"{pre}.out_proj.weight", (H, vd), Shard(1))
+
+
+def _gated_attention(b: RecipeBuilder, config: Any, att: str) -> None:
+    """One gated full-attention layer: ``q_proj`` holds each head's query and gate rows."""
+    H, nq = config.hidden_size, config.num_attention_heads
+    nkv = getattr(config, "num_key_value_heads", None) or nq
+    hd = getattr(config, "head_dim", None) or H // nq
+    Q, kv = 2 * nq * hd, nkv * hd
+    q, k, v = (f"{att}.{x}_proj.weight" for x in "qkv")
+    b.source(q, (Q, H))
+    b.source(k, (kv, H))
+    b.source(v, (kv, H))
+    qkv(b, f"{att}.qkv_proj.weight", (H,), Q, nkv, hd, (q, 0), (k, 0), (v, 0))
+    b.same(f"{att}.o_proj.weight", (H, nq * hd), Shard(1))
+    b.same(f"{att}.q_norm.weight", (hd,), Replicate())
+    b.same(f"{att}.k_norm.weight", (hd,), Replicate())
