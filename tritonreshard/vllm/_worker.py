@@ -43,6 +43,8 @@ from ..serving import ServingInit, any_failed, pull_mode, recipe_spec, refit, se
 from ._agree import agree, fail
 from ._apply import apply
 from ._model import check_model, served_quantization
+from ._versions import end_session, reload_mode_problem, weights_complete, weights_incomplete
+from ._verify import verify_model
 
 __all__ = ["TritonreshardInitInfo", "TritonreshardUpdateInfo", "TritonreshardWeightTransferEngine"]
 
@@ -91,8 +93,10 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         self._session = False
         self.applied_version = 0
         self.stats: dict = {}
+        self.verify_stats: dict = {}          # the recipe against vLLM's load_weights, at init (_verify)
         self.worker = None
         self._group_version = 0               # the version of this group installed (0: none yet)
+        self._torn = False                    # an apply raised: vLLM's weights may be part old, part new
 
     def bind_worker(self, worker) -> None:
         """Called once per engine by :class:`~tritonreshard.vllm.WorkerExtension`, in the worker's
@@ -106,6 +110,8 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
     def _fail(self, outcomes, cause, what: str = "refit") -> None:
         """Raise the TP group's agreed failure on the last TP rank only (:func:`._agree.fail` says
         why); the others end their weight-update session after a failed refit and return."""
+        if what == "refit":  # refused before the apply: every rank still serves whole weights
+            self._untouched()
         fail(outcomes, cause, what=what, serving=self.applied_version,
              quiet=self._end_session if what == "refit" else None)
 
@@ -114,11 +120,26 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         # public call for it). Not the worker's finish_weight_update: that also drops LoRA
         # adapters, which the last rank (where vLLM's own except clause runs) would keep.
         if self.worker is not None:  # (none: init_weight_transfer_engine refuses to start)
-            self.worker._weight_update_active = False
-        self.reset_weight_update_target()
+            end_session(self.worker, self)
+        else:
+            self.reset_weight_update_target()
         self._session = False
 
+    def _untouched(self) -> None:
+        # vLLM 0.34 counts a started update incomplete until it finishes (is_inference_ready()
+        # false); this one wrote nothing, so it clears that, unless an earlier apply tore (_versions).
+        if self.worker is not None and not self._torn:
+            weights_complete(self.worker)
+
     # ------------------------------------------------------------------ phase 1
+    def parse_update_info(self, update_dict):
+        """vLLM's parse; a bad update info is a refit refused before anything was applied."""
+        try:
+            return super().parse_update_info(update_dict)
+        except ValueError:
+            self._untouched()
+            raise
+
     def parse_init_info(self, init_dict):
         """The dict as given: vLLM calls this on every TP rank outside any agreement, and a bad
         init info raising here would raise on every rank (see :meth:`_fail`), so it is parsed and
@@ -156,6 +177,8 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
             problems.append(f"enable_expert_parallel with enable_eplb={pc.enable_eplb}, expert_placement_strategy="
                             f"{pc.expert_placement_strategy!r}: only vLLM's default linear placement (no redundant "
                             f"experts) is laid out")
+        if reload_mode_problem():
+            problems.append(reload_mode_problem())
         if self.worker is None:
             problems.append("the vLLM worker has no tritonreshard WorkerExtension: pass worker_extension_cls="
                             "tritonreshard.vllm.WORKER_EXTENSION to LLM(...) (--worker-extension-cls "
@@ -170,6 +193,12 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         place = serving_rank(init_info, self.spec, tp=tp, tp_rank=self.tp_rank)
         self.rank, self.replica = place.rank, init_info.replica
         self._match = check_model(self.model, self.spec, rank=self.rank, tp_rank=self.tp_rank)
+        # Fail-closed, before joining: the recipe against vLLM's own load_weights (Megatron names are
+        # not vLLM's checkpoint names: that recipe is checked by its own tests only).
+        self.verify_stats = verify_model(self.model, self.spec, rank=self.rank, tp_rank=self.tp_rank,
+                                         sample=init_info.verify) if init_info.verify and init_info.megatron is None \
+            else {"verify_params": 0}
+        logger.info("tritonreshard (rank %s): verify %s", self.rank, self.verify_stats)
         self._timeout = init_info.timeout
         # Two buffer sets for the background pull (one is pulled into while the other holds the
         # newest complete version); without it one set is enough: vLLM's own parameters are what is
@@ -207,7 +236,7 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         if stats is None:  # failed; this rank ended its session (only the last TP rank raises)
             return
         self.applied_version = self._group_version = stats["version"]
-        self.stats = stats
+        self.stats = {**stats, **self.verify_stats}
         logger.info("tritonreshard (rank %s): installed version %s (%s) in %.1f ms: wait %.1f, agree %.1f, copy %.1f, "
                     "post-processing %.1f ms", self.rank, stats["version"],
                     "prefetched" if stats["prefetched"] else "pulled now", stats["total_ms"], stats["wait_ms"],
@@ -215,7 +244,13 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
 
     def _apply(self, bufs) -> dict:
         """vLLM's apply step (:func:`._apply.apply`) with this engine's model and model check."""
-        return apply(self.model, self.model_config, self._match, bufs, self.device)
+        # Torn until the apply returns: if it raises, vLLM 0.34 keeps the weights marked incomplete.
+        self._torn = True
+        if self.worker is not None:
+            weights_incomplete(self.worker)
+        split = apply(self.model, self.model_config, self._match, bufs, self.device)
+        self._torn = False
+        return split
 
     def finish_weight_update(self) -> None:
         self._session = False
