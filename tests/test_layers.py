@@ -25,7 +25,7 @@ PKG = ROOT / "tritonreshard"
 #: Packages whose folder is not where their name says (pyproject's ``package-dir``).
 MAPPED = {"tritonreshard.kernels": ROOT / "kernels"}
 LAYERS = ["errors", "layout", "planning", "recipes", "kernels", "execute", "transport", "engine", "serving",
-          "vllm", "apps"]
+          "vllm", "frameworks", "apps"]
 
 PROBE = r"""
 import importlib, json, pathlib, sys
