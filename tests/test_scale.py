@@ -374,7 +374,9 @@ def _replica_worker(rank, world, port, tp, k, versions, hosts):
             report["checked"] += 1
         if trainer:
             ep.fence()
-        report["cross_host_bytes"] = ep.stats.cross_host_bytes
+        st = ep.stats
+        report["cross_host_bytes"] = st.cross_host_bytes
+        report["cross_host_split"] = (st.cross_host_dense_bytes, st.cross_host_delta_bytes, st.cross_host_changed)
     return report
 
 
@@ -398,7 +400,8 @@ def test_two_replicas_refit_bit_exact_through_the_engine(hosts):
         # Host b holds both replicas: each source byte crosses into it once per refit, then fans out.
         spec = _llama(tp, k)
         model = sum(lay.numel * lay.itemsize for lay in spec.src.values())
-        assert sum(out[r]["cross_host_bytes"] for r in range(2, world)) == model
+        got = {r: (out[r]["cross_host_bytes"], out[r]["cross_host_split"]) for r in range(2, world)}
+        assert sum(b for b, _ in got.values()) == model, f"model {model} B; per rank (bytes, (dense, delta, changed)): {got}"
 
 
 # ---------------------------------------------------------------------- traffic model and the CLI
