@@ -63,9 +63,11 @@ INSTALLED = re.compile(r"tritonreshard \(rank (\d+)\): installed version (\d+) \
 
 
 class Server:
-    """The server process (its own session, so stopping it ends its engine and workers), its URL and log."""
+    """The server process (its own process group, so stopping it ends its engine and workers), its
+    URL and log. ``own_session``: in a session of its own instead (a scheduling group of its own:
+    bench/vllm_call_hops.py --own-session shows what that costs each update call under load)."""
 
-    def __init__(self, model_dir: str, tp: int, port: int, log_path: str, eager: bool):
+    def __init__(self, model_dir: str, tp: int, port: int, log_path: str, eager: bool, own_session: bool = False):
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp)))
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
@@ -75,7 +77,10 @@ class Server:
                "--worker-extension-cls", "tritonreshard.vllm.WorkerExtension"] + (["--enforce-eager"] if eager else [])
         self.url, self.log_path, self.model_dir = f"http://127.0.0.1:{port}", log_path, model_dir
         with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            # A process group to end, in this session: a session of its own is a scheduling group
+            # of its own, where vLLM's 1 s reader spin held each update call (docs/vllm.md).
+            group = dict(start_new_session=True) if own_session else dict(process_group=0)
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, **group)
 
     def log(self) -> str:
         return Path(self.log_path).read_text(errors="replace")

@@ -93,6 +93,17 @@ MODELS = {  # name: (transformers config class, fields); TINY: the tiny Llama th
         intermediate_size=256, moe_intermediate_size=48, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
         first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32,
         v_head_dim=32, n_group=1, topk_group=1, tie_word_embeddings=False)),
+    # Phi-3: its checkpoint fuses qkv_proj and gate_up_proj whole, vLLM splits each part per rank
+    "tiny-phi3": ("Phi3Config", dict(TINY, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # Mixtral: 8 experts, top-2 (transformers 5's mlp.* is vLLM's block_sparse_moe.*)
+    "tiny-mixtral": ("MixtralConfig", dict(TINY, tie_word_embeddings=False, intermediate_size=64, num_local_experts=8,
+                                           num_experts_per_tok=2)),
+    # GLM-4.5 MoE: layer 0 dense, layer 1 routed + shared experts, float32 router, qkv bias, q/k norms
+    "tiny-glm4-moe": ("Glm4MoeConfig", dict(
+        TINY, tie_word_embeddings=False, moe_intermediate_size=48, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, first_k_dense_replace=1, attention_bias=True, use_qk_norm=True, n_group=1, topk_group=1)),
+    # Gemma 3 (text): q/k norms, four norms a layer, tied embeddings
+    "tiny-gemma3": ("Gemma3TextConfig", dict(TINY, tie_word_embeddings=True, sliding_window=16)),
     # Qwen3-MoE of 99M parameters (4 layers of 20 experts), for timing refits against reload_weights
     "small-qwen3-moe": ("Qwen3MoeConfig", dict(
         hidden_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=32000,
@@ -113,6 +124,8 @@ def model_config(model: str = "tiny"):
     for key in ("topk_method", "scoring_func"):
         if key in fields:
             setattr(config, key, fields[key])
+    if cls == "Gemma3TextConfig":  # transformers and vLLM both call Gemma 3's text model Gemma3ForCausalLM
+        config.architectures = ["Gemma3ForCausalLM"]
     return config
 
 

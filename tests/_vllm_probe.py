@@ -4,7 +4,8 @@ vLLM's own ``load_weights``, save each rank's ``named_parameters()`` to ``OUT.<t
 
 Usage: python _vllm_probe.py CASES.json   (used by tests/test_recipes.py)
 
-``CASES.json``: a list of ``{"model_dir", "world", "port", "out", "ep"}``. One process per rank of
+``CASES.json``: a list of ``{"model_dir", "world", "port", "out", "ep"}`` (and an optional ``"dtype"``, float32
+by default). One process per rank of
 the largest world runs every case in turn (ranks past a case's world sit it out), so vLLM is
 imported once per process rather than once per case: most of a probe's time is that import.
 """
@@ -30,7 +31,8 @@ def _rank(rank, cases):
         # torch.distributed instead), so nothing is left in /dev/shm.
         os.environ["VLLM_DIST_IDENT"] = f"trs-probe-{port}-{rank}"
         model_dir = case["model_dir"]
-        mc = ModelConfig(model=model_dir, tokenizer=model_dir, skip_tokenizer_init=True, dtype="float32",
+        mc = ModelConfig(model=model_dir, tokenizer=model_dir, skip_tokenizer_init=True,
+                         dtype=case.get("dtype", "float32"),
                          enforce_eager=True)
         vc = VllmConfig(model_config=mc, parallel_config=ParallelConfig(tensor_parallel_size=world,
                                                                         enable_expert_parallel=case["ep"]))
@@ -39,7 +41,13 @@ def _rank(rank, cases):
                                          distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
             initialize_model_parallel(world)
             cls, _ = ModelRegistry.resolve_model_cls([mc.hf_config.architectures[0]], mc)
-            model = cls(vllm_config=vc, prefix="")
+            # vLLM's model loader builds a model under its dtype as the default (parameters are
+            # created with the default dtype); float32 is torch's own default.
+            torch.set_default_dtype(mc.dtype)
+            try:
+                model = cls(vllm_config=vc, prefix="")
+            finally:
+                torch.set_default_dtype(torch.float32)
             model.load_weights(torch.load(os.path.join(model_dir, "full.pt")).items())
         torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, f"{case['out']}.{rank}.pt")
         del model

@@ -56,3 +56,19 @@ def cuda_device():
     if not HAS_CUDA:
         pytest.skip("needs a CUDA GPU (none on this machine)")
     return torch.device("cuda", 0)
+
+
+@pytest.fixture(scope="session")
+def llama_server():
+    """The session's one live ``vllm serve`` of the tiny Llama (TP=2, tritonreshard's backend):
+    tests/_live.py. Started the first time a test asks for it, whichever file; ended at the
+    session's end. Files share it instead of each starting its own (a start costs about a minute
+    here): tests/test_vllm_serve.py, tests/test_vllm_trl.py."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM not installed (pip install -e '.[vllm]')")
+    from _live import llama_server as serve
+
+    with serve() as srv:
+        yield srv

