@@ -29,6 +29,11 @@ TINY = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_
 PROMPTS = [[11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 222, 333], [5, 6, 7, 8, 9, 10, 500, 600, 700, 800, 900]]
 MAX_TOKENS = 8
 START_TIMEOUT_S = 240
+#: The environment as the session began (conftest.py imports this module first): the servers start
+#: from it, not from ``os.environ`` as it is when a file first asks for one. Tests that run vLLM in
+#: this process (the recipe and tracer checks) leave vLLM's own settings there (``VLLM_DIST_IDENT``,
+#: ``LD_PRELOAD``, ``LOCAL_WORLD_SIZE``, ``OMP_NUM_THREADS``...), which a server must not inherit.
+SESSION_ENV = dict(os.environ)
 
 
 class Server:
@@ -79,7 +84,7 @@ class Server:
 @contextlib.contextmanager
 def llama_server():
     """One live ``vllm serve`` of a tiny Llama (TP=2, float32, tritonreshard's backend and worker
-    extension, vLLM's RL routes), up and healthy; ended with its whole process session on exit,
+    extension, vLLM's RL routes), up and healthy; ended with its whole process group on exit,
     also on failure. ``srv.hf`` is the transformers model of what it serves (callers that refit it
     keep it so: :func:`hf_greedy` with the weights they installed)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -97,7 +102,7 @@ def llama_server():
     # The refit group's secret: the server's workers and our trainers inherit it; a store whose
     # values are not signed with it is refused (test_foreign_store_is_refused_before_any_byte_moves).
     secret = secrets.token_hex(32)
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0|1",
+    env = dict(SESSION_ENV, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0|1",
                VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS="20", TRITONRESHARD_GROUP_SECRET=secret)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
            "--port", str(port), "--tensor-parallel-size", "2", "--dtype", "float32", "--enforce-eager",
@@ -137,9 +142,9 @@ def llama_server():
 
 def _stop(proc) -> list[str]:
     """Stop the server as a user would (SIGTERM to the API server: it shuts its engine and workers
-    down), SIGKILL whatever of its session outlives 60 s, and remove the shared-memory segments its
+    down), SIGKILL whatever of its process group outlives 60 s, and remove the shared-memory segments its
     workers had mapped that vLLM left behind (its CPU TP communicator's). Returns those names."""
-    segments = sorted({line.split()[-1] for pid in _session(proc.pid) for line in _maps(pid)
+    segments = sorted({line.split()[-1] for pid in _group(proc.pid) for line in _maps(pid)
                        if "/dev/shm/vllm_dist_" in line})
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -158,8 +163,8 @@ def _stop(proc) -> list[str]:
     return left
 
 
-def _session(sid: int) -> list[int]:
-    """The pids of session ``sid`` (the server and every process it started)."""
+def _group(pgid: int) -> list[int]:
+    """The pids of process group ``pgid`` (the server and every process it started)."""
     pids = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -168,7 +173,7 @@ def _session(sid: int) -> list[int]:
                     fields = f.read().rsplit(")", 1)[1].split()
             except OSError:  # gone meanwhile
                 continue
-            if int(fields[3]) == sid:  # field 6 of stat: the session id
+            if int(fields[2]) == pgid:  # field 5 of stat: the process group id
                 pids.append(int(entry))
     return pids
 

@@ -20,6 +20,8 @@ HAS_CUDA = torch.cuda.is_available()
 # yourself to test the other value.
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
+import _live  # noqa: E402  (its SESSION_ENV: the environment before any test ran)
+
 # Property tests draw the same examples on every run (CI included): a red run is a change of ours,
 # never the draw. To explore new inputs: HYPOTHESIS_PROFILE=explore pytest --hypothesis-seed=N ...,
 # then pin what it finds with @example.
@@ -68,7 +70,5 @@ def llama_server():
 
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM not installed (pip install -e '.[vllm]')")
-    from _live import llama_server as serve
-
-    with serve() as srv:
+    with _live.llama_server() as srv:
         yield srv

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _live import SESSION_ENV
 from tritonreshard.vllm import Trainer, init_info
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +59,7 @@ def test_elastic_bad_input_fails_before_joining():
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_two_vllm_engines_join_and_leave_a_running_group():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env = dict(SESSION_ENV, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), SESSION_ENV.get("PYTHONPATH")])))
     proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / "vllm_elastic.py"), "--json"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
                             process_group=0)  # a group to end; the session's scheduling (tests/_live.py)

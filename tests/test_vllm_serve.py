@@ -130,8 +130,17 @@ def refit(srv, version=None, weight_version=None, windows=None, calls=None):
 def wait_for_log(srv, text, count, timeout=60.0):
     deadline = time.monotonic() + timeout
     while srv.log().count(text) < count:
-        assert time.monotonic() < deadline, f"{text!r} not logged {count} times in {timeout} s:\n{srv.log_tail()}"
+        assert time.monotonic() < deadline, (f"{text!r} not logged {count} times in {timeout} s "
+                                             f"({log_census(srv)}):\n{srv.log_tail()}")
         time.sleep(0.1)
+
+
+def log_census(srv):
+    """What the server's log holds, for a failure's message: its size and how many lines its
+    workers and tritonreshard wrote."""
+    text = srv.log()
+    return (f"log {len(text)} chars, {text.count('(Worker')} worker lines, {text.count('tritonreshard (rank')} "
+            f"tritonreshard lines, {text.count('installed version')} installs")
 
 
 def installed_lines(srv):
@@ -295,7 +304,8 @@ def test_refits_over_http_with_background_pull(server):
         checked += 1
     assert checked >= 3, (checked, len(load.outputs))
     lines = [ln for ln in installed_lines(server)]
-    assert {(r, v) for r, v, *_ in lines} >= {("2", "1"), ("3", "1"), ("2", "2"), ("3", "2"), ("2", "4"), ("2", "6")}, lines
+    assert {(r, v) for r, v, *_ in lines} >= {("2", "1"), ("3", "1"), ("2", "2"), ("3", "2"), ("2", "4"), ("2", "6")}, \
+        (lines, log_census(server))
     assert all(kind == "prefetched" for _, v, kind, *_ in lines if v in ("1", "2", "6")), lines
     print(f"update_weights over HTTP: {ms_prefetched:.1f} ms (version 1, prefetched), {ms_other:.1f} ms (version 4); "
           f"worker splits (rank, version, kind, total, wait, agree, copy, post ms): {lines}")
@@ -350,7 +360,7 @@ def test_background_pull_off(server):
     finally:
         trainers.stop()
     lines = [ln for ln in installed_lines(server) if ln[2] == "pulled now"]
-    assert len(lines) >= 2, lines
+    assert len(lines) >= 2, (lines, log_census(server), server.log_tail())
     # On this idle server each update call costs the workers' own time plus vLLM's hops (HTTP, API
     # server -> engine core -> executor -> workers and back): 6-45 ms per call at load 12.5 on two
     # cores (bench/vllm_call_hops.py, docs/vllm.md). CALL_OVERHEAD_MS is over 10x that, for a loaded

@@ -67,12 +67,19 @@ def _world() -> None:
     config, so that vLLM also makes the expert-parallel group MoE layers read)."""
     if parallel_state.model_parallel_is_initialized():
         return
-    # A distinct identifier keeps vLLM off its CPU shared-memory communicator (nothing in /dev/shm).
+    # A distinct identifier keeps vLLM off its CPU shared-memory communicator (nothing in /dev/shm);
+    # read while the groups are made, then put back: a vLLM server this process starts later must
+    # not inherit it.
+    before = os.environ.get("VLLM_DIST_IDENT")
     os.environ.setdefault("VLLM_DIST_IDENT", f"trs-trace-{os.getpid()}")
-    with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
-        initialize_model_parallel(1)
+    try:
+        with set_current_vllm_config(VllmConfig()):
+            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                         distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+            initialize_model_parallel(1)
+    finally:
+        if before is None:
+            os.environ.pop("VLLM_DIST_IDENT", None)
 
 
 @contextlib.contextmanager
