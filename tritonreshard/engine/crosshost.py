@@ -12,6 +12,10 @@ wait on it with ``Group.wait``, like every other wait of the engine. A data tran
 when both ends are ready, so the process group's timeout bounds the transfer itself, never the time a
 trainer trains or an inference rank waits to pull.
 
+A slower link can be simulated on one machine, as hosts are (``$TRITONRESHARD_HOST``):
+``$TRITONRESHARD_SIMULATED_LINK_GBPS`` (a test hook, for benches; unset in use) makes every
+cross-host send of this rank first sleep its bytes / that rate (``DistLink(simulated_gbps=)``).
+
 Failures: a peer on another host that dies closes its connections, so a pending transfer fails at
 once and becomes :class:`~tritonreshard.PeerDiedError` naming it; between transfers cross-host peers
 are watched through their store heartbeats (:mod:`~tritonreshard.engine.liveness`).
@@ -20,6 +24,8 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
+import os
 import threading
 
 import torch
@@ -31,7 +37,21 @@ from ..transport import DistLink
 from ..transport.wait import Doorbell
 from .group import Group
 
-__all__ = ["CrossHost", "Signals", "FOREVER"]
+__all__ = ["CrossHost", "Signals", "FOREVER", "LINK_GBPS_ENV", "simulated_link_gbps"]
+
+LINK_GBPS_ENV = "TRITONRESHARD_SIMULATED_LINK_GBPS"
+
+
+def simulated_link_gbps() -> float | None:
+    """``$TRITONRESHARD_SIMULATED_LINK_GBPS`` as gigabits/s (None: unset, empty or ``inf``: the link as it is)."""
+    text = os.environ.get(LINK_GBPS_ENV, "").strip()
+    try:
+        gbps = float(text) if text else math.inf
+    except ValueError:
+        gbps = math.nan
+    if not gbps > 0:
+        raise ValueError(f"${LINK_GBPS_ENV} must be gigabits/s > 0 (a simulated link rate), got {text!r}")
+    return None if math.isinf(gbps) else gbps
 
 FOREVER = float("inf")   # a sender / relay waits as long as training or serving takes
 _STORE_WAIT = datetime.timedelta(days=365)  # a blocked queue_pop ends by a message, never by timing out
@@ -111,10 +131,12 @@ class CrossHost:
     def __init__(self, group: Group, route: Route, device):
         self.group, self.rank, self.route = group, group.rank, route
         self.link = self.signals = None
+        gbps = simulated_link_gbps()   # before anything is opened: a bad value is a plain ValueError
         try:
             self.link = DistLink(group.base_store, rank=self.rank, world_size=group.world_size,
                                  device=torch.device(device if device is not None else "cpu"),
-                                 timeout=group.timeout, prefix=f"trs/{group.name}/e{group.epoch}/dist/")
+                                 timeout=group.timeout, prefix=f"trs/{group.name}/e{group.epoch}/dist/",
+                                 simulated_gbps=gbps)
             group.liveness.watch_remote(set(route.receivers) | set(route.senders))
             if route.sends or route.receives:
                 self.signals = Signals(group.store, self.rank)

@@ -127,9 +127,10 @@ class _Rank:
         membership: ``trs.Fixed()`` (default) or ``trs.Elastic(replica=)`` (see
             :mod:`~tritonreshard.engine.membership`; every rank passes the same kind).
         codec: cross-host transfers only: ``trs.Delta()`` (default: each host gets only the elements
-            that changed since the version its receive buffer holds, when that is smaller; bits
-            compared, exact; a whole transfer every ``anchor`` versions) or ``trs.Dense()`` (every
-            byte every refit). Every rank passes the same (see docs/hosts.md).
+            that changed since the version its receive buffer holds, when that is smaller and
+            finding them costs less than sending whole, as each sender measures its link and its
+            detection; bits compared, exact; a whole transfer every ``anchor`` versions) or
+            ``trs.Dense()`` (every byte every refit). Every rank passes the same (see docs/hosts.md).
         timeouts: ``trs.Timeouts(wait=60, peer=10)``: set-up and each wait; a silent peer's death.
         pull (inference side): ``trs.PullOptions(mode=, backend=, device=, sources=)``.
     """

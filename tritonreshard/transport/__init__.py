@@ -28,11 +28,11 @@ from ._control import (STATE_ABORT, STATE_CLOSED, STATE_OK, ControlBlock, create
                        open_control_block)
 from ._dist import CrossHostCopy, DistLink, LinkError, PendingExchange
 from ._shm import ShmArena, unlink_segment
-from .codec import DELTA_MODES, Codec, Delta, Dense, codec_for, delta_problems
+from .codec import DELTA_MODES, Codec, Delta, Dense, LinkModel, codec_for, delta_problems
 
 __all__ = [
     "CrossHostCopy", "DistLink", "LinkError", "PendingExchange", "Codec", "Dense", "Delta", "codec_for",
-    "DELTA_MODES", "delta_problems",
+    "DELTA_MODES", "LinkModel", "delta_problems",
     "ALIGN", "SHM_PREFIX", "Arena", "ArenaHandle", "ControlBlock", "STATE_ABORT", "STATE_CLOSED",
     "STATE_OK", "align_up", "create_arena", "create_control_block", "open_arena",
     "open_control_block", "pack_offsets", "unlink_segment",

@@ -24,7 +24,11 @@ sends them with its "sent" signal), so the receiver posts receives of the right 
 ``start_recvs(described)`` receives dense messages straight into its buffer and sparse ones into
 payloads of their own, and ``apply()`` writes those into the buffer once every byte arrived and the
 headers (version, base, bytes) matched. ``commit_sends()`` moves the snapshot on after the sends
-completed.
+completed. Whether a delta pays at all is the codec's question to the sender's
+:class:`~tritonreshard.transport.codec.LinkModel`, which the copy feeds with what it measures: its
+whole sends (posting to completion) and its delta encodes. Where deltas do not pay, the sender
+keeps no snapshot up to date (a copy of every byte sent, for nothing) and its receivers get whole
+transfers until they pay again.
 
 Failures: a peer that dies closes its connections, so a pending send or receive fails at once and
 becomes :class:`PeerDiedError` naming that peer; a silent peer is bounded by ``timeout`` (the process
@@ -44,7 +48,7 @@ import torch.distributed as dist
 
 from ..errors import PeerDiedError
 from . import delta as dc
-from .codec import Codec, Delta, Dense
+from .codec import Codec, Delta, Dense, LinkModel
 from .wait import Doorbell, wait_until
 
 __all__ = ["DistLink", "CrossHostCopy", "PendingExchange", "LinkError"]
@@ -68,14 +72,21 @@ class DistLink:
         timeout: seconds any one send / receive may take before the peer counts as hung.
         prefix: the store namespace (include the group's name and epoch, so a new group on the same
             store never meets an old one's keys).
+        simulated_gbps: a test hook, None in use: each :meth:`post` with sends first sleeps their
+            bytes / this rate (gigabits per second), so that a fast link (loopback) behaves like
+            a slower one for the receivers and for the sender's own measurements (the engine sets it
+            from ``$TRITONRESHARD_SIMULATED_LINK_GBPS``; ``tritonreshard bench --link-gbps``).
 
     Every rank of the group must create its link (the process group connects lazily, per pair).
     """
 
     def __init__(self, store, *, rank: int, world_size: int, device="cpu", timeout: float = 60.0,
-                 prefix: str = "trs-dist/"):
+                 prefix: str = "trs-dist/", simulated_gbps: float | None = None):
         device = torch.device(device)
         bad = []
+        if simulated_gbps is not None and (isinstance(simulated_gbps, bool) or not isinstance(simulated_gbps, (int, float))
+                                           or not simulated_gbps > 0):
+            bad.append(f"simulated_gbps must be None or gigabits/s > 0, got simulated_gbps={simulated_gbps!r}")
         if device.type not in ("cpu", "cuda"):
             bad.append(f"device must be cpu or cuda, got device={str(device)!r}")
         if not (isinstance(timeout, (int, float)) and timeout > 0):
@@ -86,6 +97,7 @@ class DistLink:
         if bad:
             raise ValueError("DistLink: " + "; ".join(bad))
         self.rank, self.world_size, self.device, self.timeout = rank, world_size, device, float(timeout)
+        self.simulated_gbps = simulated_gbps
         self.broken: str | None = None
         self._closed = False
         pstore = dist.PrefixStore(prefix, store)
@@ -113,6 +125,9 @@ class DistLink:
         """Post ``sends`` (peer, contiguous tensor) and ``recvs`` (peer, contiguous tensor) without
         waiting. Messages between one pair match in the order they were posted."""
         self._check("post")
+        if self.simulated_gbps is not None and sends:
+            # Before posting, so the receivers see the bytes late, as over a slower link.
+            time.sleep(sum(t.numel() * t.element_size() for _, t in sends) * 8 / (self.simulated_gbps * 1e9))
         works = []
         for peer, t in recvs:
             works.append((peer, "receive from", self.pg.recv([t], peer, tag)))
@@ -221,6 +236,8 @@ class CrossHostCopy:
             :class:`~tritonreshard.transport.codec.Delta` (per message the smallest encoding of
             :mod:`~tritonreshard.transport.delta`, dense included; a whole transfer every
             ``anchor`` versions).
+        link_model: the sender's measurements that a ``Delta()`` codec weighs (default: a new
+            :class:`~tritonreshard.transport.codec.LinkModel`); tests pass one with known figures.
 
     ``send_staging_bytes`` is the packing buffer this rank allocated (0 when every box it sends is
     one range of its arena).
@@ -228,7 +245,7 @@ class CrossHostCopy:
 
     def __init__(self, link: DistLink, messages, transfers, *, arena: torch.Tensor | None = None,
                  shard: Mapping[str, torch.Tensor] | None = None, recv_buffer: torch.Tensor | None = None,
-                 codec: Codec = Dense()):
+                 codec: Codec = Dense(), link_model: LinkModel | None = None):
         rank = link.rank
         self.link = link
         self._sends = [m for m in messages if m.sender == rank]
@@ -254,9 +271,12 @@ class CrossHostCopy:
                                 f"{max(m.src_offset + m.nbytes for m in over)}")
         if not isinstance(codec, (Dense, Delta)):
             problems.append(f"codec must be a Dense() or Delta(...), got codec={codec!r}")
+        if link_model is not None and not isinstance(link_model, LinkModel):
+            problems.append(f"link_model must be None or a LinkModel, got link_model={link_model!r}")
         if problems:
             raise ValueError("CrossHostCopy: " + "; ".join(problems))
         self.codec = codec
+        self.link_model = link_model if link_model is not None else LinkModel()
 
         # Sender: one view per message, straight into the arena or into the packing buffer.
         packed = [m for m in self._sends if m.src_offset is None]
@@ -297,6 +317,7 @@ class CrossHostCopy:
         self._last_sent = {p: 0 for p in self.receivers}   # the version the snapshot holds for p's messages
         self._deltas = {p: 0 for p in self.receivers}      # deltas to p since its last whole transfer
         self._out: tuple | None = None             # (version, {receiver: descriptor}, [Encoded per message])
+        self._posted_at: float | None = None       # the link model's clock when the sends were posted
         self._in: tuple | None = None              # (version, {sender: descriptor}, [payload or None])
         #: Receiver, after ``apply()``: what its last refit received. ``delta_bytes`` / ``dense_bytes``:
         #: bytes received as sparse encodings / whole messages; ``changed`` / ``compared``: words
@@ -334,12 +355,20 @@ class CrossHostCopy:
             dst.copy_(src)
         if self.link.device.type == "cuda":
             torch.cuda.current_stream(self.link.device).synchronize()  # data before NCCL reads it
-        use = {p: self.codec.sends_delta(self._deltas[p]) and bases.get(p, 0) > 0
+        model, total = self.link_model, self.bytes_sent_per_refit
+        use = {p: self.codec.sends_delta(self._deltas[p], model, total) and bases.get(p, 0) > 0
                and bases[p] == self._last_sent[p] for p in self.receivers}
-        encs = []
+        encs, compared, encoded, seconds = [], 0, 0, 0.0
         for i, (p, view) in enumerate(self._send_views):
-            codec = self.codec if use[p] else _WHOLE
-            encs.append(codec.encode(view, self._snap_views[i] if use[p] else None, self._send_word[i]))
+            if not use[p]:
+                encs.append(_WHOLE.encode(view, None, self._send_word[i]))
+                continue
+            t0 = model.clock()
+            encs.append(self.codec.encode(view, self._snap_views[i], self._send_word[i]))
+            seconds += model.clock() - t0
+            compared, encoded = compared + view.numel(), encoded + encs[-1].nbytes
+        if compared:
+            model.delta_encoded(compared, seconds, encoded)
         if self.link.device.type == "cuda":
             torch.cuda.current_stream(self.link.device).synchronize()  # payloads before NCCL reads them
         out = {p: {"v": version, "base": bases[p] if use[p] else 0, "enc": []} for p in self.receivers}
@@ -366,17 +395,27 @@ class CrossHostCopy:
         for (p, view), e in zip(self._send_views, encs):
             if e.nbytes:
                 sends.append((p, view if e.kind == dc.DENSE else e.payload))
+        self._posted_at = self.link_model.clock()
         return self.link.post(sends, [])
 
     def commit_sends(self) -> None:
         """Sender, once the sends of the prepared version completed (the receivers hold it): the
         snapshot becomes that version (a whole message is copied, a delta applied to it, as the
-        receiver did). A :class:`Dense` codec keeps no snapshot."""
+        receiver did). A :class:`Dense` codec keeps no snapshot, nor does a ``Delta`` one while
+        deltas do not pay (its receivers then get whole transfers, as they hold no base it has).
+        Call it right after the sends completed: a whole transfer's time, posting to now, is the
+        link model's measurement of the link."""
         if self._out is None:
             return
         version, described, encs = self._out
         self._out = None
-        if not self.codec.keeps_snapshot:
+        model, total = self.link_model, self.bytes_sent_per_refit
+        if self._posted_at is not None and not any(described[p]["base"] for p in self.receivers):
+            model.whole_sent(total, model.clock() - self._posted_at)
+        self._posted_at = None
+        if not (self.codec.keeps_snapshot and self.codec.wants_delta(model, total)):
+            for p in self.receivers:   # no base this rank holds: whole until deltas pay again
+                self._last_sent[p], self._deltas[p] = 0, 0
             return
         if self._snap is None:
             self._snap = torch.empty(sum(v.numel() for _, v in self._send_views), dtype=torch.uint8,

@@ -3,12 +3,21 @@ what the receiver holds (:class:`Delta`). One object, chosen once at set-up; the
 two questions (may this receiver get deltas? how is this message encoded?) and never looks at a
 mode string.
 
+``Delta()`` ("auto") also weighs the link against detection: comparing and encoding a byte costs
+time (on CPU 1-4 s/GB, slower than a loopback link), so a delta pays only where the link is slower
+than finding what changed. The codec is chosen once and frozen; what it weighs is measured per
+sender, by a :class:`LinkModel` (mutable, one per sending rank) that the codec's questions take.
+
 Every rank of a group passes the same codec (it travels in the rank's hello and is compared: a
 codec mismatch is named before any data moves). The string spelling (``delta="auto" | "off" |
 "always"``, ``delta_anchor=``) that vLLM's init info and the CLI carry is :func:`codec_for`.
 """
 from __future__ import annotations
 
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Union
 
@@ -16,10 +25,112 @@ import torch
 
 from . import delta as dc
 
-__all__ = ["Codec", "DELTA_MODES", "Delta", "Dense", "codec_for", "delta_problems"]
+__all__ = ["Codec", "DELTA_MODES", "Delta", "Dense", "LinkModel", "codec_for", "delta_problems"]
 
-#: The string spellings of a codec (``codec_for``): sparse when smaller, never, always (tests).
+#: The string spellings of a codec (``codec_for``): sparse when it pays, never, always (tests).
 DELTA_MODES = ("auto", "off", "always")
+
+
+class LinkModel:
+    """One sender's measured speeds: of its link (bytes/s of its recent whole sends) and of
+    detection (bytes/s of its recent delta encodes, comparing and compacting), with the fraction of
+    the compared bytes its recent deltas carried. :meth:`prefers_delta` weighs them.
+
+    The rule, per transfer of ``n`` bytes: a delta costs ``n / detect + f * n / link`` (find what
+    changed, send the fraction ``f`` that is left), whole costs ``n / link``; the delta is chosen
+    when it costs less, so ``n`` cancels: ``detect * (1 - f) > link``. What is not known yet is
+    measured first, in the order refits give it:
+
+    * no link figure: whole (the first transfer is whole anyway: no base). The first whole send
+      of a link is not counted: gloo connects each pair at its first message, so that send times
+      the connection, not the bytes.
+    * link known, detection not: the delta, once, to measure it (then the rule decides). A
+      calibration encode at set-up would not do: detection's cost depends on what changed (1.0
+      s/GB when nothing did, 10 s/GB at 30% changed, on CPU), which only a real version shows.
+    * every ``reprobe`` whole sends in a row after a delta measurement: the delta once more, as
+      the updates (``f``) and the machine's load change.
+
+    Transfers under ``min_bytes`` are not weighed (always the delta, as bytes decide): their time
+    is fixed costs (signals, a round trip, thread wake-ups, ~1 ms either way), not their bytes, so
+    rates measured there say nothing about the link and either choice costs the same.
+
+    Estimates are medians of the last ``window`` measurements (a refit on a loaded machine can
+    take twice the usual). ``link_bps`` / ``detect_bps`` / ``fraction``: starting estimates
+    (tests, or a link known in advance), each used until it is measured; ``clock``: seconds, monotonic (tests inject one). Not
+    thread-safe: its sender's thread alone uses it.
+    """
+
+    def __init__(self, *, link_bps: float | None = None, detect_bps: float | None = None, fraction: float = 0.0,
+                 window: int = 8, min_bytes: int = 1 << 20, reprobe: int = 64,
+                 clock: Callable[[], float] = time.perf_counter):
+        problems = []
+        for name, v in (("link_bps", link_bps), ("detect_bps", detect_bps)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+                problems.append(f"{name} must be None or bytes/s > 0, got {name}={v!r}")
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
+            problems.append(f"fraction must be in [0, 1] (a delta's bytes over the bytes compared), got "
+                            f"fraction={fraction!r}")
+        for name, v, low in (("window", window, 1), ("min_bytes", min_bytes, 0), ("reprobe", reprobe, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                problems.append(f"{name} must be an int >= {low}, got {name}={v!r}")
+        if not callable(clock):
+            problems.append(f"clock must be a callable returning seconds, got clock={clock!r}")
+        if problems:
+            raise ValueError("LinkModel: " + "; ".join(problems))
+        self.clock, self.min_bytes, self.reprobe = clock, min_bytes, reprobe
+        self._start = (link_bps, detect_bps, float(fraction))
+        self._link, self._detect, self._fraction = (deque(maxlen=window) for _ in range(3))
+        self._connected = link_bps is not None   # a starting figure: no first send to discard
+        self._wholes_since_delta = 0
+
+    @property
+    def link_bps(self) -> float | None:
+        """The link's bytes/s (median of the recent whole sends; before any, the starting figure or None)."""
+        return statistics.median(self._link) if self._link else self._start[0]
+
+    @property
+    def detect_bps(self) -> float | None:
+        """Detection's bytes/s (median of the recent delta encodes; before any, the starting figure or None)."""
+        return statistics.median(self._detect) if self._detect else self._start[1]
+
+    @property
+    def fraction(self) -> float:
+        """The recent deltas' bytes over the bytes they compared (median; before any, the starting figure)."""
+        return statistics.median(self._fraction) if self._fraction else self._start[2]
+
+    def whole_sent(self, nbytes: int, seconds: float) -> None:
+        """A whole transfer of ``nbytes`` completed in ``seconds`` (posting to completion)."""
+        if not self._connected:
+            self._connected = True
+            return
+        if nbytes >= self.min_bytes and seconds > 0:
+            self._link.append(nbytes / seconds)
+            self._wholes_since_delta += 1
+
+    def delta_encoded(self, compared: int, seconds: float, encoded: int) -> None:
+        """Encoding ``compared`` bytes against the snapshot took ``seconds`` and gave ``encoded``
+        bytes to send (whole messages among them included)."""
+        if compared >= self.min_bytes and seconds > 0:
+            self._detect.append(compared / seconds)
+            self._fraction.append(min(1.0, encoded / compared))
+        self._wholes_since_delta = 0
+
+    def prefers_delta(self, nbytes: int) -> bool:
+        """Whether a transfer of ``nbytes`` should travel as a delta (see the class docstring)."""
+        if nbytes < self.min_bytes:
+            return True
+        link, detect = self.link_bps, self.detect_bps
+        if link is None:
+            return False
+        if detect is None or self._wholes_since_delta >= self.reprobe:
+            return True
+        return detect * (1.0 - self.fraction) > link
+
+    def __repr__(self) -> str:
+        def gbs(v):
+            return "?" if v is None else f"{v / 1e9:.3g} GB/s"
+        return (f"LinkModel(link {gbs(self.link_bps)}, detection {gbs(self.detect_bps)}, "
+                f"delta {100 * self.fraction:.3g}% of compared)")
 
 
 @dataclass(frozen=True)
@@ -34,7 +145,11 @@ class Dense:
         """The string spelling (``delta=``)."""
         return "off"
 
-    def sends_delta(self, deltas_since_whole: int) -> bool:
+    def wants_delta(self, link: LinkModel | None = None, nbytes: int = 0) -> bool:
+        """Whether deltas pay for this sender (so it keeps a base: the snapshot)."""
+        return False
+
+    def sends_delta(self, deltas_since_whole: int, link: LinkModel | None = None, nbytes: int = 0) -> bool:
         """Whether a receiver whose base is what this rank last sent it gets deltas now."""
         return False
 
@@ -46,10 +161,12 @@ class Dense:
 class Delta:
     """Each receiver gets only the elements that changed since the version its buffer holds (bits
     compared, exact; :mod:`~tritonreshard.transport.delta`), per message the smallest encoding,
-    whole included.
+    whole included, on a transfer where finding them costs less than sending whole (the sender's
+    :class:`LinkModel`; otherwise the transfer is whole, with no comparison).
 
-    ``anchor``: a whole transfer every that many versions (an int >= 1); ``force``: a sparse
-    encoding even where whole is smaller (tests: every encoding decoded)."""
+    ``anchor``: a whole transfer every that many versions (an int >= 1); ``force``: a delta on
+    every transfer, whatever the link, and a sparse encoding even where whole is smaller (tests:
+    every encoding decoded)."""
 
     anchor: int = 64
     force: bool = False
@@ -69,8 +186,14 @@ class Delta:
     def mode(self) -> str:
         return "always" if self.force else "auto"
 
-    def sends_delta(self, deltas_since_whole: int) -> bool:
-        return deltas_since_whole + 1 < self.anchor
+    def wants_delta(self, link: LinkModel | None = None, nbytes: int = 0) -> bool:
+        """``force``, or no ``link`` to weigh (bytes decide), or ``link.prefers_delta(nbytes)``:
+        ``nbytes`` is what the sender sends per refit."""
+        return self.force or link is None or link.prefers_delta(nbytes)
+
+    def sends_delta(self, deltas_since_whole: int, link: LinkModel | None = None, nbytes: int = 0) -> bool:
+        """Deltas pay (:meth:`wants_delta`) and no anchor is due (after ``anchor - 1`` deltas)."""
+        return deltas_since_whole + 1 < self.anchor and self.wants_delta(link, nbytes)
 
     def encode(self, new: torch.Tensor, old: torch.Tensor, word: int) -> dc.Encoded:
         return dc.encode(new, old, word, force_sparse=self.force)
