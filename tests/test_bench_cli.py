@@ -143,3 +143,16 @@ def test_memory_estimate_counts_what_the_ranks_allocate():
     assert light.total < est.total
     assert refusal(cfg, available=(1 << 40, "plenty")) is None
     assert "Try --size" in refusal(bench.BenchConfig(layout="cols-replicas"), available=(8 << 30, "a test"))
+
+
+def test_link_gbps_option():
+    """--link-gbps: a simulated link between hosts (the engine's $TRITONRESHARD_SIMULATED_LINK_GBPS)."""
+    from tritonreshard.apps import bench
+    from tritonreshard.apps.bench.cli import parse_gbps
+    assert parse_gbps(None) == [None] and parse_gbps("1,2.5,inf") == [1.0, 2.5, None]
+    for bad in ("0", "fast", "1,-2"):
+        with pytest.raises(ValueError, match=r"--link-gbps=.*gigabits/s > 0 or 'inf'"):
+            parse_gbps(bad)
+    assert bench.BenchConfig(hosts=2, link_gbps=1.0).problems() == []
+    assert bench.BenchConfig(hosts=2, link_gbps=0.0).problems() == ["--link-gbps=0.0 must be gigabits/s > 0"]
+    assert "needs --hosts >= 2" in bench.BenchConfig(link_gbps=1.0).problems()[0]

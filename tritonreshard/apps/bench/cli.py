@@ -8,7 +8,7 @@ import sys
 
 from .config import LAYOUTS, METHODS, WORKER_METHODS, BenchConfig, parse_size
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "parse_gbps", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -52,8 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--update-lr", default=None, metavar="LR[,LR...]",
                         help="instead: cross-host deltas with --hosts >= 2: every refit an Adam-sized bf16 update "
                              "of this learning rate ('random': every element changes), each rate run with "
-                             "delta off and auto; prints the changed fraction, cross-host bytes, refit time and "
-                             "detection cost (see tritonreshard.apps.bench.deltas)")
+                             "delta off, auto and always; prints the changed fraction, cross-host bytes, refit "
+                             "time and detection cost (see tritonreshard.apps.bench.deltas)")
+    parser.add_argument("--link-gbps", default=None, metavar="GBPS[,GBPS...]",
+                        help="simulate a slower link between hosts (--hosts >= 2): every cross-host send first "
+                             "sleeps its bytes / this rate in gigabits/s ($TRITONRESHARD_SIMULATED_LINK_GBPS, a "
+                             "test hook of the engine); with --update-lr a list, one row per rate and learning "
+                             "rate ('inf': loopback as it is); default: loopback as it is")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
     parser.add_argument("--quantize", choices=("fp8-block", "fp8-block-ue8m0"), default=None,
                         help="instead: the fused FP8 refit vs the bf16 refit vs bf16 refit + torch quantize, "
@@ -61,11 +66,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def parse_gbps(text) -> list[float | None]:
+    """``--link-gbps``: ``"1,10,inf"`` -> ``[1.0, 10.0, None]`` (None: the link as it is); None -> ``[None]``."""
+    if text is None:
+        return [None]
+    out = []
+    for part in str(text).split(","):
+        try:
+            gbps = float(part)
+        except ValueError:
+            gbps = float("nan")
+        if not gbps > 0:
+            raise ValueError(f"--link-gbps={text!r}: each value must be gigabits/s > 0 or 'inf', got {part.strip()!r}")
+        out.append(None if gbps == float("inf") else gbps)
+    return out
+
+
 def _config(args) -> BenchConfig:
+    links = parse_gbps(args.link_gbps)
+    if len(links) > 1:
+        raise ValueError(f"--link-gbps={args.link_gbps!r}: one rate (a list is for --update-lr)")
     return BenchConfig(size=parse_size(args.size), layout=args.layout, trainers=args.trainers,
                        inference=args.inference, tensors=args.tensors, backend=args.backend or "auto",
                        device=args.device, mode=args.mode, timeout=args.timeout, hosts=args.hosts,
-                       replicas=args.replicas,
+                       replicas=args.replicas, link_gbps=links[0],
                        methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()))
 
 

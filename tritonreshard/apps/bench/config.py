@@ -56,6 +56,10 @@ class BenchConfig:
     #: the plain bench would time the codec, not moving every byte; ``--update-lr`` (:mod:`.deltas`)
     #: runs "off" and "auto" side by side on RL-sized updates
     delta: str = "off"
+    #: a simulated link (gigabits/s) for the cross-host sends, None: loopback as it is. Each rank
+    #: sets ``$TRITONRESHARD_SIMULATED_LINK_GBPS`` (the engine's test hook: every cross-host send
+    #: first sleeps its bytes / this rate), so a delta's saving is measured against a slower link
+    link_gbps: float | None = None
 
     @property
     def worker_methods(self) -> tuple[str, ...]:
@@ -136,6 +140,12 @@ class BenchConfig:
             p.append(f"--update-lr={self.update_lr!r} must be a learning rate in (0, 1) or 'random'")
         if self.update_lr is not None and self.methods != ("tritonreshard",):
             p.append("--update-lr measures the engine alone (methods=('tritonreshard',))")
+        if self.link_gbps is not None and (isinstance(self.link_gbps, bool) or not isinstance(self.link_gbps, (int, float))
+                                           or not 0 < self.link_gbps < float("inf")):
+            p.append(f"--link-gbps={self.link_gbps!r} must be gigabits/s > 0")
+        elif self.link_gbps is not None and self.hosts < 2:
+            p.append(f"--link-gbps={self.link_gbps} simulates the link between hosts: it needs --hosts >= 2, "
+                     f"got {self.hosts}")
         if self.delta not in ("auto", "off", "always"):
             p.append(f"delta={self.delta!r} must be auto, off or always")
         return p

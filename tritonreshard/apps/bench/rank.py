@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tritonreshard import PullOptions, RefitEndpoint, Timeouts
+from tritonreshard.engine.crosshost import LINK_GBPS_ENV
 from tritonreshard.transport import codec_for
 
 from ..driver import wait_key
@@ -42,6 +43,8 @@ class Rank:
         host = cfg.host_of(rank)
         if host is not None:  # the engine reads it when the endpoint joins its group
             os.environ["TRITONRESHARD_HOST"] = host
+        if cfg.link_gbps is not None:  # read when the endpoint opens its cross-host link
+            os.environ[LINK_GBPS_ENV] = repr(float(cfg.link_gbps))
         timeout = datetime.timedelta(seconds=cfg.timeout)
         if cfg.device == "cuda":
             self.device = torch.device("cuda", rank % torch.cuda.device_count())
