@@ -57,6 +57,7 @@ def _session_figures(cfg: BenchConfig, repeats: int, warmup: int) -> dict:
             "changed": statistics.median(changed) if changed else None,
             "detect_s_per_gb": statistics.median(per_gb),
             "delta_bytes": int(statistics.median(sum(x["delta_bytes"] for x in st) for st in each)),
+            "dense_bytes": int(statistics.median(sum(x["dense_bytes"] for x in st) for st in each)),
             "verified": bool(r.get("verified"))}
 
 
@@ -69,7 +70,9 @@ def measure_rate(cfg: BenchConfig, lr: float | str, repeats: int, warmup: int) -
             "dense_bytes": off["cross_host_bytes"], "auto_bytes": auto["cross_host_bytes"],
             "delta_bytes": always["cross_host_bytes"],
             "ratio": always["cross_host_bytes"] / off["cross_host_bytes"] if off["cross_host_bytes"] else None,
-            "auto_picked": "delta" if auto["delta_bytes"] else "whole",
+            # what auto's trainers chose (each trainer weighs its own link): mixed where they differ
+            "auto_picked": "mixed" if auto["delta_bytes"] and auto["dense_bytes"] else
+                           "delta" if auto["delta_bytes"] else "whole",
             "refit_ms_off": off["refit_ms"], "refit_ms_auto": auto["refit_ms"], "refit_ms_delta": always["refit_ms"],
             "detect_s_per_gb": always["detect_s_per_gb"],
             "verified": off["verified"] and auto["verified"] and always["verified"]}
