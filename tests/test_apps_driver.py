@@ -77,6 +77,30 @@ def test_report_lists_causes_before_their_echoes():
         assert errors[1].echo and errors[1].time < errors[0].time  # recorded first, listed second
 
 
+def _standby_target(rank, store, pstore, mode):
+    pstore.set(f"ran/{rank}", f"{os.getpid()} {int('colorsys' in sys.modules)}")
+
+
+def test_spares_become_ranks_and_unused_ones_end_at_close():
+    """standby(): spare processes import ahead (``imports``), and start() turns them into ranks (the
+    same pids, the rank's target run in them); a rank with no spare left is spawned; a spare never
+    used ends at close(), with no process left."""
+    with Driver("t", 3, _standby_target, ("spare",), timeout=120, role=_role) as drv:
+        spares = drv.standby(2, imports=("colorsys",))
+        assert drv.spares == 2 and len(set(spares)) == 2
+        drv.start()
+        assert drv.spares == 0
+        assert [drv.launches[r]["how"] for r in range(3)] == ["standby", "standby", "spawn"]
+        assert [drv.procs[r].pid for r in (0, 1)] == spares
+        drv.wait(lambda: not drv.alive(), "the ranks to finish")
+        ran = [drv.pstore.get(f"ran/{r}").decode().split() for r in range(3)]
+        assert [pid for pid, _ in ran] == [str(drv.procs[r].pid) for r in range(3)]
+        assert [imported for _, imported in ran[:2]] == ["1", "1"]  # the spares imported it ahead
+        unused = drv.standby(1)
+    with pytest.raises(ProcessLookupError):  # ended and reaped by close()
+        os.kill(unused[0], 0)
+
+
 def test_killed_rank_is_named():
     with Driver("t", 2, _target, ("kill",), timeout=120, role=_role) as drv:
         drv.start()

@@ -93,6 +93,14 @@ def test_demo_restarts_trainers_and_keeps_inference_processes():
     assert s["verified"] is True and s["steps"] == steps, s
     assert s["recoveries"] == 1, s
     assert s["recovery_ms"] is not None and s["recovery_ms"] > 0, s
+    # The breakdown, not a wall time: the parts are in order and add up to the whole, and the new
+    # trainers ran in the spares the driver had started (no interpreter start, no imports), so
+    # launching them is no part of the restart's time but a pipe message.
+    parts = s["recovery_parts_ms"]
+    assert list(parts) == ["detect", "stop", "launch", "resume", "step", "refit"], parts
+    assert all(v >= 0 for v in parts.values()), parts
+    assert sum(parts.values()) == pytest.approx(s["recovery_ms"], abs=1e-3), (parts, s["recovery_ms"])
+    assert s["recovery_launch"] == "standby", s
     # Version 4's pull was broken by the kill and dropped, so one refit fewer than versions
     # published after the first; every installed version verified (``verified`` above).
     assert steps - 1 <= s["refits"] <= steps, s

@@ -12,7 +12,10 @@ Which process calls what:
   SIGTERM into ``SystemExit`` (so ``with``/``finally`` blocks close endpoints), connects to the
   driver's store, and when ``target`` raises records one line (``error/<rank>``: the exception type
   and message, plus the full traceback for ``--debug``-style reporting) and exits with code 1 without
-  printing a traceback. Ranks wait on store keys with :func:`wait_key`.
+  printing a traceback. Ranks wait on store keys with :func:`wait_key`;
+* spares: ``standby(n)`` starts processes that import what a rank needs and wait; a later
+  ``start(ranks)`` turns them into those ranks at once (a restart without the interpreter's start
+  and ``import torch``); ``launches`` records how each rank's process was launched.
 
 :func:`poll_until` is the one polling loop of the applications (driver and ranks alike).
 
@@ -25,6 +28,7 @@ and with the out-of-memory killer as its probable cause otherwise (:func:`sigkil
 from __future__ import annotations
 
 import datetime
+import importlib
 import json
 import os
 import re
@@ -286,6 +290,24 @@ def _rank_entry(target, rank: int, port: int, prefix: str, timeout: float, args:
     _quiet_exit()
 
 
+def _standby_entry(conn, imports: tuple[str, ...], target, port: int, prefix: str, timeout: float,
+                   args: tuple) -> None:
+    """A spare process (:meth:`Driver.standby`): the interpreter is up, ``torch``, this module and
+    ``target``'s module are imported (unpickling ``target`` imported it), and ``imports`` too (what
+    the rank imports lazily); it waits for the rank it is to become, then runs it as a freshly
+    spawned rank would. The driver closing its end first (it never needed this one, or it died)
+    ends it quietly."""
+    for name in imports:
+        importlib.import_module(name)
+    try:
+        rank = conn.recv()
+    except EOFError:
+        return
+    finally:
+        conn.close()
+    _rank_entry(target, rank, port, prefix, timeout, args)
+
+
 def _quiet_exit() -> None:
     """The rank's endpoints are closed: a SIGTERM from now on just ends the process (a SystemExit
     raised inside the interpreter's exit hooks would only print an ignored-exception report)."""
@@ -324,19 +346,66 @@ class Driver:
         self._oom_before = oom_kill_counts()  # a SIGKILLed rank: did the OOM killer count one meanwhile?
         self._killed: set[int] = set()        # pids the driver itself SIGKILLed (stop())
         self._sigkill_causes: dict[int, str] = {}
+        self._spares: list[tuple[object, object]] = []  # (process, pipe end): standby()'s, not yet a rank
+        self.launches: dict[int, dict] = {}  # rank -> how its current process was launched (start())
         _sigterm_exits()
 
     # -- processes ------------------------------------------------------------------------------
     def start(self, ranks=None) -> None:
-        """Spawns ``ranks`` (default: all). A rank started again (a restart) gets a new process."""
+        """Starts ``ranks`` (default: all): each in a spare process of :meth:`standby` while one is
+        left (no interpreter start, no imports), else a freshly spawned one. A rank started again
+        (a restart) gets a new process. :attr:`launches` says, per rank, which (``"standby"`` or
+        ``"spawn"``), its pid and when (``time.time()``) the process was created."""
         secret_for_children()  # children inherit it through the environment; it never crosses the store
-        ctx = mp.get_context("spawn")
         for r in (range(self.world_size) if ranks is None else ranks):
             self.pstore.delete_key(f"error/{r}")  # a restarted rank's predecessor's error is history
-            p = ctx.Process(target=_rank_entry, name=f"trs-{self.name}-rank{r}",
-                            args=(self._target, r, self.store.port, self.prefix, self.timeout, self._args))
-            p.start()
+            spare = self._take_spare()
+            if spare is not None:
+                (p, conn), how = spare, "standby"
+                conn.send(r)
+                conn.close()
+            else:
+                p = mp.get_context("spawn").Process(
+                    target=_rank_entry, name=f"trs-{self.name}-rank{r}",
+                    args=(self._target, r, self.store.port, self.prefix, self.timeout, self._args))
+                p.created_at, how = time.time(), "spawn"
+                p.start()
             self.procs[r] = p
+            self.launches[r] = {"how": how, "pid": p.pid, "created_at": p.created_at}
+
+    def standby(self, n: int, imports: tuple[str, ...] = ()) -> list[int]:
+        """Starts ``n`` spare processes now, each importing what a rank needs (``target``'s module,
+        and ``imports``: modules the rank would import later) and then waiting: a later
+        :meth:`start` turns one into a rank at once (a restart then costs neither the interpreter's
+        start nor ``import torch``, about 2 s here). Spares never used end at :meth:`close` (or
+        when the driver dies: their pipe closes). Returns their pids."""
+        secret_for_children()  # a spare's environment is the one a spawned rank would get
+        ctx = mp.get_context("spawn")
+        for i in range(n):
+            reader, writer = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_standby_entry, name=f"trs-{self.name}-standby{i}",
+                            args=(reader, tuple(imports), self._target, self.store.port, self.prefix, self.timeout,
+                                  self._args))
+            p.created_at = time.time()
+            p.start()
+            reader.close()  # the spare holds it; it reads EOF once the driver's end closes
+            self._spares.append((p, writer))
+        return [p.pid for p, _ in self._spares[-n:]] if n else []
+
+    @property
+    def spares(self) -> int:
+        """Spare processes of :meth:`standby` not yet started as a rank."""
+        return len(self._spares)
+
+    def _take_spare(self):
+        """A spare still alive (one that died waiting is dropped), or None."""
+        while self._spares:
+            p, conn = self._spares.pop(0)
+            if p.is_alive():
+                return p, conn
+            conn.close()
+            p.join(timeout=1)
+        return None
 
     def exitcodes(self) -> dict[int, int | None]:
         """rank -> exit code (None: running). Reading ``exitcode`` reaps: a dead rank is no zombie."""
@@ -400,9 +469,11 @@ class Driver:
 
     # -- waiting --------------------------------------------------------------------------------
     def wait(self, ready: Callable[[], bool], what: str, *, timeout: float | None = None,
-             tick: Callable[[], None] | None = None, watch=None) -> None:
+             tick: Callable[[], None] | None = None, watch=None, settle: float = 5.0) -> None:
         """Returns once ``ready()``; raises :class:`RankFailed` when a rank of ``watch`` (default all)
-        failed, ``TimeoutError`` after ``timeout`` (default: the driver's)."""
+        failed, ``TimeoutError`` after ``timeout`` (default: the driver's). ``settle``: seconds a rank
+        that recorded its error gets to exit before the error is raised (so that it carries the exit
+        code and the errors other ranks record meanwhile); 0 for a caller that acts at once."""
         def check():
             if tick is not None:
                 tick()
@@ -411,8 +482,8 @@ class Driver:
                 # A rank records its error, then exits: give it a moment, so the report has its
                 # exit code and the other ranks' errors that arrive meanwhile.
                 for e in errs:
-                    if e.exitcode is None:
-                        self.procs[e.rank].join(timeout=5)
+                    if e.exitcode is None and settle > 0:
+                        self.procs[e.rank].join(timeout=settle)
                 raise RankFailed(self.failures(watch), self.describe)
         poll_until(ready, timeout=self.timeout if timeout is None else timeout, what=what, tick=check)
 
@@ -444,6 +515,14 @@ class Driver:
         if self.closed:
             return []
         self.closed = True
+        for p, conn in self._spares:  # never became ranks: their pipe's EOF ends them
+            conn.close()
+        for p, _ in self._spares:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self._spares = []
         deadline = time.monotonic() + join
         for p in self.procs.values():
             p.join(timeout=max(0.0, deadline - time.monotonic()))

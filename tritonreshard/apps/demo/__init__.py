@@ -56,7 +56,9 @@ checkpoint is never older than what the inference group holds) and publish from 
 on. The inference processes settle the pull in flight together (the same contract), keep generating on their last complete
 version, and ``rejoin()`` the new epoch once its trainers are up; refits go on, verified as before.
 ``recoveries`` counts the restarts, ``recovery_ms`` is the time from the failure to the first
-refit of the new epoch.
+refit of the new epoch, and ``recovery_parts_ms`` splits it (detect, stop, launch, resume,
+step, refit). The new trainers run in spare processes the driver started once every rank was up (torch and tritonreshard already imported: ``recovery_launch`` is ``"standby"``), so a
+restart skips the interpreter's start and the imports.
 
 Entry points (wired by ``apps/cli.py``): :func:`add_arguments` and :func:`run`.
 

@@ -58,12 +58,20 @@ def drive(rc: RunConfig) -> RunOutcome:
     grace = rc.peer_timeout + 10.0  # how long survivors get to notice a failure and exit
     deadline = time.monotonic() + rc.timeout
     leaked: list[str] = []
+    standby = _Standby(drv, rc, recoveries)
+
+    def tick():
+        progress()
+        standby()
+
     try:
         drv.start()
         while True:
             try:
-                drv.wait(lambda: not drv.alive(), "the demo's ranks to finish", tick=progress,
-                         timeout=max(0.0, deadline - time.monotonic()))
+                # With --restart a failure is acted on at once (the old trainers are stopped anyway);
+                # the report of a failed run reads every rank's error again at the end.
+                drv.wait(lambda: not drv.alive(), "the demo's ranks to finish", tick=tick,
+                         timeout=max(0.0, deadline - time.monotonic()), settle=0.0 if rc.restart else 5.0)
                 break
             except RankFailed as exc:
                 if _can_restart(rc, exc.errors, recoveries):
@@ -97,6 +105,30 @@ def drive(rc: RunConfig) -> RunOutcome:
         lines = [f"{failure}; ranks still running then: {still_running}"]
     return RunOutcome(store=drv.pstore, pids=drv.pids(), recoveries=recoveries, leaked=leaked,
                       failure_lines=lines, terminated=terminated, started=started)
+
+
+class _Standby:
+    """--restart: spare trainer processes (:meth:`Driver.standby`) with the interpreter up and
+    torch and tritonreshard imported, so that a restart costs neither (about 2 s here: most of a
+    restart spawned from scratch). They are started once every rank is up (and again after the
+    first refit of each restarted group), not beside ranks that are importing, whose CPU they would
+    take; none once no restart is left."""
+
+    def __init__(self, drv: Driver, rc: RunConfig, recoveries: list):
+        self.drv, self.rc, self.recoveries = drv, rc, recoveries
+
+    def __call__(self) -> None:
+        drv, rc = self.drv, self.rc
+        if not rc.restart or drv.spares or len(self.recoveries) >= MAX_RESTARTS:
+            return
+        dstore = drv.pstore
+        if self.recoveries:
+            refits = int(dstore.add("refits_done", 0))  # a version of the newest trainers installed
+            ready = refits > 0 and json.loads(dstore.get(f"refit/{refits}"))["epoch"] >= self.recoveries[-1]["epoch"]
+        else:
+            ready = int(dstore.add("ranks_up", 0)) >= rc.world_size
+        if ready:  # torch._dynamo: the optimizer's constructor imports it (1 s here)
+            drv.standby(rc.trainers, imports=("torch._dynamo",))
 
 
 class _Progress:
@@ -169,19 +201,19 @@ def _restart_trainers(drv: Driver, rc: RunConfig, errors: list[RankError], bar) 
     """The trainer group failed: stop what is left of it, then start new trainer processes in the next
     group epoch; they resume from their last complete checkpoint, and the inference processes (still
     serving their last complete version) join that epoch."""
-    failed_at = min(e.time for e in errors)
+    failed_at, detected_at = min(e.time for e in errors), time.time()
     bar.write(f"tritonreshard demo: {'; '.join(drv.describe(e) for e in errors)}; restarting the trainer "
               f"group from its last checkpoint (the inference processes keep serving)", file=sys.stderr)
-    # The other trainers' state is in their checkpoints: a short grace to exit on their own (most
-    # notice at once: a collective with the dead rank fails), then SIGTERM.
-    try:
-        drv.wait(lambda: not any(r in drv.alive() for r in rc.trainer_ranks), "the old trainers to exit",
-                 timeout=1.0, watch=[])
-    except TimeoutError:
-        drv.stop(rc.trainer_ranks, grace=5.0)
+    # The other trainers' state is in their checkpoints, so they are stopped at once (SIGTERM: their
+    # endpoints close) rather than given time to notice: one waiting in fence() for a version the
+    # inference group will never ack would not notice before its timeout.
+    drv.stop(rc.trainer_ranks, grace=5.0)
+    stopped_at = time.time()
     epoch = int(drv.pstore.add("trainer_epoch", 1))  # the ranks of that epoch read it when they start
     drv.start(rc.trainer_ranks)
-    return {"failed_at": failed_at, "epoch": epoch, "errors": [drv.describe(e) for e in errors]}
+    return {"failed_at": failed_at, "detected_at": detected_at, "stopped_at": stopped_at, "epoch": epoch,
+            "launches": sorted({drv.launches[r]["how"] for r in rc.trainer_ranks}),
+            "errors": [drv.describe(e) for e in errors]}
 
 
 def rank_main(rank: int, store, dstore, rc: RunConfig) -> None:
@@ -197,8 +229,11 @@ def rank_main(rank: int, store, dstore, rc: RunConfig) -> None:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    entered = time.time()  # a restart's breakdown: the new process runs the rank from here
     trainer = rank < rc.trainers
     epoch = int(dstore.add("trainer_epoch", 0)) if trainer else 0
+    if trainer:
+        dstore.set(f"entered/{epoch}/{rank}", repr(entered))
     pg_name = f"pg-trainers-e{epoch}" if trainer else "pg-inference"
     group_rank = rank if trainer else rank - rc.trainers
     dist.init_process_group(rc.dist_backend, store=dist.PrefixStore(pg_name, store), rank=group_rank,

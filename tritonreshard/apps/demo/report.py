@@ -20,7 +20,7 @@ __all__ = ["report", "SUMMARY_KEYS", "FAILURE_KEYS"]
 
 SUMMARY_KEYS = ("steps", "refits", "verified", "reward_first", "reward_last", "refit_ms_p50",
                 "max_inference_stall_ms", "bytes_per_refit", "staleness_max", "staging_bytes",
-                "recoveries", "recovery_ms", "inference_pids")
+                "recoveries", "recovery_ms", "recovery_parts_ms", "recovery_launch", "inference_pids")
 # Added to the summary of a failed run (after SUMMARY_KEYS, which then describe what got done).
 FAILURE_KEYS = ("error", "inference_version", "inference_consistent", "inference_why", "detect_ms", "fault",
                 "pids")
@@ -33,8 +33,10 @@ def report(out: RunOutcome, rc: RunConfig, args: argparse.Namespace) -> int:
         return _report_failure(out, rc, args)
     summary, steps, refits = _summarize(out.store, rc, out.pids, out.recoveries)
     wall = time.perf_counter() - out.started
+    parts = summary["recovery_parts_ms"] or {}
     restarts = (f"; {summary['recoveries']} trainer restart(s), {summary['recovery_ms']:.0f} ms from the "
-                f"failure to the first refit of the new trainers, inference processes never restarted "
+                f"failure to the first refit of the new trainers ({', '.join(f'{k} {v:.0f}' for k, v in parts.items())} "
+                f"ms; new trainers from {summary['recovery_launch']}), inference processes never restarted "
                 f"(pids {summary['inference_pids']})") if out.recoveries else ""
     print(f"tritonreshard demo: {summary['steps']} steps, {summary['refits']} refits "
           f"({args.mode}, {args.backend} backend, {args.trainers} trainers -> {args.inference} TP ranks) in "
@@ -79,10 +81,12 @@ def _summarize(dstore, rc: RunConfig, pids, recoveries):
     # reported its pid when it started and again when it finished.
     inference_pids = [pids[r] for r in rc.inference_ranks]
     same = all(json.loads(dstore.get(f"pid/{r}")) == {"start": pids[r], "end": pids[r]} for r in rc.inference_ranks)
-    recovery_ms = None
+    recovery_ms = parts = launch = None
     if recoveries:
         first_new = [r["time"] for r in refits if r["epoch"] == recoveries[0]["epoch"]]
         recovery_ms = 1e3 * (min(first_new) - recoveries[0]["failed_at"]) if first_new else None
+        parts = _recovery_parts(dstore, rc, recoveries[0], min(first_new)) if first_new else None
+        launch = "+".join(recoveries[0]["launches"])
     # Without a restart every version is refit and verified; a restart can drop the version whose
     # pull the failure broke, so then every version the inference group installed must verify.
     expected = rc.steps + 1 if not recoveries else inf["refits"] + 1
@@ -100,10 +104,29 @@ def _summarize(dstore, rc: RunConfig, pids, recoveries):
         "staging_bytes": int(inf["staging_bytes"]),
         "recoveries": len(recoveries),
         "recovery_ms": recovery_ms,
+        "recovery_parts_ms": parts,
+        "recovery_launch": launch,
         "inference_pids": inference_pids,
     }
     assert tuple(summary) == SUMMARY_KEYS
     return summary, steps, refits
+
+
+def _recovery_parts(dstore, rc: RunConfig, rec: dict, first_refit: float) -> dict[str, float]:
+    """The first restart, kill to the first refit of the new trainers, in ms and in order (they add
+    up to ``recovery_ms``; one wall clock, ``time.time()``, on one host): ``detect`` (the failure
+    until the driver saw it), ``stop`` (the old trainers gone), ``launch`` (until every new trainer
+    process runs its rank: a spare's pipe message, or a spawn's interpreter start and imports),
+    ``resume`` (checkpoint loaded, process group and refit group met), ``step`` (the first training
+    step of the new trainers, to its publish), ``refit`` (the inference group's rejoin, pull and
+    swap of that version)."""
+    epoch = rec["epoch"]
+    entered = max(float(dstore.get(f"entered/{epoch}/{r}")) for r in rc.trainer_ranks)
+    resumed = max(float(dstore.get(f"resumed/{epoch}/{r}")) for r in rc.trainer_ranks)
+    marks = [rec["failed_at"], rec["detected_at"], rec["stopped_at"], entered, resumed,
+             float(dstore.get(f"published/{epoch}")), first_refit]
+    names = ("detect", "stop", "launch", "resume", "step", "refit")
+    return {n: 1e3 * (b - a) for n, a, b in zip(names, marks, marks[1:])}
 
 
 def _summarize_failure(dstore, rc: RunConfig, error: str, pids, recoveries) -> dict:
@@ -136,6 +159,8 @@ def _summarize_failure(dstore, rc: RunConfig, error: str, pids, recoveries) -> d
         "staging_bytes": final["staging_bytes"] if final else None,
         "recoveries": len(recoveries),
         "recovery_ms": None,
+        "recovery_parts_ms": None,
+        "recovery_launch": None,
         "inference_pids": [pids[r] for r in rc.inference_ranks],
     }
     why = None

@@ -42,6 +42,7 @@ def run_trainer(rank: int, rc: RunConfig, refit_store, dstore, epoch: int, devic
     tr = RefitTrainer(local, src_layouts, rank=rank, world_size=rc.world_size, store=refit_store,
                       timeouts=Timeouts(wait=rc.timeout, peer=rc.peer_timeout), epoch=epoch,
                       start_version=resume or 0)
+    dstore.set(f"resumed/{epoch}/{rank}", repr(time.time()))  # a restart's breakdown: checkpoint loaded, group met
     try:
         # Train on the arena tensors themselves: Parameter(t) shares t's storage, and Adam updates
         # in place, so every optimizer step writes straight into the published buffers.
@@ -86,6 +87,8 @@ def run_trainer(rank: int, rc: RunConfig, refit_store, dstore, epoch: int, devic
                     "batch_version": batch["version"], "staleness": staleness, "dropped": dropped,
                     "loss": loss.item(), "step_ms": 1e3 * (time.perf_counter() - t_step)})
             version = tr.publish()
+            if rank == 0 and epoch > 0 and not published:  # a restart's breakdown: its first version out
+                dstore.set(f"published/{epoch}", repr(time.time()))
             published = True
             assert version == nxt, (version, nxt)
             if rank == 0 and epoch == 0 and fault_at(rc, "kill-trainer", version):
