@@ -42,8 +42,8 @@ class LinkModel:
     measured first, in the order refits give it:
 
     * no link figure: whole (the first transfer is whole anyway: no base). The first whole send
-      of a link is not counted: gloo connects each pair at its first message, so that send times
-      the connection, not the bytes.
+      of a link is not counted: the process group (gloo, NCCL) connects each pair at its first
+      message, so that send times the connection, not the bytes.
     * link known, detection not: the delta, once, to measure it (then the rule decides). A
       calibration encode at set-up would not do: detection's cost depends on what changed (1.0
       s/GB when nothing did, 10 s/GB at 30% changed, on CPU), which only a real version shows.
@@ -55,9 +55,10 @@ class LinkModel:
     rates measured there say nothing about the link and either choice costs the same.
 
     Estimates are medians of the last ``window`` measurements (a refit on a loaded machine can
-    take twice the usual). ``link_bps`` / ``detect_bps`` / ``fraction``: starting estimates
-    (tests, or a link known in advance), each used until it is measured; ``clock``: seconds, monotonic (tests inject one). Not
-    thread-safe: its sender's thread alone uses it.
+    take twice the usual). While deltas are sent, the link is measured again only at the anchors
+    (``Delta(anchor=)``: whole transfers). ``link_bps`` / ``detect_bps`` / ``fraction``: starting
+    estimates (tests, or a link known in advance), each used until it is measured; ``clock``:
+    seconds, monotonic (tests inject one). Not thread-safe: its sender's thread alone uses it.
     """
 
     def __init__(self, *, link_bps: float | None = None, detect_bps: float | None = None, fraction: float = 0.0,
