@@ -164,9 +164,12 @@ def test_gather_broadcast(refit_rows, benchmark, session):
 # ---------------------------------------------------------------- cross-host deltas
 @pytest.fixture(scope="module")
 def delta_session():
-    """Two simulated hosts, every refit an Adam-sized bf16 update at lr 1e-6 (``bench --update-lr``)."""
+    """Two simulated hosts, every refit an Adam-sized bf16 update at lr 1e-6 (``bench --update-lr``).
+    ``delta="always"``: the delta path itself is what this times. ``auto`` sends whole over this
+    loopback, where detection costs more than the bytes it saves (docs/hosts.md, "When a delta
+    pays"; ``tritonreshard bench --update-lr 1e-6 --link-gbps inf,1`` shows both)."""
     s = BenchSession(BenchConfig(size=16 * MiB, layout="fsdp-tp", trainers=2, inference=2, hosts=2, timeout=300.0,
-                                 update_lr=1e-6, methods=("tritonreshard",), delta="auto"))
+                                 update_lr=1e-6, methods=("tritonreshard",), delta="always"))
     yield s
     leaked = s.close()
     assert not leaked, f"/dev/shm entries left behind: {leaked}"
