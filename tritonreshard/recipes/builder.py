@@ -28,7 +28,7 @@ from ..layout import Layout, Part, Replicate, Shard
 from ..planning import BlockQuant, Plan, plan_quantized
 
 __all__ = ["RecipeSpec", "RecipeBuilder", "tp_layout", "vllm_layout", "pad_vocab_size", "VOCAB_PADDING", "positive_int",
-           "rank_list", "check_tp", "check_divisible", "check_vocab", "raise_problems"]
+           "rank_list", "check_tp", "check_divisible", "check_vocab", "check_attention", "raise_problems"]
 
 #: vLLM's ``DEFAULT_VOCAB_PADDING_SIZE``.
 VOCAB_PADDING = 64
@@ -69,6 +69,17 @@ def check_divisible(problems: list[str], what: str, size: int, by: int, by_what:
     """``{what}={size} is not divisible by {by_what}={by}`` unless it is."""
     if size % by:
         problems.append(f"{what}={size} is not divisible by {by_what}={by}")
+
+
+def check_attention(problems: list[str], tp: int, nq: int, nkv: int) -> None:
+    """vLLM's ``QKVParallelLinear`` rules: heads split evenly; KV heads split evenly, or (``tp >=
+    nkv``) each replicated over ``tp // nkv`` ranks."""
+    check_divisible(problems, "num_attention_heads", nq, tp)
+    if tp >= nkv and tp % nkv:
+        problems.append(f"tp={tp} >= num_key_value_heads={nkv} but is not a multiple of it (vLLM replicates "
+                        f"each KV head over tp // num_key_value_heads ranks)")
+    if tp < nkv:
+        check_divisible(problems, "num_key_value_heads", nkv, tp)
 
 
 def check_vocab(vocab_size: int, tp: int, problems: list[str]) -> None:
@@ -176,19 +187,22 @@ class RecipeBuilder:
         self.target(f"{pre}.gate_up_proj.{suffix}", (2 * size, *tail), Shard(0, (size, size)),
                     [Part(g, [(0, size), *rest]), Part(u, [(size, 2 * size), *rest])])
 
-    def experts(self, pre: str, n_experts: int, inter: int, hidden: int, expert_parallel: bool) -> None:
+    def experts(self, pre: str, n_experts: int, inter: int, hidden: int, expert_parallel: bool,
+                dst: str | None = None) -> None:
         """Routed experts ``{pre}.experts.gate_up_proj`` ``[E, 2I, H]`` (gate first) and ``down_proj``
-        ``[E, H, I]`` -> vLLM's ``routed_experts.w13_weight`` / ``w2_weight``: split by TP (w13
-        ``[gate chunk r | up chunk r]`` on dim 1, w2 on dim 2), or with ``expert_parallel`` whole
-        experts per rank, placed like vLLM's ``determine_expert_map`` (``balanced``)."""
-        E, I, H = n_experts, inter, hidden
+        ``[E, H, I]`` -> vLLM's ``{dst}.experts.routed_experts.w13_weight`` / ``w2_weight`` (``dst``:
+        vLLM's MoE block where its name differs from ``pre``, Mixtral's ``block_sparse_moe``): split
+        by TP (w13 ``[gate chunk r | up chunk r]`` on dim 1, w2 on dim 2), or with
+        ``expert_parallel`` whole experts per rank, placed like vLLM's ``determine_expert_map``
+        (``balanced``)."""
+        E, I, H, dst = n_experts, inter, hidden, pre if dst is None else dst
         gu, dn = f"{pre}.experts.gate_up_proj", f"{pre}.experts.down_proj"
         self.source(gu, (E, 2 * I, H))
         self.source(dn, (E, H, I))
         w13 = Shard(0, balanced=True) if expert_parallel else Shard(1, (I, I))
         w2 = Shard(0, balanced=True) if expert_parallel else Shard(2)
-        self.target(f"{pre}.experts.routed_experts.w13_weight", (E, 2 * I, H), w13, [Part(gu, [None] * 3)])
-        self.target(f"{pre}.experts.routed_experts.w2_weight", (E, H, I), w2, [Part(dn, [None] * 3)])
+        self.target(f"{dst}.experts.routed_experts.w13_weight", (E, 2 * I, H), w13, [Part(gu, [None] * 3)])
+        self.target(f"{dst}.experts.routed_experts.w2_weight", (E, H, I), w2, [Part(dn, [None] * 3)])
 
     def spec(self, model_type: str, expert_parallel: bool, quant: dict[str, BlockQuant] | None = None) -> RecipeSpec:
         """The collected layouts and parts as a :class:`RecipeSpec`."""

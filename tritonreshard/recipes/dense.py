@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..layout import Part, Replicate, Shard
-from .builder import RecipeBuilder, check_divisible, check_vocab, raise_problems
+from .builder import RecipeBuilder, check_attention, check_divisible, check_vocab, raise_problems
 
 __all__ = ["Family", "FAMILIES", "moe_layers", "build_dense"]
 
@@ -85,12 +85,7 @@ def build_dense(config: Any, b: RecipeBuilder, *, expert_parallel: bool, quantiz
     moe_i = getattr(config, "moe_intermediate_size", 0)
 
     problems: list[str] = []
-    check_divisible(problems, "num_attention_heads", nq, tp)
-    if tp >= nkv and tp % nkv:
-        problems.append(f"tp={tp} >= num_key_value_heads={nkv} but is not a multiple of it (vLLM replicates "
-                        f"each KV head over tp // num_key_value_heads ranks)")
-    if tp < nkv:
-        check_divisible(problems, "num_key_value_heads", nkv, tp)
+    check_attention(problems, tp, nq, nkv)
     check_vocab(V, tp, problems)
     if moe:
         if tp > E:  # vLLM's Qwen3MoeSparseMoeBlock refuses it, with or without EP

@@ -32,23 +32,12 @@ from typing import Any
 import torch
 
 from ..layout import Part, Replicate, Shard
-from .builder import RecipeBuilder, check_divisible, check_vocab, raise_problems
+from .builder import RecipeBuilder, check_attention, check_divisible, check_vocab, raise_problems
 
-__all__ = ["FAMILY_MODEL_TYPES", "build_family", "qkv", "check_attention", "route_experts"]
+__all__ = ["FAMILY_MODEL_TYPES", "build_family", "qkv"]
 
 #: ``config.model_type`` values this module lays out.
 FAMILY_MODEL_TYPES = ("mixtral", "phi3", "glm4_moe", "gemma3_text")
-
-
-def check_attention(problems: list[str], tp: int, nq: int, nkv: int) -> None:
-    """vLLM's ``QKVParallelLinear`` rules: heads split evenly; KV heads split evenly, or (``tp >=
-    nkv``) each replicated over ``tp // nkv`` ranks."""
-    check_divisible(problems, "num_attention_heads", nq, tp)
-    if tp >= nkv and tp % nkv:
-        problems.append(f"tp={tp} >= num_key_value_heads={nkv} but is not a multiple of it (vLLM replicates "
-                        f"each KV head over tp // num_key_value_heads ranks)")
-    if tp < nkv:
-        check_divisible(problems, "num_key_value_heads", nkv, tp)
 
 
 def qkv(b: RecipeBuilder, dst: str, tail: tuple, Q: int, nkv: int, hd: int, q: tuple[str, int],
@@ -71,19 +60,6 @@ def qkv(b: RecipeBuilder, dst: str, tail: tuple, Q: int, nkv: int, hd: int, q: t
             plist += [Part(name, [(base + j * hd, base + (j + 1) * hd), *rest], (start + (j // rep) * hd, *zeros))
                       for j in range(tp)]
     b.target(dst, (Q + 2 * kv, *tail), Shard(0, (Q, kv, kv)), plist)
-
-
-def route_experts(b: RecipeBuilder, src: str, dst: str, E: int, inter: int, H: int, expert_parallel: bool) -> None:
-    """Routed experts ``{src}.experts.gate_up_proj`` ``[E, 2I, H]`` (gate first) and ``down_proj``
-    ``[E, H, I]`` -> vLLM's ``{dst}.experts.routed_experts.w13_weight`` / ``w2_weight``, laid out as
-    :meth:`RecipeBuilder.experts` does (``src`` and ``dst``: the MoE block's prefix on each side)."""
-    gu, dn = f"{src}.experts.gate_up_proj", f"{src}.experts.down_proj"
-    b.source(gu, (E, 2 * inter, H))
-    b.source(dn, (E, H, inter))
-    w13 = Shard(0, balanced=True) if expert_parallel else Shard(1, (inter, inter))
-    w2 = Shard(0, balanced=True) if expert_parallel else Shard(2)
-    b.target(f"{dst}.experts.routed_experts.w13_weight", (E, 2 * inter, H), w13, [Part(gu, [None] * 3)])
-    b.target(f"{dst}.experts.routed_experts.w2_weight", (E, H, inter), w2, [Part(dn, [None] * 3)])
 
 
 def _sizes(config: Any) -> dict[str, Any]:
@@ -193,7 +169,7 @@ def _moe_block(b: RecipeBuilder, config: Any, pre: str, E: int, moe_i: int, n_sh
         b.source(f"{pre}.mlp.gate.weight", (E, H))
         b.target(f"{pre}.block_sparse_moe.gate.weight", (E, H), Replicate(),
                  [Part(f"{pre}.mlp.gate.weight", [None, None])])
-        route_experts(b, f"{pre}.mlp", f"{pre}.block_sparse_moe", E, moe_i, H, expert_parallel)
+        b.experts(f"{pre}.mlp", E, moe_i, H, expert_parallel, dst=f"{pre}.block_sparse_moe")
         return
     gate = f"{pre}.mlp.gate.weight"  # GLM: vLLM's router is float32 whatever the model's dtype
     b.source(gate, (E, H))
@@ -204,4 +180,4 @@ def _moe_block(b: RecipeBuilder, config: Any, pre: str, E: int, moe_i: int, n_sh
     if n_shared:
         b.gate_up(f"{pre}.mlp.shared_experts", "weight", (H,), moe_i * n_shared)
         b.same(f"{pre}.mlp.shared_experts.down_proj.weight", (H, moe_i * n_shared), Shard(1))
-    route_experts(b, f"{pre}.mlp", f"{pre}.mlp", E, moe_i, H, expert_parallel)
+    b.experts(f"{pre}.mlp", E, moe_i, H, expert_parallel)

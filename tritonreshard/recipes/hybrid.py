@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from ..layout import Replicate, Shard
-from .builder import RecipeBuilder, check_divisible, check_vocab, raise_problems
-from .families import check_attention, qkv
+from .builder import RecipeBuilder, check_attention, check_divisible, check_vocab, raise_problems
+from .families import qkv
 
 __all__ = ["HYBRID_MODEL_TYPES", "build_hybrid"]
 
