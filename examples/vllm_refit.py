@@ -34,7 +34,9 @@ elements per step, as RL fine-tuning does: the first refit crosses whole, the ne
 The last stdout line (``--json``) is one JSON object with ``refits``, ``tp``, ``prompts``,
 ``tokens_compared``, ``mismatches`` and ``refit_ms`` (per refit); with ``--hosts 2`` also
 ``cross_host`` (per refit, per worker: ``bytes``, ``delta_bytes``, ``dense_bytes``, ``changed``)
-and ``encode_ms`` (per refit, per trainer: its comparison and encoding).
+and ``encode_ms`` (per refit, per trainer: its comparison and encoding); ``dtype``, ``reference``
+(``"transformers"``, or ``"vllm"`` for bfloat16) and ``reference_engine_s`` (per reference engine: its
+start, generation and shutdown).
 """
 from __future__ import annotations
 

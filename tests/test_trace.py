@@ -132,6 +132,24 @@ def test_a_loader_that_is_no_copy_is_refused_by_name():
     assert "sources vLLM's loader left out (their names do not match its parameters): ['a', 'b']" in msg
 
 
+def test_a_transposing_loader_is_named_as_one():
+    """Copied elements in no box form: named a transpose where the source's order of dims fits
+    (vLLM's gpt-oss experts, tests/test_gpt_oss.py), else only that no split fits."""
+    a, b = encode(0, (4, 2)), encode(1, (4, 2))
+    dtypes = {"w": torch.float32, "b": torch.float32}
+    with pytest.raises(ValueError) as e:
+        spec_from_trace("m", _sources(), [{"w": a.t().contiguous(), "b": b.clone()}], tp=1, inference_ranks=[2],
+                        dtypes=dtypes)
+    assert str(e.value) == ("trace of 'm', tp=1: w: no split of one dim into source boxes reproduces every rank: its "
+                            "loader transposes (every element is copied, but each TP rank holds its box of ['a'] as "
+                            "box.permute(1, 0)), which the planner's boxes (step-1 slices in the source's order of "
+                            "dims, never transposed) cannot express")
+    with pytest.raises(ValueError) as e:  # reshaped: no order of dims fits either
+        spec_from_trace("m", _sources(), [{"w": a.reshape(2, 4), "b": b.clone()}], tp=1, inference_ranks=[2],
+                        dtypes=dtypes)
+    assert str(e.value) == "trace of 'm', tp=1: w: no split of one dim into source boxes reproduces every rank"
+
+
 def test_bad_config_and_names_fail_with_every_problem_before_anything_moves():
     config = transformers.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8)

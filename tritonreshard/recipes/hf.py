@@ -33,6 +33,24 @@ Builder = Callable[..., None]
 RECIPES: dict[str, Builder] = {**{t: build_dense for t in FAMILIES}, **{t: build_deepseek for t in DEEPSEEK_MODEL_TYPES},
                                **{t: build_family for t in FAMILY_MODEL_TYPES}, **{t: build_hybrid for t in HYBRID_MODEL_TYPES}}
 
+#: ``config.model_type`` -> why it has no recipe, nor can tracing vLLM's loader make one: what
+#: tracing vLLM 0.32's own loader showed (tests/test_gpt_oss.py), said when one is asked for.
+NO_RECIPE_BECAUSE: dict[str, str] = {
+    "gpt_oss": "vLLM's gpt-oss loader transposes the routed experts' weights: each TP rank's w13_weight and "
+               "w2_weight hold its box of HF's gate_up_proj [E, H, 2I] and down_proj [E, I, H] as "
+               "box.permute(0, 2, 1), and the planner's boxes copy step-1 slices in the source's order of dims, "
+               "never transposed (the loader's zeroing of w2_bias on TP ranks > 0 is a zero box, no obstacle)",
+}
+
+
+def _unknown_model_type(model_type) -> str:
+    known = f"config.model_type={model_type!r} has no recipe; known: {sorted(RECIPES)}"
+    why = NO_RECIPE_BECAUSE.get(model_type)
+    if why is not None:
+        return f"{known}. {model_type} has none, nor can tracing vLLM's loader make one, because {why}"
+    return (f"{known} (another model type vLLM serves: trace its recipe from vLLM's loader, "
+            f"tritonreshard.vllm.trace.trace_recipe)")
+
 
 def hf_to_vllm(config: Any, tp: int, trainer_ranks, inference_ranks, dtype: torch.dtype = torch.bfloat16,
                src_dtype: torch.dtype = torch.float32, expert_parallel: bool = False,
@@ -64,8 +82,7 @@ def hf_to_vllm(config: Any, tp: int, trainer_ranks, inference_ranks, dtype: torc
     model_type = getattr(config, "model_type", None)
     build = RECIPES.get(model_type)
     if build is None:
-        problems.append(f"config.model_type={model_type!r} has no recipe; known: {sorted(RECIPES)} (another model "
-                        f"type vLLM serves: trace its recipe from vLLM's loader, tritonreshard.vllm.trace.trace_recipe)")
+        problems.append(_unknown_model_type(model_type))
     tp = check_tp(tp, problems)
     src_ranks = rank_list(trainer_ranks, "trainer_ranks", problems)
     dst_ranks = rank_list(inference_ranks, "inference_ranks", problems)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
+from itertools import permutations
 
 import torch
 
@@ -70,6 +71,11 @@ def decode(t: torch.Tensor, numels: Sequence[int]) -> tuple[torch.Tensor, torch.
 # expert). Any other type: the in-memory names, ``gate_proj`` / ``up_proj`` / ``down_proj``.
 # (Checked against what ``save_pretrained`` writes, tests/test_trace.py.)
 _CHECKPOINT_MOE = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
+# Model types whose checkpoints hold the fused experts as transformers holds them in memory (fed as
+# they are): gpt-oss's ``gate_up_proj`` is ``[E, H, 2I]`` (gate and up interleaved), ``down_proj``
+# ``[E, I, H]``, neither the ``[E, 2I, H]`` / ``[E, H, I]`` split below assumes (what
+# ``save_pretrained`` writes, tests/test_gpt_oss.py).
+_CHECKPOINT_FUSED = {"gpt_oss"}
 
 
 def checkpoint_views(name: str, tensor: torch.Tensor, model_type: str | None = None):
@@ -78,7 +84,11 @@ def checkpoint_views(name: str, tensor: torch.Tensor, model_type: str | None = N
     ``experts.down_proj`` ``[E, H, I]``) one expert at a time as checkpoints store them
     (``experts.{e}.gate_proj.weight``, ...; Mixtral's ``block_sparse_moe.experts.{e}.w1.weight``,
     ``w3``, ``w2``, and its router ``block_sparse_moe.gate.weight``, by ``model_type``); anything
-    else as it is. Views: codes pass unchanged."""
+    else as it is (gpt-oss's fused experts too: its checkpoints keep them fused). Views: codes pass
+    unchanged."""
+    if model_type in _CHECKPOINT_FUSED:
+        yield name, tensor
+        return
     block, (gate, up, down) = _CHECKPOINT_MOE.get(model_type, ("mlp", ("gate_proj", "up_proj", "down_proj")))
     if block != "mlp" and (".mlp.gate." in name or ".mlp.experts." in name):
         name = name.replace(".mlp.", f".{block}.", 1)
@@ -236,6 +246,34 @@ def _infer(name: str, local_ids: list, local_flat: list, shapes, names) -> tuple
     return None
 
 
+def _transposed(local_ids: list, local_flat: list, shapes, names) -> tuple | None:
+    """``(order, sources)`` where every rank's tensor is a box split of ``sources`` once its dims are
+    put back in the source's order (the loader transposed: the rank holds ``box.permute(order)``);
+    None when no other order of dims fits either."""
+    ndim = local_ids[0].dim()
+    for perm in permutations(range(ndim)):
+        if perm == tuple(range(ndim)):
+            continue
+        got = _infer("", [i.permute(perm) for i in local_ids], [f.permute(perm) for f in local_flat], shapes, names)
+        if got is not None:
+            order = tuple(sorted(range(ndim), key=perm.__getitem__))
+            return order, sorted({p.src for p in got[2] if p.src is not None})
+    return None
+
+
+def _no_box(name: str, local_ids: list, local_flat: list, shapes, names) -> str:
+    """Why destination ``name`` has no box form: the loader transposes (named, with the order), or
+    no split of one dim fits."""
+    what = f"{name}: no split of one dim into source boxes reproduces every rank"
+    got = _transposed(local_ids, local_flat, shapes, names)
+    if got is None:
+        return what
+    order, srcs = got
+    return (f"{what}: its loader transposes (every element is copied, but each TP rank holds its box of {srcs} "
+            f"as box.permute{order}), which the planner's boxes (step-1 slices in the source's order of dims, "
+            f"never transposed) cannot express")
+
+
 def _problems(traced: Sequence[Mapping[str, torch.Tensor]], numels, names) -> tuple[list, list]:
     """Decode every rank's tensors; the problems (names differ across ranks, elements no source
     reached, values that are no copy) and ``[{name: (ids, flat)}]`` per rank."""
@@ -274,7 +312,8 @@ def spec_from_trace(model_type: str, sources: Mapping[str, Layout], traced: Sequ
     ``i`` is the ``i``-th, as :func:`encode`'d), ``traced[t]`` what TP rank ``t`` holds (``{vLLM
     parameter: float64 tensor}``) after its loader read the codes, ``dtypes`` the parameters'
     dtypes. Raises one ``ValueError`` naming every problem (a loader that is not a copy, parameters
-    no source reached, sources left out, a destination no box form fits)."""
+    no source reached, sources left out, a destination no box form fits: named as a transpose where
+    its dims put in another order would fit)."""
     where = f"trace of {model_type!r}, tp={tp}"
     problems: list[str] = []
     dst_ranks = rank_list(inference_ranks, "inference_ranks", problems)
@@ -288,9 +327,10 @@ def spec_from_trace(model_type: str, sources: Mapping[str, Layout], traced: Sequ
     raise_problems(where, problems)
     dst, parts = {}, {}
     for n in traced[0]:
-        got = _infer(n, [d[n][0] for d in decoded], [d[n][1] for d in decoded], shapes, names)
+        local_ids, local_flat = [d[n][0] for d in decoded], [d[n][1] for d in decoded]
+        got = _infer(n, local_ids, local_flat, shapes, names)
         if got is None:
-            problems.append(f"{n}: no split of one dim into source boxes reproduces every rank")
+            problems.append(_no_box(n, local_ids, local_flat, shapes, names))
             continue
         placement, shape, plist = got
         dst[n] = tp_layout(shape, dst_ranks, tp, placement, dtypes[n])

@@ -149,11 +149,18 @@ def vllm_load(models: list, tensors: dict[str, torch.Tensor], model_type: str | 
             # vLLM's loaders report a name they do not know as a KeyError (a parameters dict) or a
             # ValueError (AutoWeightsLoader): then every such name is found and named at once.
             try:
-                out.append(scratch_load(model, feed, names))
+                out.append(scratch_load(model, _fresh(feed), names))
             except (KeyError, ValueError):
                 _refuse_names(model, feed, names)
                 raise
     return out
+
+
+def _fresh(feed):
+    """``feed`` with each tensor copied as the loader takes it: a loader may write what it reads
+    (gpt-oss's zeroes ``down_proj_bias`` in place on TP ranks > 0), which must reach neither the
+    next rank nor the caller's tensors (a process's ranks read one checkpoint, each its own)."""
+    return ((n, t.clone()) for n, t in feed)
 
 
 def _refuse_names(model, feed, names) -> None:
@@ -162,7 +169,7 @@ def _refuse_names(model, feed, names) -> None:
     refused = []
     for name, t in feed:
         try:  # as above: KeyError / ValueError is a name vLLM does not know
-            scratch_load(model, [(name, t)], names)
+            scratch_load(model, _fresh([(name, t)]), names)
         except (KeyError, ValueError) as exc:
             refused.append(f"{name} ({type(exc).__name__}: {str(exc)[:120]})")
     if refused:
