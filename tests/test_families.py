@@ -1,6 +1,7 @@
 """The families of :mod:`tritonreshard.recipes.families` (Mixtral, Phi-3, GLM-4.5 MoE, Gemma 3) and
-:mod:`~tritonreshard.recipes.hybrid` (Qwen3-Next), every tensor of every TP rank checked bit for bit
-against what vLLM 0.32's own ``load_weights`` puts there.
+:mod:`~tritonreshard.recipes.hybrid` (Qwen3-Next, Qwen3.5 and Qwen3.5-MoE), every tensor of every TP
+rank checked bit for bit against what vLLM 0.32's own ``load_weights`` puts there. (vLLM's Qwen3.5
+module imports torchvision, which has no CPU build here: the probe gets tests/_standin's.)
 
 The reference is vLLM itself: a tiny model of each family is built from its transformers config,
 refilled with provenance-coded values (every element distinct), saved with ``save_pretrained`` (so
@@ -23,6 +24,9 @@ transformers = pytest.importorskip("transformers")
 
 TRAINERS = [0, 1]
 COMMON = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+# The hybrids': a gated-DeltaNet layer then a gated full-attention one, 4 key / 8 value linear heads
+HYBRID = dict(COMMON, head_dim=8, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8,
+              linear_value_head_dim=8, linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"])
 
 
 def _configs():
@@ -40,18 +44,23 @@ def _configs():
         "gemma3": transformers.Gemma3TextConfig(intermediate_size=48, head_dim=8, sliding_window=16, **COMMON),
         "gemma3_untied": transformers.Gemma3TextConfig(intermediate_size=48, head_dim=8, sliding_window=16,
                                                        attention_bias=True, tie_word_embeddings=False, **COMMON),
-        # a gated-DeltaNet layer then a gated full-attention one; 4 key / 8 value linear heads
+        # the hybrid: one block of in_proj_qkvz / in_proj_ba, interleaved by key-head group; experts
         "qwen3_next": transformers.Qwen3NextConfig(
-            intermediate_size=48, head_dim=8, linear_num_key_heads=4, linear_num_value_heads=8,
-            linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4,
-            num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
-            layer_types=["linear_attention", "full_attention"], **COMMON),
+            intermediate_size=48, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+            shared_expert_intermediate_size=16, **HYBRID),
+        # Qwen3.5: the same hybrid with separate in_proj_qkv / z / b / a (vLLM fuses them in blocks), dense
+        "qwen3_5": transformers.Qwen3_5TextConfig(intermediate_size=48, **HYBRID),
+        # Qwen3.5-MoE: every layer routed experts and a gated shared expert
+        "qwen3_5_moe": transformers.Qwen3_5MoeTextConfig(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+            **HYBRID),
     }
 
 
 ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "phi3": "Phi3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
                  "gemma3": "Gemma3ForCausalLM", "gemma3_untied": "Gemma3ForCausalLM",
-                 "qwen3_next": "Qwen3NextForCausalLM"}
+                 "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM",
+                 "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
 
 # (family, tp, expert parallel, vLLM dtype): TP 1, 2, 4 for each (4 > the 2 KV heads: replicated KV
 # heads, for Phi-3 from its fused qkv_proj), EP where there are experts (Mixtral's uneven), and
@@ -59,7 +68,8 @@ ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "phi3": "Phi3ForCausalLM", "gl
 REAL_CASES = [(f, tp, False, "float32") for f in ARCHITECTURES for tp in (1, 2, 4)] + [
     ("mixtral", 2, True, "float32"), ("mixtral", 4, True, "float32"), ("glm4_moe", 2, True, "float32"),
     ("glm4_moe", 4, True, "float32"), ("glm4_moe", 2, False, "bfloat16"), ("phi3", 4, False, "bfloat16"),
-    ("qwen3_next", 2, True, "float32"), ("qwen3_next", 4, True, "float32"), ("qwen3_next", 2, False, "bfloat16")]
+    ("qwen3_next", 2, True, "float32"), ("qwen3_next", 4, True, "float32"), ("qwen3_next", 2, False, "bfloat16"),
+    ("qwen3_5", 2, False, "bfloat16"), ("qwen3_5_moe", 2, True, "float32")]
 
 
 def _hf_model(config):
@@ -128,6 +138,7 @@ def real_vllm(tmp_path_factory):
     import sys
 
     from _mp import free_port
+    from _torchvision import probe_env
 
     probe_vllm = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True, timeout=300)
     if probe_vllm.returncode != 0:
@@ -145,7 +156,7 @@ def real_vllm(tmp_path_factory):
                   out=str(root / f"{arch}-tp{tp}-ep{int(ep)}-{dtype}")) for arch, tp, ep, dtype in ordered]
     (root / "cases.json").write_text(json.dumps(cases))
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("_vllm_probe.py")), str(root / "cases.json")],
-                          capture_output=True, text=True, timeout=780)
+                          capture_output=True, text=True, timeout=780, env=probe_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return {c: [torch.load(f"{case['out']}.{r}.pt") for r in range(c[1])] for c, case in zip(ordered, cases)}
 

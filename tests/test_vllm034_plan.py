@@ -56,6 +56,7 @@ def plans(tmp_path_factory):
     if installed() is None:
         pytest.skip("vLLM not installed: 0.34's plan runs on the installed vLLM's models")
     from _mp import free_port
+    from _torchvision import probe_env
 
     by_type, checkpoint_names, hf_params = _family_configs()
     missing = sorted(set(FAMILIES) - set(by_type))
@@ -73,7 +74,7 @@ def plans(tmp_path_factory):
     (root / "cases.json").write_text(json.dumps(cases))
     wheel = sorted(Path(os.environ[WHEELS_ENV]).glob("vllm-0.34.*.whl"))[-1]
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("_v034_plan_probe.py")), str(wheel),
-                           str(root / "cases.json")], capture_output=True, text=True, timeout=840)
+                           str(root / "cases.json")], capture_output=True, text=True, timeout=840, env=probe_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return {mt: [json.loads(Path(f"{c['out']}.{r}.json").read_text()) for r in range(TP)]
             for mt, c in zip(FAMILIES, cases)}

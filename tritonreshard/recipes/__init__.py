@@ -10,7 +10,7 @@ above it in this list):
 * :mod:`~tritonreshard.recipes.deepseek`: DeepSeek-V2 / V3 (MLA, dense-then-MoE layers, shared experts);
 * :mod:`~tritonreshard.recipes.families`: Mixtral, Phi-3 (fused checkpoint), GLM-4.5 MoE, Gemma 3
   (:data:`FAMILY_MODEL_TYPES`);
-* :mod:`~tritonreshard.recipes.hybrid`: Qwen3-Next (gated DeltaNet + gated attention, MoE);
+* :mod:`~tritonreshard.recipes.hybrid`: Qwen3-Next and Qwen3.5 (gated DeltaNet + gated attention, MoE);
 * :mod:`~tritonreshard.recipes.hf`: Hugging Face parameters under FSDP (``hf_to_vllm``), dispatched by
   ``config.model_type`` through the registry :data:`RECIPES`;
 * :mod:`~tritonreshard.recipes.lora`: PEFT LoRA adapters -> vLLM's per-TP-rank LoRA slots (``lora_to_vllm``);

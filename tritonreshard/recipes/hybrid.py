@@ -1,17 +1,22 @@
-"""Qwen3-Next (transformers 5) parameters -> vLLM tensor-parallel parameters: the hybrid of gated
-DeltaNet linear attention and gated full attention.
+"""Qwen3-Next and Qwen3.5 (transformers 5) parameters -> vLLM tensor-parallel parameters: the hybrid of
+gated DeltaNet linear attention and gated full attention.
 
 Pure Python planning (no transformers or vLLM import), reached through
-:func:`~tritonreshard.recipes.hf_to_vllm` (``config.model_type`` ``"qwen3_next"``). Facts follow vLLM
-0.32's ``models/qwen3_next.py`` and ``layers/mamba/gdn/qwen_gdn_linear_attn.py``, per TP rank r
-(checked element by element against vLLM's loader by ``tests/test_families.py``). With ``nk`` /
-``nv`` the linear key / value heads, ``kd = nk * linear_key_head_dim``, ``vd = nv * linear_value_head_dim``:
+:func:`~tritonreshard.recipes.hf_to_vllm` (``config.model_type`` ``"qwen3_next"``, ``"qwen3_5_text"``,
+``"qwen3_5_moe_text"``). Facts follow vLLM 0.32's ``models/qwen3_next.py``, ``models/qwen3_5.py`` and
+``layers/mamba/gdn/qwen_gdn_linear_attn.py``, per TP rank r (checked element by element against
+vLLM's loader by ``tests/test_families.py``). With ``nk`` / ``nv`` the linear key / value heads,
+``kd = nk * linear_key_head_dim``, ``vd = nv * linear_value_head_dim``:
 
 * ``linear_attn.in_proj_qkvz.weight`` ``[2 kd + 2 vd, H]``: stored interleaved by key-head group
   (each group's q, k, v, z rows together), which vLLM keeps as ONE output block, so rank r holds
   plain row chunk r (whole groups; ``nk % tp == 0``). The same name and shape as a four-block
   ``[q | k | v | z]`` layout (Qwen3.5's) hide a different split;
 * ``linear_attn.in_proj_ba.weight`` ``[2 nv, H]``: interleaved likewise, plain row chunk r;
+* Qwen3.5 keeps them apart, ``in_proj_qkv`` ``[q kd | k kd | v vd]``, ``in_proj_z`` ``[vd]``,
+  ``in_proj_b`` / ``in_proj_a`` ``[nv]`` each, and vLLM fuses them into the same two parameters as
+  FOUR and TWO blocks: rank r's ``in_proj_qkvz`` is ``[q r | k r | v r | z r]``, its ``in_proj_ba``
+  ``[b r | a r]``. Same names and shapes as Qwen3-Next's, another split;
 * ``linear_attn.conv1d.weight`` ``[2 kd + vd, 1, kernel]``: three blocks ``[q kd | k kd | v vd]``,
   each split on its own (vLLM's ``mamba_v2_sharded_weight_loader``);
 * ``linear_attn.A_log`` / ``dt_bias`` ``[nv]``: split (``A_log`` float32 in vLLM whatever the model's
@@ -19,7 +24,8 @@ Pure Python planning (no transformers or vLLM import), reached through
 * full-attention layers: ``q_proj`` carries the output gate (``2 * heads * head_dim`` rows, each head's
   query then gate), and vLLM's ``qkv_proj`` counts ``2 * heads`` heads, so rank r's query block is
   whole heads with their gates: the Llama rule with twice the query rows;
-* MoE layers (``(i + 1) % decoder_sparse_step == 0``, not in ``mlp_only_layers``): router and
+* MoE layers (Qwen3-Next: ``(i + 1) % decoder_sparse_step == 0``, not in ``mlp_only_layers``;
+  Qwen3.5-MoE: every layer; Qwen3.5: none): router and
   ``shared_expert_gate`` replicated, ``shared_expert`` as a dense MLP, routed experts as
   :meth:`~tritonreshard.recipes.RecipeBuilder.experts` (vLLM refuses ``tp > num_experts``).
 """
@@ -29,19 +35,25 @@ from typing import Any
 
 import torch
 
-from ..layout import Replicate, Shard
+from ..layout import Part, Replicate, Shard
 from .builder import RecipeBuilder, check_attention, check_divisible, check_vocab, raise_problems
 from .families import qkv
 
 __all__ = ["HYBRID_MODEL_TYPES", "build_hybrid"]
 
-#: ``config.model_type`` values this module lays out (Qwen3NextForCausalLM).
-HYBRID_MODEL_TYPES = ("qwen3_next",)
+#: ``config.model_type`` values this module lays out (Qwen3NextForCausalLM, Qwen3_5ForCausalLM,
+#: Qwen3_5MoeForCausalLM).
+HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+# Qwen3.5's linear attention: separate q/k/v, z, b and a projections (fused by vLLM in blocks).
+_SPLIT_PROJECTIONS = ("qwen3_5_text", "qwen3_5_moe_text")
 
 
 def _moe_layers(config: Any) -> set[int]:
-    """vLLM's Qwen3NextDecoderLayer rule for which layers hold routed experts."""
-    if not getattr(config, "num_experts", 0):
+    """vLLM's rule for which layers hold routed experts: Qwen3_5DecoderLayer's by model type (all
+    for Qwen3.5-MoE, none for Qwen3.5), Qwen3NextDecoderLayer's by sparse step otherwise."""
+    if config.model_type == "qwen3_5_moe_text":
+        return set(range(config.num_hidden_layers))
+    if config.model_type == "qwen3_5_text" or not getattr(config, "num_experts", 0):
         return set()
     only = set(getattr(config, "mlp_only_layers", None) or ())
     step = getattr(config, "decoder_sparse_step", 1) or 1
@@ -74,7 +86,7 @@ def _check(config: Any, tp: int, moe: set[int], expert_parallel: bool, quantizat
 
 
 def build_hybrid(config: Any, b: RecipeBuilder, *, expert_parallel: bool, quantization: str | None) -> None:
-    """Lay out one Qwen3-Next model on ``b`` (a registry builder, see
+    """Lay out one Qwen3-Next or Qwen3.5 model on ``b`` (a registry builder, see
     :data:`~tritonreshard.recipes.RECIPES`). Raises ``ValueError`` naming every size vLLM cannot
     split over ``b.tp`` and any ``quantization`` (not laid out for it yet)."""
     moe = _moe_layers(config)
@@ -112,8 +124,19 @@ def _linear_attention(b: RecipeBuilder, config: Any, pre: str) -> None:
     H, nv = config.hidden_size, config.linear_num_value_heads
     kd = config.linear_num_key_heads * config.linear_key_head_dim
     vd = nv * config.linear_value_head_dim
-    b.same(f"{pre}.in_proj_qkvz.weight", (2 * kd + 2 * vd, H), Shard(0))  # one block: whole key-head groups
-    b.same(f"{pre}.in_proj_ba.weight", (2 * nv, H), Shard(0))
+    if config.model_type in _SPLIT_PROJECTIONS:
+        qkv_, z, b_, a = (f"{pre}.in_proj_{x}.weight" for x in ("qkv", "z", "b", "a"))
+        b.source(qkv_, (2 * kd + vd, H))
+        b.source(z, (vd, H))
+        b.target(f"{pre}.in_proj_qkvz.weight", (2 * kd + 2 * vd, H), Shard(0, (kd, kd, vd, vd)),
+                 [Part(qkv_, [(0, 2 * kd + vd), None]), Part(z, [(2 * kd + vd, 2 * kd + 2 * vd), None])])
+        b.source(b_, (nv, H))
+        b.source(a, (nv, H))
+        b.target(f"{pre}.in_proj_ba.weight", (2 * nv, H), Shard(0, (nv, nv)),
+                 [Part(b_, [(0, nv), None]), Part(a, [(nv, 2 * nv), None])])
+    else:
+        b.same(f"{pre}.in_proj_qkvz.weight", (2 * kd + 2 * vd, H), Shard(0))  # one block: whole key-head groups
+        b.same(f"{pre}.in_proj_ba.weight", (2 * nv, H), Shard(0))
     b.source(f"{pre}.conv1d.weight", (2 * kd + vd, 1, config.linear_conv_kernel_dim))
     b.target(f"{pre}.conv1d.weight", (2 * kd + vd, 1, config.linear_conv_kernel_dim), Shard(0, (kd, kd, vd)))
     b.same(f"{pre}.dt_bias", (nv,), Shard(0))
