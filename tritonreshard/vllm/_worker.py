@@ -3,7 +3,8 @@
 Imported only inside vLLM (the ``vllm.general_plugins`` entry point registers it lazily). Each
 worker (TP rank ``t``) joins the refit group as global rank ``inference_ranks[t]`` and pulls exactly
 its own TP shards of vLLM's parameters (names, layouts and parts from ``trs.recipes.hf_to_vllm`` for
-the served model's config; vocab padding rows are zero-filled by the engine, never pulled) out of
+the served model's config, or traced from vLLM's own loader with ``init_info(trace=True)`` for a model
+type with no recipe; vocab padding rows are zero-filled by the engine, never pulled) out of
 the trainers' shared arenas into its own buffer sets (shadow mode: vLLM's parameters are untouched
 while the copy runs).
 
@@ -60,6 +61,14 @@ class TritonreshardInitInfo(ServingInit, WeightTransferInitInfo):
     Not re-decorated: the frozen dataclass's ``__init__`` builds it by keyword, as vLLM's
     ``parse_init_info`` does (a dataclass cannot be frozen over vLLM's unfrozen base)."""
 
+
+
+def _trace(config, **kwargs):
+    """The recipe traced from this worker's vLLM loader (``init_info(trace=True)``): lazy, the tracer
+    imports transformers and is needed only for a model type with no hand-written recipe."""
+    from .trace import trace_recipe
+
+    return trace_recipe(config, **kwargs)
 
 @dataclass
 class TritonreshardUpdateInfo(WeightTransferUpdateInfo):
@@ -187,9 +196,14 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         if problems:
             raise ValueError("tritonreshard init_weight_transfer_engine: " + "; ".join(problems))
         self.tp_rank, tp = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        trace_stats: dict = {}
         self.spec = recipe_spec(init_info, self.model_config.hf_config, tp=tp, dtype=self.model_config.dtype,
                                 quantization=served_quantization(self.vllm_config),
-                                expert_parallel=bool(pc.enable_expert_parallel))
+                                expert_parallel=bool(pc.enable_expert_parallel),
+                                tracer=lambda *a, **kw: _trace(*a, **kw, stats=trace_stats))
+        if trace_stats:
+            logger.info("tritonreshard (TP rank %s): traced the recipe of %r from vLLM's loader in %.1f ms",
+                        self.tp_rank, self.model_config.hf_config.model_type, trace_stats["trace_ms"])
         place = serving_rank(init_info, self.spec, tp=tp, tp_rank=self.tp_rank)
         self.rank, self.replica = place.rank, init_info.replica
         self._match = check_model(self.model, self.spec, rank=self.rank, tp_rank=self.tp_rank)
@@ -198,6 +212,7 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         self.verify_stats = verify_model(self.model, self.spec, rank=self.rank, tp_rank=self.tp_rank,
                                          sample=init_info.verify) if init_info.verify and init_info.megatron is None \
             else {"verify_params": 0}
+        self.verify_stats["trace_ms"] = trace_stats.get("trace_ms")  # None: a hand-written recipe
         logger.info("tritonreshard (rank %s): verify %s", self.rank, self.verify_stats)
         self._timeout = init_info.timeout
         # Two buffer sets for the background pull (one is pulled into while the other holds the

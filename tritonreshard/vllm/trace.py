@@ -85,11 +85,16 @@ def _world() -> None:
 @contextlib.contextmanager
 def _as_tp_rank(tp: int, rank: int):
     """vLLM's TP (and expert-parallel) group says it is rank ``rank`` of ``tp`` while a model is
-    built or loaded (a process of one only)."""
-    groups = [parallel_state.get_tp_group(), parallel_state.get_ep_group()]
-    if any(g.world_size != 1 for g in groups):
+    built or loaded: in a process of one, or in a worker of a TP-``tp`` engine (``init_info(trace=True)``),
+    where only the rank is changed, for the moments nothing else runs (nothing communicates while
+    a model is built or loaded, and the worker's own calls wait for this one)."""
+    # vLLM makes the expert-parallel group for MoE models only, and get_ep_group() asserts where
+    # there is none (a dense engine's worker): read the module's group itself.
+    groups = [parallel_state.get_tp_group(), *filter(None, [getattr(parallel_state, "_EP", None)])]
+    if any(g.world_size not in (1, tp) for g in groups):
         raise RuntimeError(f"tritonreshard trace: this process's vLLM TP group has {groups[0].world_size} ranks; "
-                           f"tracing builds every rank in a process of one")
+                           f"tracing builds every rank of TP {tp} in a process of one or in a worker of a TP-{tp} "
+                           f"engine")
     old = [(g.world_size, g.rank_in_group) for g in groups]
     for g in groups:
         g.world_size, g.rank_in_group = tp, rank
