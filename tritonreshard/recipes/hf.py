@@ -49,7 +49,7 @@ def _unknown_model_type(model_type) -> str:
     if why is not None:
         return f"{known}. {model_type} has none, nor can tracing vLLM's loader make one, because {why}"
     return (f"{known} (another model type vLLM serves: trace its recipe from vLLM's loader, "
-            f"tritonreshard.vllm.trace.trace_recipe)")
+            f"tritonreshard.vllm.trace.trace_recipe, and pass init_info(trace=True) to the engine)")
 
 
 def hf_to_vllm(config: Any, tp: int, trainer_ranks, inference_ranks, dtype: torch.dtype = torch.bfloat16,
