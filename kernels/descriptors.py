@@ -232,6 +232,10 @@ class DescriptorTable:
             where = f"op {i} ({op.name!r} r{op.src_rank}->r{op.dst_rank})"
             try:
                 s_view, d_view = s_full[tuple(op.src_slices)], d_full[tuple(op.dst_slices)]
+                if getattr(op, "src_dims", None) is not None:
+                    # A transposed op reads its box through permute: a strided view, which the
+                    # regions (and torch's copy_) take as it is.
+                    s_view = s_view.permute(op.src_dims)
             except IndexError as exc:
                 problems.append(f"{where}: slices do not fit the tensors "
                                 f"(src {tuple(s_full.shape)}, dst {tuple(d_full.shape)}): {exc}")

@@ -357,6 +357,10 @@ class QuantizeTable:
             if s_full.device.type != w.device.type:
                 problems.append(f"{where}: source on {s_full.device}, destination on {w.device}")
             sv = s_full[tuple(op.src_slices)]
+            if getattr(op, "src_dims", None) is not None:   # plan_quantized refuses these; never copy one wrong
+                problems.append(f"{where}: a transposed op (src_dims={op.src_dims}); quantized weights are read "
+                                f"untransposed")
+                continue
             if tuple(sv.shape) != tuple(op.shape):
                 problems.append(f"{where}: source slice {tuple(sv.shape)}, op says {tuple(op.shape)}")
                 continue

@@ -165,18 +165,21 @@ def test_a_loader_that_is_no_copy_is_refused_by_name():
     assert "sources vLLM's loader left out (their names do not match its parameters): ['a', 'b']" in msg
 
 
-def test_a_transposing_loader_is_named_as_one():
-    """Copied elements in no box form: named a transpose where the source's order of dims fits
-    (vLLM's gpt-oss experts, tests/test_gpt_oss.py), else only that no split fits."""
+def test_a_transposing_loader_is_one_transposed_part():
+    """Copied elements in no box form as the loader holds them, but a box split once the dims are put
+    back in the source's order (vLLM's gpt-oss experts, tests/test_gpt_oss.py): a transposed part,
+    whose plan copies exactly that; else (reshaped: no order of dims fits) the trace says no split fits."""
     a, b = encode(0, (4, 2)), encode(1, (4, 2))
     dtypes = {"w": torch.float32, "b": torch.float32}
-    with pytest.raises(ValueError) as e:
-        spec_from_trace("m", _sources(), [{"w": a.t().contiguous(), "b": b.clone()}], tp=1, inference_ranks=[2],
-                        dtypes=dtypes)
-    assert str(e.value) == ("trace of 'm', tp=1: w: no split of one dim into source boxes reproduces every rank: its "
-                            "loader transposes (every element is copied, but each TP rank holds its box of ['a'] as "
-                            "box.permute(1, 0)), which the planner's boxes (step-1 slices in the source's order of "
-                            "dims, never transposed) cannot express")
+    spec = spec_from_trace("m", _sources(), [{"w": a.t().contiguous(), "b": b.clone()}], tp=1, inference_ranks=[2],
+                           dtypes=dtypes)
+    assert spec.dst["w"].shape == (2, 4)
+    assert spec.parts["w"] == (trs.Part("a", (None, None), src_dims=(1, 0)),)
+    assert str(spec.parts["w"][0]) == "[:, :] <- a.permute(1, 0)"
+    full = {"a": a.float(), "b": b.float()}
+    shards = {r: {n: spec.src[n].shard(t, r) for n, t in full.items()} for r in TRAINERS}
+    got = trs.execute_local(spec.plan(), shards, backend="torch")
+    assert torch.equal(got[2]["w"], full["a"].t()) and torch.equal(got[2]["b"], full["b"])
     with pytest.raises(ValueError) as e:  # reshaped: no order of dims fits either
         spec_from_trace("m", _sources(), [{"w": a.reshape(2, 4), "b": b.clone()}], tp=1, inference_ranks=[2],
                         dtypes=dtypes)

@@ -478,8 +478,14 @@ class Part:
             name is that name.
         dst: one ``(start, stop)`` per destination dim (a ``slice`` or ``None`` also works; ``None``
             is the whole dim, resolved against the destination's shape when planning).
-        src_start: where the box begins in the source's global index, one int per dim (default: the
-            origin). The box is ``src[src_start[d] : src_start[d] + (stop - start)]`` per dim.
+        src_start: where the box begins in the source's global index, one int per source dim
+            (default: the origin), in the source's own order of dims.
+        src_dims: for each destination dim, the source dim it runs along (a permutation of
+            ``range(ndim)``; default ``None``, the identity): the box is ``src[box].permute(src_dims)``,
+            where ``box`` spans ``src_start[src_dims[k]] : + (stop - start)`` of destination dim ``k``
+            along source dim ``src_dims[k]``. A loader that transposes (vLLM's gpt-oss experts hold
+            ``gate_up_proj`` ``[E, H, 2I]`` as ``[E, 2I, H]``: ``src_dims=(0, 2, 1)``) is one part.
+            Single-host plans only: cross-host and FP8-quantized plans refuse a transposed part.
 
     Given to :func:`~tritonreshard.plan_reshard` as ``parts={dst_name: [Part, ...]}``; the parts of one
     destination must tile its global shape exactly (a hole or an overlap is a ``ValueError``).
@@ -488,8 +494,9 @@ class Part:
     src: str | tuple[str, ...] | None
     dst: tuple[tuple[int, int] | None, ...]
     src_start: tuple[int, ...] | None = None
+    src_dims: tuple[int, ...] | None = None
 
-    def __init__(self, src, dst, src_start=None):
+    def __init__(self, src, dst, src_start=None, src_dims=None):
         def ints(seq, what):
             if isinstance(seq, (str, bytes)) or not isinstance(seq, Sequence) or any(
                     isinstance(x, bool) or not isinstance(x, int) for x in seq):
@@ -518,6 +525,14 @@ class Part:
         object.__setattr__(self, "src", src)
         object.__setattr__(self, "dst", tuple(norm(iv) for iv in dst))
         object.__setattr__(self, "src_start", None if src_start is None else ints(src_start, f"src_start={src_start!r}"))
+        if src_dims is not None:
+            src_dims = ints(src_dims, f"src_dims={src_dims!r}")
+            if sorted(src_dims) != list(range(len(self.dst))):
+                raise ValueError(f"Part(src_dims={src_dims!r}): must be a permutation of range({len(self.dst)}) "
+                                 f"(the destination's dims), one source dim per destination dim")
+            if src_dims == tuple(range(len(src_dims))):
+                src_dims = None   # the identity is the default: one spelling, one digest
+        object.__setattr__(self, "src_dims", src_dims)
 
     @property
     def sources(self) -> tuple[str, ...]:
@@ -529,4 +544,5 @@ class Part:
         if self.src is None:
             return f"[{box}] <- zeros"
         at = "" if self.src_start is None or not any(self.src_start) else f" @{list(self.src_start)}"
-        return f"[{box}] <- {' or '.join(self.sources)}{at}"
+        perm = "" if self.src_dims is None else f".permute({', '.join(map(str, self.src_dims))})"
+        return f"[{box}] <- {' or '.join(self.sources)}{perm}{at}"

@@ -13,11 +13,12 @@ from ..layout import Layout, Part, segments_by_mesh_index
 from . import dtypes
 from .text import fmt_box
 
-__all__ = ["Resolved", "check_inputs", "source_names", "used_sources"]
+__all__ = ["Resolved", "check_inputs", "refuse_transposed", "source_names", "transposed", "used_sources"]
 
-#: A resolved part: (source, destination box, source start). The source is a name, a tuple of
-#: aliases' names (copies of one tensor: :class:`~tritonreshard.layout.Part`), or None for zeros.
-Resolved = tuple[str | tuple[str, ...] | None, tuple[tuple[int, int], ...], tuple[int, ...]]
+#: A resolved part: (source, destination box, source start, source dims). The source is a name, a
+#: tuple of aliases' names (copies of one tensor: :class:`~tritonreshard.layout.Part`), or None for
+#: zeros; the source dims are None (the identity) or the part's ``src_dims`` (a transpose).
+Resolved = tuple[str | tuple[str, ...] | None, tuple[tuple[int, int], ...], tuple[int, ...], tuple[int, ...] | None]
 
 
 def source_names(src: str | tuple[str, ...] | None) -> tuple[str, ...]:
@@ -125,7 +126,11 @@ def _resolve_parts(name: str, d: Layout, parts, src: Mapping[str, Layout], probl
                 problems.append(f"{w}={p}: src_layouts[{sname!r}].shape={s.shape} and src_start={start} "
                                 f"must have the destination's {d.ndim} dims")
                 continue
-            stop = tuple(a + (hi - lo) for a, (lo, hi) in zip(start, box))
+            # The box's extent along each source dim: destination dim k runs along source dim src_dims[k].
+            extent = [hi - lo for lo, hi in box]
+            if p.src_dims is not None:
+                extent = [extent[p.src_dims.index(j)] for j in range(d.ndim)]
+            stop = tuple(a + n for a, n in zip(start, extent))
             if any(a < 0 or b > n for a, b, n in zip(start, stop, s.shape)):
                 problems.append(f"{w}={p}: source box {fmt_box(tuple(zip(start, stop)))} is outside "
                                 f"src_layouts[{sname!r}].shape={s.shape}")
@@ -137,11 +142,11 @@ def _resolve_parts(name: str, d: Layout, parts, src: Mapping[str, Layout], probl
             problems += _alias_problems(w, p, src)
         if len(problems) > found:
             continue
-        resolved.append((p.src, box, start))
+        resolved.append((p.src, box, start, None if p.src is None else p.src_dims))
         labels.append(f"[{i}] {p}")
     # The host planner tells an op's source by (destination, the name it reads): one source per name.
     read_as: dict[str, object] = {}
-    for src_, _, _ in resolved:
+    for src_, _, _, _ in resolved:
         for n in source_names(src_):
             if read_as.setdefault(n, src_) not in (src_, None):
                 problems.append(f"{where} reads {n!r} as {' or '.join(source_names(read_as[n]))} and as "
@@ -149,7 +154,7 @@ def _resolve_parts(name: str, d: Layout, parts, src: Mapping[str, Layout], probl
                                 f"list of aliases")
                 read_as[n] = None   # said once
     if len(problems) == n_before:
-        gaps = _tiling_gaps(d.shape, tuple(b for _, b, _ in resolved))
+        gaps = _tiling_gaps(d.shape, tuple(b for _, b, _, _ in resolved))
         for kind, *rest in gaps:
             if kind == "overlap":
                 i, j, box = rest
@@ -163,6 +168,23 @@ def _resolve_parts(name: str, d: Layout, parts, src: Mapping[str, Layout], probl
         if holes and holes[0][1] > len(holes):
             problems.append(f"dst_layouts[{name!r}]: ... and {holes[0][1] - len(holes)} more uncovered region(s)")
     return tuple(resolved)
+
+
+def transposed(parts) -> list[str]:
+    """The destinations of ``parts`` (``{dst name: [Part, ...]}``, or None) with a transposed part
+    (``src_dims``), sorted."""
+    return sorted(n for n, ps in (parts or {}).items()
+                  if isinstance(ps, (list, tuple)) and any(getattr(p, "src_dims", None) is not None for p in ps))
+
+
+def refuse_transposed(where: str, parts, why: str, names=None) -> None:
+    """One ``ValueError`` naming every destination of ``parts`` (of ``names``, when given) built
+    from a transposed part: ``why`` says which plan cannot move it (only the single-host copy
+    path reads a source box through ``permute``)."""
+    bad = [n for n in transposed(parts) if names is None or n in names]
+    if bad:
+        raise ValueError(f"{where}: {len(bad)} destination(s) are built from transposed parts (Part(src_dims=...)), "
+                         f"which {why}: {bad}")
 
 
 def check_inputs(src: Mapping[str, Layout], dst: Mapping[str, Layout], parts) -> dict[str, tuple[Resolved, ...]]:

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 from . import replicas
 from .boxes import RECV_ALIGN, Box, box_of, cut_global, intersect_boxes, union_boxes
-from .checks import check_inputs, used_sources
+from .checks import check_inputs, refuse_transposed, used_sources
 from .crossings import (Crossing, assign_receivers, check_hosts, choose_senders, lay_out_buffers, name_key,
                         new_crossing, sender_name)
 from .hostplan import CrossTransfer, FanoutOp, HostPlan, Traffic, new_fanout, tally_transfers
@@ -323,7 +323,7 @@ def plan_host_part(src_layouts, dst_layouts, parts=None, quant=None, hosts: Mapp
     planned = quantized_inputs(src_layouts, dst_layouts, parts, quant) if quant else dst_layouts
     resolved = check_inputs(src_layouts, planned, parts)
     if quant:
-        padded = sorted(n for n in quant if any(sn is None for sn, _, _ in resolved.get(n, ())))
+        padded = sorted(n for n in quant if any(sn is None for sn, _, _, _ in resolved.get(n, ())))
         if padded:
             raise ValueError(f"plan_quantized: {padded} have zero padding (fills); quantized weights must be "
                              f"built from sources only")
@@ -340,7 +340,11 @@ def host_part(src_layouts, dst_layouts, parts, quant, planned, resolved, hosts, 
               align, first_index) -> HostPlan:
     """:func:`plan_host_part` once its inputs are checked: ``planned`` / ``resolved`` are the planner's
     destination layouts and parts (:func:`.quant.quantized_inputs`, :func:`.checks.check_inputs`),
-    ``host_of`` the checked host map. (:func:`~.traffic.refit_traffic` checks once for every host.)"""
+    ``host_of`` the checked host map. (:func:`~.traffic.refit_traffic` checks once for every host.)
+    Refuses transposed parts (``Part(src_dims=...)``): host parts cut and relay source boxes in
+    the source's order of dims, and their ops carry no permutation."""
+    refuse_transposed("plan_host_part", parts, "a plan across hosts cannot carry (host parts, relays and "
+                      "deltas cut source boxes in the source's order of dims; plan such a model on one host)")
     mine = sorted({r for lay in planned.values() for r in lay.ranks if host_of[r] == host})
 
     def make_plan() -> Plan:

@@ -45,6 +45,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 
 from . import replicas
+from .checks import refuse_transposed
 from .boxes import RECV_ALIGN, box_of, cut_global, intersect_boxes, union_boxes
 from .crossings import Crossing, assign_receivers, check_hosts, choose_senders, lay_out_buffers, name_key, sender_name
 from .hostplan import CrossTransfer, FanoutOp, HostPlan, host_order
@@ -92,6 +93,9 @@ def plan_hosts(plan: Plan, hosts: Mapping[int, str], *,
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a trs.Plan, got {type(plan).__name__}")
     host_of = check_hosts(set(plan.src_ranks) | set(plan.dst_ranks), hosts, host, align, first_index, "plan_hosts")
+    if len(set(host_of.values())) > 1:   # one host: every op stays as planned, permutation and all
+        refuse_transposed("plan_hosts", plan.parts, "a plan across hosts cannot carry (crossings, relays and "
+                          "deltas cut source boxes in the source's order of dims; plan such a model on one host)")
     knobs = replicas.KNOBS
     src_lay = plan.src_layouts
 

@@ -40,6 +40,10 @@ class TransferOp(_DstBox):
     intervals of the *source's* global index the op covers (several when a packed-block op spans
     block boundaries). ``src_name`` is the source tensor's name; it equals ``name`` unless the plan
     was given ``parts=`` (q/k/v -> qkv and the like). Consumers look sources up by ``src_name``.
+
+    ``src_dims``: None, or the permutation of a transposed part (``Part(src_dims=...)``): the op
+    copies ``src_name[src_slices].permute(src_dims)`` (``src_slices`` and ``global_index`` are in the
+    source's order of dims, ``dst_slices`` in the destination's; the element count is the same).
     """
 
     name: str
@@ -49,6 +53,7 @@ class TransferOp(_DstBox):
     dst_slices: tuple[slice, ...]
     global_index: tuple[tuple[tuple[int, int], ...], ...]
     src_name: str | None = None
+    src_dims: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.src_name is None:
@@ -57,7 +62,7 @@ class TransferOp(_DstBox):
     def __hash__(self) -> int:  # slices are unhashable before Python 3.12
         return hash((self.name, self.src_name, self.src_rank, self.dst_rank,
                      tuple((s.start, s.stop) for s in self.src_slices),
-                     tuple((s.start, s.stop) for s in self.dst_slices)))
+                     tuple((s.start, s.stop) for s in self.dst_slices), self.src_dims))
 
     @property
     def is_local(self) -> bool:
@@ -67,8 +72,13 @@ class TransferOp(_DstBox):
     def __str__(self) -> str:
         frm = "" if self.src_name == self.name else f" from {self.src_name}"
         return (f"{self.name}: {self.src_rank}->{self.dst_rank}{frm} global{fmt_global(self.global_index)} "
-                f"src{fmt_slices(self.src_slices)} -> dst{fmt_slices(self.dst_slices)} "
+                f"src{fmt_slices(self.src_slices)}{_permute(self)} -> dst{fmt_slices(self.dst_slices)} "
                 f"({'x'.join(map(str, self.shape))})")
+
+
+def _permute(op: TransferOp) -> str:
+    """``.permute(...)`` of a transposed op, "" otherwise (what its source slices are read through)."""
+    return "" if op.src_dims is None else f".permute({', '.join(map(str, op.src_dims))})"
 
 
 @dataclass(frozen=True, eq=True, slots=True)
@@ -249,7 +259,7 @@ class Plan:
         def op_row(op: TransferOp) -> tuple[str, ...]:
             g = fmt_global(op.global_index)
             return (op.name, f"{op.src_rank}->{op.dst_rank}", op.src_name + g if renamed else g,
-                    fmt_slices(op.src_slices), fmt_slices(op.dst_slices), "x".join(map(str, op.shape)) or "scalar",
+                    fmt_slices(op.src_slices) + _permute(op), fmt_slices(op.dst_slices), "x".join(map(str, op.shape)) or "scalar",
                     fmt_bytes(op.numel * self._dst[op.name].itemsize))
 
         def fill_row(f: FillOp) -> tuple[str, ...]:
@@ -287,10 +297,10 @@ _obj_new = object.__new__
 # through their descriptors is the cheapest way to make a frozen dataclass (a big plan makes
 # millions of ops).
 _set_op = tuple(TransferOp.__dict__[f].__set__ for f in ("name", "src_rank", "dst_rank", "src_slices",
-                                                         "dst_slices", "global_index", "src_name"))
+                                                         "dst_slices", "global_index", "src_name", "src_dims"))
 
 
-def new_op(name, src_rank, dst_rank, src_slices, dst_slices, global_index, src_name,
+def new_op(name, src_rank, dst_rank, src_slices, dst_slices, global_index, src_name, src_dims=None,
            _new=_obj_new, _cls=TransferOp, _s=_set_op) -> TransferOp:
     """``TransferOp(...)`` without the frozen dataclass's per-field ``object.__setattr__`` (a third
     of a big plan's time); the values are the planner's own, already checked."""
@@ -302,6 +312,7 @@ def new_op(name, src_rank, dst_rank, src_slices, dst_slices, global_index, src_n
     _s[4](op, dst_slices)
     _s[5](op, global_index)
     _s[6](op, src_name)
+    _s[7](op, src_dims)
     return op
 
 

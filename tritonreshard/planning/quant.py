@@ -16,6 +16,7 @@ import torch
 
 from ..layout import Layout
 from .dtypes import CASTABLE_DTYPES
+from .checks import transposed
 from .reshard import Plan, plan_reshard
 
 __all__ = ["BlockQuant", "QuantizedPlan", "SCALE_RULES", "FP8_DTYPE", "plan_quantized", "quantized_inputs"]
@@ -178,6 +179,10 @@ def quantized_inputs(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str
                     problems.append(f"{where}: source {sname!r} is {sl.dtype}; quantized from {CASTABLE_DTYPES}")
         if name not in (parts or {}) and name in src_layouts and src_layouts[name].dtype not in CASTABLE_DTYPES:
             problems.append(f"{where}: source {name!r} is {src_layouts[name].dtype}; quantized from {CASTABLE_DTYPES}")
+    flipped = [n for n in transposed(parts) if n in quant]
+    if flipped:   # the quantizer reads whole 128x128 blocks in the source's order of dims
+        problems.append(f"{flipped} are built from transposed parts (Part(src_dims=...)), which block "
+                        f"quantization does not read; quantize them untransposed or leave them unquantized")
     if problems:
         raise ValueError("plan_quantized: " + "; ".join(problems))
     return {n: (Layout(lay.shape, lay.mesh, lay.placements, torch.float32) if n in quant else lay)

@@ -26,6 +26,7 @@ from functools import cached_property
 
 import torch
 
+from .checks import refuse_transposed
 from .hostpart import plan_host_part
 from .hostplan import CrossTransfer, HostPlan, host_order, renumbered
 from .hosts import plan_hosts
@@ -296,6 +297,9 @@ def plan_rank(src_layouts, dst_layouts, hosts: Mapping[int, str], rank: int, *, 
     inputs, for its host's destination ranks only. Raises ``ValueError`` / ``NotImplementedError``
     as the planner does, before anything moves."""
     several = len(set(hosts.values())) > 1
+    if several:   # said at planning time, before any rank maps a buffer
+        refuse_transposed(f"plan_rank(rank={rank})", parts, "a plan across hosts cannot carry (crossings, relays and "
+                          "deltas cut source boxes in the source's order of dims; plan such a model on one host)")
     own = plan_quantized(src_layouts, dst_layouts, parts or None, quant or None, rank=rank)
     src_here = [n for n, lay in own.src_layouts.items() if rank in lay.ranks]
     dst_here = [n for n, lay in own.dst_layouts.items() if rank in lay.ranks]

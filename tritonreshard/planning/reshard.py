@@ -76,15 +76,21 @@ def _intersect_dim(src: tuple[Segment, ...], dst: tuple[Segment, ...]) -> list[_
     return out
 
 
-def _op_fields(dims: tuple[_DimPiece, ...]) -> tuple:
-    """(src_slices, dst_slices, global_index) of a piece."""
-    return (tuple(slice(s, s + n) for s, _, n, _ in dims),
-            tuple(slice(d, d + n) for _, d, n, _ in dims),
-            tuple(g for _, _, _, g in dims))
+def _op_fields(dims: tuple[_DimPiece, ...], order: tuple[int, ...] | None = None) -> tuple:
+    """(src_slices, dst_slices, global_index) of a piece. ``dims`` run in the destination's order;
+    ``order``: a transposed part's ``src_dims`` (destination dim k runs along source dim
+    ``order[k]``), the source's slices and global intervals then put in the source's order."""
+    src = tuple(slice(s, s + n) for s, _, n, _ in dims)
+    glob = tuple(g for _, _, _, g in dims)
+    if order is not None:
+        at = {j: k for k, j in enumerate(order)}   # source dim -> the destination dim along it
+        src, glob = tuple(src[at[j]] for j in range(len(src))), tuple(glob[at[j]] for j in range(len(glob)))
+    return src, tuple(slice(d, d + n) for _, d, n, _ in dims), glob
 
 
-def _make_op(name: str, src: int, dst: int, dims: tuple[_DimPiece, ...], src_name: str) -> TransferOp:
-    return TransferOp(name, src, dst, *_op_fields(dims), src_name)
+def _make_op(name: str, src: int, dst: int, dims: tuple[_DimPiece, ...], src_name: str,
+             order: tuple[int, ...] | None = None) -> TransferOp:
+    return TransferOp(name, src, dst, *_op_fields(dims, order), src_name, order)
 
 
 def _split(dims: tuple[_DimPiece, ...], units: list[int]) -> list[tuple[_DimPiece, ...]]:
@@ -216,12 +222,16 @@ def _clip(segs: tuple[Segment, ...], lo: int, hi: int, delta: int) -> tuple[Segm
     return tuple(out)
 
 
-def _dst_segments(d_geo: tuple, box: tuple | None, src_start: tuple | None, dst_rank: int) -> tuple:
-    """``dst_rank``'s segments, clipped to the destination ``box`` and shifted to the source box."""
+def _dst_segments(d_geo: tuple, box: tuple | None, src_start: tuple | None, order: tuple | None,
+                  dst_rank: int) -> tuple:
+    """``dst_rank``'s segments, clipped to the destination ``box`` and shifted to the source box
+    (destination dim k to source dim ``order[k]`` of a transposed part; the segments stay in the
+    destination's order of dims)."""
     segs = _segments_of(d_geo)[dst_rank]
     if box is None:
         return segs
-    return tuple(_clip(s, lo, hi, st - lo) for s, (lo, hi), st in zip(segs, box, src_start))
+    starts = src_start if order is None else tuple(src_start[j] for j in order)
+    return tuple(_clip(s, lo, hi, st - lo) for s, (lo, hi), st in zip(segs, box, starts))
 
 
 class _Template(NamedTuple):
@@ -247,6 +257,7 @@ class _Row(NamedTuple):
     dims: tuple                  # per dim (src_local_start, dst_local_start, length, global intervals)
     numel: int
     template: _Template | None   # None: :func:`.replicas.share` picks the replicas
+    order: tuple | None = None   # a transposed part's src_dims (``dims`` run in the destination's order)
 
 
 class OpRow(NamedTuple):
@@ -276,8 +287,10 @@ class Job(NamedTuple):
     alias: Mapping[int, str] | None = None
 
 
-def _rows(dst_rank: int, d_segs: tuple, g_idx: int, s_segs: tuple, group: tuple[int, ...]) -> list[_Row]:
-    per_dim = [_intersect_dim(s, d) for s, d in zip(s_segs, d_segs)]
+def _rows(dst_rank: int, d_segs: tuple, g_idx: int, s_segs: tuple, group: tuple[int, ...],
+          order: tuple | None = None) -> list[_Row]:
+    # A transposed part pairs destination dim k with source dim order[k].
+    per_dim = [_intersect_dim(s_segs[k if order is None else order[k]], d) for k, d in enumerate(d_segs)]
     if not all(per_dim):
         return []
     rows = []
@@ -285,26 +298,29 @@ def _rows(dst_rank: int, d_segs: tuple, g_idx: int, s_segs: tuple, group: tuple[
         template = None
         if len(group) == 1 or dst_rank in group:
             src_rank = dst_rank if dst_rank in group else group[0]
-            fields = _op_fields(dims)
+            fields = _op_fields(dims, order)
             # The op's fields and its sort key, made once per geometry (layers repeat them).
             template = _Template(src_rank, *fields, (dst_rank, tuple(d.start for d in fields[1]), src_rank))
-        rows.append(_Row(dst_rank, g_idx, group, ordinal, dims, math.prod(p[2] for p in dims), template))
+        rows.append(_Row(dst_rank, g_idx, group, ordinal, dims, math.prod(p[2] for p in dims), template, order))
     return rows
 
 
 @lru_cache(maxsize=1 << 14)
-def _dst_rows(s_geo: tuple, d_geo: tuple, box: tuple | None, src_start: tuple | None, dst_rank: int) -> tuple:
-    """The pieces ``dst_rank`` reads, from every replica set of the source."""
-    d_segs = _dst_segments(d_geo, box, src_start, dst_rank)
+def _dst_rows(s_geo: tuple, d_geo: tuple, box: tuple | None, src_start: tuple | None, order: tuple | None,
+              dst_rank: int) -> tuple:
+    """The pieces ``dst_rank`` reads, from every replica set of the source (``order``: a
+    transposed part's ``src_dims``, else None)."""
+    d_segs = _dst_segments(d_geo, box, src_start, order, dst_rank)
     if not all(d_segs):
         return ()
     groups, _ = _source_groups(s_geo)
     return tuple(row for g_idx, (s_segs, group) in enumerate(groups)
-                 for row in _rows(dst_rank, d_segs, g_idx, s_segs, group))
+                 for row in _rows(dst_rank, d_segs, g_idx, s_segs, group, order))
 
 
 @lru_cache(maxsize=1 << 14)
-def _src_rows(s_geo: tuple, d_geo: tuple, box: tuple | None, src_start: tuple | None, src_rank: int) -> tuple:
+def _src_rows(s_geo: tuple, d_geo: tuple, box: tuple | None, src_start: tuple | None, order: tuple | None,
+              src_rank: int) -> tuple:
     """The pieces every destination rank reads from ``src_rank``'s replica set (the rank may serve
     only some of them: :func:`_emit` decides)."""
     groups, of_rank = _source_groups(s_geo)
@@ -314,9 +330,9 @@ def _src_rows(s_geo: tuple, d_geo: tuple, box: tuple | None, src_start: tuple | 
     s_segs, group = groups[g_idx]
     out = []
     for dst_rank in d_geo[2]:
-        d_segs = _dst_segments(d_geo, box, src_start, dst_rank)
+        d_segs = _dst_segments(d_geo, box, src_start, order, dst_rank)
         if all(d_segs):
-            out += _rows(dst_rank, d_segs, g_idx, s_segs, group)
+            out += _rows(dst_rank, d_segs, g_idx, s_segs, group, order)
     return tuple(out)
 
 
@@ -326,7 +342,7 @@ def _emit(row: _Row, name: str, src_name: str, alias: Mapping[int, str] | None, 
     replica of a set serves it; it is derived from the piece's place in the plan (tensor, part,
     destination rank, replica set, ordinal), never from other pieces' choices, so any rank derives
     the choice for any piece on its own. ``alias``: for aliased sources, the alias each rank reads."""
-    return [_make_op(name, src_rank, row.dst_rank, part, src_name if alias is None else alias[src_rank])
+    return [_make_op(name, src_rank, row.dst_rank, part, src_name if alias is None else alias[src_rank], row.order)
             for src_rank, part in _shares(row, turn, s_isz, knobs)]
 
 
@@ -359,14 +375,14 @@ def rows_into(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layou
             continue
         parts = resolved.get(name)
         if parts is None:
-            parts = ((name, None, None),)
+            parts = ((name, None, None, None),)
         d_geo, n_dst, pos = _geometry(d_lay), len(d_lay.ranks), _positions(d_lay.ranks)
-        for j_idx, (src_name, box, start) in enumerate(parts):
+        for j_idx, (src_name, box, start, order) in enumerate(parts):
             if src_name is None:
                 continue
             s_geo, s_isz = source_geometry(src_layouts, src_name), source_itemsize(src_layouts, src_name)
             alias = None if isinstance(src_name, str) else alias_of(src_name, s_geo)
-            geo = (s_geo, s_isz, d_geo, box, start, mine)
+            geo = (s_geo, s_isz, d_geo, box, start, order, mine)
             seen = classes.get(geo, False)
             if seen:
                 jobs.append(Job(name, src_name, *seen, alias))
@@ -374,7 +390,7 @@ def rows_into(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layou
             out, fixed = [], True
             base = (t_idx + j_idx) * n_dst
             for d in mine:
-                for row in _dst_rows(s_geo, d_geo, box, start, d):
+                for row in _dst_rows(s_geo, d_geo, box, start, order, d):
                     t = row.template
                     if t is not None:
                         out.append(OpRow(t.src_rank, d, t.src_slices, t.dst_slices, t.global_index, row.group))
@@ -382,7 +398,7 @@ def rows_into(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layou
                     fixed = False
                     turn = replicas.rotation(base + pos[d], len(row.group)) + row.group_index + row.ordinal
                     for src_rank, dims in _shares(row, turn, s_isz, knobs):
-                        out.append(OpRow(src_rank, d, *_op_fields(dims), row.group))
+                        out.append(OpRow(src_rank, d, *_op_fields(dims, order), row.group))
             got = (next_key, sources.setdefault(s_geo, len(sources)), tuple(out))
             next_key += 1
             if seen is False:
@@ -424,8 +440,8 @@ def _plan_cached(src_items: tuple[tuple[str, Layout], ...], dst_items: tuple[tup
         pos = _positions(d_lay.ranks)
         jobs = parts.get(name)
         if jobs is None:
-            jobs = ((name, None, None),)
-        for j_idx, (src_name, box, start) in enumerate(jobs):
+            jobs = ((name, None, None, None),)
+        for j_idx, (src_name, box, start, order) in enumerate(jobs):
             if src_name is None:
                 for dst_rank, ds, g in _fill_pieces(d_geo, box):
                     if rank is None or dst_rank == rank:
@@ -435,19 +451,19 @@ def _plan_cached(src_items: tuple[tuple[str, Layout], ...], dst_items: tuple[tup
             alias = None if isinstance(src_name, str) else alias_of(src_name, s_geo)
             base = (t_idx + j_idx) * n_dst
             if rank is None:
-                rows = chain.from_iterable(_dst_rows(s_geo, d_geo, box, start, d) for d in d_lay.ranks)
+                rows = chain.from_iterable(_dst_rows(s_geo, d_geo, box, start, order, d) for d in d_lay.ranks)
             else:
-                rows = chain(_dst_rows(s_geo, d_geo, box, start, rank) if rank in pos else (),
+                rows = chain(_dst_rows(s_geo, d_geo, box, start, order, rank) if rank in pos else (),
                              # the rank as a source: pieces for other destination ranks only (its
                              # own reads are above)
-                             (row for row in _src_rows(s_geo, d_geo, box, start, rank) if row[0] != rank))
+                             (row for row in _src_rows(s_geo, d_geo, box, start, order, rank) if row[0] != rank))
             for row in rows:
                 template = row[6]
                 if template is not None:   # the source is fixed: the hot path of a big plan
                     if rank is None or template[0] == rank or row[0] == rank:
                         block.append((template[4], new_op(name, template[0], row[0], template[1], template[2],
                                                            template[3], src_name if alias is None else
-                                                           alias[template[0]])))
+                                                           alias[template[0]], order)))
                     continue
                 turn = replicas.rotation(base + pos[row[0]], len(row[2])) + row[1] + row[3]
                 for op in _emit(row, name, src_name, alias, turn, s_isz, knobs):
@@ -457,7 +473,7 @@ def _plan_cached(src_items: tuple[tuple[str, Layout], ...], dst_items: tuple[tup
         ops += [op for _, op in block]
 
     fills.sort(key=lambda f: (f.name, f.dst_rank, tuple(s.start for s in f.dst_slices)))
-    resolved_parts = {name: tuple(Part(sn, box, st if sn is not None else None) for sn, box, st in rs)
+    resolved_parts = {name: tuple(Part(sn, box, st if sn is not None else None, od) for sn, box, st, od in rs)
                       for name, rs in parts.items()}
     return Plan(src, dst, tuple(ops), tuple(fills), resolved_parts, rank=rank)
 
@@ -478,9 +494,9 @@ def source_pieces(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, L
     resolved = check_inputs(src_layouts, dst_layouts, parts)
     readers: dict[str | tuple[str, ...], list[tuple]] = defaultdict(list)
     for name, d_lay in sorted(dst_layouts.items()):
-        for src_name, box, start in resolved.get(name, ((name, None, None),)):
+        for src_name, box, start, order in resolved.get(name, ((name, None, None, None),)):
             if src_name is not None:
-                readers[src_name].append((_geometry(d_lay), d_lay.itemsize, box, start))
+                readers[src_name].append((_geometry(d_lay), d_lay.itemsize, box, start, order))
     classes: dict[tuple, int] = defaultdict(int)
     for src_name, jobs in readers.items():
         geo = source_geometry(src_layouts, src_name)
@@ -488,10 +504,10 @@ def source_pieces(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, L
     out = []
     for (s_geo, s_isz, jobs), count in classes.items():
         rows = []
-        for d_geo, d_isz, box, start in jobs:
+        for d_geo, d_isz, box, start, order in jobs:
             for dst_rank in d_geo[2]:
-                for _, _, group, _, dims, numel, template in _dst_rows(s_geo, d_geo, box, start, dst_rank):
-                    src_box = tuple((s, s + n) for s, _, n, _ in dims)
+                for _, _, group, _, dims, numel, template, _ in _dst_rows(s_geo, d_geo, box, start, order, dst_rank):
+                    src_box = tuple((s.start, s.stop) for s in _op_fields(dims, order)[0])
                     rows.append(((template[0],) if template is not None else group, dst_rank, src_box, numel,
                                  s_isz, d_isz))
         out.append((count, tuple(rows)))

@@ -247,31 +247,27 @@ def _infer(name: str, local_ids: list, local_flat: list, shapes, names) -> tuple
 
 
 def _transposed(local_ids: list, local_flat: list, shapes, names) -> tuple | None:
-    """``(order, sources)`` where every rank's tensor is a box split of ``sources`` once its dims are
-    put back in the source's order (the loader transposed: the rank holds ``box.permute(order)``);
-    None when no other order of dims fits either."""
+    """``(placement, global shape, parts)`` of a destination whose ranks each hold a box split of
+    sources put in another order of dims (the loader transposed: a rank holds ``box.permute(order)``),
+    in the destination's own dims, each part with ``src_dims=order``; None when no other order of
+    dims fits either."""
     ndim = local_ids[0].dim()
     for perm in permutations(range(ndim)):
         if perm == tuple(range(ndim)):
             continue
         got = _infer("", [i.permute(perm) for i in local_ids], [f.permute(perm) for f in local_flat], shapes, names)
-        if got is not None:
-            order = tuple(sorted(range(ndim), key=perm.__getitem__))
-            return order, sorted({p.src for p in got[2] if p.src is not None})
+        if got is None:
+            continue
+        # Found in the source's order of dims (dim j of the permuted view is destination dim
+        # perm[j]); destination dim k is dim order[k] of that view, so it runs along source dim order[k].
+        order = tuple(sorted(range(ndim), key=perm.__getitem__))
+        placement, shape, plist = got
+        if isinstance(placement, Shard):
+            placement = Shard(perm[placement.dim], placement.blocks, placement.balanced)
+        parts = [Part(p.src, [p.dst[j] for j in order], p.src_start, None if p.src is None else order)
+                 for p in plist]
+        return placement, tuple(shape[j] for j in order), parts
     return None
-
-
-def _no_box(name: str, local_ids: list, local_flat: list, shapes, names) -> str:
-    """Why destination ``name`` has no box form: the loader transposes (named, with the order), or
-    no split of one dim fits."""
-    what = f"{name}: no split of one dim into source boxes reproduces every rank"
-    got = _transposed(local_ids, local_flat, shapes, names)
-    if got is None:
-        return what
-    order, srcs = got
-    return (f"{what}: its loader transposes (every element is copied, but each TP rank holds its box of {srcs} "
-            f"as box.permute{order}), which the planner's boxes (step-1 slices in the source's order of dims, "
-            f"never transposed) cannot express")
 
 
 def _problems(traced: Sequence[Mapping[str, torch.Tensor]], numels, names) -> tuple[list, list]:
@@ -311,9 +307,9 @@ def spec_from_trace(model_type: str, sources: Mapping[str, Layout], traced: Sequ
     """The recipe of a trace: ``sources`` (``{name: Layout}``: the trainers' layouts; source number
     ``i`` is the ``i``-th, as :func:`encode`'d), ``traced[t]`` what TP rank ``t`` holds (``{vLLM
     parameter: float64 tensor}``) after its loader read the codes, ``dtypes`` the parameters'
-    dtypes. Raises one ``ValueError`` naming every problem (a loader that is not a copy, parameters
-    no source reached, sources left out, a destination no box form fits: named as a transpose where
-    its dims put in another order would fit)."""
+    dtypes. A loader that transposes gives parts with ``src_dims`` (:class:`~tritonreshard.Part`).
+    Raises one ``ValueError`` naming every problem (a loader that is not a copy, parameters no
+    source reached, sources left out, a destination no box form fits in any order of dims)."""
     where = f"trace of {model_type!r}, tp={tp}"
     problems: list[str] = []
     dst_ranks = rank_list(inference_ranks, "inference_ranks", problems)
@@ -328,14 +324,16 @@ def spec_from_trace(model_type: str, sources: Mapping[str, Layout], traced: Sequ
     dst, parts = {}, {}
     for n in traced[0]:
         local_ids, local_flat = [d[n][0] for d in decoded], [d[n][1] for d in decoded]
-        got = _infer(n, local_ids, local_flat, shapes, names)
+        # A box split as the loader holds it, else one of the source put in another order of dims
+        # (vLLM's gpt-oss experts: box.permute(0, 2, 1)).
+        got = _infer(n, local_ids, local_flat, shapes, names) or _transposed(local_ids, local_flat, shapes, names)
         if got is None:
-            problems.append(_no_box(n, local_ids, local_flat, shapes, names))
+            problems.append(f"{n}: no split of one dim into source boxes reproduces every rank")
             continue
         placement, shape, plist = got
         dst[n] = tp_layout(shape, dst_ranks, tp, placement, dtypes[n])
         identity = len(plist) == 1 and plist[0].src == n and sources[n].shape == shape and \
-            all(x is None for x in plist[0].dst) and plist[0].src_start is None
+            all(x is None for x in plist[0].dst) and plist[0].src_start is None and plist[0].src_dims is None
         if not identity:
             parts[n] = tuple(plist)
     raise_problems(where, problems)
