@@ -1,11 +1,15 @@
-"""gpt-oss (``model_type="gpt_oss"``) has no recipe, and the trace says why: vLLM 0.32's own
-``GptOssForCausalLM.load_weights``, traced in this process (tritonreshard.vllm.trace) at TP 1, 2 and
-expert parallel, transposes the routed experts' weights, which no box expresses.
+"""gpt-oss (``model_type="gpt_oss"``): vLLM 0.32's own ``GptOssForCausalLM.load_weights``, run in this
+process (tritonreshard.vllm.trace) at TP 1, 2 and expert parallel, transposes the routed experts'
+weights (``w13_weight`` / ``w2_weight`` hold their HF boxes as ``box.permute(0, 2, 1)``): transposed
+parts (``Part(src_dims=(0, 2, 1))``) express that.
 
-* the tracer refuses exactly the experts' ``w13_weight`` and ``w2_weight`` of every layer, each named
-  as a transpose of its HF source; everything else (sinks, attention, router, biases, embeddings)
-  traces as boxes, ``w2_bias`` as a zero box on TP rank 1 (vLLM zeroes it off rank 0);
-* ``hf_to_vllm`` of a gpt-oss config says so in its one ``ValueError``;
+* the hand-written recipe (tritonreshard/recipes/gpt_oss.py) refits random tensors exactly as vLLM's
+  own loader loads them, on every rank, bit for bit;
+* the trace of the same loader gives the same recipe (``recipe_differences`` empty), with exactly
+  the experts' ``w13_weight`` and ``w2_weight`` of every layer transposed parts; ``w2_bias`` a zero
+  box on TP rank 1 (vLLM zeroes it off rank 0);
+* the Triton executor (interpreted on the CPU) copies a transposed op exactly;
+* plans across hosts and FP8 plans refuse a transposed part by name, at planning time;
 * the tracer feeds gpt-oss's fused experts as its checkpoints hold them (what ``save_pretrained``
   writes), not split per expert as for the other MoE families.
 """
@@ -59,64 +63,128 @@ def vllm_trace():
     return trace
 
 
-# Problems are joined by "; " (raise_problems); a transposed one reads, by name:
-_TRANSPOSE = re.compile(r"(\S+): no split of one dim into source boxes reproduces every rank: its loader transposes "
-                        r"\(every element is copied, but each TP rank holds its box of \['(\S+)'\] as "
-                        r"box\.permute\(0, 2, 1\)\), which the planner's boxes \(step-1 slices in the source's order "
-                        r"of dims, never transposed\) cannot express")
+CASES = [(1, False), (2, False), (2, True)]
 
 
-@pytest.mark.parametrize("tp,ep", [(1, False), (2, False), (2, True)])
-def test_the_tracer_refuses_exactly_the_transposed_expert_weights(vllm_trace, tp, ep):
+def _refit(spec, full):
+    """The refit of ``full`` (HF tensors) through ``spec``'s own plan: FSDP shards in, every rank out."""
+    src = {r: {n: lay.shard(full[n], r) for n, lay in spec.src.items()} for r in TRAINERS}
+    return trs.execute_local(spec.plan(), src, backend="torch")
+
+
+def _recipe(tp, ep):
+    return trs.recipes.hf_to_vllm(tiny_config(), tp=tp, trainer_ranks=TRAINERS, inference_ranks=list(range(2, 2 + tp)),
+                                  dtype=torch.float32, expert_parallel=ep)
+
+
+@pytest.mark.parametrize("tp,ep", CASES)
+def test_the_recipe_refits_exactly_what_vllms_loader_loads(vllm_trace, tp, ep):
+    spec = _recipe(tp, ep)
+    torch.manual_seed(tp + 10 * ep)
+    full = {n: torch.randn(lay.shape) for n, lay in spec.src.items()}
+    got = _refit(spec, full)
+    models = vllm_trace.rank_models(tiny_config(), tp, dtype=torch.float32, expert_parallel=ep)
+    vllm = vllm_trace.vllm_load(models, full, "gpt_oss")   # vLLM's own load_weights, per rank
+    for t in range(tp):
+        r = 2 + t
+        assert sorted(got[r]) == sorted(vllm[t])
+        differ = [n for n, w in vllm[t].items() if not torch.equal(got[r][n], w)]
+        assert differ == [], (t, differ)
+    if tp == 2 and not ep:  # vLLM zeroes w2_bias off rank 0: so does the recipe's zero box
+        assert bool((got[3][EXPERT.format(0, "w2_bias")] == 0).all())
+
+
+@pytest.mark.parametrize("tp,ep", CASES)
+def test_the_trace_is_the_recipe_with_the_expert_weights_transposed(vllm_trace, tp, ep):
+    traced = vllm_trace.trace_recipe(tiny_config(), tp=tp, trainer_ranks=TRAINERS,
+                                     inference_ranks=list(range(2, 2 + tp)), dtype=torch.float32, expert_parallel=ep)
+    transposed = {n: p[0].src for n, p in traced.parts.items() if any(x.src_dims is not None for x in p)}
+    assert transposed == TRANSPOSED
+    assert all(traced.parts[n] == (trs.Part(src, [None] * 3, src_dims=(0, 2, 1)),) for n, src in TRANSPOSED.items())
+    assert vllm_trace.recipe_differences(traced, _recipe(tp, ep)) == []
+    if tp == 2 and not ep:
+        for i in range(LAYERS):
+            w2_bias = EXPERT.format(i, "w2_bias")
+            assert traced.dst[w2_bias].placements == (trs.Shard(0),) and traced.dst[w2_bias].shape == (8, 32)
+            assert traced.parts[w2_bias] == (trs.Part(f"model.layers.{i}.mlp.experts.down_proj_bias", ((0, 4), None)),
+                                             trs.Part(None, ((4, 8), None), (4, 0)))
+
+
+def test_a_transposed_part_prints_and_is_checked():
+    p = trs.Part("g", [None, (0, 4), None], src_start=(0, 0, 2), src_dims=(0, 2, 1))
+    assert str(p) == "[:, 0:4, :] <- g.permute(0, 2, 1) @[0, 0, 2]"
+    assert trs.Part("g", [None, None], src_dims=(0, 1)) == trs.Part("g", [None, None])  # the identity is the default
+    with pytest.raises(ValueError, match="permutation of range"):
+        trs.Part("g", [None, None], src_dims=(0, 0))
+    with pytest.raises(TypeError):
+        trs.Part("g", [None, None], src_dims="ab")
+    # The engine's ranks compare their planning inputs by digest, and parts travel through the store:
+    # both carry the permutation.
+    from tritonreshard.engine.members import inputs_digest
+    from tritonreshard.engine.rendezvous import _decode, _encode
+
+    lay = {"w": trs.Layout((3, 4), [0], [trs.Replicate()])}
+    assert inputs_digest(lay, {"w": (p,)}) != inputs_digest(lay, {"w": (trs.Part("g", [None, (0, 4), None], (0, 0, 2)),)})
+    assert _decode(_encode(p, "p")) == p
+    # The source box runs along the source's dims: a destination [5, 3] reads a [3, 5] source box.
+    src = {"g": trs.Layout((3, 4), [0], [trs.Replicate()])}
+    with pytest.raises(ValueError, match=r"source box \[0:4, 0:3\] is outside"):
+        trs.plan_reshard(src, {"w": trs.Layout((3, 4), [1], [trs.Replicate()])},
+                         {"w": [trs.Part("g", [None, None], src_dims=(1, 0))]})
+
+
+def _transposed_plan(dst_dtype=torch.float32):
+    src = {"g": trs.Layout((4, 6, 10), TRAINERS, [trs.Shard(0)])}
+    dst = {"w": trs.Layout((4, 10, 6), [2, 3], [trs.Shard(1)], dst_dtype)}
+    return src, dst, {"w": [trs.Part("g", [None] * 3, src_dims=(0, 2, 1))]}
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_execute_local_copies_a_transposed_op_exactly(backend):
+    src, dst, parts = _transposed_plan(torch.bfloat16)
+    plan = trs.plan_reshard(src, dst, parts)
+    assert {op.src_dims for op in plan.ops} == {(0, 2, 1)} and ".permute(0, 2, 1)" in str(plan.ops[0])
+    assert plan.stats.total_bytes == 4 * 10 * 6 * 2   # the same bytes as untransposed
+    full = torch.randn(4, 6, 10)
+    got = trs.execute_local(plan, {r: {"g": src["g"].shard(full, r)} for r in TRAINERS}, backend=backend)
+    want = full.permute(0, 2, 1).to(torch.bfloat16)
+    for r in (2, 3):
+        assert torch.equal(got[r]["w"], dst["w"].shard(want, r)), r
+    # A rank's own plan holds exactly the whole plan's ops it takes part in, permutation and all.
+    assert set(trs.plan_reshard(src, dst, parts, rank=2).ops) == set(plan.ops_for_dst(2))
+
+
+def test_plans_across_hosts_and_fp8_plans_refuse_a_transposed_part():
+    from tritonreshard.planning import BlockQuant, plan_hosts, plan_quantized, plan_rank
+
+    src, dst, parts = _transposed_plan()
+    hosts = {0: "a", 1: "a", 2: "b", 3: "b"}
+    with pytest.raises(ValueError, match=r"plan_hosts: 1 destination\(s\) are built from transposed parts.*\['w'\]"):
+        plan_hosts(trs.plan_reshard(src, dst, parts), hosts)
+    with pytest.raises(ValueError, match=r"plan_rank\(rank=2\): .*across hosts.*\['w'\]"):
+        plan_rank(src, dst, hosts, 2, parts=parts)
+    plan_hosts(trs.plan_reshard(src, dst, parts), dict.fromkeys(hosts, "a"))   # one host: planned as it is
+    with pytest.raises(ValueError, match=r"gpt_oss.*quantization='fp8-block' is not laid out"):
+        trs.recipes.hf_to_vllm(tiny_config(), tp=2, trainer_ranks=TRAINERS, inference_ranks=[2, 3],
+                               quantization="fp8-block")
+    fsrc = {"g": trs.Layout((2, 128, 128), TRAINERS, [trs.Shard(0)])}
+    fdst = {"w": trs.Layout((2, 128, 128), [2], [trs.Replicate()], torch.float8_e4m3fn),
+            "w_scale": trs.Layout((2, 1, 1), [2], [trs.Replicate()])}
+    quant = {"w": BlockQuant("w_scale", rows=(128,))}
+    with pytest.raises(ValueError, match=r"plan_quantized: \['w'\] are built from transposed parts"):
+        plan_quantized(fsrc, fdst, {"w": [trs.Part("g", [None] * 3, src_dims=(0, 2, 1))]}, quant)
+
+
+def test_the_recipe_says_every_size_vllm_cannot_split():
     config = tiny_config()
+    config.num_local_experts = 3
+    config.intermediate_size = 63
     with pytest.raises(ValueError) as e:
-        vllm_trace.trace_recipe(config, tp=tp, trainer_ranks=TRAINERS, inference_ranks=list(range(2, 2 + tp)),
-                                dtype=torch.float32, expert_parallel=ep)
-    msg = str(e.value)
-    prefix = f"trace of 'gpt_oss', tp={tp}: "
-    assert msg.startswith(prefix), msg
-    refused = {}
-    for problem in msg[len(prefix):].split("; "):
-        m = _TRANSPOSE.fullmatch(problem)
-        assert m, problem
-        refused[m.group(1)] = m.group(2)
-    assert refused == TRANSPOSED
-
-
-def test_everything_else_traces_as_boxes_w2_bias_a_zero_box_off_rank_0(vllm_trace):
-    """The rest of gpt-oss at TP 2: its boxes, from the same loader, with the expert weights' HF
-    sources left out (and so their vLLM parameters, which nothing then reaches)."""
-    config = tiny_config()
-    sources = {n: lay for n, lay in vllm_trace.hf_sources(config, TRAINERS).items() if n not in TRANSPOSED.values()}
-    codes = {n: encode(i, lay.shape) for i, (n, lay) in enumerate(sources.items())}
-    fed = {n: t.clone() for n, t in codes.items()}
-    models = vllm_trace.rank_models(config, 2, dtype=torch.float32)
-    traced = vllm_trace.vllm_load(models, codes, "gpt_oss")
-    # vLLM's loader zeroes down_proj_bias in place on TP rank 1: on a copy, not on what was fed.
-    assert [n for n in codes if not torch.equal(codes[n], fed[n])] == []
-    traced = [{n: t for n, t in per.items() if n not in TRANSPOSED} for per in traced]
-    spec = spec_from_trace("gpt_oss", sources, traced, tp=2, inference_ranks=[2, 3],
-                           dtypes={n: p.dtype for n, p in models[0].named_parameters()})
-    for i in range(LAYERS):
-        w2_bias = EXPERT.format(i, "w2_bias")
-        assert spec.dst[w2_bias].placements == (trs.Shard(0),) and spec.dst[w2_bias].shape == (8, 32)
-        assert spec.parts[w2_bias] == (trs.Part(f"model.layers.{i}.mlp.experts.down_proj_bias", ((0, 4), None)),
-                                       trs.Part(None, ((4, 8), None), (4, 0)))
-        assert bool((traced[1][w2_bias] == 0).all())
-        assert spec.dst[f"model.layers.{i}.attn.sinks"].placements == (trs.Shard(0),)
-    assert set(spec.dst) == {n for n, _ in models[0].named_parameters()} - set(TRANSPOSED)
-
-
-def test_hf_to_vllm_says_why_gpt_oss_has_no_recipe():
+        trs.recipes.hf_to_vllm(config, tp=2, trainer_ranks=TRAINERS, inference_ranks=[2, 3])
+    assert "intermediate_size" in str(e.value) and "63" in str(e.value)
     with pytest.raises(ValueError) as e:
-        trs.recipes.hf_to_vllm(tiny_config(), tp=2, trainer_ranks=TRAINERS, inference_ranks=[2, 3])
-    msg = str(e.value)
-    assert msg.startswith("hf_to_vllm: config.model_type='gpt_oss' has no recipe; known: ['deepseek_v2'"), msg
-    for part in ("gpt_oss has none, nor can tracing vLLM's loader make one, because vLLM's gpt-oss loader transposes "
-                 "the routed experts' weights", "w13_weight and w2_weight", "box.permute(0, 2, 1)",
-                 "zeroing of w2_bias on TP ranks > 0 is a zero box, no obstacle"):
-        assert part in msg, part
-    assert "trace_recipe" not in msg  # no hint to trace it: the trace refuses it
+        trs.recipes.hf_to_vllm(config, tp=2, trainer_ranks=TRAINERS, inference_ranks=[2, 3], expert_parallel=True)
+    assert "num_local_experts" in str(e.value) and "3" in str(e.value)
 
 
 def test_checkpoint_views_are_what_save_pretrained_writes(tmp_path):

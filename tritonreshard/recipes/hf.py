@@ -18,6 +18,7 @@ from .builder import RecipeBuilder, RecipeSpec, check_tp, raise_problems, rank_l
 from .deepseek import DEEPSEEK_MODEL_TYPES, build_deepseek
 from .dense import FAMILIES, build_dense
 from .families import FAMILY_MODEL_TYPES, build_family
+from .gpt_oss import GPT_OSS_MODEL_TYPES, build_gpt_oss
 from .hybrid import HYBRID_MODEL_TYPES, build_hybrid
 from .fp8 import check_quantization, quantize_destinations
 
@@ -31,16 +32,13 @@ Builder = Callable[..., None]
 #: ``config.model_type`` -> its builder. A new family of the dense kind is a row of
 #: :data:`~tritonreshard.recipes.dense.FAMILIES`; a new kind of architecture, a builder here.
 RECIPES: dict[str, Builder] = {**{t: build_dense for t in FAMILIES}, **{t: build_deepseek for t in DEEPSEEK_MODEL_TYPES},
-                               **{t: build_family for t in FAMILY_MODEL_TYPES}, **{t: build_hybrid for t in HYBRID_MODEL_TYPES}}
+                               **{t: build_family for t in FAMILY_MODEL_TYPES}, **{t: build_hybrid for t in HYBRID_MODEL_TYPES},
+                               **{t: build_gpt_oss for t in GPT_OSS_MODEL_TYPES}}
 
 #: ``config.model_type`` -> why it has no recipe, nor can tracing vLLM's loader make one: what
-#: tracing vLLM 0.32's own loader showed (tests/test_gpt_oss.py), said when one is asked for.
-NO_RECIPE_BECAUSE: dict[str, str] = {
-    "gpt_oss": "vLLM's gpt-oss loader transposes the routed experts' weights: each TP rank's w13_weight and "
-               "w2_weight hold its box of HF's gate_up_proj [E, H, 2I] and down_proj [E, I, H] as "
-               "box.permute(0, 2, 1), and the planner's boxes copy step-1 slices in the source's order of dims, "
-               "never transposed (the loader's zeroing of w2_bias on TP ranks > 0 is a zero box, no obstacle)",
-}
+#: tracing vLLM 0.32's own loader showed, said when one is asked for. Empty today: gpt-oss, once here (its
+#: loader transposes the routed experts), has a recipe now that parts may be transposed.
+NO_RECIPE_BECAUSE: dict[str, str] = {}
 
 
 def _unknown_model_type(model_type) -> str:
@@ -61,7 +59,7 @@ def hf_to_vllm(config: Any, tp: int, trainer_ranks, inference_ranks, dtype: torc
         config: a ``transformers`` config of a :data:`RECIPES` model type (``LlamaConfig``,
             ``MistralConfig``, ``Qwen2Config``, ``Qwen3Config``, ``Qwen3MoeConfig``,
             ``DeepseekV2Config``, ``DeepseekV3Config``, ``MixtralConfig``, ``Phi3Config``,
-            ``Glm4MoeConfig``, ``Gemma3TextConfig``, ``Qwen3NextConfig``) or any object with the same fields.
+            ``Glm4MoeConfig``, ``Gemma3TextConfig``, ``Qwen3NextConfig``, ``GptOssConfig``) or any object with the same fields.
         tp: vLLM's tensor-parallel size; ``len(inference_ranks)`` must be a multiple of it.
         trainer_ranks: global ranks of the trainers (FSDP rows, ``Shard(0)``), or their count.
         inference_ranks: global ranks of ``k * tp`` inference ranks (or their count): ``k`` replicas
