@@ -219,3 +219,18 @@ def test_parts_plans_across_two_hosts(recipe):
     hp = plan_hosts(plan, hosts)
     source_bytes = sum(lay.numel * lay.dtype.itemsize for lay in src.values())
     assert 0 < out[2]["cross_host_bytes"] + out[3]["cross_host_bytes"] == hp.cross_host_bytes <= source_bytes
+
+
+def test_transposed_parts_refit_bit_exact_through_the_engine():
+    """gpt-oss's routed experts are transposed parts (``Part(src_dims=(0, 2, 1))``): the engine's
+    single-host pull reads them through ``permute`` as ``execute_local`` does (which
+    tests/test_gpt_oss.py checks against vLLM's own loader), on every TP rank."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GptOssConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                                       num_experts_per_tok=2)
+    spec = trs.recipes.hf_to_vllm(config, tp=2, trainer_ranks=TRAINERS, inference_ranks=[2, 3], dtype=torch.float32)
+    assert any(op.src_dims is not None for op in spec.plan().ops)
+    out = run_ranks(_worker, 4, args=(4, free_port(), spec.src, spec.dst, spec.parts, "shadow", 2, True, spec),
+                    timeout=200)
+    assert out[2]["checked"] == out[3]["checked"] == 2
