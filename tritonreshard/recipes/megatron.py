@@ -332,6 +332,9 @@ def _split_part(name: str, p: Part, lay: Layout, pieces: dict[str, list[_Piece]]
     box = [(0, n) if iv is None else iv for iv, n in zip(p.dst, lay.shape)]
     if p.src is None:
         return [Part(None, box)]
+    # Megatron's families (dense FAMILIES) have no transposed parts; re-reading one piecewise would
+    # need its source box cut along the source's dims, which this does not do.
+    assert p.src_dims is None, f"{name}: {p} is transposed; megatron_to_vllm does not re-read transposed parts"
     start = p.src_start or (0,) * lay.ndim
     lo = tuple(start)
     hi = tuple(s + (b - a) for s, (a, b) in zip(start, box))
