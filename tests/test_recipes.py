@@ -296,7 +296,7 @@ def test_unknown_architecture_and_impossible_tp_report_everything():
     with pytest.raises(ValueError, match="intermediate_size=50 is not divisible by tp=4"):
         trs.recipes.hf_to_vllm(odd, tp=4, trainer_ranks=TRAINERS, inference_ranks=[2, 3, 4, 5])
     bert = transformers.BertConfig()
-    with pytest.raises(ValueError, match=r"model_type='bert' has no recipe; known: \['deepseek_v2', 'deepseek_v3', 'gemma3_text', 'glm4_moe', 'llama'"):
+    with pytest.raises(ValueError, match=r"model_type='bert' has no recipe; known: \['deepseek_v2', 'deepseek_v3', 'gemma3_text', 'glm4_moe', 'gpt_oss', 'llama'"):
         trs.recipes.hf_to_vllm(bert, tp=2, trainer_ranks=TRAINERS, inference_ranks=[2, 3])
     with pytest.raises(ValueError, match="inference_ranks has 3 ranks, not a multiple of tp=2"):
         trs.recipes.hf_to_vllm(config, tp=2, trainer_ranks=TRAINERS, inference_ranks=[2, 3, 4])
