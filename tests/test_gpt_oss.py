@@ -154,6 +154,20 @@ def test_execute_local_copies_a_transposed_op_exactly(backend):
     assert set(trs.plan_reshard(src, dst, parts, rank=2).ops) == set(plan.ops_for_dst(2))
 
 
+def test_a_transposed_box_spread_over_replicas_is_exact():
+    """Reads of a replicated source are split over its replicas along one destination dim: each
+    piece keeps its permutation and reads its own run of the source."""
+    src = {"g": trs.Layout((2, 64, 128), [0, 1, 4], [trs.Replicate()])}
+    dst = {"w": trs.Layout((2, 96, 64), [2, 3], [trs.Shard(2)])}
+    parts = {"w": [trs.Part("g", [None] * 3, src_start=(0, 0, 32), src_dims=(0, 2, 1))]}
+    plan = trs.plan_reshard(src, dst, parts)
+    assert len({op.src_rank for op in plan.ops}) > 1 and len(plan.ops) > 2   # spread, and split
+    full = torch.randn(2, 64, 128)
+    got = trs.execute_local(plan, {r: {"g": full} for r in (0, 1, 4)}, backend="torch")
+    for r in (2, 3):
+        assert torch.equal(got[r]["w"], dst["w"].shard(full[:, :, 32:].permute(0, 2, 1).contiguous(), r)), r
+
+
 def test_plans_across_hosts_and_fp8_plans_refuse_a_transposed_part():
     from tritonreshard.planning import BlockQuant, plan_hosts, plan_quantized, plan_rank
 
