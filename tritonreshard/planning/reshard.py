@@ -25,6 +25,11 @@ A part may name several *aliases*, source tensors holding the same data (Megatro
 on its first and last stages): the planner reads them as one source whose geometry
 (:class:`_Aliases`) is their ranks together, so a replica set spans the aliases and the usual
 spreading serves the part from all of them. Each op reads the alias its source rank holds.
+
+A part may be transposed (``Part(src_dims=...)``): destination dim k is intersected with source dim
+``src_dims[k]``, pieces stay in the destination's order of dims, and each op carries the
+permutation with its ``src_slices`` / ``global_index`` in the source's order (``src[src_slices]
+.permute(src_dims)`` is the op's box). Bytes are counted as for any op (same element count).
 """
 from __future__ import annotations
 
@@ -124,7 +129,8 @@ def plan_reshard(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, La
             the destination exactly. This builds fused tensors (q/k/v -> qkv, gate/up -> gate_up),
             replicated pieces (one source box feeding several boxes) and padded dims. A part may
             name aliases, ``Part((a, b), ...)``: copies of one tensor (equal shape and dtype, split
-            alike) whose ranks all serve the box as replicas; each op reads its rank's copy.
+            alike) whose ranks all serve the box as replicas; each op reads its rank's copy. A part
+            with ``src_dims`` reads its box transposed (ops carry ``src_dims``).
         rank: None (default) for the whole plan; a rank for that rank's plan only: the ops it
             executes as a destination (its reads) and serves as a source (what it must fence), and
             its destinations' fills, exactly as the whole plan has them. Its cost grows with that
