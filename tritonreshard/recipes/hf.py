@@ -35,19 +35,11 @@ RECIPES: dict[str, Builder] = {**{t: build_dense for t in FAMILIES}, **{t: build
                                **{t: build_family for t in FAMILY_MODEL_TYPES}, **{t: build_hybrid for t in HYBRID_MODEL_TYPES},
                                **{t: build_gpt_oss for t in GPT_OSS_MODEL_TYPES}}
 
-#: ``config.model_type`` -> why it has no recipe, nor can tracing vLLM's loader make one: what
-#: tracing vLLM 0.32's own loader showed, said when one is asked for. Empty today: gpt-oss, once here (its
-#: loader transposes the routed experts), has a recipe now that parts may be transposed.
-NO_RECIPE_BECAUSE: dict[str, str] = {}
-
 
 def _unknown_model_type(model_type) -> str:
-    known = f"config.model_type={model_type!r} has no recipe; known: {sorted(RECIPES)}"
-    why = NO_RECIPE_BECAUSE.get(model_type)
-    if why is not None:
-        return f"{known}. {model_type} has none, nor can tracing vLLM's loader make one, because {why}"
-    return (f"{known} (another model type vLLM serves: trace its recipe from vLLM's loader, "
-            f"tritonreshard.vllm.trace.trace_recipe, and pass init_info(trace=True) to the engine)")
+    return (f"config.model_type={model_type!r} has no recipe; known: {sorted(RECIPES)} (another model type vLLM "
+            f"serves: trace its recipe from vLLM's loader, tritonreshard.vllm.trace.trace_recipe, and pass "
+            f"init_info(trace=True) to the engine)")
 
 
 def hf_to_vllm(config: Any, tp: int, trainer_ranks, inference_ranks, dtype: torch.dtype = torch.bfloat16,
