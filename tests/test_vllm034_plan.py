@@ -25,24 +25,25 @@ FAMILIES = sorted(trs.recipes.RECIPES)
 
 
 def _family_configs():
-    """``({model_type: (arch, config)}, checkpoint_names, hf_params)``: test_recipes' tiny configs and
-    test_families' (Mixtral, Phi-3, GLM-4.5 MoE, Gemma 3, Qwen3-Next); the families' checkpoints are
-    named as transformers writes them (``recipes.trace.checkpoint_views``, checked against
-    ``save_pretrained`` in test_families)."""
+    """``({model_type: (arch, config)}, checkpoint_names, hf_params)``: test_recipes' tiny configs,
+    test_families' (Mixtral, Phi-3, GLM-4.5 MoE, Gemma 3, Qwen3-Next, Qwen3.5) and test_gpt_oss's;
+    the families' checkpoints are named as transformers writes them (``recipes.trace.checkpoint_views``,
+    checked against ``save_pretrained`` in test_families and test_gpt_oss)."""
     from test_families import _configs as family_configs
+    from test_gpt_oss import tiny_config as gpt_oss_config
     from test_recipes import _checkpoint_names, _configs, _hf_params
 
     from tritonreshard.recipes.trace import checkpoint_views
 
+    families = {**family_configs(), "gpt_oss": gpt_oss_config()}
     by_type = {}
-    for arch, config in [*_configs().items(), *family_configs().items()]:
+    for arch, config in [*_configs().items(), *families.items()]:
         by_type.setdefault(config.model_type, (arch, config))
-    families = {arch for arch in family_configs()}
 
     def checkpoint_names(arch, full):
         if arch not in families:
             return _checkpoint_names(arch, full)
-        model_type = family_configs()[arch].model_type
+        model_type = families[arch].model_type
         return {k: v.clone() for n, t in full.items() for k, v in checkpoint_views(n, t, model_type)}
 
     return by_type, checkpoint_names, _hf_params
