@@ -1,5 +1,5 @@
 """gpt-oss (``model_type="gpt_oss"``): vLLM 0.32's own ``GptOssForCausalLM.load_weights``, run in this
-process (tritonreshard.vllm.trace) at TP 1, 2 and expert parallel, transposes the routed experts'
+process (tritonreshard.vllm.trace) at TP 1, 2, 4 and expert parallel (2, 4), transposes the routed experts'
 weights (``w13_weight`` / ``w2_weight`` hold their HF boxes as ``box.permute(0, 2, 1)``): transposed
 parts (``Part(src_dims=(0, 2, 1))``) express that.
 
@@ -39,15 +39,16 @@ def tiny_config():
     CPUUnquantizedExperts (X86CPUUnquantizedExperts wants bfloat16 and AMX), and it wants the hidden
     size and each rank's intermediate size divisible by 32: at intermediate 16 (8 per rank at TP 2)
     no backend is picked ("No Unquantized MoE backend supports the deployment configuration"). Not
-    swigluoai nor the expert biases: it takes both. Hence intermediate 64 (32 per rank at TP 2).
+    swigluoai nor the expert biases: it takes both. Hence intermediate 128 (32 per rank at TP 4). Its
+    attention divides the KV heads over TP and never replicates them: 4 KV heads for TP 4.
 
     What load_weights fills does not depend on that choice: UnquantizedFusedMoEMethod.create_weights
     registers the same names (w13_weight, w13_bias, w2_weight, w2_bias) in the layer's dtype for every
     backend; their shapes change only through maybe_roundup_sizes (FlashInfer TRT-LLM rounds the
     intermediate size up to 128, ROCm AITER to 64 / 128, DeepEP all2all the hidden size), and neither
     the CPU kernel nor Triton (what CUDA picks for swigluoai) rounds anything."""
-    config = transformers.GptOssConfig(vocab_size=100, hidden_size=32, intermediate_size=64,
-                                       num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+    config = transformers.GptOssConfig(vocab_size=100, hidden_size=32, intermediate_size=128,
+                                       num_hidden_layers=LAYERS, num_attention_heads=8, num_key_value_heads=4,
                                        head_dim=8, num_local_experts=4, num_experts_per_tok=2)
     config.architectures = ["GptOssForCausalLM"]
     assert config.layer_types == ["sliding_attention", "full_attention"]
@@ -63,7 +64,7 @@ def vllm_trace():
     return trace
 
 
-CASES = [(1, False), (2, False), (2, True)]
+CASES = [(1, False), (2, False), (4, False), (2, True), (4, True)]
 
 
 def _refit(spec, full):
@@ -199,6 +200,19 @@ def test_the_recipe_says_every_size_vllm_cannot_split():
     with pytest.raises(ValueError) as e:
         trs.recipes.hf_to_vllm(config, tp=2, trainer_ranks=TRAINERS, inference_ranks=[2, 3], expert_parallel=True)
     assert "num_local_experts" in str(e.value) and "3" in str(e.value)
+
+
+def test_more_ranks_than_kv_heads_is_refused_as_vllm_cannot_build_it(vllm_trace):
+    """vLLM's gpt-oss attention gives each rank ``num_key_value_heads // tp`` KV heads: at TP 4 over
+    2 it builds an attention of none and fails. The recipe refuses that by name, before anything
+    moves, where the other families replicate KV heads."""
+    config = tiny_config()
+    config.num_key_value_heads = 2
+    with pytest.raises(ValueError, match=r"tp=4 > num_key_value_heads=2 \(vLLM's gpt-oss attention divides"):
+        trs.recipes.hf_to_vllm(config, tp=4, trainer_ranks=TRAINERS, inference_ranks=list(range(2, 6)))
+    with pytest.raises(ZeroDivisionError):  # vLLM itself, with the same config: "integer modulo by zero"
+        vllm_trace.rank_models(config, 4, dtype=torch.float32)
+
 
 
 def test_checkpoint_views_are_what_save_pretrained_writes(tmp_path):

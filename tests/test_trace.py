@@ -56,9 +56,7 @@ def _moe(config):
 # feeds checkpoint names: Mixtral's block_sparse_moe and per-expert w1/w3/w2, checked there against
 # save_pretrained).
 TRACED = sorted(RECIPES)
-# gpt-oss at TP 4: its experts' 16 intermediate rows per rank are fewer than the 32 vLLM's CPU MoE
-# kernel takes (test_gpt_oss.tiny_config), so no model builds here.
-CASES = [(t, tp, False) for t in TRACED for tp in (1, 2, 4) if (t, tp) != ("gpt_oss", 4)] + \
+CASES = [(t, tp, False) for t in TRACED for tp in (1, 2, 4)] + \
     [(t, 2, True) for t in TRACED if _moe(tiny_config(t))]
 # vLLM 0.32's qwen3_5 module imports torchvision, which has no CPU build here: these types are traced
 # in a process of their own with tests/_standin's (tests/_trace_probe.py), never in this one.

@@ -62,13 +62,13 @@ class TritonreshardInitInfo(ServingInit, WeightTransferInitInfo):
     ``parse_init_info`` does (a dataclass cannot be frozen over vLLM's unfrozen base)."""
 
 
-
 def _trace(config, **kwargs):
     """The recipe traced from this worker's vLLM loader (``init_info(trace=True)``): lazy, the tracer
     imports transformers and is needed only for a model type with no hand-written recipe."""
-    from .trace import trace_recipe
+    from .trace import trace_recipe  # lazy: transformers, needed only without a hand-written recipe
 
     return trace_recipe(config, **kwargs)
+
 
 @dataclass
 class TritonreshardUpdateInfo(WeightTransferUpdateInfo):
