@@ -40,6 +40,14 @@ def _fail_on_one(rank):
     return rank * 10
 
 
+def _fail_then_time_out(rank):
+    """Rank 1 fails at once (the cause); rank 0 fails later, as a peer timing out on it does."""
+    if rank == 1:
+        raise ValueError("the cause, at once")
+    time.sleep(1.5)
+    raise TimeoutError("timed out waiting for rank 1")
+
+
 def _spawned_children() -> list[int]:
     """Pids of this process's live spawn children (not its resource tracker)."""
     out = []
@@ -64,6 +72,13 @@ def test_free_port_is_bindable_and_listenable():
         s.bind(("127.0.0.1", port))
         s.listen()
         assert s.getsockname()[1] == port
+
+
+def test_free_port_never_hands_out_a_port_twice():
+    """A test takes its ports up front and binds them seconds later: once a probe socket closed the
+    kernel may pick its port again, which once gave a store and a TP group the same port."""
+    ports = [kit.free_port() for _ in range(300)]
+    assert len(set(ports)) == len(ports)
 
 
 # --- launcher ------------------------------------------------------------------------------------
@@ -93,6 +108,18 @@ def test_a_failing_child_s_traceback_is_reported():
     assert out[0] == ("ok", 0)
     status, (name, message, tb) = out[1]
     assert (status, name, message) == ("error", "ValueError", "boom from rank 1") and "_fail_on_one" in tb
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_first_error_is_reported_and_the_later_ones_named():
+    """The lowest rank's error is often a timeout on the real failure: the first to arrive leads."""
+    with pytest.raises(AssertionError) as err:
+        kit.run_ranks(_fail_then_time_out, 2, timeout=60)
+    msg = str(err.value)
+    assert msg.startswith("rank 1 raised ValueError: the cause, at once\nthen\n"
+                          "  rank 0 raised TimeoutError: timed out waiting for rank 1\n"), msg
+    assert "_fail_then_time_out" in msg
 
 
 @pytest.mark.slow

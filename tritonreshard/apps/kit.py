@@ -35,14 +35,23 @@ __all__ = ["free_port", "rank_entry", "start_rank", "collect_ok", "run_ranks", "
 
 
 # ------------------------------------------------------------------------------------------- port
+_HANDED_OUT: set[int] = set()  # every port free_port returned in this process
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that nobody listened on a moment ago (the kernel's pick for port 0).
-    Another process may take it before the caller binds it; for a store or a server started at once
-    that race is rare, and a store that can bind port 0 itself (``TCPStore(host, 0, ...)``) needs
-    no free port at all."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port on ``host`` that nobody listened on a moment ago (the kernel's pick for port 0),
+    and never one this process was handed before: a test that takes several ports and binds them
+    later (a store per round, a TP group's port) gets distinct ones, where the kernel, once each
+    probe socket closed, may pick the same port twice. Another process may still take it before
+    the caller binds it; a store that can bind port 0 itself (``TCPStore(host, 0, ...)``) needs no
+    free port at all."""
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 # --------------------------------------------------------------------------------------- launcher
@@ -66,9 +75,12 @@ def start_rank(ctx, fn, rank: int, args, results):
     return p
 
 
-def _failed(rank, value) -> AssertionError:
+def _failed(rank, value, others: dict | None = None) -> AssertionError:
+    """The AssertionError for ``rank``'s exception (its traceback), naming the ``others`` that
+    raised too (``{rank: (type, message, traceback)}``) by their message's first line."""
     name, msg, tb = value
-    return AssertionError(f"rank {rank} raised {name}: {msg}\n{tb}")
+    also = "".join(f"\n  rank {r} raised {n}: {(m.splitlines() or [''])[0]}" for r, (n, m, _) in (others or {}).items())
+    return AssertionError(f"rank {rank} raised {name}: {msg}" + (f"\nthen{also}" if also else "") + f"\n{tb}")
 
 
 def collect_ok(results, ranks, timeout: float) -> dict:
@@ -97,7 +109,8 @@ def run_ranks(fn, nprocs: int, args=(), timeout: float = 120.0, allow_errors: bo
 
     Hard timeout: ranks that did not report within ``timeout`` seconds are SIGKILLed and the call
     raises a TimeoutError naming them; a rank that died without a report raises a RuntimeError with
-    its exit code. A rank's exception fails the call with its traceback, or with ``allow_errors`` is
+    its exit code. A rank's exception fails the call with its traceback (the first to arrive, which
+    is most often the cause; the later ones are named after it), or with ``allow_errors`` is
     returned as ``("error", (type, message, traceback))`` (the others then as ``("ok", value)``).
     Ranks in ``victims`` must die of SIGKILL (fault injection): they report nothing, their exit code
     is checked, and only the survivors are returned. No process outlives the call.
@@ -142,9 +155,12 @@ def run_ranks(fn, nprocs: int, args=(), timeout: float = 120.0, allow_errors: bo
         results.close()
     out = {r: v for r, v in out.items() if r in survivors}
     if not allow_errors:
+        # The first error to arrive is most often the cause (a rank that failed at once), the
+        # later ones its peers timing out on it: report that one, and name the rest.
         errors = {r: v for r, (s, v) in out.items() if s == "error"}
         if errors:
-            raise _failed(*sorted(errors.items())[0])
+            first, *later = errors
+            raise _failed(first, errors[first], {r: errors[r] for r in later})
         return {r: v for r, (s, v) in out.items()}
     return out
 
