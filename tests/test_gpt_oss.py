@@ -214,7 +214,6 @@ def test_more_ranks_than_kv_heads_is_refused_as_vllm_cannot_build_it(vllm_trace)
         vllm_trace.rank_models(config, 4, dtype=torch.float32)
 
 
-
 def test_checkpoint_views_are_what_save_pretrained_writes(tmp_path):
     """What the tracer (and verify=) feeds vLLM for gpt-oss is, name for name and bit for bit, the
     checkpoint transformers writes: the fused experts whole, [E, H, 2I] and [E, I, H]."""

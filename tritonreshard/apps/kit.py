@@ -79,8 +79,11 @@ def _failed(rank, value, others: dict | None = None) -> AssertionError:
     """The AssertionError for ``rank``'s exception (its traceback), naming the ``others`` that
     raised too (``{rank: (type, message, traceback)}``) by their message's first line."""
     name, msg, tb = value
-    also = "".join(f"\n  rank {r} raised {n}: {(m.splitlines() or [''])[0]}" for r, (n, m, _) in (others or {}).items())
-    return AssertionError(f"rank {rank} raised {name}: {msg}" + (f"\nthen{also}" if also else "") + f"\n{tb}")
+    lines = [f"rank {rank} raised {name}: {msg}"]
+    if others:
+        lines.append("then")
+        lines += [f"  rank {r} raised {n}: {m.splitlines()[0] if m else ''}" for r, (n, m, _) in others.items()]
+    return AssertionError("\n".join([*lines, tb]))
 
 
 def collect_ok(results, ranks, timeout: float) -> dict:

@@ -71,11 +71,16 @@ def check_divisible(problems: list[str], what: str, size: int, by: int, by_what:
         problems.append(f"{what}={size} is not divisible by {by_what}={by}")
 
 
-def check_attention(problems: list[str], tp: int, nq: int, nkv: int) -> None:
+def check_attention(problems: list[str], tp: int, nq: int, nkv: int, *, family: str | None = None) -> None:
     """vLLM's ``QKVParallelLinear`` rules: heads split evenly; KV heads split evenly, or (``tp >=
-    nkv``) each replicated over ``tp // nkv`` ranks."""
+    nkv``) each replicated over ``tp // nkv`` ranks. ``family``: an attention that divides its KV
+    heads over ``tp`` and never replicates them (gpt-oss sizes them ``nkv // tp``: past one a rank
+    it gets none and vLLM fails to build it), named in the problem."""
     check_divisible(problems, "num_attention_heads", nq, tp)
-    if tp >= nkv and tp % nkv:
+    if family is not None and tp > nkv:
+        problems.append(f"tp={tp} > num_key_value_heads={nkv} (vLLM's {family} attention divides its KV "
+                        f"heads over tp, never replicates them)")
+    elif tp >= nkv and tp % nkv:
         problems.append(f"tp={tp} >= num_key_value_heads={nkv} but is not a multiple of it (vLLM replicates "
                         f"each KV head over tp // num_key_value_heads ranks)")
     if tp < nkv:

@@ -6,8 +6,9 @@ Pure Python planning (no transformers or vLLM import), reached through
 element by element against that loader by ``tests/test_gpt_oss.py``):
 
 * attention (``attn``): ``qkv_proj`` weight and bias ``[q heads of r | k | v]`` as in Llama
-  (:func:`~.families.qkv`; ``tp`` at most ``num_key_value_heads``, which vLLM never replicates here), ``o_proj`` split on dim 1 with its bias whole on every rank, ``sinks``
-  (one per query head) split by heads;
+  (:func:`~.families.qkv`; ``tp`` at most ``num_key_value_heads``, which vLLM never replicates
+  here), ``o_proj`` split on dim 1 with its bias whole on every rank, ``sinks`` (one per query
+  head) split by heads;
 * ``mlp.router`` weight and bias whole on every rank;
 * routed experts, fused in the checkpoint as transformers holds them: ``gate_up_proj`` ``[E, H, 2I]``
   (gate and up interleaved, kept interleaved), ``down_proj`` ``[E, I, H]``. vLLM's loader holds
@@ -51,12 +52,7 @@ def _check(config: Any, tp: int, s: dict, expert_parallel: bool, quantization: s
     if quantization is not None:  # the experts are transposed parts, which FP8 block plans refuse
         problems.append(f"quantization={quantization!r} is not laid out for gpt_oss (its routed experts are "
                         f"transposed parts, which block quantization does not read)")
-    check_attention(problems, tp, s["nq"], s["nkv"])
-    if tp > s["nkv"]:
-        # GptOssAttention sizes its KV heads num_key_value_heads // tp: past one a rank, its attention
-        # gets none (vLLM fails to build it), where QKVParallelLinear would replicate them.
-        problems.append(f"tp={tp} > num_key_value_heads={s['nkv']} (vLLM's gpt-oss attention divides its KV "
-                        f"heads over tp, never replicates them)")
+    check_attention(problems, tp, s["nq"], s["nkv"], family="gpt-oss")  # GptOssAttention: nkv // tp a rank
     check_vocab(s["V"], tp, problems)
     if expert_parallel:
         # vLLM's loader narrows experts [ep_rank * (E // tp), (ep_rank + 1) * (E // tp)): unless tp
