@@ -14,7 +14,7 @@ from test_recipes import _configs
 pytest.importorskip("vllm")
 # Lazy (after the skip): these modules import vLLM.
 from tritonreshard.vllm._model import check_model  # noqa: E402
-from tritonreshard.vllm._verify import verify_model, verify_units  # noqa: E402
+from tritonreshard.vllm._verify import verify_model  # noqa: E402
 from tritonreshard.vllm.trace import rank_models  # noqa: E402
 
 ARCH = {"llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}

@@ -15,7 +15,7 @@ processes only.
 """
 from __future__ import annotations
 
-import math
+import contextlib
 import re
 import time
 from types import MethodType
@@ -25,11 +25,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from vllm.model_executor.model_loader.reload import layerwise as _layerwise
 from vllm.model_executor.model_loader.reload.sanitize import layer_ref_sentinel
 
-from ..execute import execute_local
-from ..recipes import RecipeSpec
-from ..recipes.trace import POISON, checkpoint_views, decode, encode, part_sources
+from ..recipes.boxes import first_difference, recipe_pieces, where
+from ..recipes.metatrace import LoadTracer
+from ..recipes.trace import POISON, checkpoint_views
+from ._cost import Cost
 
-__all__ = ["scratch_load", "verify_model", "verify_units", "realize"]
+__all__ = ["scratch_load", "trace_load", "verify_model"]
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
@@ -52,13 +53,15 @@ class _NoLiveWrites(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _scratch(mod: torch.nn.Module, pname: str, live: torch.Tensor) -> torch.Tensor:
-    """A float64 CPU copy of parameter ``pname`` in its load format (vLLM's restore metadata where
-    vLLM post-processed it, else the live parameter's shape), its class and attributes (weight
-    loaders bound to ``mod``), every element :data:`POISON`."""
-    meta = _layerwise.get_layerwise_info(mod).restore_metadata[0].get(pname)
-    like = live if meta is None else meta
-    t = torch.full(tuple(like.shape), POISON, dtype=torch.float64)
+def _scratch(mod: torch.nn.Module, pname: str, live: torch.Tensor, meta: bool = False) -> torch.Tensor:
+    """A copy of parameter ``pname`` in its load format (vLLM's restore metadata where vLLM
+    post-processed it, else the live parameter's shape), its class and attributes (weight loaders
+    bound to ``mod``): float64 on the CPU, every element :data:`POISON`, or (``meta``) on the meta
+    device in the parameter's dtype, no element allocated."""
+    restore = _layerwise.get_layerwise_info(mod).restore_metadata[0].get(pname)
+    like = live if restore is None else restore
+    t = torch.empty(tuple(like.shape), dtype=like.dtype, device="meta") if meta else \
+        torch.full(tuple(like.shape), POISON, dtype=torch.float64)
     attrs = dict(like.__dict__)
     # After a layerwise reload (every refit on CPU) the loaders are vLLM's buffering wrappers, which
     # load nothing outside a reload: the loader they wrap is the one to run.
@@ -72,11 +75,11 @@ def _scratch(mod: torch.nn.Module, pname: str, live: torch.Tensor) -> torch.Tens
     return t
 
 
-@torch.no_grad()
-def scratch_load(model: torch.nn.Module, feed, names) -> dict[str, torch.Tensor]:
-    """vLLM's own ``model.load_weights(feed)`` into scratch copies of the parameters ``names``
-    (and every alias of them), never into the model's tensors: ``{name: float64 tensor}``, poisoned
-    where the loader wrote nothing. The model's parameters are put back whatever happens."""
+@contextlib.contextmanager
+def _scratch_params(model: torch.nn.Module, names, meta: bool):
+    """The parameters ``names`` of ``model`` (and every alias of them) swapped for scratch copies
+    (:func:`_scratch`) while the block runs: yields ``({name: scratch}, data pointers of every
+    served tensor)``. The model's parameters are put back whatever happens."""
     everything = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules(remove_duplicate=False))
     chosen = {id(everything[n]): n for n in names}
@@ -88,124 +91,92 @@ def scratch_load(model: torch.nn.Module, feed, names) -> dict[str, torch.Tensor]
         mod = modules[mname]
         key = chosen[id(live)]
         if key not in scratch:
-            scratch[key] = _scratch(mod, pname, live)
+            scratch[key] = _scratch(mod, pname, live, meta)
         swapped.append((mod, pname, live))
         mod._parameters[pname] = scratch[key]
     ptrs = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())
-            if not t.is_meta and t.numel()} - {t.untyped_storage().data_ptr() for t in scratch.values()}
+            if not t.is_meta and t.numel()} - {t.untyped_storage().data_ptr() for t in scratch.values() if not meta}
     try:
-        with _NoLiveWrites(ptrs):
-            model.load_weights(feed)
+        yield scratch, ptrs
     finally:
         for mod, pname, live in swapped:
             mod._parameters[pname] = live
+
+
+@torch.no_grad()
+def scratch_load(model: torch.nn.Module, feed, names) -> dict[str, torch.Tensor]:
+    """vLLM's own ``model.load_weights(feed)`` into float64 scratch copies of the parameters
+    ``names``, never into the model's tensors: ``{name: float64 tensor}``, poisoned where the
+    loader wrote nothing (what vLLM makes of real tensors: tests compare refits with it)."""
+    with _scratch_params(model, names, meta=False) as (scratch, ptrs), _NoLiveWrites(ptrs):
+        model.load_weights(feed)
     return {n: t.data for n, t in scratch.items()}
 
 
-def realize(spec, codes, rank: int | None = None, names=None) -> dict[int, dict[str, torch.Tensor]]:
-    """What ``spec``'s own plan writes (``execute_local``, the refit's ops) over the float64
-    ``codes`` (``{source name: full tensor}``): ``{destination rank: {name: local tensor}}``, for
-    ``rank`` alone when given, for the destinations ``names`` (default: all but the quantized ones:
-    quantizing is no copy)."""
-    names = [n for n in (spec.dst if names is None else names) if n not in (spec.quant or {})]
-    f64 = torch.float64
-    srcs = part_sources(spec, names)
-    sub = RecipeSpec(spec.model_type, spec.tp, spec.expert_parallel, {n: spec.src[n].with_dtype(f64) for n in srcs},
-                     {n: spec.dst[n].with_dtype(f64) for n in names}, {n: spec.parts[n] for n in names if n in spec.parts})
-    shards = {r: {n: lay.shard(codes[n], r) for n, lay in sub.src.items() if r in lay.ranks}
-              for r in {r for lay in sub.src.values() for r in lay.ranks}}
-    every = sorted({r for lay in sub.dst.values() for r in lay.ranks})
-
-    def buf(r, lay):  # execute_local takes every rank's outputs; the rank's plan writes its own only
-        return torch.full(lay.local_shape(r), POISON, dtype=f64) if rank in (None, r) else \
-            torch.empty(lay.local_shape(r), dtype=f64)
-
-    out = {r: {n: buf(r, lay) for n, lay in sub.dst.items()} for r in every}
-    got = execute_local(sub.plan(rank), shards, out=out, backend="torch")
-    return got if rank is None else {rank: got[rank]}
+@torch.no_grad()
+def trace_load(model: torch.nn.Module, sources: dict[str, torch.Tensor], names, model_type: str | None = None) -> dict:
+    """vLLM's own ``model.load_weights`` of the meta tensors ``sources`` (``{HF name: meta
+    tensor}``, source id = its place in the dict; fed as the checkpoint names them,
+    :func:`~tritonreshard.recipes.trace.checkpoint_views`) into meta scratch copies of the
+    parameters ``names``: ``{name: Written}`` (:class:`~tritonreshard.recipes.boxes.Written`: the
+    boxes each holds, or why that is undecided). No element is allocated or read; a write into a
+    served tensor raises."""
+    feed = [pair for n, t in sources.items() for pair in checkpoint_views(n, t, model_type)]
+    with _scratch_params(model, names, meta=True) as (scratch, ptrs):
+        tracer = LoadTracer(dict(enumerate(sources.values())), scratch, ptrs)
+        with tracer:
+            model.load_weights(iter(feed))
+    return tracer.written
 
 
-def verify_units(spec, sample: bool | str = True) -> list[list[str]]:
-    """The destinations to check, one unit (list of names) at a time: every decoder layer
-    (``sample="all"``) or a sample (``True``): the first layer of each distinct structure (its
-    parameter names and shapes: dense and MoE layers both), the last layer, and every parameter
-    outside the layers (embeddings, final norm, LM head), each its own unit. Quantized
-    destinations (not copies) are left out."""
-    layers: dict[int, list[str]] = {}
-    top = []
-    for name in spec.dst:
-        if name in (spec.quant or {}):
-            continue
-        m = _LAYER.search(name)
-        (layers.setdefault(int(m.group(1)), []) if m else top).append(name)
-    if sample == "all":
-        keep = sorted(layers)
-    else:
-        seen, keep = set(), []
-        for i in sorted(layers):
-            sig = tuple(sorted((_LAYER.sub(".layers.#.", n), spec.dst[n].shape) for n in layers[i]))
-            if sig not in seen:
-                seen.add(sig)
-                keep.append(i)
-        if layers and max(layers) not in keep:
-            keep.append(max(layers))
-    return [layers[i] for i in keep] + [[n] for n in top]
-
-
-def _where(t_ids, t_flat, index, names, shapes) -> str:
-    s, f = int(t_ids[index]), int(t_flat[index])
-    if s < 0:
-        return {-1: "zero", -2: "nothing (no source reached it)", -3: "a value that is no source element"}[s]
-    coords, rem = [], f
-    for size in reversed(shapes[s]):
-        coords.append(rem % size)
-        rem //= size
-    return f"{names[s]}[{', '.join(map(str, reversed(coords)))}]"
-
-
-def _first_difference(name: str, got: torch.Tensor, want: torch.Tensor, names, shapes) -> str | None:
-    if tuple(got.shape) != tuple(want.shape):
-        return f"{name}: vLLM's load format is {tuple(got.shape)}, the recipe's {tuple(want.shape)}"
-    diff = (got != want).nonzero()
-    if not len(diff):
-        return None
-    index = tuple(diff[0].tolist())
-    numels = [math.prod(s) for s in shapes]
-    gi, gf = decode(got, numels)
-    wi, wf = decode(want, numels)
-    return (f"{name} at {list(index)} ({len(diff)} of {got.numel()} elements differ): vLLM's own load_weights "
-            f"puts {_where(gi, gf, index, names, shapes)} there, the recipe {_where(wi, wf, index, names, shapes)}")
-
-
-def verify_model(model: torch.nn.Module, spec, *, rank: int, tp_rank: int, sample: bool | str = True,
-                 recipe: str | None = None) -> dict:
-    """Check ``spec`` on global rank ``rank`` (TP rank ``tp_rank``) against vLLM's ``load_weights``
-    of the same full tensors (codes), unit by unit (:func:`verify_units`). Raises ``ValueError``
-    naming the first parameter that differs and the recipe (``recipe``: how to name it). Returns
-    ``{"verify_ms", "verify_params", "verify_layers", "verify_peak_bytes"}`` (peak: the largest
-    unit's codes, every rank's recipe result and this rank's scratch, all float64)."""
-    t0 = time.perf_counter()
-    names = list(spec.src)
-    index = {n: i for i, n in enumerate(names)}
-    shapes = [tuple(lay.shape) for lay in spec.src.values()]
+def verify_model(model: torch.nn.Module, spec, *, rank: int, tp_rank: int, recipe: str | None = None) -> dict:
+    """Check ``spec`` on global rank ``rank`` (TP rank ``tp_rank``) against vLLM's own
+    ``load_weights``, every parameter of every layer: the loader runs on meta tensors
+    (:func:`trace_load`) and the boxes it writes must equal, element for element, the boxes the
+    recipe's own plan writes on this rank (:func:`~tritonreshard.recipes.boxes.recipe_pieces`).
+    Quantized destinations (no copy) are left out. Raises ``ValueError`` naming the first
+    parameter that differs, where, what each side puts there, and the recipe (``recipe``: how to
+    name it); a parameter the trace cannot decide is refused the same way, with the reason.
+    Returns the measured cost: ``{verify_ms, verify_cpu_ms, verify_peak_bytes, verify_held_bytes,
+    verify_params, verify_elements, verify_layers, verify_pieces}`` (docs/vllm.md)."""
     recipe = recipe or f"trs.recipes.hf_to_vllm({spec.model_type!r})"
-    checked, peak, layers = 0, 0, []
-    for unit in verify_units(spec, sample):
-        codes = {n: encode(index[n], spec.src[n].shape) for n in part_sources(spec, unit)}
-        want = realize(spec, codes, rank=rank, names=unit)[rank]
-        feed = [pair for n, t in codes.items() for pair in checkpoint_views(n, t, spec.model_type)]
-        got = scratch_load(model, feed, unit)
-        # float64: the codes, every rank's recipe outputs (execute_local's), vLLM's scratch
-        peak = max(peak, 8 * (sum(t.numel() for t in codes.values())
-                              + sum(spec.dst[n].numel for n in unit) + sum(t.numel() for t in got.values())))
-        for name in unit:
-            problem = _first_difference(name, got[name], want[name], names, shapes)
-            if problem is not None:
+    names = [n for n in spec.dst if n not in (spec.quant or {})]
+    srcs = list(spec.src)
+    shapes = [tuple(lay.shape) for lay in spec.src.values()]
+    with Cost() as cost:
+        sources = {n: torch.empty(lay.shape, dtype=lay.dtype, device="meta") for n, lay in spec.src.items()}
+        traced = trace_load(model, sources, names, spec.model_type)
+        want = recipe_pieces(spec, rank, names)
+        elements, pieces = 0, 0
+        for name in names:
+            written = traced[name]
+            if written.undecided:
+                raise ValueError(f"tritonreshard (TP rank {tp_rank}): verify failed, nothing was loaded: {name}: "
+                                 f"what vLLM's own load_weights does to it cannot be checked as boxes "
+                                 f"({written.undecided}), so the recipe {recipe} is refused, not trusted")
+            local = tuple(spec.dst[name].local_shape(rank))
+            if written.shape != local:
+                raise ValueError(f"tritonreshard (TP rank {tp_rank}): verify failed, nothing was loaded: {name}: "
+                                 f"vLLM's load format is {written.shape}, the recipe {recipe}'s {local}")
+            got = written.pieces()
+            pieces += len(got)
+            diff = first_difference(got, want[name])
+            if diff is not None:
+                x, count, g, w = diff
                 raise ValueError(f"tritonreshard (TP rank {tp_rank}): verify failed, nothing was loaded: the recipe "
-                                 f"{recipe} differs from vLLM's own load_weights of the same tensors: {problem}")
-        checked += len(unit)
-        m = _LAYER.search(unit[0])
-        if m:
-            layers.append(int(m.group(1)))
-    return {"verify_ms": (time.perf_counter() - t0) * 1e3, "verify_params": checked, "verify_layers": layers,
-            "verify_peak_bytes": peak}
+                                 f"{recipe} differs from vLLM's own load_weights of the same tensors: {name} at "
+                                 f"{list(x)} ({count} of {_numel(written.shape)} elements differ): vLLM's own "
+                                 f"load_weights puts {where(g, x, srcs, shapes)} there, the recipe "
+                                 f"{where(w, x, srcs, shapes)}")
+            elements += _numel(written.shape)
+        del sources, traced, want
+    layers = sorted({int(m.group(1)) for m in map(_LAYER.search, names) if m})
+    return {**cost.stats("verify"), "verify_params": len(names), "verify_elements": elements,
+            "verify_layers": len(layers), "verify_pieces": pieces}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

@@ -21,6 +21,7 @@ import tempfile
 import time
 
 import torch
+from torch.overrides import TorchFunctionMode
 from vllm.config import ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
 from vllm.distributed import init_distributed_environment, initialize_model_parallel
 from vllm.distributed import parallel_state
@@ -29,9 +30,10 @@ from vllm.model_executor.models.registry import ModelRegistry
 from ..layout import Layout, Replicate, Shard
 from ..recipes import RECIPES
 from ..recipes.builder import check_tp, raise_problems, rank_list
+from ..recipes.boxes import first_difference, recipe_pieces, where
 from ..recipes.trace import checkpoint_views, encode, spec_from_trace
 from ..serving import SRC_DTYPES
-from ._verify import realize, scratch_load
+from ._verify import scratch_load
 
 __all__ = ["trace_recipe", "vllm_load", "hf_sources", "rank_models", "recipe_differences"]
 
@@ -119,23 +121,36 @@ def _config_problems(config, tp) -> list[str]:
     return problems
 
 
+class _IndexTensorsOnCpu(TorchFunctionMode):
+    """While a model is built on the meta device: integer tensors (vLLM's expert map under EP, index
+    tables) are made on the CPU, so that a loader can read them; weights stay on the meta device."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        dtype = kwargs.get("dtype")
+        if dtype is not None and not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool:
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
 def rank_models(config, tp: int, *, dtype: torch.dtype = SRC_DTYPES["bfloat16"], expert_parallel: bool = False,
-                device: str | None = None) -> list:
-    """vLLM's model of ``config`` for each TP rank ``0 .. tp-1``, built in this process on ``device``:
-    by default the meta device (on the CPU with ``expert_parallel``: vLLM computes its expert map
-    when it builds)."""
+                device: str | None = None, ranks=None) -> list:
+    """vLLM's model of ``config`` for each TP rank ``0 .. tp-1`` (or those of ``ranks``), built in
+    this process on ``device``: by default the meta device, no weight allocated, integer tables
+    (vLLM's expert map under EP) on the CPU."""
     raise_problems("tritonreshard trace", _config_problems(config, tp))
     with tempfile.TemporaryDirectory() as model_dir:
         config.save_pretrained(model_dir)
         _world()
         models = []
-        for r in range(tp):
+        for r in range(tp) if ranks is None else ranks:
             # A VllmConfig per rank: vLLM registers every attention layer by name in it, once.
             mc = _model_config(model_dir, dtype)
             vc = VllmConfig(model_config=mc, parallel_config=ParallelConfig(
                 tensor_parallel_size=tp, enable_expert_parallel=expert_parallel))
-            # Meta: no weights allocated; vLLM's expert map (EP) is computed at build time, on the CPU.
-            with _as_tp_rank(tp, r), set_current_vllm_config(vc), torch.device(device or ("cpu" if expert_parallel else "meta")):
+            on_meta = device in (None, "meta")
+            with _as_tp_rank(tp, r), set_current_vllm_config(vc), torch.device(device or "meta"), \
+                    (_IndexTensorsOnCpu() if on_meta else contextlib.nullcontext()):
                 cls, _ = ModelRegistry.resolve_model_cls(list(config.architectures), mc)
                 models.append(cls(vllm_config=vc, prefix=""))
     return models
@@ -219,7 +234,8 @@ def trace_recipe(config, *, tp: int, trainer_ranks, inference_ranks, dtype: torc
 def recipe_differences(a, b, *, limit: int = 20) -> list[str]:
     """How recipes ``a`` and ``b`` differ in effect (empty: none): the source layouts, the
     destinations' names, dtypes and local shapes on every rank, then every element of every
-    destination on every rank, each recipe's own plan run over the same codes."""
+    destination on every rank, as the boxes each recipe's own plan writes there (compared element
+    for element, :func:`~tritonreshard.recipes.boxes.first_difference`)."""
     out: list[str] = []
     if a.src != b.src:
         diff = sorted(set(a.src) ^ set(b.src)) or sorted(n for n in a.src if a.src[n] != b.src[n])
@@ -234,7 +250,14 @@ def recipe_differences(a, b, *, limit: int = 20) -> list[str]:
                                                        for r in ranks)]
     if out:
         return out[:limit]
-    codes = {n: encode(i, lay.shape) for i, (n, lay) in enumerate(a.src.items())}
-    ga, gb = realize(a, codes), realize(b, codes)
-    return [f"rank {r}: {n} holds other elements" for r in ranks for n in a.dst
-            if not torch.equal(ga[r][n], gb[r][n])][:limit]
+    order = list(a.src)
+    shapes = [tuple(a.src[n].shape) for n in order]
+    out = []
+    for r in ranks:
+        pa, pb = recipe_pieces(a, r, order=order), recipe_pieces(b, r, order=order)
+        for n in a.dst:
+            if n in pa and n in pb and (diff := first_difference(pa[n], pb[n])) is not None:
+                x, count, ga, gb = diff
+                out.append(f"rank {r}: {n} holds other elements ({count} differ; at {list(x)}: "
+                           f"{where(ga, x, order, shapes)} vs {where(gb, x, order, shapes)})")
+    return out[:limit]
