@@ -20,8 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-
-from ..layout import Layout, Replicate
+from itertools import product
 
 __all__ = ["Piece", "FILL", "UNTOUCHED", "NOT_A_COPY", "contiguous_strides", "place", "copy_pieces", "Written",
            "recipe_pieces", "first_difference", "merge_pieces", "shifted", "where"]
@@ -292,32 +291,41 @@ def where(piece: Piece | None, x: Sequence[int], names: Sequence[str], shapes: S
 
 def recipe_pieces(spec, rank: int, names: Iterable[str] | None = None, *,
                   order: Sequence[str] | None = None) -> dict[str, list[Piece]]:
-    """What ``spec``'s own plan writes on destination ``rank``: ``{name: [Piece]}`` (source ids:
-    the order of ``spec.src``), for ``names`` (default: every destination that is a copy, not
-    quantized). The sources are taken whole (one rank each), so the ops are the recipe's boxes as
-    the planner cuts them for this rank; how FSDP rows split them is the planner's own, tested apart.
+    """What ``spec``'s own plan (``spec.plan(rank)``, the plan the refit runs) writes on destination
+    ``rank``: ``{name: [Piece]}`` for ``names`` (default: every destination that is a copy, not
+    quantized), each op's source box in the source's global coordinates (``op.global_index``).
     ``order``: the source names whose places are the ids (default: ``spec.src``'s order)."""
-    from .builder import RecipeSpec  # the builder imports this module's siblings; planning happens here only
-
     names = [n for n in (spec.dst if names is None else names) if n not in (spec.quant or {})]
     index = {n: i for i, n in enumerate(spec.src if order is None else order)}
-    whole = 1 + max(r for lay in [*spec.src.values(), *spec.dst.values()] for r in lay.ranks)
-    src = {n: Layout(lay.shape, [whole], [Replicate()], lay.dtype) for n, lay in spec.src.items()}
-    sub = RecipeSpec(spec.model_type, spec.tp, spec.expert_parallel, src, {n: spec.dst[n] for n in names},
-                     {n: spec.parts[n] for n in names if n in spec.parts})
-    plan = sub.plan(rank)
+    plan = spec.plan(rank)
     out: dict[str, list[Piece]] = {n: [] for n in names}
     for op in plan.ops:
-        if op.dst_rank != rank:
+        if op.dst_rank != rank or op.name not in out:
             continue
         cst = contiguous_strides(spec.src[op.src_name].shape)
-        order = op.src_dims or tuple(range(len(cst)))
-        base = sum(s.start * c for s, c in zip(op.src_slices, cst))
-        box = tuple((s.start, s.stop) for s in op.dst_slices)
-        out[op.name].append(Piece.make(box, index[op.src_name], base, [cst[order[k]] for k in range(len(box))]))
+        dims = op.src_dims or tuple(range(len(cst)))
+        at = {j: k for k, j in enumerate(dims)}  # source dim j runs along destination dim at[j]
+        # A packed-block op covers several global intervals of a dim, one after another locally.
+        for combo in product(*[_with_offsets(iv) for iv in op.global_index]):
+            box = [(s.start, s.stop) for s in op.dst_slices]
+            for j, (a, b, local) in enumerate(combo):
+                k = at[j]
+                start = op.dst_slices[k].start + local
+                box[k] = (start, start + b - a)
+            base = sum(a * c for (a, _, _), c in zip(combo, cst))
+            out[op.name].append(Piece.make(tuple(box), index[op.src_name], base, [cst[dims[k]] for k in range(len(box))]))
     for fill in plan.fills:
-        if fill.dst_rank == rank:
+        if fill.dst_rank == rank and fill.name in out:
             out[fill.name].append(Piece.make(tuple((s.start, s.stop) for s in fill.dst_slices), FILL))
+    return out
+
+
+def _with_offsets(intervals) -> list[tuple[int, int, int]]:
+    """``(start, stop, offset in the op)`` of each of a dim's global intervals."""
+    out, local = [], 0
+    for a, b in intervals:
+        out.append((a, b, local))
+        local += b - a
     return out
 
 
