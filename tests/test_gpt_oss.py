@@ -108,7 +108,7 @@ def test_the_trace_is_the_recipe_with_the_expert_weights_transposed(vllm_trace, 
             w2_bias = EXPERT.format(i, "w2_bias")
             assert traced.dst[w2_bias].placements == (trs.Shard(0),) and traced.dst[w2_bias].shape == (8, 32)
             assert traced.parts[w2_bias] == (trs.Part(f"model.layers.{i}.mlp.experts.down_proj_bias", ((0, 4), None)),
-                                             trs.Part(None, ((4, 8), None), (4, 0)))
+                                             trs.Part(None, ((4, 8), None)))
 
 
 def test_a_transposed_part_prints_and_is_checked():

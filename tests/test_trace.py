@@ -1,5 +1,6 @@
-"""Recipes traced from vLLM 0.32's own loader (tritonreshard.vllm.trace), in this process: integer
-codes through each TP rank's ``load_weights``, compressed into the planner's boxes.
+"""Recipes traced from vLLM 0.32's own loader (tritonreshard.vllm.trace), in this process: meta
+tensors through each TP rank's ``load_weights``, every copy recorded as a box, compressed into the
+planner's boxes.
 
 * for every registered family (``TRACED``; tests/test_families.py's among them), the traced recipe has
   the same effect as the hand-written one: the same sources, the same destinations (names, dtypes,
@@ -16,6 +17,7 @@ import tritonreshard as trs
 from test_families import _configs as _family_configs
 from test_recipes import _configs
 from tritonreshard.recipes import RECIPES
+from tritonreshard.recipes.metatrace import LoadTracer
 from tritonreshard.recipes.trace import encode, spec_from_trace
 
 transformers = pytest.importorskip("transformers")
@@ -152,41 +154,66 @@ def _sources():
     return {"a": trs.Layout((4, 2), TRAINERS, [trs.Shard(0)]), "b": trs.Layout((4, 2), TRAINERS, [trs.Shard(0)])}
 
 
+def _traced(loader, w_shape=(4, 2)):
+    """What ``loader(w, b, a_src, b_src)`` writes into meta parameters ``w`` and ``b`` from meta
+    sources ``a`` and ``b`` (ids 0, 1), recorded by the tracer vLLM's loaders run under: one rank."""
+    srcs = {0: torch.empty(4, 2, device="meta"), 1: torch.empty(4, 2, device="meta")}
+    params = {"w": torch.empty(w_shape, device="meta"), "b": torch.empty(4, 2, device="meta")}
+    tracer = LoadTracer(srcs, params)
+    with tracer, torch.no_grad():
+        loader(params["w"], params["b"], srcs[0], srcs[1])
+    return [tracer.written]
+
+
+DTYPES = {"w": torch.float32, "b": torch.float32}
+
+
 def test_a_loader_that_is_no_copy_is_refused_by_name():
-    a, b = encode(0, (4, 2)), encode(1, (4, 2))
-    for bad, what in ((a * 0.5, "scaled"), (a + b, "summed"), (-a, "negated"), (a + 2, "shifted")):
-        traced = [{"w": bad.clone(), "b": b.clone()}]
+    for what, make in (("scaled", lambda a, b: a * 0.5), ("summed", lambda a, b: a + b), ("negated", lambda a, b: -a),
+                       ("shifted", lambda a, b: a + 2), ("made", lambda a, b: torch.ones_like(a))):
+        traced = _traced(lambda w, bp, a, b: (w.copy_(make(a, b)), bp.copy_(b)))
         with pytest.raises(ValueError) as e:
-            spec_from_trace("m", _sources(), traced, tp=1, inference_ranks=[2], dtypes={"w": torch.float32,
-                                                                                         "b": torch.float32})
+            spec_from_trace("m", _sources(), traced, tp=1, inference_ranks=[2], dtypes=DTYPES)
         assert "w: its loader is not a copy on TP rank 0" in str(e.value), what
+    # Scaled in place after a copy: the scaled rows are no copy either.
+    traced = _traced(lambda w, bp, a, b: (w.copy_(a), w[1:3].mul_(2), bp.copy_(b)))
+    with pytest.raises(ValueError, match="w: its loader is not a copy on TP rank 0"):
+        spec_from_trace("m", _sources(), traced, tp=1, inference_ranks=[2], dtypes=DTYPES)
     # Left out, and not reached: both named in the one error.
+    traced = _traced(lambda w, bp, a, b: None)
+    del traced[0]["b"]
     with pytest.raises(ValueError) as e:
-        spec_from_trace("m", _sources(), [{"w": torch.full((4, 2), -1.0)}], tp=1, inference_ranks=[2],
-                        dtypes={"w": torch.float32})
+        spec_from_trace("m", _sources(), traced, tp=1, inference_ranks=[2], dtypes=DTYPES)
     msg = str(e.value)
     assert "vLLM parameters no source reached (in part or whole): ['w']" in msg
     assert "sources vLLM's loader left out (their names do not match its parameters): ['a', 'b']" in msg
+    # A write the boxes cannot express (every other row) is refused with the reason, never guessed.
+    traced = _traced(lambda w, bp, a, b: (w[::2].copy_(a[:2]), bp.copy_(b)))
+    with pytest.raises(ValueError, match=r"w: what its loader does on TP rank 0 is no box copy the trace can "
+                                         r"follow \(a write into a view that is no box of the parameter\)"):
+        spec_from_trace("m", _sources(), traced, tp=1, inference_ranks=[2], dtypes=DTYPES)
 
 
-def test_a_transposing_loader_is_one_transposed_part():
-    """Copied elements in no box form as the loader holds them, but a box split once the dims are put
-    back in the source's order (vLLM's gpt-oss experts, tests/test_gpt_oss.py): a transposed part,
-    whose plan copies exactly that; else (reshaped: no order of dims fits) the trace says no split fits."""
-    a, b = encode(0, (4, 2)), encode(1, (4, 2))
-    dtypes = {"w": torch.float32, "b": torch.float32}
-    spec = spec_from_trace("m", _sources(), [{"w": a.t().contiguous(), "b": b.clone()}], tp=1, inference_ranks=[2],
-                           dtypes=dtypes)
+@pytest.mark.parametrize("contiguous", [False, True])
+def test_a_transposing_loader_is_one_transposed_part(contiguous):
+    """A loader that copies a transposed view, or a contiguous copy of one (vLLM's gpt-oss experts,
+    tests/test_gpt_oss.py): a transposed part, whose plan copies exactly that; a reshape is no box
+    of the source in any order of dims, and the trace says no split fits."""
+    def loader(w, bp, a, b):
+        w.copy_(a.t().contiguous() if contiguous else a.t())
+        bp.copy_(b)
+
+    spec = spec_from_trace("m", _sources(), _traced(loader, (2, 4)), tp=1, inference_ranks=[2], dtypes=DTYPES)
     assert spec.dst["w"].shape == (2, 4)
     assert spec.parts["w"] == (trs.Part("a", (None, None), src_dims=(1, 0)),)
     assert str(spec.parts["w"][0]) == "[:, :] <- a.permute(1, 0)"
-    full = {"a": a.float(), "b": b.float()}
+    full = {"a": encode(0, (4, 2)).float(), "b": encode(1, (4, 2)).float()}
     shards = {r: {n: spec.src[n].shard(t, r) for n, t in full.items()} for r in TRAINERS}
     got = trs.execute_local(spec.plan(), shards, backend="torch")
     assert torch.equal(got[2]["w"], full["a"].t()) and torch.equal(got[2]["b"], full["b"])
     with pytest.raises(ValueError) as e:  # reshaped: no order of dims fits either
-        spec_from_trace("m", _sources(), [{"w": a.reshape(2, 4), "b": b.clone()}], tp=1, inference_ranks=[2],
-                        dtypes=dtypes)
+        spec_from_trace("m", _sources(), _traced(lambda w, bp, a, b: (w.copy_(a.reshape(2, 4)), bp.copy_(b)), (2, 4)),
+                        tp=1, inference_ranks=[2], dtypes=DTYPES)
     assert str(e.value) == "trace of 'm', tp=1: w: no split of one dim into source boxes reproduces every rank"
 
 

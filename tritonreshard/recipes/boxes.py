@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from itertools import product
 
 __all__ = ["Piece", "FILL", "UNTOUCHED", "NOT_A_COPY", "contiguous_strides", "place", "copy_pieces", "Written",
-           "recipe_pieces", "first_difference", "merge_pieces", "shifted", "where"]
+           "recipe_pieces", "first_difference", "merge_pieces", "shifted", "where", "any_overlap"]
 
 #: ``Piece.src`` of a zero fill.
 FILL = -1
@@ -159,7 +159,7 @@ class Written:
             self.writes.append(piece)
 
     def pieces(self) -> list[Piece]:
-        if not _any_overlap(self.writes):
+        if not any_overlap(self.writes):
             return list(self.writes)
         out: list[Piece] = []
         for p in self.writes:
@@ -189,7 +189,7 @@ def _sweep(a: Sequence[Piece], b: Sequence[Piece]) -> Iterable[tuple[Piece, Piec
         active[side][i] = piece
 
 
-def _any_overlap(pieces: Sequence[Piece]) -> bool:
+def any_overlap(pieces: Sequence[Piece]) -> bool:
     if len(pieces) < 2 or not pieces[0].box:
         return len(pieces) > 1
     order = sorted(pieces, key=lambda p: p.box[0][0])

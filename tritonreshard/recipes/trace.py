@@ -19,13 +19,15 @@ The vLLM side (:mod:`tritonreshard.vllm.trace`) also runs a recipe's own plan ov
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
-from functools import lru_cache
-from itertools import permutations
+from itertools import product
 
 import torch
 
 from ..layout import Layout, Part, Replicate, Shard
+from .boxes import (FILL, NOT_A_COPY, UNTOUCHED, Piece, Written, any_overlap, contiguous_strides, first_difference, merge_pieces,
+                    recipe_pieces, shifted)
 from .builder import RecipeSpec, raise_problems, rank_list, tp_layout
 
 __all__ = ["encode", "decode", "POISON", "FILL", "UNTOUCHED", "NOT_A_COPY", "spec_from_trace", "checkpoint_views",
@@ -34,12 +36,8 @@ __all__ = ["encode", "decode", "POISON", "FILL", "UNTOUCHED", "NOT_A_COPY", "spe
 _SHIFT = 1 << 33
 #: What a traced parameter holds before its loader runs (no code is negative).
 POISON = -1.0
-#: The id :func:`decode` gives a zero-filled element.
-FILL = -1
-#: The id :func:`decode` gives an element no source reached.
-UNTOUCHED = -2
-#: The id :func:`decode` gives a value that is no code.
-NOT_A_COPY = -3
+# decode's ids for a zero, an element no source reached and a value that is no code are the boxes'
+# (FILL, UNTOUCHED, NOT_A_COPY: one meaning in both).
 
 
 def encode(index: int, shape: Sequence[int]) -> torch.Tensor:
@@ -116,217 +114,176 @@ def part_sources(spec, names) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------- the trace
-@lru_cache(maxsize=256)
-def _slice_base(shape: tuple[int, ...], dim: int) -> torch.Tensor:
-    """Flat indices of ``src.select(dim, 0)`` of a source of ``shape``, flattened."""
-    n = 1
-    for s in shape:
-        n *= s
-    return torch.arange(n).reshape(shape).movedim(dim, 0)[0].reshape(-1)
-
-
-def _row_keys(ids: torch.Tensor, flat: torch.Tensor, dim: int, shapes: Sequence[tuple]) -> list | None:
-    """Each slice ``k`` along ``dim`` as ``(source id, source index of slice k - k)`` (``(FILL, 0)``
-    for zeros), when it is exactly a whole slice of one source along the same dim; else None."""
-    n = ids.shape[dim]
-    i2, f2 = ids.movedim(dim, 0).reshape(n, -1), flat.movedim(dim, 0).reshape(n, -1)
-    first = i2[:, 0]
-    if not bool((i2 == first[:, None]).all()):
+def _to_part(p: Piece, dshape: Sequence[int], names: Sequence[str], shapes: Sequence[tuple]) -> Part | None:
+    """A global piece as a :class:`Part` of the destination of shape ``dshape``: the source box it
+    reads, in the source's order of dims (``src_dims`` where the loader transposed); None when the
+    piece is no box of its source (a reshape, a stride)."""
+    box = [None if (a, b) == (0, n) else (a, b) for (a, b), n in zip(p.box, dshape)]
+    if p.src == FILL:
+        return Part(None, box)
+    shape = shapes[p.src]
+    if len(shape) != len(dshape):
         return None
-    keys: list = [None] * n
-    for s in first.unique().tolist():
-        rows = (first == s).nonzero().flatten()
-        if s == FILL:
-            for k in rows.tolist():
-                keys[k] = (FILL, 0)
-            continue
-        if s < 0:
-            return None
-        shape = shapes[s]
-        rest = tuple(x for j, x in enumerate(ids.shape) if j != dim)
-        if len(shape) != ids.dim() or tuple(x for j, x in enumerate(shape) if j != dim) != rest:
-            return None
-        stride = 1
-        for x in shape[dim + 1:]:
-            stride *= x
-        c = f2[rows, 0] // stride
-        if not bool((f2[rows] == c[:, None] * stride + _slice_base(tuple(shape), dim)[None, :]).all()):
-            return None
-        for k, ck in zip(rows.tolist(), c.tolist()):
-            keys[k] = (s, ck - k)
-    return keys
+    cst = contiguous_strides(shape)
+    dims: list = [None] * len(shape)
+    for k, ((a, b), c) in enumerate(zip(p.box, p.coef)):
+        if b - a > 1:
+            j = next((j for j in range(len(shape)) if cst[j] == c and shape[j] > 1 and j not in dims), None)
+            if j is None:
+                return None
+            dims[k] = j
+    free = iter(j for j in range(len(shape)) if j not in dims)
+    dims = [next(free) if j is None else j for j in dims]
+    start = [(p.base // cst[j]) % shape[j] for j in range(len(shape))]
+    if sum(a * c for a, c in zip(start, cst)) != p.base or any(
+            start[dims[k]] + b - a > shape[dims[k]] for k, (a, b) in enumerate(p.box)):
+        return None
+    return Part(names[p.src], box, tuple(start) if any(start) else None,
+                None if dims == list(range(len(shape))) else tuple(dims))
 
 
-def _runs(keys: list) -> list[tuple[int, int, tuple]]:
-    """Maximal ``[start, stop)`` runs of equal keys: ``(start, stop, key)``."""
-    out: list = []
-    for k, key in enumerate(keys):
-        if out and out[-1][2] == key:
-            out[-1] = (out[-1][0], k + 1, key)
+def _runs(pieces: Sequence[Piece], d: int, n: int) -> list[int] | None:
+    """The lengths along dim ``d`` (local size ``n``) of a rank's runs of one source: where every
+    piece spans whole intervals of ``d`` that tile it; a trailing zero fill belongs to the run
+    before it. None where the pieces do not cut ``d`` into intervals."""
+    spans: dict[tuple, set] = {}
+    for p in pieces:
+        spans.setdefault(p.box[d], set()).add(p.src)
+    order = sorted(spans)
+    if not order or order[0][0] != 0 or order[-1][1] != n or any(x[1] != y[0] for x, y in zip(order, order[1:])):
+        return None
+    runs: list = []
+    for span in order:
+        key = frozenset(spans[span])
+        if runs and (runs[-1][0] == key or (key == {FILL} and span == order[-1])):
+            runs[-1][1] += span[1] - span[0]
         else:
-            out.append((k, k + 1, key))
-    return out
+            runs.append([key, span[1] - span[0]])
+    return [length for _, length in runs]
 
 
-def _parts(name: str, ids, flat, shapes, names: Sequence[str], dims: Sequence[int]) -> list[Part] | None:
-    """The global tensor (decoded) as boxes of whole source slices along the first of ``dims`` that
-    works: one :class:`Part` per run (zeros: ``Part(None, ...)``); None when no dim does."""
-    for dim in dims:
-        keys = _row_keys(ids, flat, dim, shapes)
-        if keys is None:
-            continue
-        parts = []
-        for start, stop, (s, off) in _runs(keys):
-            box = [None] * ids.dim()
-            if (start, stop) != (0, ids.shape[dim]):
-                box[dim] = (start, stop)
-            at = [0] * ids.dim()
-            at[dim] = start + off
-            parts.append(Part(None if s == FILL else names[s], box, tuple(at) if any(at) else None))
-        return parts
-    return None
-
-
-def _candidates(local_keys: list, sizes: list[int], d: int) -> list:
+def _candidates(local: list, shapes_local: list, d: int) -> list:
     """Placements to try for a destination split on dim ``d``: blocks where every rank's runs of
-    sources agree in number (a trailing zero fill belongs to the run before it), then plain
-    ``Shard(d)``, then vLLM's balanced split."""
+    sources agree in number, then plain ``Shard(d)``, then vLLM's balanced split."""
+    runs = [_runs(p, d, s[d]) for p, s in zip(local, shapes_local)]
     out = []
-    if all(k is not None for k in local_keys):
-        runs = []
-        for keys in local_keys:
-            r = _runs(keys)
-            if len(r) > 1 and r[-1][2][0] == FILL:
-                r = r[:-2] + [(r[-2][0], r[-1][1], r[-2][2])]
-            runs.append([b - a for a, b, _ in r])
-        if len({len(r) for r in runs}) == 1 and len(runs[0]) > 1:
-            out.append(Shard(d, tuple(sum(r[j] for r in runs) for j in range(len(runs[0])))))
+    if all(r is not None for r in runs) and len({len(r) for r in runs}) == 1 and len(runs[0]) > 1:
+        out.append(Shard(d, tuple(sum(r[j] for r in runs) for j in range(len(runs[0])))))
     return out + [Shard(d), Shard(d, balanced=True)]
 
 
-def _assemble(layout: Layout, local_ids: list, local_flat: list) -> tuple | None:
-    """The global (ids, flat) of a destination from every rank's local, placed by ``layout``
-    (ranks ``0 .. tp-1``); None when a rank's local shape differs or an element stays unplaced."""
-    ids = torch.full(layout.shape, UNTOUCHED, dtype=torch.int64)
-    flat = torch.zeros(layout.shape, dtype=torch.int64)
-    for r, (li, lf) in enumerate(zip(local_ids, local_flat)):
-        if tuple(layout.local_shape(r)) != tuple(li.shape):
-            return None
+def _globalize(layout: Layout, local: list) -> list[Piece] | None:
+    """Every rank's pieces in the destination's global coordinates (placed by ``layout``, ranks
+    ``0 .. tp-1``); None when they do not tile the global shape exactly once."""
+    out = []
+    for r, pieces in enumerate(local):
         segs = layout.segments(r)
-        boxes = [[]]
-        for dim_segs in segs:
-            boxes = [b + [s] for b in boxes for s in dim_segs]
-        for box in boxes:
-            g = tuple(slice(a, b) for a, b, _ in box)
-            loc = tuple(slice(o, o + b - a) for a, b, o in box)
-            ids[g], flat[g] = li[loc], lf[loc]
-    return None if bool((ids == UNTOUCHED).any()) else (ids, flat)
+        for p in pieces:
+            for combo in product(*segs):
+                box = tuple((off, off + b - a) for a, b, off in combo)
+                q = p.clip(box)
+                if q is not None:
+                    out.append(shifted(q, [a - off for a, _, off in combo]))
+    total = 1
+    for n in layout.shape:
+        total *= n
+    if sum(p.numel for p in out) != total or any_overlap(out):
+        return None
+    return out
 
 
-def _infer(name: str, local_ids: list, local_flat: list, shapes, names) -> tuple | None:
-    """``(placement, global shape, parts)`` of one destination from its TP ranks' decoded locals."""
-    tp, ndim = len(local_ids), local_ids[0].dim()
-    if all(torch.equal(local_ids[0], i) and torch.equal(local_flat[0], f) for i, f in zip(local_ids, local_flat)):
-        parts = _parts(name, local_ids[0], local_flat[0], shapes, names, range(ndim))
-        return None if parts is None else (Replicate(), tuple(local_ids[0].shape), parts)
-    differ = [d for d in range(ndim) if len({i.shape[d] for i in local_ids}) > 1]
+def _infer(local: list, shapes_local: list, dshape_names, shapes) -> tuple | None:
+    """``(placement, global shape, parts)`` of one destination from its TP ranks' pieces."""
+    names = dshape_names
+    tp, ndim = len(local), len(shapes_local[0])
+    if len(set(shapes_local)) == 1 and all(sorted(merge_pieces(p), key=_order) == sorted(merge_pieces(local[0]), key=_order)
+                                           for p in local):
+        parts = [_to_part(p, shapes_local[0], names, shapes) for p in sorted(merge_pieces(local[0]), key=_order)]
+        return None if None in parts else (Replicate(), shapes_local[0], parts)
+    # Every placement that fits, the one with the fewest parts kept (a row split of a column-split
+    # tensor fits too, as one part per rank): as few as there are sources is the least there can be.
+    best, least = None, len({p.src for per in local for p in per})
+    differ = [d for d in range(ndim) if len({s[d] for s in shapes_local}) > 1]
     for d in differ + [d for d in range(ndim) if d not in differ]:
-        local_keys = [_row_keys(i, f, d, shapes) for i, f in zip(local_ids, local_flat)]
-        sizes = [i.shape[d] for i in local_ids]
-        for placement in _candidates(local_keys, sizes, d):
-            shape = list(local_ids[0].shape)
-            shape[d] = sum(sizes)
+        shape = list(shapes_local[0])
+        shape[d] = sum(s[d] for s in shapes_local)
+        for placement in _candidates(local, shapes_local, d):
             layout = Layout(tuple(shape), list(range(tp)), [placement], torch.float64)
-            got = _assemble(layout, local_ids, local_flat)
-            if got is None:
+            if any(tuple(layout.local_shape(r)) != tuple(s) for r, s in enumerate(shapes_local)):
                 continue
-            parts = _parts(name, *got, shapes, names, [d] + [x for x in range(ndim) if x != d])
-            if parts is not None:
-                return placement, tuple(shape), parts
-    return None
+            pieces = _globalize(layout, local)
+            if pieces is None:
+                continue
+            parts = [_to_part(p, shape, names, shapes) for p in sorted(merge_pieces(pieces), key=_order)]
+            if None not in parts and (best is None or len(parts) < len(best[2])):
+                best = placement, tuple(shape), parts
+                if len(parts) <= least:
+                    return best
+    return best
 
 
-def _transposed(local_ids: list, local_flat: list, shapes, names) -> tuple | None:
-    """``(placement, global shape, parts)`` of a destination whose ranks each hold a box split of
-    sources put in another order of dims (the loader transposed: a rank holds ``box.permute(order)``),
-    in the destination's own dims, each part with ``src_dims=order``; None when no other order of
-    dims fits either."""
-    ndim = local_ids[0].dim()
-    for perm in permutations(range(ndim)):
-        if perm == tuple(range(ndim)):
-            continue
-        got = _infer("", [i.permute(perm) for i in local_ids], [f.permute(perm) for f in local_flat], shapes, names)
-        if got is None:
-            continue
-        # Found in the source's order of dims (dim j of the permuted view is destination dim
-        # perm[j]); destination dim k is dim order[k] of that view, so it runs along source dim order[k].
-        order = tuple(sorted(range(ndim), key=perm.__getitem__))
-        placement, shape, plist = got
-        if isinstance(placement, Shard):
-            placement = Shard(perm[placement.dim], placement.blocks, placement.balanced)
-        parts = [Part(p.src, [p.dst[j] for j in order], p.src_start, None if p.src is None else order)
-                 for p in plist]
-        return placement, tuple(shape[j] for j in order), parts
-    return None
+def _order(p: Piece):
+    return (p.box, p.src, p.base, p.coef)
 
 
-def _problems(traced: Sequence[Mapping[str, torch.Tensor]], numels, names) -> tuple[list, list]:
-    """Decode every rank's tensors; the problems (names differ across ranks, elements no source
-    reached, values that are no copy) and ``[{name: (ids, flat)}]`` per rank."""
-    problems, decoded = [], []
+def _problems(traced: Sequence[Mapping[str, Written]], names: Sequence[str]) -> tuple[list, list]:
+    """Each rank's pieces (``[{name: [Piece]}]``) and the problems: names that differ across ranks,
+    loaders the boxes cannot express, values that are no copy, elements no source reached, sources
+    no parameter reads."""
+    problems, pieces = [], []
     if len({frozenset(t) for t in traced}) > 1:
         problems.append(f"the TP ranks hold different parameters: {[sorted(t) for t in traced]}")
-    bad, untouched = {}, {}
-    for r, tensors in enumerate(traced):
-        decoded.append({})
-        for n, t in tensors.items():
-            ids, flat = decode(t, numels)
-            decoded[r][n] = (ids, flat)
-            if bool((ids == NOT_A_COPY).any()):
-                bad.setdefault(n, r)
-            elif bool((ids == UNTOUCHED).any()):
+    undecided, bad, untouched, used = {}, {}, {}, set()
+    for r, per in enumerate(traced):
+        pieces.append({})
+        for n, written in per.items():
+            if written.undecided:
+                undecided.setdefault(n, (r, written.undecided))
+                continue
+            got = written.pieces()
+            pieces[r][n] = got
+            used.update(p.src for p in got if p.src >= 0)
+            if any(p.src == NOT_A_COPY for p in got):
+                bad.setdefault(n, (r, sorted({names[p.src] for p in got if p.src >= 0})))
+            elif sum(p.numel for p in got) != math.prod(written.shape):
                 untouched.setdefault(n, r)
-    for n, r in bad.items():
-        ids, _ = decoded[r][n]
-        near = {names[s] for s in decoded[r][n][0].unique().tolist() if s >= 0}
+    for n, (r, why) in undecided.items():
+        problems.append(f"{n}: what its loader does on TP rank {r} is no box copy the trace can follow ({why})")
+    for n, (r, near) in bad.items():
         problems.append(f"{n}: its loader is not a copy on TP rank {r} (values that are no source element, "
-                        f"e.g. combined or scaled; its copied elements come from {sorted(near)}); "
-                        f"{int((ids == NOT_A_COPY).sum())} such elements")
+                        f"e.g. combined or scaled; its copied elements come from {near})")
     if untouched:
         problems.append(f"vLLM parameters no source reached (in part or whole): {sorted(untouched)}")
-    used = {s for per in decoded for ids, _ in per.values() for s in ids.unique().tolist() if s >= 0}
     unused = [n for i, n in enumerate(names) if i not in used]
-    if unused:
+    if unused and not undecided:
         problems.append(f"sources vLLM's loader left out (their names do not match its parameters): {unused}")
-    return problems, decoded
+    return problems, pieces
 
 
-def spec_from_trace(model_type: str, sources: Mapping[str, Layout], traced: Sequence[Mapping[str, torch.Tensor]],
+def spec_from_trace(model_type: str, sources: Mapping[str, Layout], traced: Sequence[Mapping[str, Written]],
                     *, tp: int, inference_ranks, dtypes: Mapping[str, torch.dtype],
                     expert_parallel: bool = False) -> RecipeSpec:
     """The recipe of a trace: ``sources`` (``{name: Layout}``: the trainers' layouts; source number
-    ``i`` is the ``i``-th, as :func:`encode`'d), ``traced[t]`` what TP rank ``t`` holds (``{vLLM
-    parameter: float64 tensor}``) after its loader read the codes, ``dtypes`` the parameters'
+    ``i`` is the ``i``-th), ``traced[t]`` what TP rank ``t``'s loader wrote (``{vLLM parameter:
+    Written}``, :class:`~tritonreshard.recipes.metatrace.LoadTracer`), ``dtypes`` the parameters'
     dtypes. A loader that transposes gives parts with ``src_dims`` (:class:`~tritonreshard.Part`).
-    Raises one ``ValueError`` naming every problem (a loader that is not a copy, parameters no
-    source reached, sources left out, a destination no box form fits in any order of dims)."""
-    where = f"trace of {model_type!r}, tp={tp}"
+    The recipe is checked against the trace before it is returned: every rank's plan writes exactly
+    the pieces the loader wrote. Raises one ``ValueError`` naming every problem (a loader that is
+    not a copy or that the boxes cannot follow, parameters no source reached, sources left out, a
+    destination no placement of boxes fits)."""
+    where_ = f"trace of {model_type!r}, tp={tp}"
     problems: list[str] = []
     dst_ranks = rank_list(inference_ranks, "inference_ranks", problems)
     if len(traced) != tp:
         problems.append(f"{len(traced)} traced ranks for tp={tp}")
-    raise_problems(where, problems)
+    raise_problems(where_, problems)
     names = list(sources)
     shapes = [tuple(lay.shape) for lay in sources.values()]
-    numels = [lay.numel for lay in sources.values()]
-    problems, decoded = _problems(traced, numels, names)
-    raise_problems(where, problems)
+    problems, pieces = _problems(traced, names)
+    raise_problems(where_, problems)
     dst, parts = {}, {}
     for n in traced[0]:
-        local_ids, local_flat = [d[n][0] for d in decoded], [d[n][1] for d in decoded]
-        # A box split as the loader holds it, else one of the source put in another order of dims
-        # (vLLM's gpt-oss experts: box.permute(0, 2, 1)).
-        got = _infer(n, local_ids, local_flat, shapes, names) or _transposed(local_ids, local_flat, shapes, names)
+        got = _infer([per[n] for per in pieces], [traced[t][n].shape for t in range(tp)], names, shapes)
         if got is None:
             problems.append(f"{n}: no split of one dim into source boxes reproduces every rank")
             continue
@@ -336,5 +293,11 @@ def spec_from_trace(model_type: str, sources: Mapping[str, Layout], traced: Sequ
             all(x is None for x in plist[0].dst) and plist[0].src_start is None and plist[0].src_dims is None
         if not identity:
             parts[n] = tuple(plist)
-    raise_problems(where, problems)
-    return RecipeSpec(model_type, tp, expert_parallel, dict(sources), dst, parts)
+    raise_problems(where_, problems)
+    spec = RecipeSpec(model_type, tp, expert_parallel, dict(sources), dst, parts)
+    for t in range(tp):  # the recipe, as the refit plans it, against what the loader wrote
+        want = recipe_pieces(spec, dst_ranks[t], order=names)
+        problems += [f"{n}: the traced recipe writes other elements than the loader on TP rank {t} (at "
+                     f"{list(diff[0])})" for n in dst if (diff := first_difference(pieces[t][n], want[n])) is not None]
+    raise_problems(where_, problems)
+    return spec

@@ -110,10 +110,10 @@ class ServingInit:
     or inside the refit (:class:`~.pull.InlinePull`). ``delta``, ``delta_anchor``: the cross-host
     deltas, as the trainers'. ``elastic``: join an elastic group while it runs
     (:mod:`~.membership`). ``verify``: once, before joining, each worker checks that the recipe
-    puts every element where the engine's own loader puts it (vLLM: ``load_weights`` of the same
-    full tensors, integer-coded), and refuses on a mismatch: ``True`` a sample (the first layer of
-    each structure, the last layer, every parameter outside the layers), ``"all"`` every layer,
-    ``False`` off. ``trace``: a model type with no hand-written recipe (``trs.recipes.RECIPES``)
+    puts every element where the engine's own loader puts it (vLLM: ``load_weights`` run on meta
+    tensors, its copies compared as boxes with the recipe's plan; seconds and megabytes at any
+    model size), and refuses on a mismatch: ``True`` every parameter of every layer, ``False``
+    off; ``"all"`` is kept as a synonym of ``True`` (it was every layer when ``True`` sampled). ``trace``: a model type with no hand-written recipe (``trs.recipes.RECIPES``)
     gets one traced from the engine's own loader by each worker, once, before ``verify``
     (vLLM: :func:`tritonreshard.vllm.trace.trace_recipe`); the trainers pass the same trace
     (``ServingTrainer.from_spec(trace_recipe(...), ...)``). A type with a recipe keeps it.

@@ -172,7 +172,7 @@ def verify_model(model: torch.nn.Module, spec, *, rank: int, tp_rank: int, recip
         del sources, traced, want
     layers = sorted({int(m.group(1)) for m in map(_LAYER.search, names) if m})
     return {**cost.stats("verify"), "verify_params": len(names), "verify_elements": elements,
-            "verify_layers": len(layers), "verify_pieces": pieces}
+            "verify_layers": layers, "verify_pieces": pieces}
 
 
 def _numel(shape) -> int:

@@ -209,9 +209,8 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         self._match = check_model(self.model, self.spec, rank=self.rank, tp_rank=self.tp_rank)
         # Fail-closed, before joining: the recipe against vLLM's own load_weights (Megatron names are
         # not vLLM's checkpoint names: that recipe is checked by its own tests only).
-        self.verify_stats = verify_model(self.model, self.spec, rank=self.rank, tp_rank=self.tp_rank,
-                                         sample=init_info.verify) if init_info.verify and init_info.megatron is None \
-            else {"verify_params": 0}
+        self.verify_stats = verify_model(self.model, self.spec, rank=self.rank, tp_rank=self.tp_rank) \
+            if init_info.verify and init_info.megatron is None else {"verify_params": 0}
         self.verify_stats["trace_ms"] = trace_stats.get("trace_ms")  # None: a hand-written recipe
         logger.info("tritonreshard (rank %s): verify %s", self.rank, self.verify_stats)
         self._timeout = init_info.timeout

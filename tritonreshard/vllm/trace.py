@@ -1,14 +1,15 @@
 """Recipes traced from vLLM's own loader, for a model type no hand-written recipe covers: :func:`trace_recipe`.
 
-Each TP rank's vLLM model is built in this process, on the meta device (no weights allocated):
-vLLM's TP group is told it is rank ``t`` of ``tp`` while the model class is constructed (nothing
-communicates while a model is built or loaded). The trainer's tensors (the HF model's parameter
-names and shapes, from ``transformers`` on the meta device) are fed as integer codes
-(:func:`tritonreshard.recipes.trace.encode`) through the rank's ``load_weights`` into float64
-scratch parameters (:func:`._verify.scratch_load`), and what landed where is compressed into a
-recipe (:func:`tritonreshard.recipes.trace.spec_from_trace`): a loader that combines or transforms
-values is refused by name. :func:`vllm_load` is the same per-rank load of real tensors (what vLLM
-itself holds), which tests compare the traced refit with.
+Each TP rank's vLLM model is built in this process, on the meta device (no weights allocated),
+one rank at a time: vLLM's TP group is told it is rank ``t`` of ``tp`` while the model class is
+constructed and loaded (nothing communicates then). The trainer's tensors (the HF model's
+parameter names and shapes, from ``transformers`` on the meta device) are fed as meta tensors
+through the rank's ``load_weights`` into meta scratch parameters, every copy recorded as a box
+(:func:`._verify.trace_load`, :class:`~tritonreshard.recipes.metatrace.LoadTracer`), and the
+boxes are compressed into a recipe (:func:`tritonreshard.recipes.trace.spec_from_trace`): a
+loader that combines or transforms values is refused by name. Cost: the number of tensors, never
+their sizes. :func:`vllm_load` is the per-rank load of real tensors (what vLLM itself holds),
+which tests compare the traced refit with.
 
 Imports vLLM (and ``transformers``): a process that traces must have both.
 """
@@ -18,7 +19,6 @@ import contextlib
 import os
 import socket
 import tempfile
-import time
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -31,9 +31,10 @@ from ..layout import Layout, Replicate, Shard
 from ..recipes import RECIPES
 from ..recipes.builder import check_tp, raise_problems, rank_list
 from ..recipes.boxes import first_difference, recipe_pieces, where
-from ..recipes.trace import checkpoint_views, encode, spec_from_trace
+from ..recipes.trace import checkpoint_views, spec_from_trace
 from ..serving import SRC_DTYPES
-from ._verify import scratch_load
+from ._cost import Cost
+from ._verify import scratch_load, trace_load
 
 __all__ = ["trace_recipe", "vllm_load", "hf_sources", "rank_models", "recipe_differences"]
 
@@ -133,6 +134,18 @@ class _IndexTensorsOnCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    """Parameters are made in ``dtype`` unless a layer says otherwise, as vLLM's loader builds a
+    model (its ``set_default_torch_dtype``)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
 def rank_models(config, tp: int, *, dtype: torch.dtype = SRC_DTYPES["bfloat16"], expert_parallel: bool = False,
                 device: str | None = None, ranks=None) -> list:
     """vLLM's model of ``config`` for each TP rank ``0 .. tp-1`` (or those of ``ranks``), built in
@@ -150,7 +163,7 @@ def rank_models(config, tp: int, *, dtype: torch.dtype = SRC_DTYPES["bfloat16"],
                 tensor_parallel_size=tp, enable_expert_parallel=expert_parallel))
             on_meta = device in (None, "meta")
             with _as_tp_rank(tp, r), set_current_vllm_config(vc), torch.device(device or "meta"), \
-                    (_IndexTensorsOnCpu() if on_meta else contextlib.nullcontext()):
+                    (_IndexTensorsOnCpu() if on_meta else contextlib.nullcontext()), _default_dtype(dtype):
                 cls, _ = ModelRegistry.resolve_model_cls(list(config.architectures), mc)
                 models.append(cls(vllm_config=vc, prefix=""))
     return models
@@ -203,32 +216,49 @@ def trace_recipe(config, *, tp: int, trainer_ranks, inference_ranks, dtype: torc
     loader on every TP rank: a :class:`~tritonreshard.recipes.RecipeSpec` of the same form as
     ``trs.recipes.hf_to_vllm``'s (sources: the HF parameters as FSDP rows over ``trainer_ranks`` in
     ``src_dtype``; destinations: vLLM's parameters over ``inference_ranks``, ``k * tp`` ranks of
-    ``k`` replicas, in ``dtype``). ``stats`` (a dict) receives ``trace_ms`` and ``trace_bytes``
-    (the codes, the scratch and the decoded copies, float64 / int64).
+    ``k`` replicas, in ``dtype``). The loaders run on meta tensors (no element is allocated or
+    read: :class:`~tritonreshard.recipes.metatrace.LoadTracer`), one TP rank's model at a time.
+    ``stats`` (a dict) receives the measured cost: ``trace_ms``, ``trace_cpu_ms``,
+    ``trace_peak_bytes``, ``trace_held_bytes`` (:class:`._cost.Cost`) and ``hand_written``.
 
     Raises one ``ValueError`` naming every problem: bad ``tp`` or ranks, a config vLLM does not serve,
     a loader that is not a copy (by parameter), vLLM parameters no HF tensor reached, HF tensors
     vLLM's loader left out."""
-    t0 = time.perf_counter()
     problems = _config_problems(config, tp)
     src_ranks = rank_list(trainer_ranks, "trainer_ranks", problems)
     dst_ranks = rank_list(inference_ranks, "inference_ranks", problems)
     if tp and dst_ranks and isinstance(tp, int) and len(dst_ranks) % tp:
         problems.append(f"inference_ranks has {len(dst_ranks)} ranks, not a multiple of tp={tp}")
     raise_problems(f"tritonreshard trace of {getattr(config, 'model_type', None)!r}", problems)
-    sources = hf_sources(config, src_ranks, src_dtype)
-    models = rank_models(config, tp, dtype=dtype, expert_parallel=expert_parallel)
-    codes = {n: encode(i, lay.shape) for i, (n, lay) in enumerate(sources.items())}
-    traced = vllm_load(models, codes, config.model_type)
-    dtypes = {n: p.dtype for n, p in models[0].named_parameters()}
-    spec = spec_from_trace(config.model_type, sources, traced, tp=tp, inference_ranks=dst_ranks, dtypes=dtypes,
-                           expert_parallel=expert_parallel)
+    with Cost() as cost:
+        sources = hf_sources(config, src_ranks, src_dtype)
+        metas = {n: torch.empty(lay.shape, dtype=lay.dtype, device="meta") for n, lay in sources.items()}
+        traced, dtypes = [], {}
+        for r in range(tp):  # one rank's model at a time: the memory is one rank's metadata
+            (model,) = rank_models(config, tp, dtype=dtype, expert_parallel=expert_parallel, ranks=[r])
+            names = [n for n, _ in model.named_parameters()]
+            dtypes = {n: p.dtype for n, p in model.named_parameters()}
+            with _as_tp_rank(tp, r):
+                traced.append(_traced_load(model, metas, names, config.model_type))
+            del model
+        spec = spec_from_trace(config.model_type, sources, traced, tp=tp, inference_ranks=dst_ranks, dtypes=dtypes,
+                               expert_parallel=expert_parallel)
+        del traced, metas
     if stats is not None:
-        stats["trace_ms"] = (time.perf_counter() - t0) * 1e3
-        stats["trace_bytes"] = 8 * (sum(t.numel() for t in codes.values())
-                                    + 3 * sum(t.numel() for per in traced for t in per.values()))
+        stats.update(cost.stats("trace"))
         stats["hand_written"] = config.model_type in RECIPES
     return spec
+
+
+def _traced_load(model, metas, names, model_type):
+    """:func:`._verify.trace_load` of ``metas``; vLLM's loaders report a name they do not know as a
+    KeyError (a parameters dict) or a ValueError (AutoWeightsLoader): then every such name is found
+    and named at once, each tried alone."""
+    try:
+        return trace_load(model, metas, names, model_type)
+    except (KeyError, ValueError):
+        _refuse_names(model, [pair for n, t in metas.items() for pair in checkpoint_views(n, t, model_type)], names)
+        raise
 
 
 def recipe_differences(a, b, *, limit: int = 20) -> list[str]:
