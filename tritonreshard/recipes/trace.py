@@ -20,7 +20,9 @@ The vLLM side (:mod:`tritonreshard.vllm.trace`) also runs a recipe's own plan ov
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from itertools import product
 
 import torch
@@ -31,7 +33,7 @@ from .boxes import (FILL, NOT_A_COPY, UNTOUCHED, Piece, Written, any_overlap, co
 from .builder import RecipeSpec, raise_problems, rank_list, tp_layout
 
 __all__ = ["encode", "decode", "POISON", "FILL", "UNTOUCHED", "NOT_A_COPY", "spec_from_trace", "checkpoint_views",
-           "part_sources"]
+           "part_sources", "layer_of", "layer_groups", "LayerGroups"]
 
 _SHIFT = 1 << 33
 #: What a traced parameter holds before its loader runs (no code is negative).
@@ -301,3 +303,80 @@ def spec_from_trace(model_type: str, sources: Mapping[str, Layout], traced: Sequ
                      f"{list(diff[0])})" for n in dst if (diff := first_difference(pieces[t][n], want[n])) is not None]
     raise_problems(where_, problems)
     return spec
+
+
+# ------------------------------------------------------------------------ one layer of each kind
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def layer_of(name: str) -> int | None:
+    """The decoder layer a parameter name is in (``...layers.{i}....``), or None."""
+    m = _LAYER.search(name)
+    return None if m is None else int(m.group(1))
+
+
+def _renamed(name, a: int, b: int):
+    """``name`` (a str, a tuple of aliases, or None) with layer ``a`` made layer ``b``."""
+    if name is None or a == b:
+        return name
+    if isinstance(name, tuple):
+        return tuple(_renamed(n, a, b) for n in name)
+    return name.replace(f".layers.{a}.", f".layers.{b}.", 1)
+
+
+@dataclass(frozen=True)
+class LayerGroups:
+    """The decoder layers grouped by structure: ``of[i]`` is the first layer whose vLLM parameters
+    and HF sources have the same names (the layer index aside), shapes and dtypes as layer ``i``'s.
+    A trace of those first layers (``traced``) is extended by name to the others (:meth:`extend`);
+    ``verify=`` then checks every layer against the engine's loader at full size."""
+
+    of: Mapping[int, int]
+
+    @property
+    def traced(self) -> set[int]:
+        return set(self.of.values())
+
+    def extend(self, spec: RecipeSpec, sources: Mapping[str, Layout], order: Sequence[str]) -> RecipeSpec:
+        """``spec`` (the traced layers and everything outside the layers) extended to every
+        parameter of ``order`` (vLLM's names, in its order) over all the ``sources``: each
+        layer's destinations and parts are its structure's first layer's, renamed. One
+        ``ValueError`` names a parameter or source the extension leaves without its counterpart."""
+        dst, parts, problems = {}, {}, []
+        for n in order:
+            layer = layer_of(n)
+            rep = layer if layer is None else self.of[layer]
+            first = n if layer is None else _renamed(n, layer, rep)
+            if first not in spec.dst:
+                problems.append(f"{n}: its structure's first layer has no {first}")
+                continue
+            dst[n] = spec.dst[first]
+            if first in spec.parts:
+                parts[n] = tuple(Part(_renamed(p.src, rep, layer), p.dst, p.src_start, p.src_dims)
+                                 for p in spec.parts[first])
+        read = {s for n in dst for s in ((n,) if n not in parts else
+                                         [x for p in parts[n] for x in (p.src if isinstance(p.src, tuple) else (p.src,))])}
+        problems += [f"{s}: read by the extended recipe, but no such source" for s in sorted(read - set(sources) - {None})]
+        unread = [s for s in sources if s not in read]
+        if unread:
+            problems.append(f"sources the extended recipe reads nowhere: {unread[:20]}")
+        raise_problems(f"trace of {spec.model_type!r}, extended from layers {sorted(self.traced)}", problems)
+        return RecipeSpec(spec.model_type, spec.tp, spec.expert_parallel, dict(sources), dst, parts)
+
+
+def layer_groups(params: Mapping[str, Sequence[int]], sources: Mapping[str, Layout]) -> LayerGroups:
+    """Group the decoder layers of a model whose vLLM parameters have the shapes ``params`` and
+    whose HF sources are ``sources`` by structure (names less the index, shapes, source dtypes)."""
+    sig: dict[int, list] = {}
+    for n, shape in params.items():
+        if (layer := layer_of(n)) is not None:
+            sig.setdefault(layer, []).append(("dst", _renamed(n, layer, -1), tuple(shape)))
+    for n, lay in sources.items():
+        if (layer := layer_of(n)) is not None:
+            sig.setdefault(layer, []).append(("src", _renamed(n, layer, -1), tuple(lay.shape), str(lay.dtype)))
+    first: dict[tuple, int] = {}
+    of = {}
+    for layer in sorted(sig):
+        key = tuple(sorted(sig[layer]))
+        of[layer] = first.setdefault(key, layer)
+    return LayerGroups(of)

@@ -202,8 +202,10 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
                                 expert_parallel=bool(pc.enable_expert_parallel),
                                 tracer=lambda *a, **kw: _trace(*a, **kw, stats=trace_stats))
         if trace_stats:
-            logger.info("tritonreshard (TP rank %s): traced the recipe of %r from vLLM's loader in %.1f ms",
-                        self.tp_rank, self.model_config.hf_config.model_type, trace_stats["trace_ms"])
+            logger.info("tritonreshard (TP rank %s): traced the recipe of %r from vLLM's loader in %.1f ms (%.1f ms "
+                        "CPU, peak %s bytes above before, %s held after)", self.tp_rank,
+                        self.model_config.hf_config.model_type, trace_stats["trace_ms"], trace_stats["trace_cpu_ms"],
+                        trace_stats["trace_peak_bytes"], trace_stats["trace_held_bytes"])
         place = serving_rank(init_info, self.spec, tp=tp, tp_rank=self.tp_rank)
         self.rank, self.replica = place.rank, init_info.replica
         self._match = check_model(self.model, self.spec, rank=self.rank, tp_rank=self.tp_rank)

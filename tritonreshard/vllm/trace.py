@@ -31,7 +31,7 @@ from ..layout import Layout, Replicate, Shard
 from ..recipes import RECIPES
 from ..recipes.builder import check_tp, raise_problems, rank_list
 from ..recipes.boxes import first_difference, recipe_pieces, where
-from ..recipes.trace import checkpoint_views, spec_from_trace
+from ..recipes.trace import checkpoint_views, layer_groups, layer_of, spec_from_trace
 from ..serving import SRC_DTYPES
 from ._cost import Cost
 from ._verify import scratch_load, trace_load
@@ -184,7 +184,8 @@ def vllm_load(models: list, tensors: dict[str, torch.Tensor], model_type: str | 
             try:
                 out.append(scratch_load(model, _fresh(feed), names))
             except (KeyError, ValueError):
-                _refuse_names(model, feed, names)
+                _refuse_names(model, {n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in tensors.items()},
+                              names, model_type)
                 raise
     return out
 
@@ -196,13 +197,13 @@ def _fresh(feed):
     return ((n, t.clone()) for n, t in feed)
 
 
-def _refuse_names(model, feed, names) -> None:
-    """One ``ValueError`` naming every tensor of ``feed`` vLLM's loader refuses (a name it has no
-    parameter for), each tried alone into scratch."""
+def _refuse_names(model, metas, names, model_type) -> None:
+    """One ``ValueError`` naming every tensor of ``metas`` vLLM's loader refuses (a name it has no
+    parameter for), each traced alone."""
     refused = []
-    for name, t in feed:
+    for name, t in metas.items():
         try:  # as above: KeyError / ValueError is a name vLLM does not know
-            scratch_load(model, _fresh([(name, t)]), names)
+            trace_load(model, {name: t}, names, model_type)
         except (KeyError, ValueError) as exc:
             refused.append(f"{name} ({type(exc).__name__}: {str(exc)[:120]})")
     if refused:
@@ -232,20 +233,26 @@ def trace_recipe(config, *, tp: int, trainer_ranks, inference_ranks, dtype: torc
     raise_problems(f"tritonreshard trace of {getattr(config, 'model_type', None)!r}", problems)
     with Cost() as cost:
         sources = hf_sources(config, src_ranks, src_dtype)
-        metas = {n: torch.empty(lay.shape, dtype=lay.dtype, device="meta") for n, lay in sources.items()}
-        traced, dtypes = [], {}
+        traced, dtypes, order, group = [], {}, [], None
         for r in range(tp):  # one rank's model at a time: the memory is one rank's metadata
             (model,) = rank_models(config, tp, dtype=dtype, expert_parallel=expert_parallel, ranks=[r])
-            names = [n for n, _ in model.named_parameters()]
-            dtypes = {n: p.dtype for n, p in model.named_parameters()}
+            if group is None:  # the layers' structures, from rank 0: one layer of each is traced
+                order = [n for n, _ in model.named_parameters()]
+                dtypes = {n: p.dtype for n, p in model.named_parameters()}
+                group = layer_groups({n: tuple(p.shape) for n, p in model.named_parameters()}, sources)
+                names = [n for n in order if layer_of(n) is None or layer_of(n) in group.traced]
+                metas = {n: torch.empty(lay.shape, dtype=lay.dtype, device="meta") for n, lay in sources.items()
+                         if layer_of(n) is None or layer_of(n) in group.traced}
             with _as_tp_rank(tp, r):
                 traced.append(_traced_load(model, metas, names, config.model_type))
             del model
-        spec = spec_from_trace(config.model_type, sources, traced, tp=tp, inference_ranks=dst_ranks, dtypes=dtypes,
-                               expert_parallel=expert_parallel)
+        part = spec_from_trace(config.model_type, {n: sources[n] for n in metas}, traced, tp=tp,
+                               inference_ranks=dst_ranks, dtypes=dtypes, expert_parallel=expert_parallel)
+        spec = group.extend(part, sources, order)
         del traced, metas
     if stats is not None:
         stats.update(cost.stats("trace"))
+        stats["trace_layers"] = sorted(group.traced)
         stats["hand_written"] = config.model_type in RECIPES
     return spec
 
@@ -257,7 +264,7 @@ def _traced_load(model, metas, names, model_type):
     try:
         return trace_load(model, metas, names, model_type)
     except (KeyError, ValueError):
-        _refuse_names(model, [pair for n, t in metas.items() for pair in checkpoint_views(n, t, model_type)], names)
+        _refuse_names(model, metas, names, model_type)
         raise
 
 
