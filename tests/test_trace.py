@@ -187,10 +187,10 @@ def test_a_loader_that_is_no_copy_is_refused_by_name():
     msg = str(e.value)
     assert "vLLM parameters no source reached (in part or whole): ['w']" in msg
     assert "sources vLLM's loader left out (their names do not match its parameters): ['a', 'b']" in msg
-    # A write the boxes cannot express (every other row) is refused with the reason, never guessed.
-    traced = _traced(lambda w, bp, a, b: (w[::2].copy_(a[:2]), bp.copy_(b)))
-    with pytest.raises(ValueError, match=r"w: what its loader does on TP rank 0 is no box copy the trace can "
-                                         r"follow \(a write into a view that is no box of the parameter\)"):
+    # What the boxes cannot follow (a parameter copied from another) is refused with the reason, never guessed.
+    traced = _traced(lambda w, bp, a, b: (w.copy_(a), bp.copy_(w)))
+    with pytest.raises(ValueError, match=r"b: what its loader does on TP rank 0 is no box copy the trace can "
+                                         r"follow \(a copy from another parameter\)"):
         spec_from_trace("m", _sources(), traced, tp=1, inference_ranks=[2], dtypes=DTYPES)
 
 

@@ -22,6 +22,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from itertools import product
 
+from ..planning.boxes import Box, intersect_boxes
+
 __all__ = ["Piece", "FILL", "UNTOUCHED", "NOT_A_COPY", "contiguous_strides", "place", "copy_pieces", "Written",
            "recipe_pieces", "first_difference", "merge_pieces", "shifted", "where", "any_overlap"]
 
@@ -31,9 +33,6 @@ FILL = -1
 UNTOUCHED = -2
 #: ``Piece.src`` of values that are no copy of a source element.
 NOT_A_COPY = -3
-
-Box = tuple[tuple[int, int], ...]
-
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     out, s = [], 1
@@ -69,8 +68,8 @@ class Piece:
 
     def clip(self, box: Box) -> Piece | None:
         """This piece on ``box`` alone (None: they do not meet)."""
-        cut = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(self.box, box))
-        if any(a >= b for a, b in cut):
+        cut = intersect_boxes(self.box, box)
+        if cut is None:
             return None
         return Piece.make(cut, self.src, self.at([a for a, _ in cut]), self.coef)
 
@@ -107,23 +106,46 @@ def place(shape: Sequence[int], offset: int, sizes: Sequence[int], strides: Sequ
     return tuple(starts), subs
 
 
-def copy_pieces(shape: Sequence[int], dst_view: tuple, src: int, linear) -> Piece | None:
+def copy_pieces(shape: Sequence[int], dst_view: tuple, src: int, linear, limit: int = 1 << 12) -> list[Piece] | None:
     """What ``dst.copy_(src_view)`` writes into a contiguous destination of ``shape``:
     ``dst_view`` is ``(offset, sizes, strides)``; ``linear`` is ``(base, weights)``: the source
     flat index of view index ``v`` is ``base + sum(v[j] * weights[j])`` (a fill: ``src`` < 0 and
-    ``linear`` unused). None when the destination view is no box."""
+    ``linear`` unused). View dims that run on as one on both sides are one; a view that is no box
+    (a step, a dim that both splits and strides) is cut along its outer dims into boxes, at most
+    ``limit`` of them; None past that, or when the view leaves the destination."""
     offset, sizes, strides = dst_view
-    got = place(shape, offset, sizes, strides)
-    if got is None:
-        return None
-    starts, subs = got
-    box = [(a, a + 1) for a in starts]
-    coef = [0] * len(shape)
     base, weights = linear if src >= 0 else (0, [0] * len(sizes))
-    for k, n, j, m in subs:
-        box[k] = (starts[k], starts[k] + n)
-        coef[k] = weights[j] * m
-    return Piece.make(tuple(box), src, base, coef)
+    dims: list[tuple[int, int, int]] = []
+    for n, st, w in zip(sizes, strides, weights):
+        if n == 1:
+            continue
+        if dims and dims[-1][1] == n * st and dims[-1][2] == n * w:  # the outer dim runs on into this one
+            dims[-1] = (dims[-1][0] * n, st, w)
+        else:
+            dims.append((n, st, w))
+    return _cut(tuple(shape), offset, dims, src, base, limit)
+
+
+def _cut(shape, offset, dims, src, base, limit) -> list[Piece] | None:
+    got = place(shape, offset, [n for n, _, _ in dims], [st for _, st, _ in dims])
+    if got is not None:
+        starts, subs = got
+        box = [(a, a + 1) for a in starts]
+        coef = [0] * len(shape)
+        for k, n, j, m in subs:
+            box[k] = (starts[k], starts[k] + n)
+            coef[k] = dims[j][2] * m
+        return [Piece.make(tuple(box), src, base, coef)]
+    if not dims or dims[0][0] > limit:
+        return None
+    (n, st, w), rest = dims[0], dims[1:]
+    out: list[Piece] = []
+    for i in range(n):
+        sub = _cut(shape, offset + i * st, rest, src, base + i * w, limit // n)
+        if sub is None:
+            return None
+        out += sub
+    return out
 
 
 def _overlaps(a: Box, b: Box) -> bool:
@@ -152,11 +174,11 @@ class Written:
         self.writes: list[Piece] = []
         self.undecided: str | None = None
 
-    def write(self, piece: Piece | None, why: str = "") -> None:
-        if piece is None:
+    def write(self, pieces: list[Piece] | None, why: str = "") -> None:
+        if pieces is None:
             self.undecided = self.undecided or why
         else:
-            self.writes.append(piece)
+            self.writes += pieces
 
     def pieces(self) -> list[Piece]:
         if not any_overlap(self.writes):

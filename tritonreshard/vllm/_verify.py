@@ -1,23 +1,24 @@
 """Fail-closed: a recipe checked against vLLM's own ``load_weights``, once per engine: :func:`verify_model`.
 
-vLLM's loader and the refit's recipe are fed the same full tensors, integer codes
-(:func:`tritonreshard.recipes.trace.encode`: every element says which source element it is), and
-every parameter they produce must be equal: vLLM's into scratch copies of its parameters
-(:func:`scratch_load`; the served tensors are never written, a dispatch guard refuses it), the
-recipe's by its own plan (:func:`~tritonreshard.recipes.trace.realize`). A recipe that puts
-names and shapes right but elements wrong (a swapped qkv split, a transposed shard, experts out of
-order: vllm#51520) is refused before the rank joins the refit group, naming the first parameter
-that differs, where, and the recipe. Checked one unit (a decoder layer, or one top-level
-parameter) at a time on the CPU, so the memory is one unit's, never the model's.
+vLLM's loader runs on meta tensors (:func:`trace_load`: the trainers' parameters by name and shape,
+into meta scratch copies of its parameters; nothing allocated, nothing read, the served tensors
+never written: a dispatch guard refuses it), every copy recorded as a box with its source map
+(:class:`~tritonreshard.recipes.metatrace.LoadTracer`), and those boxes must equal, element for
+element, the boxes the recipe's own plan writes on the rank
+(:func:`~tritonreshard.recipes.boxes.recipe_pieces`, :func:`~tritonreshard.recipes.boxes.first_difference`).
+Every parameter of every layer, at the model's real sizes, in seconds and megabytes whatever the
+model's size: the cost is the number of boxes. A recipe that puts names and shapes right but
+elements wrong (a swapped qkv split, a transposed shard, experts out of order: vllm#51520) is
+refused before the rank joins the refit group, naming the first parameter that differs, where,
+and the recipe; one the boxes cannot follow is refused with the reason (docs/vllm.md says what the
+method can and cannot miss).
 
-Also :func:`scratch_load` for the trace (:mod:`tritonreshard.vllm.trace`). Imported inside vLLM
-processes only.
+Also :func:`scratch_load`: vLLM's load of real tensors into float64 scratch copies (what vLLM
+itself holds; tests compare refits with it). Imported inside vLLM processes only.
 """
 from __future__ import annotations
 
 import contextlib
-import re
-import time
 from types import MethodType
 
 import torch
@@ -27,12 +28,11 @@ from vllm.model_executor.model_loader.reload.sanitize import layer_ref_sentinel
 
 from ..recipes.boxes import first_difference, recipe_pieces, where
 from ..recipes.metatrace import LoadTracer
-from ..recipes.trace import POISON, checkpoint_views
+from ..recipes.trace import POISON, checkpoint_views, layer_of
 from ._cost import Cost
 
 __all__ = ["scratch_load", "trace_load", "verify_model"]
 
-_LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
 class _NoLiveWrites(TorchDispatchMode):
@@ -170,7 +170,7 @@ def verify_model(model: torch.nn.Module, spec, *, rank: int, tp_rank: int, recip
                                  f"{where(w, x, srcs, shapes)}")
             elements += _numel(written.shape)
         del sources, traced, want
-    layers = sorted({int(m.group(1)) for m in map(_LAYER.search, names) if m})
+    layers = sorted({layer for layer in map(layer_of, names) if layer is not None})
     return {**cost.stats("verify"), "verify_params": len(names), "verify_elements": elements,
             "verify_layers": layers, "verify_pieces": pieces}
 
