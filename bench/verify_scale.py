@@ -132,6 +132,25 @@ def rows(full: bool, cut: bool) -> list[dict]:
     return out
 
 
+def table(lines: list[dict]) -> str:
+    """The rows as the markdown table of docs/vllm.md."""
+    out = ["| model | layers | TP | EP | step | code | wall s | CPU s | peak MiB | held MiB | checked |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in lines:
+        size = f"{r.get('params_B')}B"
+        cut = ", ".join(f"{k} {r[k]}" for k in ("experts", "vocab") if k in r)
+        model = f"{r['model']} ({size}{', ' + cut if cut else ''})"
+        peak = r.get("peak_MiB") if r.get("peak_MiB") is not None else f"{r.get('rss_growth_MiB')} (RSS growth)"
+        checked = (f"{r['layers_checked']} layers, {r['params_checked']} params, "
+                   f"{r['elements_checked'] / 1e9:.2f}G elements" if r.get("elements_checked") else
+                   f"{r['layers_checked']} layers, {r['params_checked']} params" if "layers_checked" in r else
+                   f"equal to hand-written: {r.get('equal_to_hand_written')}")
+        out.append(f"| {model} | {r.get('layers')} | {r['tp']} | {'yes' if r['ep'] else 'no'} | {r['what']} | "
+                   f"{'before' if r.get('before') else 'after'} | {r.get('s', r.get('error'))} | {r.get('cpu_s')} | "
+                   f"{peak} | {r.get('held_MiB')} | {checked} |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--row", help=argparse.SUPPRESS)
@@ -141,7 +160,11 @@ def main(argv=None) -> None:
     ap.add_argument("--before", type=Path, help="a checkout of the element-wise check (git worktree add ...)")
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--out", type=Path, help="also write the rows as JSON lines here")
+    ap.add_argument("--table", type=Path, help="print the JSON lines of this file as docs/vllm.md's table")
     args = ap.parse_args(argv)
+    if args.table:
+        print(table([json.loads(x) for x in args.table.read_text().splitlines() if x.strip()]))
+        return
     if args.row:
         print(json.dumps(measure(json.loads(args.row))))
         return

@@ -121,6 +121,17 @@ def traced_equals_hand_written(model_type: str, tp: int, ep: bool) -> None:
     assert any(name in d for d in recipe_differences(traced, wrong))
 
 
+def test_traced_destinations_take_the_engines_dtype():
+    """A bfloat16 engine's parameters are bfloat16 (vLLM builds its model under that default dtype),
+    and so are the traced recipe's destinations: the same as the hand-written recipe's (before, the
+    trace built its models in float32 and gave float32 destinations for a bfloat16 engine)."""
+    config = tiny_config("qwen3_moe")
+    kw = dict(tp=2, trainer_ranks=TRAINERS, inference_ranks=[2, 3], dtype=torch.bfloat16)
+    traced = trace_recipe(config, **kw)
+    assert {lay.dtype for lay in traced.dst.values()} == {torch.bfloat16}
+    assert recipe_differences(traced, trs.recipes.hf_to_vllm(config, **kw)) == []
+
+
 def _refit(spec, full):
     """The refit of ``full`` (HF tensors) through ``spec``'s own plan: FSDP shards in, every rank out."""
     src = {r: {n: lay.shard(full[n], r) for n, lay in spec.src.items()} for r in TRAINERS}

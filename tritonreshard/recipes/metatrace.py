@@ -33,7 +33,7 @@ __all__ = ["LoadTracer"]
 
 _aten = torch.ops.aten
 # New tensors that hold their input's elements unchanged (a dtype cast counts: the refit casts too).
-_SAME = {_aten.clone.default, _aten._to_copy.default, _aten.copy.default, _aten.lift_fresh_copy.default}
+_SAME = {_aten.clone.default, _aten._to_copy.default, _aten.lift_fresh_copy.default}
 # New tensors of zeros.
 _ZEROS = {_aten.zeros.default, _aten.zeros_like.default, _aten.new_zeros.default}
 _FILLS = {_aten.fill_.Scalar, _aten.fill_.Tensor, _aten.zero_.default}
