@@ -1,21 +1,19 @@
-"""Recipes traced from a loader: integer-coded tensors in, the boxes they landed in out.
+"""Recipes traced from a loader: the boxes each TP rank's loader wrote in, a recipe out.
 
 Pure Python planning (no transformers or vLLM import): the engine side
-(:func:`tritonreshard.vllm.trace_recipe`) feeds :func:`encode`'d full tensors through each TP
-rank's own loader (vLLM's ``load_weights``) into parameters poisoned with :data:`POISON`, and hands
-what each rank holds to :func:`spec_from_trace`, which compresses it into the planner's form (a
-:class:`~tritonreshard.recipes.RecipeSpec`: layouts and :class:`~tritonreshard.Part` boxes).
+(:func:`tritonreshard.vllm.trace_recipe`) runs each TP rank's own loader (vLLM's ``load_weights``)
+on meta tensors under :class:`~tritonreshard.recipes.metatrace.LoadTracer`, and hands what each
+rank's parameters were written with (:class:`~tritonreshard.recipes.boxes.Written`: pieces, boxes
+with a source map) to :func:`spec_from_trace`, which compresses them into the planner's form (a
+:class:`~tritonreshard.recipes.RecipeSpec`: layouts and :class:`~tritonreshard.Part` boxes) and
+checks the result against them. :func:`layer_groups` lets a trace of one layer of each structure
+stand for all of them (``verify=`` checks every layer at full size).
 
-**Codes** (float64, every one exact): element ``i`` (row-major) of source number ``s`` is
-``s * 2**33 + 2 * i + 1``: odd, positive, below ``2**53``. A loader that only copies (narrow, cat,
-index, ``copy_``) leaves codes; one that combines or transforms values (a sum, a scale, a cast to a
-narrower dtype, a sign flip) leaves a value that is no code (even, fractional, negative, out of
-range) and is refused by name. ``0.0`` is a zero fill (vLLM's vocab padding); :data:`POISON`
-(``-1.0``) an element no source reached.
-
-The vLLM side (:mod:`tritonreshard.vllm.trace`) also runs a recipe's own plan over the same codes
-(``realize``: what the refit writes on a rank) and compares recipes by that effect
-(``recipe_differences``); the engine's verification (``verify=``) compares it with vLLM's loader.
+**Codes** (float64, every one exact), for the tests and tools that load real tensors
+(:func:`tritonreshard.vllm.trace.vllm_load`): element ``i`` (row-major) of source number ``s`` is
+``s * 2**33 + 2 * i + 1``: odd, positive, below ``2**53``, so every element says which source
+element it is; :func:`decode` reads them back. ``0.0`` is a zero fill; :data:`POISON` (``-1.0``)
+an element no source reached.
 """
 from __future__ import annotations
 
@@ -28,8 +26,8 @@ from itertools import product
 import torch
 
 from ..layout import Layout, Part, Replicate, Shard
-from .boxes import (FILL, NOT_A_COPY, UNTOUCHED, Piece, Written, any_overlap, contiguous_strides, first_difference, merge_pieces,
-                    recipe_pieces, shifted)
+from .boxes import (FILL, NOT_A_COPY, UNTOUCHED, Piece, Written, any_overlap, contiguous_strides, first_difference,
+                    merge_pieces, recipe_pieces, shifted)
 from .builder import RecipeSpec, raise_problems, rank_list, tp_layout
 
 __all__ = ["encode", "decode", "POISON", "FILL", "UNTOUCHED", "NOT_A_COPY", "spec_from_trace", "checkpoint_views",
