@@ -149,6 +149,7 @@ def _cut(shape, offset, dims, src, base, limit) -> list[Piece] | None:
 
 
 def _overlaps(a: Box, b: Box) -> bool:
+    """``intersect_boxes(a, b) is not None``, without building the intersection (the sweeps' inner loop)."""
     return all(x < d and c < y for (x, y), (c, d) in zip(a, b))
 
 
@@ -201,13 +202,12 @@ def _sweep(a: Sequence[Piece], b: Sequence[Piece]) -> Iterable[tuple[Piece, Piec
     active: tuple[dict, dict] = ({}, {})
     lists = (a, b)
     for start, side, i in events:
-        piece = lists[side][i]
-        for other in (1 - side,):
-            for j in [j for j, q in active[other].items() if q.box[0][1] <= start]:
-                del active[other][j]
-            for q in active[other].values():
-                if _overlaps(piece.box, q.box):
-                    yield (piece, q) if side == 0 else (q, piece)
+        piece, other = lists[side][i], active[1 - side]
+        for j in [j for j, q in other.items() if q.box[0][1] <= start]:
+            del other[j]
+        for q in other.values():
+            if _overlaps(piece.box, q.box):
+                yield (piece, q) if side == 0 else (q, piece)
         active[side][i] = piece
 
 
