@@ -1,14 +1,17 @@
 """A second serving engine, the smallest one: a plain torch module served with tensor parallelism.
 
-It proves the serving seam (``tritonreshard.serving``): everything an engine shares comes from there
-(the init info, the rank's place, the pull mode, the refit session, the trainer side), and the
-engine writes only what is its own, as ``tritonreshard/vllm/`` does for vLLM:
+It proves the serving seam (``tritonreshard.serving``): the engine implements
+:class:`~tritonreshard.serving.ServingEngine` and everything an engine shares comes from there (the
+init info, the recipe registry, the rank's place, the pull mode, the refit session, the trainer
+side); the engine writes only what is its own, as ``tritonreshard/vllm/`` does for vLLM:
 
-* its recipe (:func:`recipe`): its parameter names and TP layouts, built with ``trs.Layout`` /
-  ``Shard`` / ``Replicate`` directly (no ``hf_to_vllm``);
+* its recipe (:func:`recipe`), registered as ``("tiny-mlp", "hf")``: its parameter names and TP
+  layouts, built with ``trs.Layout`` / ``Shard`` / ``Replicate`` directly (no ``hf_to_vllm``); its
+  trainer class (:class:`TinyTrainer`) finds it through the registry as the engine does;
+* its rank's layout (:meth:`TPEngine.rank_layout`);
 * its agreement (:meth:`TPEngine.agree`): an object all-gather over its own gloo TP group;
-* its model check (:func:`check_model`) and its apply (:meth:`TPEngine.apply`: a copy into the
-  module's parameters).
+* its model check (:meth:`TPEngine.check`) and its apply (:meth:`TPEngine.apply`: a copy into
+  the module's parameters).
 
 The model (:class:`TinyMLP`): ``embed`` (replicated), ``fc1`` column-parallel (``Shard(0)`` of its
 weight and bias), ``fc2`` row-parallel (``Shard(1)`` of its weight, partial sums all-reduced, bias
@@ -25,8 +28,10 @@ from torch import nn
 
 import tritonreshard as trs
 from tritonreshard.recipes import RecipeSpec
-from tritonreshard.serving import ServingInit, failure_text, outcome, pull_mode, refit, serving_rank
+from tritonreshard.serving import (RankLayout, ServingEngine, ServingInit, ServingTrainer, UpdateInfo, failure_text,
+                                   outcome, register_recipe)
 
+ENGINE = "tiny-mlp"
 VOCAB, HIDDEN, FFN = 64, 16, 32
 TOKENS = torch.arange(12) * 5 % VOCAB
 
@@ -59,8 +64,23 @@ def recipe(trainer_ranks, inference_ranks) -> RecipeSpec:
     :data:`PARAMS` over one engine's TP ranks, names the same on both sides."""
     src = {n: trs.Layout(shape, list(trainer_ranks), [trs.Shard(0)]) for n, (shape, _) in PARAMS.items()}
     dst = {n: trs.Layout(shape, list(inference_ranks), [p]) for n, (shape, p) in PARAMS.items()}
-    return RecipeSpec(model_type="tiny-mlp", tp=len(inference_ranks), expert_parallel=False, src=src, dst=dst,
+    return RecipeSpec(model_type=ENGINE, tp=len(inference_ranks), expert_parallel=False, src=src, dst=dst,
                       parts={})
+
+
+def _registered_recipe(init: ServingInit, layout: RankLayout) -> RecipeSpec:
+    """The registry's builder: the same recipe for the trainers and the engine's ranks."""
+    return recipe(init.trainer_ranks, init.inference_ranks)
+
+
+register_recipe(ENGINE, "hf", _registered_recipe)
+
+
+class TinyTrainer(ServingTrainer):
+    """The engine's trainer class: its recipe comes from the registry, as vLLM's ``Trainer``'s does."""
+
+    ENGINE = ENGINE
+    GROUP = "tiny"
 
 
 class TPShard(nn.Module):
@@ -82,29 +102,27 @@ class TPShard(nn.Module):
         return y + self.param("fc2.bias")
 
 
-def check_model(module: TPShard, spec: RecipeSpec, rank: int) -> None:
-    """The engine's model check: every recipe destination is a parameter of this rank's shape."""
-    bad = [n for n, lay in spec.dst.items() if tuple(module.param(n).shape) != tuple(lay.local_shape(rank))]
-    if bad:
-        raise ValueError(f"tiny engine: the module does not match its recipe: {bad}")
-
-
-class TPEngine:
+class TPEngine(ServingEngine[ServingInit, UpdateInfo]):
     """One TP rank of the engine. ``init``: the init info (a dict, as an engine's RPC carries it);
     ``tp_group``: the engine's own TP process group (gloo)."""
 
     def __init__(self, init: dict, *, tp_rank: int, tp: int, tp_group):
-        init = ServingInit.from_dict(init)
-        self.tp_group = tp_group
-        self.spec = recipe(init.trainer_ranks, init.inference_ranks)
-        place = serving_rank(init, self.spec, tp=tp, tp_rank=tp_rank)
-        self.rank = place.rank
-        self.module = TPShard(self.spec, self.rank)
-        check_model(self.module, self.spec, self.rank)
-        self.pull = pull_mode(init.prefetch, rank=self.rank)
-        self.sub, self.join_ms = place.join(device=torch.device("cpu"), mode=self.pull.MODE)
-        self.pull.start(self.sub)
-        self.timeout, self.installed = init.timeout, 0
+        self.tp_group, self.tp, self.tp_rank = tp_group, tp, tp_rank
+        self.module = None
+        joined = self.join_group(ServingInit.from_dict(init))
+        self.spec, self.rank, self.sub, self.pull = joined.spec, joined.rank, joined.sub, joined.pull
+        self.start_pulling()
+
+    def rank_layout(self, init: ServingInit) -> RankLayout:
+        return RankLayout(engine=ENGINE, tp=self.tp, tp_rank=self.tp_rank)
+
+    def check(self, place) -> None:
+        """The engine's model check: every recipe destination is a parameter of this rank's shape."""
+        self.module = TPShard(place.spec, place.rank)
+        bad = [n for n, lay in place.spec.dst.items()
+               if tuple(self.module.param(n).shape) != tuple(lay.local_shape(place.rank))]
+        if bad:
+            raise ValueError(f"tiny engine: the module does not match its recipe: {bad}")
 
     def agree(self, version, error) -> list:
         outcomes = [None] * dist.get_world_size(self.tp_group)
@@ -121,18 +139,11 @@ class TPEngine:
             self.module.param(name).copy_(buf)
         return {"copy_ms": (time.perf_counter() - t0) * 1e3, "post_ms": 0.0}
 
-    def refit(self, version: int | None = None) -> dict:
-        stats = refit(self.sub, self.pull, requested=version, timeout=self.timeout, installed=self.installed,
-                      agree=self.agree, apply=self.apply, fail=self.fail)
-        self.installed = stats["version"]
-        return stats
-
     def forward(self, tokens):
         return self.module(tokens, self.tp_group)
 
     def close(self) -> None:
-        self.pull.stop()
-        self.sub.close()
+        self.leave_group()
 
 
-__all__ = ["TPEngine", "TinyMLP", "recipe", "full_weights", "check_model", "TOKENS", "PARAMS"]
+__all__ = ["TPEngine", "TinyTrainer", "TinyMLP", "recipe", "full_weights", "TOKENS", "PARAMS", "ENGINE"]

@@ -15,11 +15,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tritonreshard.serving import BackgroundPull, InlinePull, ServingInit, ServingTrainer
-from tritonreshard.serving import schema
+import tritonreshard as trs
+from tritonreshard.serving import BackgroundPull, InlinePull, RankLayout, ServingInit, ServingTrainer, UpdateInfo
+from tritonreshard.serving import recipe_for, registered, schema
 
 from _mp import free_port, run_ranks
-from _tp_engine import TOKENS, TinyMLP, TPEngine, full_weights, recipe
+from _tp_engine import ENGINE as TINY, TOKENS, TinyMLP, TinyTrainer, TPEngine, full_weights, recipe
 
 TRAINERS, ENGINE = [0, 1], [2, 3]
 VERSIONS = 2
@@ -28,8 +29,13 @@ VERSIONS = 2
 def _trainer(rank: int, init: dict) -> dict:
     spec = recipe(TRAINERS, ENGINE)
     shards = {n: lay.shard(t, rank).clone() for n, t in full_weights(1).items() for lay in [spec.src[n]]}
-    tr = ServingTrainer.from_spec(spec, shards, rank=rank, trainer_ranks=TRAINERS, inference_ranks=ENGINE,
-                                  store=init["store"], group=init["group"], timeout=60)
+    meet = dict(rank=rank, trainer_ranks=TRAINERS, inference_ranks=ENGINE, store=init["store"], group=init["group"],
+                timeouts=trs.Timeouts(wait=60))
+    # The engine's trainer class finds the recipe in the registry, as the engine's ranks do; from_spec
+    # takes one given.
+    tr = TinyTrainer(None, shards, tp=len(ENGINE), **meet) if init["prefetch"] else \
+        ServingTrainer.from_spec(spec, shards, **meet)
+    assert tr.spec == spec
     try:
         for v in range(1, VERSIONS + 1):
             tr.fence()
@@ -55,7 +61,7 @@ def _engine(rank: int, init: dict, tp_port: int) -> dict:
                 while engine.sub.version < v:
                     assert time.monotonic() < deadline, f"version {v} was never prefetched"
                     time.sleep(0.005)
-            stats = engine.refit(v)
+            stats = engine.refit(UpdateInfo(version=v))
             full = full_weights(v)
             for n, lay in engine.spec.dst.items():
                 assert torch.equal(engine.module.param(n), lay.shard(full[n], engine.rank)), (n, v)
@@ -102,8 +108,9 @@ def test_vllm_init_info_is_the_one_schema():
     from tritonreshard.vllm import init_info
 
     ok = dict(store="127.0.0.1:9", trainer_ranks=[0, 1], inference_ranks=[2, 3])
-    assert init_info(**ok) == ServingInit(**ok).to_dict()
-    assert ServingInit.from_dict(init_info(**ok)) == ServingInit(**ok)
+    assert init_info(**ok) == ServingInit(**ok, group="vllm").to_dict()
+    assert ServingInit.from_dict(init_info(**ok)) == ServingInit(**ok, group="vllm")
+    assert ServingInit(**ok).group == "refit"  # the serving layer's default names no engine
     with pytest.raises(ValueError) as e:
         ServingInit(store="x", trainer_ranks=[0, 1], inference_ranks=[1], src_dtype="int8", prefetch=1,
                     elastic="no", replica=-1, delta_anchor=0, megatron={"tp": 2}, timeout="soon", trace="yes")
@@ -132,14 +139,17 @@ def test_vllm_payload_class_is_a_serving_init():
     assert "__annotations__" not in TritonreshardInitInfo.__dict__ or not TritonreshardInitInfo.__annotations__
 
 
-def test_recipe_spec_traces_only_a_type_without_a_recipe_and_only_when_asked():
-    """``init_info(trace=True)``: the engine's tracer is called for a model type no hand-written
-    recipe covers, never for one that has a recipe; without a tracer, or for a quantized engine,
-    one ValueError naming both, before anything moves (the tracer here is a recorder: the real one,
-    vLLM's, is tests/test_families_live.py's tiny-granite)."""
+def test_the_registry_picks_each_engines_recipe_and_traces_only_when_asked(monkeypatch):
+    """Recipes come from the registry by ``(engine, source)``: vLLM's ``"hf"`` builder keeps a
+    hand-written recipe, traces vLLM's loader for a model type without one only with
+    ``init_info(trace=True)``, and refuses a quantized trace; an engine nobody registered gets one
+    ValueError naming what is registered. (The tracer here is a recorder: the real one, vLLM's, is
+    tests/test_families_live.py's tiny-granite.)"""
     from types import SimpleNamespace
 
-    from tritonreshard.serving import recipe_spec
+    import tritonreshard.vllm  # noqa: F401  (registers ("vllm", "hf") and ("vllm", "megatron"))
+    import tritonreshard.vllm.trace as vllm_trace
+    from tritonreshard.apps.kit import tiny_config  # a config with a recipe: the tests' tiny Llama
 
     ok = dict(store="127.0.0.1:9", trainer_ranks=[0, 1], inference_ranks=[2, 3])
     calls = []
@@ -148,19 +158,41 @@ def test_recipe_spec_traces_only_a_type_without_a_recipe_and_only_when_asked():
         calls.append((config.model_type, kw))
         return "traced"
 
+    monkeypatch.setattr(vllm_trace, "trace_recipe", tracer)
+    assert {("vllm", "hf"), ("vllm", "megatron"), (TINY, "hf")} <= set(registered())
     granite = SimpleNamespace(model_type="granite")
-    kw = dict(tp=2, dtype=torch.bfloat16)
-    assert recipe_spec(ServingInit(**ok, trace=True), granite, tracer=tracer, **kw) == "traced"
+    layout = RankLayout(engine="vllm", tp=2, tp_rank=0, config=granite, dtype=torch.bfloat16)
+    assert recipe_for(ServingInit(**ok, trace=True), layout, stats=None) == "traced"
     assert calls == [("granite", dict(tp=2, trainer_ranks=[0, 1], inference_ranks=[2, 3], dtype=torch.bfloat16,
-                                      src_dtype=torch.float32, expert_parallel=False))]
+                                      src_dtype=torch.float32, expert_parallel=False, stats=None))]
     with pytest.raises(ValueError, match="model_type='granite' has no recipe"):  # not asked: no trace
-        recipe_spec(ServingInit(**ok), granite, tracer=tracer, **kw)
-    from tritonreshard.apps.kit import tiny_config  # a config with a recipe: the tests' tiny Llama
-
-    llama = recipe_spec(ServingInit(**ok, trace=True), tiny_config(), tracer=tracer, **kw)
+        recipe_for(ServingInit(**ok), layout)
+    llama = recipe_for(ServingInit(**ok, trace=True), dataclasses.replace(layout, config=tiny_config()))
     assert llama.model_type == "llama" and len(calls) == 1  # a recipe is kept, never traced
     with pytest.raises(ValueError) as e:
-        recipe_spec(ServingInit(**ok, trace=True), granite, quantization="fp8-block", **kw)
-    assert str(e.value) == ("init_info(trace=True) for model_type='granite': this engine has no tracer of its "
-                            "loader; the engine serves quantization='fp8-block', and traced recipes lay out "
-                            "unquantized parameters only")
+        recipe_for(ServingInit(**ok, trace=True), dataclasses.replace(layout, quantization="fp8-block"))
+    assert str(e.value) == ("init_info(trace=True) for model_type='granite': the engine serves "
+                            "quantization='fp8-block', and traced recipes lay out unquantized parameters only")
+    with pytest.raises(ValueError, match=r"no recipe for engine 'sglang' with 'hf' trainers: registered \["):
+        recipe_for(ServingInit(**ok), dataclasses.replace(layout, engine="sglang"))
+    assert recipe_for(ServingInit(**ok), RankLayout(engine=TINY, tp=2, tp_rank=1)) == recipe([0, 1], [2, 3])
+
+
+def test_the_seam_is_an_abc_and_the_serving_layer_names_no_engine():
+    """An engine implements the five methods (a class that misses one cannot be made), and
+    ``tritonreshard/serving/`` names no vLLM call, class or default."""
+    import pathlib
+
+    from tritonreshard.serving import ServingEngine
+
+    class Half(ServingEngine):
+        def rank_layout(self, init):
+            return RankLayout(engine=TINY, tp=1, tp_rank=0)
+
+    with pytest.raises(TypeError, match="abstract"):
+        Half()
+    assert TPEngine.__abstractmethods__ == frozenset()
+    root = pathlib.Path(trs.__file__).parent / "serving"
+    said = {p.name: [n for n, line in enumerate(p.read_text().splitlines(), 1) if "vllm" in line.lower()]
+            for p in sorted(root.glob("*.py"))}
+    assert not any(said.values()), said

@@ -1,11 +1,8 @@
-"""One serving TP rank's place and layouts: :func:`recipe_spec`, :func:`serving_rank`, :class:`ServingRank`.
+"""One serving TP rank's place: :func:`serving_rank`, :class:`ServingRank`.
 
-What every engine's worker computes when it sets up, from its :class:`~.schema.ServingInit` and
-what only the engine knows (its TP size and rank, the served model's HF config and dtype):
+What every engine rank computes when it joins, from its :class:`~.schema.ServingInit`, its recipe
+(:mod:`~.registry`) and its TP size and rank:
 
-* the recipe (:func:`recipe_spec`): ``trs.recipes.hf_to_vllm``, or ``megatron_to_vllm`` when the
-  trainers are Megatron-Core ranks; an engine with its own parameter names passes its own
-  ``RecipeSpec``-like object (``src``, ``dst``, ``parts``) instead;
 * the global rank it joins as and the group kind (:mod:`~.membership`, chosen once);
 * :meth:`ServingRank.join`: the one place the serving side constructs a
   :class:`~tritonreshard.RefitInference`.
@@ -15,37 +12,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .. import PullOptions, RefitInference, recipes
+from .. import PullOptions, RefitInference
 from ..engine.rendezvous import connect_store
-from .membership import ElasticGroup, FixedGroup, membership
+from .membership import ElasticReplicas, FixedReplicas
 from .schema import ServingInit
 
-__all__ = ["ServingRank", "serving_rank", "recipe_spec"]
-
-
-def recipe_spec(init: ServingInit, config, *, tp: int, dtype, quantization: str | None = None,
-                expert_parallel: bool = False, tracer=None):
-    """The recipe of an engine serving ``config`` (a ``transformers`` config) with TP ``tp`` in
-    ``dtype`` (the served dtype; ``quantization``: the recipe's, e.g. ``"fp8-block"``): the same
-    parts as the trainers' recipe, ``megatron_to_vllm`` when ``init.megatron`` is given. With
-    ``init.trace`` and a model type no hand-written recipe covers, ``tracer`` (the engine's: called
-    as ``tracer(config, tp=, trainer_ranks=, inference_ranks=, dtype=, src_dtype=, expert_parallel=)``,
-    vLLM's :func:`tritonreshard.vllm.trace.trace_recipe`) traces one from the engine's own loader."""
-    common = dict(tp=tp, trainer_ranks=list(init.trainer_ranks), inference_ranks=list(init.inference_ranks),
-                  dtype=dtype, src_dtype=init.dtype, expert_parallel=expert_parallel)
-    if init.megatron is not None:  # the same parts as the Megatron trainers' recipe
-        return recipes.megatron_to_vllm(config, megatron=init.megatron_config, quantization=quantization, **common)
-    if init.trace and getattr(config, "model_type", None) not in recipes.RECIPES:
-        problems = []
-        if tracer is None:
-            problems.append("this engine has no tracer of its loader")
-        if quantization is not None:  # a traced recipe copies; quantizing in the refit needs a hand-written one
-            problems.append(f"the engine serves quantization={quantization!r}, and traced recipes lay out "
-                            f"unquantized parameters only")
-        if problems:
-            raise ValueError(f"init_info(trace=True) for model_type={config.model_type!r}: " + "; ".join(problems))
-        return tracer(config, **common)
-    return recipes.hf_to_vllm(config, quantization=quantization, **common)
+__all__ = ["ServingRank", "serving_rank"]
 
 
 @dataclass(frozen=True)
@@ -53,14 +25,14 @@ class ServingRank:
     """TP rank ``tp_rank`` of a TP-``tp`` engine in a refit group: ``rank`` is its global rank,
     ``spec`` the recipe (``spec.dst[name].local_shape(rank)`` is this rank's shard of ``name``;
     ``spec.parts`` how it is built from the sources; ``spec.quant`` optional),
-    ``group`` the group kind (:func:`~.membership.membership`)."""
+    ``group`` the group kind (:attr:`~.schema.ServingInit.replicas`)."""
 
     init: ServingInit
     spec: object
     tp: int
     tp_rank: int
     rank: int
-    group: FixedGroup | ElasticGroup = field(compare=False, repr=False)
+    group: FixedReplicas | ElasticReplicas = field(compare=False, repr=False)
 
     @property
     def buffer_bytes(self) -> int:
@@ -88,5 +60,5 @@ class ServingRank:
 def serving_rank(init: ServingInit, spec, *, tp: int, tp_rank: int) -> ServingRank:
     """Where TP rank ``tp_rank`` of a TP-``tp`` engine joins: ``ValueError`` when ``init`` and
     ``tp`` disagree (a replica the ranks do not hold; an elastic engine's ranks not ``tp``)."""
-    group = membership(init)
+    group = init.replicas
     return ServingRank(init=init, spec=spec, tp=tp, tp_rank=tp_rank, rank=group.rank(tp, tp_rank), group=group)

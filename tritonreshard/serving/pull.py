@@ -83,8 +83,8 @@ class InlinePull:
 class BackgroundPull:
     """Pull every published version in the background (``prefetch=True``; see the module docstring).
 
-    ``logger``: where a background failure is logged (an engine passes its own: vLLM's must be
-    under ``"vllm"`` to reach its handler); ``served``: the version the engine serves, for that line."""
+    ``logger``: where a background failure is logged (an engine passes its own: one under the
+    engine's logging tree reaches its handler); ``served``: the version the engine serves, for that line."""
 
     MODE, BUFFER_SETS, BACKGROUND = "shadow", 2, True
     # How often the watcher looks at the trainers' version words (a read of shared memory): a

@@ -1,29 +1,31 @@
 """What a serving engine is told when it joins a refit group: :class:`ServingInit`, written once.
 
-The one schema of an engine's init info, its defaults and its checks: vLLM's
-``TritonreshardInitInfo`` *is* a :class:`ServingInit` (it only adds vLLM's base class),
-:func:`tritonreshard.vllm.init_info` builds one and returns :meth:`ServingInit.to_dict`, and any
-other engine builds its own from the same dict. Also here: :data:`SRC_DTYPES`, the one table of
-the trainers' dtypes, and the two checks the trainer side and the LoRA refit share with it
-(:func:`rank_problems`, :func:`src_dtype_problems`). Pure Python: no engine is imported.
+The one schema of an engine's init info, its defaults and its checks: an engine's own payload
+class *is* a :class:`ServingInit` (a subclass adds the engine's base class, its default group and
+any fields of its own, with their checks in :meth:`ServingInit.problems`), its driver builds one and
+sends :meth:`ServingInit.to_dict`, and every rank rebuilds it from that dict. Also here:
+:data:`SRC_DTYPES`, the one table of the trainers' dtypes, and the two checks the trainer side
+shares with it (:func:`rank_problems`, :func:`src_dtype_problems`). Pure Python: no engine is
+imported.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import ClassVar
 
 import torch
 
 from ..engine import Timeouts
-from ..engine.elastic import MAX_RANKS
 from ..recipes import Megatron
 from ..transport import codec_for, delta_problems
+from .membership import replicas_of
 
 __all__ = ["ServingInit", "SRC_DTYPES", "endpoint_configs", "src_dtype_name", "rank_problems", "src_dtype_problems"]
 
 # The trainers' parameter dtypes a serving engine accepts, by the name that crosses the wire in the
-# init info (a plain dict: vLLM's RPC carries names, not torch dtypes). The one table: the init
+# init info (a plain dict: an engine's RPC carries names, not torch dtypes). The one table: the init
 # info, the trainers and the workers all read it.
 SRC_DTYPES = MappingProxyType({"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16})
 
@@ -95,50 +97,68 @@ def _megatron_dict(value, problems: list[str]) -> dict | None:
 
 @dataclass(frozen=True)
 class ServingInit:
-    """One serving engine's place in a refit group (what ``init_weight_transfer_engine`` gets).
+    """One serving engine's place in a refit group (what its init call gets, as a plain dict).
 
     ``store``: ``"host:port"`` of the group's TCPStore (trainer rank 0 hosts it). ``trainer_ranks``:
     the trainers' global ranks. ``inference_ranks``: every replica's TP ranks, replica after replica
     (``inference_ranks[i]`` is TP rank ``i % tp`` of replica ``i // tp``); with ``elastic`` this
     engine's own TP ranks only. ``src_dtype``: the trainers' dtype, a name of :data:`SRC_DTYPES`.
-    ``group``: the refit group's name (vLLM's backend has always defaulted to ``"vllm"``; another
-    engine passes its own). ``timeout`` / ``peer_timeout``: seconds (the endpoint's). ``replica``:
-    which replica this engine is (fixed groups: ``0 <= replica < number of replicas``; elastic: its
-    index among the engines, any int >= 0). ``megatron``: a ``trs.recipes.Megatron`` (or its fields:
-    stored as a dict, it crosses the wire as one) when the trainers are Megatron-Core ranks.
-    ``prefetch``: pull each published version in the background (:class:`~.pull.BackgroundPull`)
-    or inside the refit (:class:`~.pull.InlinePull`). ``delta``, ``delta_anchor``: the cross-host
-    deltas, as the trainers'. ``elastic``: join an elastic group while it runs
-    (:mod:`~.membership`). ``verify``: once, before joining, each worker checks that the recipe
-    puts every element where the engine's own loader puts it (vLLM: ``load_weights`` run on meta
-    tensors, its copies compared as boxes with the recipe's plan; seconds and megabytes at any
-    model size), and refuses on a mismatch: ``True`` every parameter of every layer, ``False``
-    off; ``"all"`` is kept as a synonym of ``True`` (it was every layer when ``True`` sampled). ``trace``: a model type with no hand-written recipe (``trs.recipes.RECIPES``)
-    gets one traced from the engine's own loader by each worker, once, before ``verify``
-    (vLLM: :func:`tritonreshard.vllm.trace.trace_recipe`); the trainers pass the same trace
-    (``ServingTrainer.from_spec(trace_recipe(...), ...)``). A type with a recipe keeps it.
+    ``group``: the refit group's name (None: the class's :attr:`GROUP`; an engine's subclass sets
+    its own). ``timeout`` / ``peer_timeout``: seconds (the endpoint's). ``replica``: which replica
+    this engine is (fixed groups: ``0 <= replica < number of replicas``; elastic: its index among
+    the engines, any int >= 0). ``megatron``: a ``trs.recipes.Megatron`` (or its fields: stored as a
+    dict, it crosses the wire as one) when the trainers are Megatron-Core ranks (:attr:`source` is
+    then ``"megatron"``, else ``"hf"``: the recipe registry's key). ``prefetch``: pull each
+    published version in the background (:class:`~.pull.BackgroundPull`) or inside the refit
+    (:class:`~.pull.InlinePull`). ``delta``, ``delta_anchor``: the cross-host deltas, as the
+    trainers'. ``elastic``: join an elastic group while it runs (:mod:`~.membership`). ``verify``:
+    once, before joining, each worker checks that the recipe puts every element where the engine's
+    own loader puts it, and refuses on a mismatch: ``True`` every parameter of every layer,
+    ``False`` off; ``"all"`` is kept as a synonym of ``True`` (it was every layer when ``True``
+    sampled). ``trace``: a model type with no hand-written recipe (``trs.recipes.RECIPES``) gets one
+    traced from the engine's own loader by each worker, once, before ``verify``; the trainers pass
+    the same trace (``ServingTrainer.from_spec(trace_recipe(...), ...)``). A type with a recipe
+    keeps it.
 
-    Every check runs once, at construction: one ``ValueError`` naming every problem. Ranks are
-    stored as tuples of ints, timeouts as floats; :meth:`to_dict` is the plain JSON dict (lists).
+    These are the wire's plain values (the init info crosses an engine's RPC and HTTP as JSON); the
+    endpoint's typed configs are made from them once (:attr:`configs`, :attr:`replicas`). Every
+    check runs once, at construction: one ``ValueError`` naming every problem (a subclass adds its
+    own in :meth:`problems`). Ranks are stored as tuples of ints, timeouts as floats; :meth:`to_dict`
+    is the plain JSON dict (lists).
     """
+
+    #: The group name when none is given: an engine's subclass names its own.
+    GROUP: ClassVar[str] = "refit"
 
     store: str
     trainer_ranks: tuple[int, ...]
     inference_ranks: tuple[int, ...]
     src_dtype: str = "float32"
-    group: str = "vllm"
+    group: str | None = None
     timeout: float = 60.0
     peer_timeout: float = 10.0
     replica: int = 0   # which replica (engine) these workers are: inference_ranks[replica * tp + tp rank]
     megatron: dict | None = None  # trs.recipes.Megatron's fields: the trainers are Megatron-Core ranks
     prefetch: bool = True  # pull each published version in the background (serving.pull)
-    delta: str = "auto"    # cross-host deltas, as the trainers' (tritonreshard.vllm.Trainer(delta=))
+    delta: str = "auto"    # cross-host deltas, as the trainers'
     delta_anchor: int = 64
     elastic: bool = False  # join an elastic group: inference_ranks are this engine's own TP ranks
     verify: bool | str = True  # check the recipe against the engine's own loader once, before joining
     trace: bool = False    # no hand-written recipe for the model type: trace one from the engine's loader
 
     def __post_init__(self):
+        normal: dict = {}
+        problems = self.problems(normal)
+        if problems:
+            raise ValueError("init_info: " + "; ".join(problems))
+        # Frozen: the normalized values are set once, here, as dataclasses' own __init__ does.
+        for name, value in normal.items():
+            object.__setattr__(self, name, value)
+
+    def problems(self, normal: dict) -> list[str]:
+        """Every problem of these values, and into ``normal`` the normalized ones (ranks as tuples,
+        timeouts as floats, ``megatron`` as a dict, the default group). A subclass adds its own
+        fields' problems to the base's."""
         problems = list(delta_problems(self.delta, self.delta_anchor))
         trainers = _int_list(self.trainer_ranks, "trainer_ranks", problems)
         readers = _int_list(self.inference_ranks, "inference_ranks", problems)
@@ -148,35 +168,37 @@ class ServingInit:
         if not (isinstance(self.verify, bool) or self.verify == "all"):
             problems.append(f"verify must be True, False or 'all', got verify={self.verify!r}")
         megatron = _megatron_dict(self.megatron, problems)
-        replica = self.replica
-        if self.elastic is True:  # any index: the engines in the group are not known here
-            if isinstance(replica, bool) or not isinstance(replica, int) or replica < 0:
-                problems.append(f"replica={replica!r} must be an int >= 0 (this engine's index among the elastic "
-                                f"group's engines)")
-            big = [r for r in readers + trainers if not 0 <= r < MAX_RANKS]
-            if big:
-                problems.append(f"ranks {big} are outside an elastic group's [0, {MAX_RANKS})")
-        elif isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < max(1, len(readers)):
-            problems.append(f"replica={replica!r} must be an int in [0, number of replicas)")
+        if isinstance(self.elastic, bool):  # the kind's own checks of replica and ranks (membership)
+            problems += replicas_of(self.elastic).init_problems(self.replica, trainers, readers)
         problems += rank_problems(trainers, readers)
         if not isinstance(self.store, str) or ":" not in self.store:
             problems.append(f"store must be 'host:port', got store={self.store!r}")
-        if not isinstance(self.group, str) or not self.group:
+        group = type(self).GROUP if self.group is None else self.group
+        if not isinstance(group, str) or not group:
             problems.append(f"group must be a non-empty str, got group={self.group!r}")
         problems += src_dtype_problems(self.src_dtype)
         timeout = _number(self.timeout, "timeout", problems)
         peer_timeout = _number(self.peer_timeout, "peer_timeout", problems)
-        if problems:
-            raise ValueError("init_info: " + "; ".join(problems))
-        # Frozen: the normalized values are set once, here, as dataclasses' own __init__ does.
-        for name, value in (("trainer_ranks", trainers), ("inference_ranks", readers), ("megatron", megatron),
-                            ("timeout", timeout), ("peer_timeout", peer_timeout)):
-            object.__setattr__(self, name, value)
+        normal.update(trainer_ranks=trainers, inference_ranks=readers, megatron=megatron, timeout=timeout,
+                      peer_timeout=peer_timeout, group=group)
+        return problems
 
     @property
     def configs(self) -> dict:
         """The endpoint's codec and timeouts of this init info (:func:`endpoint_configs`)."""
         return endpoint_configs(self.delta, self.delta_anchor, self.timeout, self.peer_timeout)
+
+    @property
+    def replicas(self):
+        """How this engine's TP ranks belong to the group, fixed or elastic (:mod:`~.membership`),
+        chosen once from ``elastic``."""
+        return replicas_of(self.elastic)(self)
+
+    @property
+    def source(self) -> str:
+        """What the trainers hold, the recipe registry's source key: ``"megatron"`` (Megatron-Core
+        ranks) or ``"hf"`` (FSDP row shards of the HF parameters)."""
+        return "hf" if self.megatron is None else "megatron"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -189,8 +211,8 @@ class ServingInit:
         return None if self.megatron is None else Megatron(**self.megatron)
 
     def to_dict(self) -> dict:
-        """The plain JSON dict that crosses vLLM's RPC / HTTP (``cls(**d)`` rebuilds it)."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(ServingInit)}
+        """The plain JSON dict that crosses an engine's RPC / HTTP (``cls(**d)`` rebuilds it)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["trainer_ranks"], out["inference_ranks"] = list(self.trainer_ranks), list(self.inference_ranks)
         out["megatron"] = None if self.megatron is None else dict(self.megatron)
         return out
@@ -199,16 +221,16 @@ class ServingInit:
     def from_dict(cls, data) -> "ServingInit":
         """The init info of a plain dict (one :meth:`to_dict` made, or its JSON). Unknown keys are
         one ``ValueError`` naming them."""
-        if isinstance(data, ServingInit):
+        if isinstance(data, cls):
             return data
         if not isinstance(data, dict):
             raise ValueError(f"init_info must be a dict, got {type(data).__name__}")
-        names = {f.name for f in dataclasses.fields(ServingInit)}
+        fields = dataclasses.fields(cls)
+        names = {f.name for f in fields}
         unknown = sorted(set(data) - names)
         if unknown:
             raise ValueError(f"init_info: unknown keys {unknown} (known: {sorted(names)})")
-        missing = sorted(f.name for f in dataclasses.fields(ServingInit)
-                         if f.default is dataclasses.MISSING and f.name not in data)
+        missing = sorted(f.name for f in fields if f.default is dataclasses.MISSING and f.name not in data)
         if missing:
             raise ValueError(f"init_info: missing keys {missing}")
         return cls(**data)

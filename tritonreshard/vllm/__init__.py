@@ -47,7 +47,9 @@ from __future__ import annotations
 
 import inspect
 
-from ..serving import SRC_DTYPES, ServingInit, ServingTrainer
+from ..serving import SRC_DTYPES, ServingInit
+from ._recipes import GROUP
+from .trainer import Trainer
 
 __all__ = ["Trainer", "WorkerExtension", "init_info", "register", "BACKEND", "WORKER_EXTENSION", "SRC_DTYPES"]
 
@@ -127,17 +129,10 @@ def init_info(**fields) -> dict:
     ``t`` joins as ``inference_ranks[t]``; ranks no other engine or trainer uses, below
     ``trs.engine.elastic.MAX_RANKS``), and ``replica`` its index among the engines (any int >= 0
     that no engine in the group holds). ``shutdown_weight_transfer_engine`` leaves the group."""
-    return ServingInit(**fields).to_dict()
+    return ServingInit(**{"group": GROUP, **fields}).to_dict()
 
 
 # The keywords are ServingInit's (keyword-only here), so help() and editors show its fields and defaults.
 init_info.__signature__ = inspect.Signature(
     [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in inspect.signature(ServingInit).parameters.values()],
     return_annotation=dict)
-
-
-class Trainer(ServingTrainer):
-    """Trainer side of a vLLM refit group: :class:`tritonreshard.serving.ServingTrainer` (its
-    arguments, ``spec``, ``src_dtype``, :meth:`~tritonreshard.serving.ServingTrainer.from_weight_source`),
-    in refit group ``"vllm"`` unless told otherwise. The vLLM workers build the destination side of
-    the same recipe from the served model's config; pass ``src_dtype`` to :func:`init_info`."""

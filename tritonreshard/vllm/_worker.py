@@ -8,10 +8,12 @@ type with no recipe; vocab padding rows are zero-filled by the engine, never pul
 the trainers' shared arenas into its own buffer sets (shadow mode: vLLM's parameters are untouched
 while the copy runs).
 
-This module wires vLLM's four phases to the parts, one job each: the serving seam
-(:mod:`tritonreshard.serving`: the init info, the rank's place and recipe, fixed or elastic
-membership, the background or inline pull, the refit session), vLLM's TP agreement
-(:mod:`._agree`), the model check (:mod:`._model`) and the apply step (:mod:`._apply`).
+The engine is vLLM's ``WeightTransferEngine`` and the serving seam's
+:class:`~tritonreshard.serving.ServingEngine` at once: vLLM's four phases call the seam's join and
+refit (the init info, the rank's place, the recipe from the registry (:mod:`._recipes`), fixed or
+elastic membership, the background or inline pull, the refit session), and this engine writes
+only what is vLLM's own: its rank's layout, vLLM's TP agreement (:mod:`._agree`), the model check
+and verification (:mod:`._model`, :mod:`._verify`) and the apply step (:mod:`._apply`).
 
 **Background pull** (``init_info`` ``prefetch=True``, the default). A thread of the worker
 (``trs-prefetch-<rank>``) watches the trainers' version words; as soon as every trainer this rank
@@ -39,11 +41,11 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
                                                    WeightTransferUpdateInfo)
 from vllm.logger import init_logger
 
-from .. import RefitInference
-from ..serving import ServingInit, any_failed, pull_mode, recipe_spec, refit, serving_rank
+from ..serving import RankLayout, ServingEngine, ServingInit, ServingRank, UpdateInfo, any_failed
 from ._agree import agree, fail
 from ._apply import apply
 from ._model import check_model, served_quantization
+from ._recipes import ENGINE, GROUP
 from ._versions import end_session, reload_mode_problem, weights_complete, weights_incomplete
 from ._verify import verify_model
 
@@ -57,35 +59,30 @@ logger = init_logger(f"vllm.{__name__}")
 class TritonreshardInitInfo(ServingInit, WeightTransferInitInfo):
     """``init_weight_transfer_engine`` payload (a plain dict on the wire; see
     :func:`tritonreshard.vllm.init_info`): a :class:`tritonreshard.serving.ServingInit` (its
-    fields, defaults and checks, written there once) that is also vLLM's ``WeightTransferInitInfo``.
-    Not re-decorated: the frozen dataclass's ``__init__`` builds it by keyword, as vLLM's
-    ``parse_init_info`` does (a dataclass cannot be frozen over vLLM's unfrozen base)."""
+    fields, defaults and checks, written there once) that is also vLLM's ``WeightTransferInitInfo``,
+    in group ``"vllm"`` unless told otherwise. Not re-decorated: the frozen dataclass's ``__init__``
+    builds it by keyword, as vLLM's ``parse_init_info`` does (a dataclass cannot be frozen over
+    vLLM's unfrozen base)."""
 
-
-def _trace(config, **kwargs):
-    """The recipe traced from this worker's vLLM loader (``init_info(trace=True)``): lazy, the tracer
-    imports transformers and is needed only for a model type with no hand-written recipe."""
-    from .trace import trace_recipe  # lazy: transformers, needed only without a hand-written recipe
-
-    return trace_recipe(config, **kwargs)
+    GROUP = GROUP
 
 
 @dataclass
-class TritonreshardUpdateInfo(WeightTransferUpdateInfo):
-    """``update_weights`` payload: the version to install (None: the newest one every TP rank
-    pulled, or the next one to be published when none is newer than the installed one) and how long
-    to wait for it (None: the init timeout)."""
+class TritonreshardUpdateInfo(UpdateInfo, WeightTransferUpdateInfo):
+    """``update_weights`` payload: the seam's :class:`~tritonreshard.serving.UpdateInfo` (the
+    version to install, None: the newest one every TP rank pulled, or the next one to be published
+    when none is newer than the installed one; how long to wait for it, None: the init timeout)."""
 
-    version: int | None = None
-    timeout: float | None = None
     extra: dict = field(default_factory=dict)
 
 
-class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitInfo, TritonreshardUpdateInfo]):
+class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitInfo, TritonreshardUpdateInfo],
+                                        ServingEngine[TritonreshardInitInfo, TritonreshardUpdateInfo]):
     """vLLM ``WeightTransferEngine`` pulling TP shards through tritonreshard (registered as
-    ``"tritonreshard"``). Which process calls what: vLLM calls every method in every worker, driven
-    by the four phases (``init_weight_transfer_engine``, ``start_weight_update``,
-    ``update_weights``, ``finish_weight_update``) of the engine's ``collective_rpc``.
+    ``"tritonreshard"``), and the serving seam's engine. Which process calls what: vLLM calls every
+    method in every worker, driven by the four phases (``init_weight_transfer_engine``,
+    ``start_weight_update``, ``update_weights``, ``finish_weight_update``) of the engine's
+    ``collective_rpc``.
 
     ``worker``: the vLLM worker that owns this engine, handed over by
     :class:`tritonreshard.vllm.WorkerExtension` when the worker stores its engine (see there why
@@ -97,14 +94,12 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
 
     def __init__(self, config, vllm_config, device, model):
         super().__init__(config, vllm_config, device, model)
-        self._sub: RefitInference | None = None
-        self._pull = None                     # BackgroundPull or InlinePull, chosen at init
         self._session = False
         self.applied_version = 0
         self.stats: dict = {}
         self.verify_stats: dict = {}          # the recipe against vLLM's load_weights, at init (_verify)
+        self.trace_stats: dict = {}           # a recipe traced from vLLM's loader (init_info(trace=True))
         self.worker = None
-        self._group_version = 0               # the version of this group installed (0: none yet)
         self._torn = False                    # an apply raised: vLLM's weights may be part old, part new
 
     def bind_worker(self, worker) -> None:
@@ -112,15 +107,59 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         ``load_model`` right after vLLM's factory created this engine."""
         self.worker = worker
 
-    def _agree(self, version, error) -> list:
+    @property
+    def spec(self):
+        """The recipe of this rank (None before ``init_weight_transfer_engine``)."""
+        return None if self.joined is None else self.joined.spec
+
+    # ------------------------------------------------------------------ the seam: vLLM's own parts
+    def rank_layout(self, init: ServingInit) -> RankLayout:
+        pc = self.parallel_config
+        self.tp_rank = get_tensor_model_parallel_rank()
+        return RankLayout(engine=ENGINE, tp=get_tensor_model_parallel_world_size(), tp_rank=self.tp_rank,
+                          device=self.device, config=self.model_config.hf_config, dtype=self.model_config.dtype,
+                          quantization=served_quantization(self.vllm_config),
+                          expert_parallel=bool(pc.enable_expert_parallel))
+
+    def check(self, place: ServingRank) -> None:
+        """vLLM's model against the recipe, and (fail-closed, before joining) the recipe against
+        vLLM's own ``load_weights``; Megatron names are not vLLM's checkpoint names: that recipe is
+        checked by its own tests only."""
+        self.rank, self.replica = place.rank, place.init.replica
+        if self.trace_stats:
+            logger.info("tritonreshard (TP rank %s): traced the recipe of %r from vLLM's loader in %.1f ms (%.1f ms "
+                        "CPU, peak %s bytes above before, %s held after)", self.tp_rank,
+                        self.model_config.hf_config.model_type, self.trace_stats["trace_ms"],
+                        self.trace_stats["trace_cpu_ms"], self.trace_stats["trace_peak_bytes"],
+                        self.trace_stats["trace_held_bytes"])
+        self._match = check_model(self.model, place.spec, rank=place.rank, tp_rank=place.tp_rank)
+        self.verify_stats = verify_model(self.model, place.spec, rank=place.rank, tp_rank=place.tp_rank) \
+            if place.init.verify and place.init.megatron is None else {"verify_params": 0}
+        self.verify_stats["trace_ms"] = self.trace_stats.get("trace_ms")  # None: a hand-written recipe
+        logger.info("tritonreshard (rank %s): verify %s", self.rank, self.verify_stats)
+
+    def agree(self, version, error) -> list:
         """Every TP rank's ``(rank, version, error text)``: all ranks decide together."""
         return agree(getattr(self, "rank", None), version, error)
 
-    def _fail(self, outcomes, cause, what: str = "refit") -> None:
+    def fail(self, outcomes, cause) -> None:
+        """A refused refit: every rank still serves whole weights (see :meth:`_fail`)."""
+        self._untouched()
+        self._fail(outcomes, cause, what="refit")
+
+    def apply(self, bufs) -> dict:
+        """vLLM's apply step (:func:`._apply.apply`) with this engine's model and model check."""
+        # Torn until the apply returns: if it raises, vLLM 0.34 keeps the weights marked incomplete.
+        self._torn = True
+        if self.worker is not None:
+            weights_incomplete(self.worker)
+        split = apply(self.model, self.model_config, self._match, bufs, self.device)
+        self._torn = False
+        return split
+
+    def _fail(self, outcomes, cause, what: str) -> None:
         """Raise the TP group's agreed failure on the last TP rank only (:func:`._agree.fail` says
-        why); the others end their weight-update session after a failed refit and return."""
-        if what == "refit":  # refused before the apply: every rank still serves whole weights
-            self._untouched()
+        why); after a refit, the others end their weight-update session and return."""
         fail(outcomes, cause, what=what, serving=self.applied_version,
              quiet=self._end_session if what == "refit" else None)
 
@@ -156,7 +195,7 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         return init_dict
 
     def init_transfer_engine(self, init_info) -> None:
-        if self._sub is not None:  # the same on every rank: no agreement needed
+        if self.joined is not None:  # the same on every rank: no agreement needed
             raise RuntimeError(f"tritonreshard (rank {self.rank}): init_weight_transfer_engine was already called "
                                f"(call shutdown_weight_transfer_engine first)")
         error = None
@@ -164,17 +203,13 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
             self._init(TritonreshardInitInfo.from_dict(init_info))
         except Exception as exc:  # noqa: BLE001
             error = exc
-        outcomes = self._agree(0, error)
+        outcomes = self.agree(0, error)
         if any_failed(outcomes):
-            if self._sub is not None:
-                self._sub.close(abort=True)
-                self._sub = None
-            self._pull = None
+            self.leave_group(abort=True)
             self._fail(outcomes, error, what="init_weight_transfer_engine")
             return
         # A new group numbers its versions from 1 again; vLLM keeps serving what it serves.
-        self._group_version = 0
-        self._pull.start(self._sub)
+        self.start_pulling()
 
     def _init(self, init_info: ServingInit) -> None:
         pc = self.parallel_config
@@ -195,40 +230,20 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
                             "every TP rank's weight-update session")
         if problems:
             raise ValueError("tritonreshard init_weight_transfer_engine: " + "; ".join(problems))
-        self.tp_rank, tp = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-        trace_stats: dict = {}
-        self.spec = recipe_spec(init_info, self.model_config.hf_config, tp=tp, dtype=self.model_config.dtype,
-                                quantization=served_quantization(self.vllm_config),
-                                expert_parallel=bool(pc.enable_expert_parallel),
-                                tracer=lambda *a, **kw: _trace(*a, **kw, stats=trace_stats))
-        if trace_stats:
-            logger.info("tritonreshard (TP rank %s): traced the recipe of %r from vLLM's loader in %.1f ms (%.1f ms "
-                        "CPU, peak %s bytes above before, %s held after)", self.tp_rank,
-                        self.model_config.hf_config.model_type, trace_stats["trace_ms"], trace_stats["trace_cpu_ms"],
-                        trace_stats["trace_peak_bytes"], trace_stats["trace_held_bytes"])
-        place = serving_rank(init_info, self.spec, tp=tp, tp_rank=self.tp_rank)
-        self.rank, self.replica = place.rank, init_info.replica
-        self._match = check_model(self.model, self.spec, rank=self.rank, tp_rank=self.tp_rank)
-        # Fail-closed, before joining: the recipe against vLLM's own load_weights (Megatron names are
-        # not vLLM's checkpoint names: that recipe is checked by its own tests only).
-        self.verify_stats = verify_model(self.model, self.spec, rank=self.rank, tp_rank=self.tp_rank) \
-            if init_info.verify and init_info.megatron is None else {"verify_params": 0}
-        self.verify_stats["trace_ms"] = trace_stats.get("trace_ms")  # None: a hand-written recipe
-        logger.info("tritonreshard (rank %s): verify %s", self.rank, self.verify_stats)
-        self._timeout = init_info.timeout
-        # Two buffer sets for the background pull (one is pulled into while the other holds the
-        # newest complete version); without it one set is enough: vLLM's own parameters are what is
-        # served, and they are written only after every TP rank pulled the whole version.
-        pull = pull_mode(init_info.prefetch, rank=self.rank, logger=logger, served=lambda: self.applied_version)
-        self._sub, self.join_ms = place.join(device=self.device, mode=pull.MODE)
-        self._pull = pull
-        # How long joining the group took (an elastic join: join_stats says step by step).
-        self.join_stats = self._sub.join_stats
-        # What the refit costs in memory on this rank, beyond vLLM's own weights (docs/vllm.md).
-        self.buffer_sets, self.buffer_bytes = pull.BUFFER_SETS, place.buffer_bytes
+        self.trace_stats = {}
+        joined = self.join_group(init_info, logger=logger, served=lambda: self.applied_version,
+                                 stats=self.trace_stats)
+        # How long joining the group took (an elastic join: join_stats says step by step), and what
+        # the refit costs in memory on this rank beyond vLLM's own weights (docs/vllm.md): two
+        # buffer sets for the background pull (one is pulled into while the other holds the newest
+        # complete version), else one (vLLM's own parameters are what is served, and they are
+        # written only after every TP rank pulled the whole version).
+        self.join_ms, self.join_stats = joined.join_ms, joined.sub.join_stats
+        self.buffer_sets, self.buffer_bytes = joined.pull.BUFFER_SETS, joined.place.buffer_bytes
         logger.info("tritonreshard (rank %s): joined %srefit group %r in %.1f ms; background pull %s; %d buffer "
-                    "set(s) of %.1f MB", self.rank, "elastic " if place.group.elastic else "", init_info.group,
-                    self.join_ms, "on" if pull.BACKGROUND else "off", self.buffer_sets, self.buffer_bytes / 1e6)
+                    "set(s) of %.1f MB", self.rank, "elastic " if joined.place.group.elastic else "",
+                    init_info.group, self.join_ms, "on" if joined.pull.BACKGROUND else "off", self.buffer_sets,
+                    self.buffer_bytes / 1e6)
 
     # ------------------------------------------------------------------ phases 2-4
     def start_weight_update(self) -> None:
@@ -240,41 +255,24 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
     def receive_weights(self, update_info: TritonreshardUpdateInfo) -> None:
         if not self._session:
             raise RuntimeError(f"tritonreshard (rank {self.rank}): update_weights outside start/finish_weight_update")
-        if self._sub is None:  # every rank fails together, as a failed refit does
+        if self.joined is None:  # every rank fails together, as a failed refit does
             error = RuntimeError("update_weights before init_weight_transfer_engine: call "
                                  "init_weight_transfer_engine first")
-            self._fail(self._agree(0, error), error)
+            self.fail(self.agree(0, error), error)
             return
-        # The session holds the pull's lock: the watcher neither swaps nor starts a pull until it is done.
-        stats = refit(self._sub, self._pull, requested=update_info.version,
-                      timeout=self._timeout if update_info.timeout is None else update_info.timeout,
-                      installed=self._group_version, agree=self._agree, apply=self._apply, fail=self._fail)
+        # The seam's refit holds the pull's lock: the watcher neither swaps nor starts a pull until it is done.
+        stats = self.refit(update_info)
         if stats is None:  # failed; this rank ended its session (only the last TP rank raises)
             return
-        self.applied_version = self._group_version = stats["version"]
+        self.applied_version = stats["version"]
         self.stats = {**stats, **self.verify_stats}
         logger.info("tritonreshard (rank %s): installed version %s (%s) in %.1f ms: wait %.1f, agree %.1f, copy %.1f, "
                     "post-processing %.1f ms", self.rank, stats["version"],
                     "prefetched" if stats["prefetched"] else "pulled now", stats["total_ms"], stats["wait_ms"],
                     stats["agree_ms"], stats["copy_ms"], stats["post_ms"])
 
-    def _apply(self, bufs) -> dict:
-        """vLLM's apply step (:func:`._apply.apply`) with this engine's model and model check."""
-        # Torn until the apply returns: if it raises, vLLM 0.34 keeps the weights marked incomplete.
-        self._torn = True
-        if self.worker is not None:
-            weights_incomplete(self.worker)
-        split = apply(self.model, self.model_config, self._match, bufs, self.device)
-        self._torn = False
-        return split
-
     def finish_weight_update(self) -> None:
         self._session = False
 
     def shutdown(self) -> None:
-        if self._pull is not None:
-            self._pull.stop()
-            self._pull = None
-        if self._sub is not None:
-            self._sub.close()
-            self._sub = None
+        self.leave_group()

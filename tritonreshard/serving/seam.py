@@ -1,0 +1,173 @@
+"""The seam between tritonreshard and a serving engine, written down: :class:`ServingEngine`.
+
+A serving engine implements five methods, the only things that differ between engines:
+
+* :meth:`~ServingEngine.rank_layout`: describe this rank (:class:`RankLayout`: the engine's name
+  in the recipe registry, TP size and rank, device, the served model's config, dtype,
+  quantization, expert parallelism);
+* :meth:`~ServingEngine.check`: check the engine's own model against the recipe this rank got,
+  before it joins (a mismatch is refused, never served);
+* :meth:`~ServingEngine.agree`: gather every TP rank's ``(rank, version, error)`` over the
+  engine's own TP group;
+* :meth:`~ServingEngine.apply`: copy a pulled version into the engine's parameters;
+* :meth:`~ServingEngine.fail`: report an agreed failure (raise it, or, where the engine's RPC
+  cannot take an exception on every rank, raise on one rank and return on the others).
+
+and inherits the rest, the same for every engine: :meth:`~ServingEngine.join_group` (the recipe
+from the registry, the rank's place, the check, the pull mode, the join), :meth:`~ServingEngine.
+start_pulling`, :meth:`~ServingEngine.refit` (check, agree, obtain, agree, apply: all TP ranks or
+none) and :meth:`~ServingEngine.leave_group`. It is generic over its init info (a
+:class:`~.schema.ServingInit` subclass: an engine adds its fields and checks) and its update info
+(:class:`UpdateInfo` or a subclass), as an engine's own weight-transfer interface usually is.
+
+Implemented by the engine packages built on it (their weight-transfer engine, their LoRA slot)
+and by the plain torch engine of ``tests/_tp_engine.py``; docs/code-layout.md ("Adding a serving engine") lists
+the files an engine touches. Importing this module imports no engine.
+"""
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+import torch
+
+from .. import RefitInference
+from .layout import ServingRank, serving_rank
+from .pull import BackgroundPull, InlinePull, pull_mode
+from .registry import recipe_for
+from .schema import ServingInit
+from .session import refit
+
+__all__ = ["ServingEngine", "RankLayout", "UpdateInfo", "Joined"]
+
+
+@dataclass
+class UpdateInfo:
+    """What one refit is asked: ``version`` to install (None: the newest any TP rank pulled or is
+    pulling, else the next one published) and ``timeout`` in seconds (None: the init info's)."""
+
+    version: int | None = None
+    timeout: float | None = None
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """One engine rank, as the seam needs it. ``engine``: the engine's key in the recipe registry
+    (:func:`~.registry.register_recipe`); ``tp`` / ``tp_rank``: its TP size and rank; ``device``:
+    where its buffers live; ``config``: the served model's config (a ``transformers`` config for an
+    HF-named engine; whatever the engine's builder reads); ``dtype``: the served parameters' dtype;
+    ``quantization``: the recipe's (e.g. ``"fp8-block"``); ``expert_parallel``: experts split over
+    the TP ranks instead of sharded."""
+
+    engine: str
+    tp: int
+    tp_rank: int
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    config: object = None
+    dtype: torch.dtype | None = None
+    quantization: str | None = None
+    expert_parallel: bool = False
+
+
+@dataclass
+class Joined:
+    """What a rank holds once it joined: its place (rank, recipe, group kind), its inference
+    endpoint, its pull mode, the version of this group it serves (0: none yet), the refit's
+    default timeout and how long joining took."""
+
+    place: ServingRank
+    sub: RefitInference
+    pull: BackgroundPull | InlinePull
+    timeout: float
+    join_ms: float
+    installed: int = 0
+
+    @property
+    def spec(self):
+        return self.place.spec
+
+    @property
+    def rank(self) -> int:
+        return self.place.rank
+
+
+TInit = TypeVar("TInit", bound=ServingInit)
+TUpdate = TypeVar("TUpdate", bound=UpdateInfo)
+
+
+class ServingEngine(ABC, Generic[TInit, TUpdate]):
+    """One rank of a serving engine in a refit group (see the module docstring). Subclasses set
+    ``init_info_cls`` / ``update_info_cls`` and implement the five abstract methods; ``joined`` is
+    None until :meth:`join_group` succeeded."""
+
+    init_info_cls: type = ServingInit
+    update_info_cls: type = UpdateInfo
+    joined: Joined | None = None
+
+    # ------------------------------------------------------------------ what an engine writes
+    @abstractmethod
+    def rank_layout(self, init: TInit) -> RankLayout:
+        """This rank, for the recipe registry and the join."""
+
+    @abstractmethod
+    def check(self, place: ServingRank) -> None:
+        """Refuse (``ValueError``) when the engine's own model does not match ``place.spec`` on
+        ``place.rank``; runs once, before joining."""
+
+    @abstractmethod
+    def agree(self, version: int | None, error: BaseException | None) -> list[tuple]:
+        """Every TP rank's ``(rank, version, error text)`` (:func:`~.session.outcome` makes one),
+        gathered over the engine's TP group in TP rank order; every TP rank calls it together."""
+
+    @abstractmethod
+    def apply(self, tensors: dict[str, torch.Tensor]) -> dict:
+        """Copy ``{dst name: this rank's shard}`` into the engine's parameters; returns the time
+        split in ms (at least ``copy_ms`` and ``post_ms``)."""
+
+    @abstractmethod
+    def fail(self, outcomes: Sequence[tuple], cause: BaseException | None) -> None:
+        """Report the agreed failure of a refit (:func:`~.session.failure_text` says why): raise,
+        or return on the ranks that must not (the refit then returns None there)."""
+
+    # ------------------------------------------------------------------ what the seam does
+    def join_group(self, init: TInit, *, logger: logging.Logger | None = None,
+                   served: Callable[[], int] = lambda: 0, **extra) -> Joined:
+        """Join the refit group ``init`` describes: the recipe of ``rank_layout(init).engine`` for
+        ``init.source`` (``extra`` goes to its builder), this rank's place, :meth:`check`, the pull
+        mode (background or inline, chosen once from ``init.prefetch``; ``logger`` / ``served``:
+        where and with which served version a background failure is logged) and the endpoint. The
+        pull starts with :meth:`start_pulling` (an engine may first agree that every rank joined)."""
+        if self.joined is not None:
+            raise RuntimeError(f"{type(self).__name__}: already joined a refit group (leave_group first)")
+        layout = self.rank_layout(init)
+        place = serving_rank(init, recipe_for(init, layout, **extra), tp=layout.tp, tp_rank=layout.tp_rank)
+        self.check(place)
+        pull = pull_mode(init.prefetch, rank=place.rank, logger=logger, served=served)
+        sub, join_ms = place.join(device=layout.device, mode=pull.MODE)
+        self.joined = Joined(place, sub, pull, init.timeout, join_ms)
+        return self.joined
+
+    def start_pulling(self) -> None:
+        """Start the background pull (nothing for an inline pull)."""
+        self.joined.pull.start(self.joined.sub)
+
+    def refit(self, update: TUpdate) -> dict | None:
+        """Install ``update.version`` on every TP rank or on none (every TP rank calls it together):
+        :func:`~.session.refit` with this engine's agreement, apply and failure. Returns its stats,
+        or None where :meth:`fail` returned."""
+        j = self.joined
+        stats = refit(j.sub, j.pull, requested=update.version, timeout=j.timeout if update.timeout is None else
+                      update.timeout, installed=j.installed, agree=self.agree, apply=self.apply, fail=self.fail)
+        if stats is not None:
+            j.installed = stats["version"]
+        return stats
+
+    def leave_group(self, *, abort: bool = False) -> None:
+        """Stop the pull and leave the group (``abort``: after a failed set-up); a no-op when not joined."""
+        j, self.joined = self.joined, None
+        if j is not None:
+            j.pull.stop()
+            j.sub.close(abort=abort)
