@@ -44,7 +44,7 @@ def trainer(rank, workdir, base_dir, store, commands, results):
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    from tritonreshard.vllm.lora import LoraTrainer
+    from tritonreshard.vllm.lora import LoraTrainer, lora_init_info
 
     torch.set_num_threads(1)
     full = load_file(os.path.join(workdir, "adapter0.safetensors"))
@@ -54,8 +54,9 @@ def trainer(rank, workdir, base_dir, store, commands, results):
 
     src = trs.recipes.lora_to_vllm(LORA, cfg, TP, TRAINERS, inference, fsdp=True).src
     shards = {n: src[n].shard(full[n], rank).contiguous() for n in src}
-    with LoraTrainer(cfg, LORA, shards, rank=rank, tp=TP, trainer_ranks=TRAINERS, inference_ranks=inference,
-                     store=store, fsdp=True, timeout=300.0) as tr:
+    info = lora_init_info(LORA, lora_name=NAME, lora_id=LORA_ID, store=store, trainer_ranks=TRAINERS,
+                          inference_ranks=inference, fsdp=True, timeout=300.0)  # the workers' own info
+    with LoraTrainer(cfg, info, shards, rank=rank, tp=TP) as tr:
         results.put(("ready", rank, None))
         while True:
             cmd, step = commands.get()

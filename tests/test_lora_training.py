@@ -53,7 +53,7 @@ def _step(pm, opt, step):
 def _lora_rank(rank, ports):
     torch.set_num_threads(1)
     from tritonreshard.serving import ServingInit, serving_rank
-    from tritonreshard.vllm.lora import LoraTrainer
+    from tritonreshard.vllm.lora import LoraTrainer, lora_init_info
 
     cfg = _config()
     if rank in TRAINERS:
@@ -61,8 +61,9 @@ def _lora_rank(rank, ports):
         params = {n: p for n, p in pm.named_parameters() if p.requires_grad}
         opt = torch.optim.Adam(params.values(), lr=0.05)
         published = []
-        with LoraTrainer(cfg, peft.LoraConfig(**LORA), pm, rank=rank, tp=TP, trainer_ranks=TRAINERS,
-                         inference_ranks=READERS, store=f"127.0.0.1:{ports[0]}", timeout=120.0) as tr:
+        info = lora_init_info(peft.LoraConfig(**LORA), lora_name="policy", lora_id=1, trainer_ranks=TRAINERS,
+                              inference_ranks=READERS, store=f"127.0.0.1:{ports[0]}", timeout=120.0)
+        with LoraTrainer(cfg, info, pm, rank=rank, tp=TP) as tr:
             # the peft model's own parameters are the trainer's buffer now
             bound = {n.replace(".default.", "."): p.data_ptr() for n, p in params.items()}
             assert bound == {n: t.data_ptr() for n, t in tr.tensors.items()}, "not bound"
@@ -83,8 +84,9 @@ def _lora_rank(rank, ports):
         pm = _peft_model()
         opt = torch.optim.Adam([p for p in pm.parameters() if p.requires_grad], lr=0.05)
         detached = peft.get_peft_model_state_dict(pm)
-        with LoraTrainer(cfg, peft.LoraConfig(**LORA), detached, rank=rank, tp=TP, trainer_ranks=TRAINERS,
-                         inference_ranks=READERS, store=f"127.0.0.1:{ports[1]}", timeout=120.0) as tr:
+        info = lora_init_info(peft.LoraConfig(**LORA), lora_name="policy", lora_id=1, trainer_ranks=TRAINERS,
+                              inference_ranks=READERS, store=f"127.0.0.1:{ports[1]}", timeout=120.0)
+        with LoraTrainer(cfg, info, detached, rank=rank, tp=TP) as tr:
             del detached  # the trainer holds them: a dropped state dict hides nothing
             _step(pm, opt, 1)
             with pytest.raises(ValueError) as err:

@@ -1,11 +1,15 @@
 """LoRA adapters refitted in place into vLLM's LoRA slots: no adapter file, scaling once per version.
 
-Trainer side: :class:`LoraTrainer` (a :class:`~tritonreshard.RefitTrainer` publishing the adapter's
-A/B factors in PEFT's names, ``trs.recipes.lora_to_vllm(...).src``). Worker side:
-:class:`LoraWorkerExtension` (vLLM's ``worker_extension_cls``), whose ``init_lora_refit`` registers the
-adapter once with vLLM's own manager (zeros, pinned in its slot, so vLLM never reloads it from a
-path) and whose ``update_lora`` pulls a version into shadow buffers, agrees over the TP group, then
-writes every slot view in place and folds the scaling into ``lora_B`` once, as vLLM's loader does.
+Everything goes through the serving seam (:mod:`tritonreshard.serving`): one init schema
+(:class:`LoraInit`, a ``ServingInit`` with the adapter's fields), the recipe from the registry
+(``("vllm-lora", "hf")``: ``trs.recipes.lora_to_vllm``) on both sides, and the adapter slot as a
+:class:`~tritonreshard.serving.ServingEngine` whose apply writes vLLM's slot views. Trainer side:
+:class:`LoraTrainer` (a :class:`~tritonreshard.serving.ServingTrainer` publishing the adapter's A/B
+factors in PEFT's names). Worker side: :class:`LoraWorkerExtension` (vLLM's ``worker_extension_cls``),
+whose ``init_lora_refit`` registers the adapter once with vLLM's own manager (zeros, pinned in its
+slot, so vLLM never reloads it from a path) and whose ``update_lora`` is the seam's refit: pull the
+version, agree over the TP group, then write every slot view in place and fold the scaling into
+``lora_B`` once, as vLLM's loader does.
 Driver: :func:`lora_init_info`, :func:`setup_lora_refit` (checks the adapter against the engine
 before any worker is asked), :func:`refit_lora` (which also resets the prefix cache: vLLM keys cached
 KV blocks by the adapter's name and path only). The worker methods never raise: vLLM 0.32's
@@ -16,18 +20,21 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from .. import RefitTrainer, recipes
-from ..serving import SRC_DTYPES, ServingInit, join_as_trainer, rank_problems, serving_rank, src_dtype_problems
+from .. import recipes
+from ..serving import (RankLayout, ServingEngine, ServingInit, ServingRank, ServingTrainer, UpdateInfo, failure_text,
+                       register_recipe, src_dtype_name)
 from . import WorkerExtension
 
-__all__ = ["LoraTrainer", "LoraWorkerExtension", "LORA_WORKER_EXTENSION", "LORA_TIMEOUT", "lora_init_info",
-           "setup_lora_refit", "refit_lora"]
+__all__ = ["LoraTrainer", "LoraWorkerExtension", "LoraInit", "LORA_WORKER_EXTENSION", "LORA_TIMEOUT",
+           "lora_init_info", "setup_lora_refit", "refit_lora"]
 
 LORA_WORKER_EXTENSION = f"{__name__}.LoraWorkerExtension"
+#: The LoRA refit's key in the serving seam's recipe registry, and its group's default name.
+ENGINE = "vllm-lora"
 
 
 def _adapter_dict(lora_config) -> dict:
@@ -43,24 +50,60 @@ def _adapter_dict(lora_config) -> dict:
 LORA_TIMEOUT = 300.0
 
 
+@dataclass(frozen=True)
+class LoraInit(ServingInit):
+    """The LoRA refit's init info: the serving seam's :class:`~tritonreshard.serving.ServingInit`
+    (the group, its checks, written once) plus the adapter (``adapter``: a ``peft.LoraConfig``'s
+    plain dict), the ``LoRARequest`` name and id requests will use, and ``fsdp`` (the trainers hold
+    ``Shard(0)`` rows of the factors instead of whole copies). Its defaults differ where a LoRA
+    refit does: group ``"vllm-lora"``, ``timeout`` :data:`LORA_TIMEOUT`, the pull inside the refit
+    (``prefetch=False``: an adapter is small), no ``verify`` (the slots are checked against the
+    recipe view by view instead)."""
+
+    GROUP = ENGINE
+
+    timeout: float = LORA_TIMEOUT
+    prefetch: bool = False
+    verify: bool | str = False
+    adapter: dict | None = None
+    lora_name: str = ""
+    lora_id: int = 0
+    fsdp: bool = False
+
+    def problems(self, normal: dict) -> list[str]:
+        problems = super().problems(normal)
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            problems.append(f"lora_name={self.lora_name!r} must be a non-empty str")
+        if isinstance(self.lora_id, bool) or not isinstance(self.lora_id, int) or self.lora_id < 1:
+            problems.append(f"lora_id={self.lora_id!r} must be an int >= 1 (vLLM's LoRARequest)")
+        if not isinstance(self.adapter, dict):
+            problems.append(f"adapter must be a peft.LoraConfig's dict, got {type(self.adapter).__name__}")
+        if not isinstance(self.fsdp, bool):
+            problems.append(f"fsdp must be True or False, got fsdp={self.fsdp!r}")
+        return problems
+
+
 def lora_init_info(lora_config, *, lora_name: str, lora_id: int, store: str, trainer_ranks, inference_ranks,
-                   src_dtype: str = "float32", fsdp: bool = False, group: str = "vllm-lora",
-                   timeout: float = LORA_TIMEOUT) -> dict:
-    """The plain dict for ``collective_rpc("init_lora_refit", kwargs={"info": ...})``: the adapter
-    (``lora_config``: a ``peft.LoraConfig`` or its dict), the ``LoRARequest`` name and id requests
-    will use, and the refit group (as :func:`tritonreshard.vllm.init_info`). ``timeout``: the
-    workers' wait for the trainers at set-up and the default of each pull (:data:`LORA_TIMEOUT`)."""
-    problems = []
-    if not isinstance(lora_name, str) or not lora_name:
-        problems.append(f"lora_name={lora_name!r} must be a non-empty str")
-    if isinstance(lora_id, bool) or not isinstance(lora_id, int) or lora_id < 1:
-        problems.append(f"lora_id={lora_id!r} must be an int >= 1 (vLLM's LoRARequest)")
-    problems += src_dtype_problems(src_dtype) + rank_problems(trainer_ranks, inference_ranks)
-    if problems:
-        raise ValueError("lora_init_info: " + "; ".join(problems))
-    return {"adapter": _adapter_dict(lora_config), "lora_name": lora_name, "lora_id": lora_id, "store": store,
-            "trainer_ranks": [int(r) for r in trainer_ranks], "inference_ranks": [int(r) for r in inference_ranks],
-            "src_dtype": src_dtype, "fsdp": bool(fsdp), "group": group, "timeout": float(timeout)}
+                   **fields) -> dict:
+    """The plain dict for ``collective_rpc("init_lora_refit", kwargs={"info": ...})`` and for
+    :class:`LoraTrainer`: a :class:`LoraInit` of the adapter (``lora_config``: a
+    ``peft.LoraConfig`` or its dict), the ``LoRARequest`` name and id requests will use, and the
+    refit group (as :func:`tritonreshard.vllm.init_info`; ``fields``: ``src_dtype``, ``fsdp``,
+    ``group``, ``timeout`` (:data:`LORA_TIMEOUT`), ...). One ``ValueError`` naming every problem."""
+    return LoraInit(adapter=_adapter_dict(lora_config), lora_name=lora_name, lora_id=lora_id, store=store,
+                    trainer_ranks=trainer_ranks, inference_ranks=inference_ranks, **fields).to_dict()
+
+
+def _lora_recipe(init: LoraInit, layout: RankLayout, *, max_lora_rank: int = 16, served_modules=None):
+    """The registry's builder of ``("vllm-lora", "hf")``: ``lora_to_vllm`` for both sides (the
+    workers pass their engine's ``max_lora_rank`` and ``target_modules``, the trainers theirs)."""
+    dtype = {} if layout.dtype is None else {"dtype": layout.dtype}
+    return recipes.lora_to_vllm(init.adapter, layout.config, layout.tp, list(init.trainer_ranks),
+                                list(init.inference_ranks), max_lora_rank=max_lora_rank, src_dtype=init.dtype,
+                                fsdp=init.fsdp, served_modules=served_modules, **dtype)
+
+
+register_recipe(ENGINE, "hf", _lora_recipe)
 
 
 def _adapter_tensors(tensors, adapter_name: str) -> dict:
@@ -77,37 +120,50 @@ def _adapter_tensors(tensors, adapter_name: str) -> dict:
     return out
 
 
-class LoraTrainer(RefitTrainer):
+class LoraTrainer(ServingTrainer):
     """Trainer side: this rank's adapter, published to the vLLM workers' LoRA slots.
 
+    ``info``: the same :func:`lora_init_info` dict the engine's workers get (the adapter, the
+    group, ``fsdp``, ``timeout``): where the trainers and the workers meet, written once.
     ``tensors``: the ``peft`` model itself (its LoRA parameters of adapter ``adapter_name``), or
     ``{PEFT saved name: tensor}`` (the names ``peft.get_peft_model_state_dict`` gives; whole or,
-    with ``fsdp=True``, this rank's ``Shard(0)`` rows). Every ``nn.Parameter`` (or ``requires_grad``
-    leaf) given is *bound*: re-pointed at the trainer's shared buffer (``param.data``), so that
-    ``optimizer.step()`` on the model writes what ``publish()`` publishes, with no copy. Any other
-    tensor is copied into the buffer once: train ``tensors`` then. ``publish()`` raises
-    ``ValueError`` naming each given tensor that was written after that copy (e.g. the detached
-    ``get_peft_model_state_dict`` tensors, whose parameters an optimizer stepped: those steps would
-    never be published) or each bound parameter re-pointed elsewhere since.
+    with ``fsdp=True`` in ``info``, this rank's ``Shard(0)`` rows). Every ``nn.Parameter`` (or
+    ``requires_grad`` leaf) given is *bound*: re-pointed at the trainer's shared buffer
+    (``param.data``), so that ``optimizer.step()`` on the model writes what ``publish()`` publishes,
+    with no copy. Any other tensor is copied into the buffer once: train ``tensors`` then.
+    ``publish()`` raises ``ValueError`` naming each given tensor that was written after that copy
+    (e.g. the detached ``get_peft_model_state_dict`` tensors, whose parameters an optimizer stepped:
+    those steps would never be published) or each bound parameter re-pointed elsewhere since.
 
     ``max_lora_rank``: the engine's (vLLM's default 16); the adapter's ranks are checked against it
-    here, the engine checks them against its own in :func:`setup_lora_refit`. ``timeout``: see
-    :data:`LORA_TIMEOUT`. ``spec``: the recipe (``lora_to_vllm``). Other keywords: ``RefitTrainer``'s.
+    here, the engine checks them against its own in :func:`setup_lora_refit`. ``spec``: the recipe
+    (``lora_to_vllm``, from the seam's registry as the workers' is).
     """
 
-    def __init__(self, config, lora_config, tensors, *, rank: int, tp: int, trainer_ranks, inference_ranks, store,
-                 max_lora_rank: int = 16, fsdp: bool = False, group: str = "vllm-lora", adapter_name: str = "default",
-                 timeout: float = LORA_TIMEOUT, **kwargs):
+    ENGINE = ENGINE
+    GROUP = ENGINE
+    INIT = LoraInit
+
+    def __init__(self, config, info: dict, tensors, *, rank: int, tp: int, max_lora_rank: int = 16,
+                 adapter_name: str = "default"):
         given = _adapter_tensors(tensors, adapter_name)
         if not given or not all(isinstance(t, torch.Tensor) for t in given.values()):
             raise ValueError(f"LoraTrainer: tensors must be a peft model with LoRA parameters of adapter "
                              f"{adapter_name!r}, or a dict PEFT saved name -> tensor; got {type(tensors).__name__}"
                              f"{' without them' if isinstance(tensors, torch.nn.Module) else ''}")
+        init = LoraInit.from_dict(info)
+        self._max_lora_rank = max_lora_rank
+        # The trainers' dtype is their tensors'; the init info names it for the workers: the same.
         dtype = next(iter(given.values())).dtype
-        self.spec = recipes.lora_to_vllm(_adapter_dict(lora_config), config, tp, trainer_ranks, inference_ranks,
-                                         max_lora_rank=max_lora_rank, src_dtype=dtype, fsdp=fsdp)
-        join_as_trainer(self, given, self.spec.src, rank=rank, world_size=len(trainer_ranks) + len(inference_ranks),
-                        store=store, group=group, timeout=timeout, **kwargs)
+        if src_dtype_name(dtype) != init.src_dtype:
+            raise ValueError(f"LoraTrainer: the adapter's tensors are {dtype}, info has src_dtype={init.src_dtype!r}: "
+                             f"pass lora_init_info(..., src_dtype={src_dtype_name(dtype)!r})")
+        init, world = self._meeting(dtype, tp=tp, trainer_ranks=init.trainer_ranks,
+                                    inference_ranks=init.inference_ranks, store=init.store, group=init.group,
+                                    membership=None, **{k: v for k, v in init.to_dict().items() if k not in (
+                                        "store", "trainer_ranks", "inference_ranks", "group", "src_dtype")})
+        self._build(init, config, given, rank=rank, tp=tp, world_size=world, timeouts=init.configs["timeouts"],
+                    codec=init.configs["codec"])
         # The copied tensors (not views of the buffer now) and their version counters: torch bumps a
         # tensor's ``_version`` on every in-place write, and shares it with the parameter a detached
         # tensor came from, so an optimizer's step on that parameter shows here. Held (an adapter is
@@ -115,6 +171,9 @@ class LoraTrainer(RefitTrainer):
         buffer = self.tensors
         self._copied = {n: (t, t._version) for n, t in given.items()
                         if n in buffer and t.data_ptr() != buffer[n].data_ptr()}
+
+    def _recipe_extra(self) -> dict:
+        return {"max_lora_rank": self._max_lora_rank}
 
     def publish(self) -> int:
         """Publish the adapter's next version (see the class docstring for what is refused)."""
@@ -126,36 +185,47 @@ class LoraTrainer(RefitTrainer):
         return super().publish()
 
 
-class _LoraSlot:
-    """One worker's in-place refit of one adapter (see the module docstring)."""
+class _LoraSlot(ServingEngine[LoraInit, UpdateInfo]):
+    """One worker's in-place refit of one adapter, a serving engine of the seam (see the module
+    docstring): its layout is vLLM's LoRA slots, its check registers the adapter and finds every
+    slot view, its apply writes the views and folds the scaling in, and its failure is returned,
+    never raised (vLLM's executor stops reading replies at the first failed rank)."""
+
+    init_info_cls = LoraInit
 
     def __init__(self, worker, info: dict):
+        self.worker = worker
+        self.manager = worker.model_runner.lora_manager._adapter_manager  # vLLM 0.32 / 0.33: LRUCacheLoRAModelManager
+        self.applied, self.failure = 0, None
+        init = LoraInit.from_dict(info)
+        self.lora_id = init.lora_id
+        lc = self.manager.lora_config
+        self.join_group(init, max_lora_rank=lc.max_lora_rank, served_modules=lc.target_modules)
+        self.start_pulling()
+
+    def rank_layout(self, init: LoraInit) -> RankLayout:
         # vLLM is imported only inside its workers: importing this module must not import vLLM
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        runner = self.worker.model_runner
+        self.tp_rank = get_tensor_model_parallel_rank()
+        return RankLayout(engine=ENGINE, tp=get_tensor_model_parallel_world_size(), tp_rank=self.tp_rank,
+                          device=torch.device(runner.device), config=runner.model_config.hf_config,
+                          dtype=self.manager.lora_config.lora_dtype)
+
+    def check(self, place: ServingRank) -> None:
+        """Register the adapter once, through vLLM's own manager, with zero factors (vLLM builds its
+        packed layout and activates a slot; pinned, so that it is never evicted and never reloaded
+        from a path), then check every slot view against the recipe."""
         from vllm.lora.lora_model import LoRAModel
         from vllm.lora.peft_helper import PEFTHelper
 
-        manager = worker.model_runner.lora_manager._adapter_manager  # vLLM 0.32 / 0.33: LRUCacheLoRAModelManager
-        lc = manager.lora_config
-        self.tp_rank, tp = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-        adapter = info["adapter"]
-        spec = recipes.lora_to_vllm(adapter, worker.model_runner.model_config.hf_config, tp, info["trainer_ranks"],
-                                    info["inference_ranks"], max_lora_rank=lc.max_lora_rank, dtype=lc.lora_dtype,
-                                    src_dtype=SRC_DTYPES[info["src_dtype"]], fsdp=info["fsdp"],
-                                    served_modules=lc.target_modules)
-        # The group this slot joins, as any serving rank does (one replica; the pull runs in update_lora).
-        place = serving_rank(ServingInit(store=info["store"], trainer_ranks=info["trainer_ranks"],
-                                         inference_ranks=info["inference_ranks"], src_dtype=info["src_dtype"],
-                                         group=info["group"], timeout=info["timeout"], prefetch=False),
-                             spec, tp=tp, tp_rank=self.tp_rank)
-        self.spec, self.lora_id, self.rank = spec, info["lora_id"], place.rank
+        manager, lc, spec = self.manager, self.manager.lora_config, place.spec
+        self.spec, self.rank = spec, place.rank
         if self.lora_id in manager.list_adapters():
             raise ValueError(f"init_lora_refit: vLLM already holds an adapter with lora_id={self.lora_id}")
-        helper = PEFTHelper.from_dict(adapter)
+        helper = PEFTHelper.from_dict(place.init.adapter)
         helper.validate_legal(lc)
-        # Registered once, through vLLM's own manager, with zero factors: vLLM builds its packed
-        # layout and activates a slot; pinned (CPU cache and slot) so that it is never evicted and
-        # never reloaded from a path (a LoRARequest with this id finds it registered).
         zeros = {n: torch.zeros(lay.shape, dtype=lc.lora_dtype) for n, lay in spec.src.items()}
         manager.add_adapter(LoRAModel.from_lora_tensors(self.lora_id, zeros, helper, device="cpu",
                                                         dtype=lc.lora_dtype))
@@ -173,43 +243,42 @@ class _LoraSlot:
             manager.remove_adapter(self.lora_id)
             raise ValueError(f"init_lora_refit (TP rank {self.tp_rank}): vLLM's LoRA slots do not match "
                              f"lora_to_vllm: " + "; ".join(problems))
-        self.device = next(iter(self.views.values())).device
-        self._sub, _ = place.join(device=self.device, mode="shadow")
-        self.manager, self.applied = manager, 0
+
+    def agree(self, version, error) -> list:
+        from ._agree import agree  # vLLM's TP group: imported inside its workers only
+
+        return agree(self.rank, version, error)
+
+    @torch.no_grad()
+    def apply(self, bufs) -> dict:
+        """Every slot view, then ``lora_B`` scaled once, as vLLM's loader does."""
+        t0 = time.perf_counter()
+        for name, view in self.views.items():
+            view.copy_(bufs[name])
+            scale = self.spec.scaling.get(name, 1.0)
+            if scale != 1.0:  # vLLM's optimize(): lora_b *= scaling, in the LoRA dtype, after the cast
+                view.mul_(scale)
+        return {"copy_ms": (time.perf_counter() - t0) * 1e3, "post_ms": 0.0}
+
+    def fail(self, outcomes, cause) -> None:
+        self.failure = failure_text(outcomes)  # returned by update(); refit_lora raises on the driver
 
     def update(self, version: int, timeout: float | None) -> dict:
-        """Pull ``version``, agree over the TP group, then write every slot view and scale ``lora_B``
-        once. Never raises (vLLM's executor stops reading replies at the first failed rank): every
-        rank returns its outcome and :func:`refit_lora` raises."""
-        from vllm.distributed import get_tp_group  # vLLM only inside its workers (module docstring)
-
-        t0 = time.perf_counter()
-        error = None
-        try:  # broad on purpose: every TP rank must reach the agreement below
-            got = self._sub.pull(version, timeout)
-        except Exception as exc:  # noqa: BLE001
-            error, got = f"{type(exc).__name__}: {exc}", None
-        t1 = time.perf_counter()
-        outcomes = [None] * dist.get_world_size(get_tp_group().cpu_group)
-        dist.all_gather_object(outcomes, (self.tp_rank, got, error), group=get_tp_group().cpu_group)
-        bad = [f"TP rank {r}: {e}" for r, _, e in outcomes if e] or (
-            [f"TP ranks pulled different versions {sorted({v for _, v, _ in outcomes})}"]
-            if len({v for _, v, _ in outcomes}) > 1 else [])
-        if bad:
-            return {"ok": False, "error": "; ".join(bad), "serves": self.applied}
-        bufs = self._sub.tensors
-        with torch.no_grad():
-            for name, view in self.views.items():
-                view.copy_(bufs[name])
-                scale = self.spec.scaling.get(name, 1.0)
-                if scale != 1.0:  # vLLM's optimize(): lora_b *= scaling, in the LoRA dtype, after the cast
-                    view.mul_(scale)
-        self.applied = got
-        return {"ok": True, "version": got, "pull_ms": (t1 - t0) * 1e3,
-                "agree_apply_ms": (time.perf_counter() - t1) * 1e3, "bytes": self._sub.stats.bytes_per_refit}
+        """Pull ``version``, agree over the TP group, then apply (the seam's refit). Never raises:
+        every rank returns its outcome and :func:`refit_lora` raises."""
+        if version <= self.applied:  # the same on every rank: no agreement needed
+            return {"ok": False, "error": f"update_lora version={version} must be newer than the serving "
+                                          f"version {self.applied}", "serves": self.applied}
+        self.failure = None
+        stats = self.refit(UpdateInfo(version=version, timeout=timeout))
+        if stats is None:
+            return {"ok": False, "error": self.failure, "serves": self.applied}
+        self.applied = stats["version"]
+        return {"ok": True, "version": stats["version"], "pull_ms": stats["wait_ms"],
+                "agree_apply_ms": stats["agree_ms"] + stats["apply_ms"], "bytes": stats["bytes"]}
 
     def close(self) -> None:
-        self._sub.close()
+        self.leave_group()
 
 
 class LoraWorkerExtension(WorkerExtension):
