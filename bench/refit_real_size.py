@@ -100,7 +100,7 @@ def trainer(rank: int, store: str, commands, results) -> None:
     spec = spec_of(config)
     shards = {n: shard_values(n, lay.local_shape(rank), rank, 0) for n, lay in spec.src.items()}
     with trs_vllm.Trainer(config, shards, tp=TP, rank=rank, trainer_ranks=TRAINERS, inference_ranks=INFERENCE,
-                          store=store, group="real-size", timeout=600.0) as tr:
+                          store=store, group="real-size", timeouts=trs.Timeouts(wait=600.0)) as tr:
         del shards
         results.put(("ready", rank, _rss_mib()))
         while True:

@@ -211,7 +211,7 @@ def trainer(rank, world, model_name, meg_fields, train_path, tp, store, gloo, co
         t.copy_(spec.src[name].shard(full[name], rank))
     with trs_vllm.Trainer(cfg, shards, rank=rank, tp=tp, trainer_ranks=list(range(world)),
                           inference_ranks=inference, store=store, group="megatron", megatron=meg,
-                          timeout=300.0) as tr:
+                          timeouts=trs.Timeouts(wait=300.0)) as tr:
         # Megatron's parameters now live in the trainer's shared arena: training updates what
         # vLLM pulls, with no copy per step.
         trs.recipes.megatron_bind(model, tr.source_tensors, megatron=meg, rank=rank)

@@ -1,7 +1,7 @@
 """Two vLLM engines in one elastic refit group: the second joins mid-run, the first leaves mid-run.
 
 The tiny Llama of ``vllm_refit.py`` (built locally, no downloads). Two FSDP trainer processes are an
-elastic group's trainers (``tritonreshard.vllm.Trainer(..., elastic=True)``): they meet alone and
+elastic group's trainers (``tritonreshard.vllm.Trainer(..., membership=trs.Elastic())``): they meet alone and
 keep publishing. Two vLLM engines (``LLM``, TP=1 each, started concurrently, each in its own
 process) join through vLLM's own ``init_weight_transfer_engine`` with
 ``init_info(elastic=True, replica=i, inference_ranks=[its rank])`` whenever the script decides:
@@ -64,7 +64,7 @@ def trainer(rank: int, train_path: str, store: str, commands, results) -> None:
     src = trs.recipes.hf_to_vllm(cfg, tp=1, trainer_ranks=TRAINERS, inference_ranks=ENGINE_RANKS[0]).src
     shards = {n: src[n].shard(full[n], rank).contiguous() for n in src}
     with trs_vllm.Trainer(cfg, shards, rank=rank, tp=1, trainer_ranks=TRAINERS, store=store, group=GROUP,
-                          elastic=True, timeout=300.0, peer_timeout=10.0) as tr:
+                          membership=trs.Elastic(), timeouts=trs.Timeouts(wait=300.0, peer=10.0)) as tr:
         results.put(("ready", rank, None))
         while True:
             cmd, step = commands.get()

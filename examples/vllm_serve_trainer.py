@@ -43,7 +43,8 @@ def train(path: str, rank: int, store: str, steps: int, group: str, timeout: flo
     src = trs.recipes.hf_to_vllm(hf.config, tp=len(INFERENCE), trainer_ranks=TRAINERS, inference_ranks=INFERENCE).src
     shards = {n: src[n].shard(full[n], rank).contiguous() for n in src}
     with trs_vllm.Trainer(hf.config, shards, rank=rank, tp=len(INFERENCE), trainer_ranks=TRAINERS,
-                          inference_ranks=INFERENCE, store=store, group=group, timeout=timeout) as tr:
+                          inference_ranks=INFERENCE, store=store, group=group,
+                          timeouts=trs.Timeouts(wait=timeout)) as tr:
         print(f"trainer {rank}: joined the refit group", flush=True)
         for step in range(1, steps + 1):
             tr.fence()  # every worker read the last version (with the background pull: at once)

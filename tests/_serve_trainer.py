@@ -38,7 +38,7 @@ def main(rank: int, store: str, group: str, train_path: str, out_dir: str) -> No
     src = trs.recipes.hf_to_vllm(cfg, tp=2, trainer_ranks=trainers, inference_ranks=inference).src
     shards = {n: src[n].shard(full[n], rank).contiguous() for n in src}
     with trs_vllm.Trainer(cfg, shards, rank=rank, tp=2, trainer_ranks=trainers, inference_ranks=inference,
-                          store=store, group=group, timeout=120.0, peer_timeout=10.0) as tr:
+                          store=store, group=group, timeouts=trs.Timeouts(wait=120.0, peer=10.0)) as tr:
         reply({"ready": rank})
         for line in sys.stdin:
             cmd, *arg = line.split()

@@ -572,7 +572,7 @@ def _live_trainer(rank, store, commands, results):
     src = trs.recipes.hf_to_vllm(cfg, tp=1, trainer_ranks=[0, 1], inference_ranks=[2]).src
     shards = {n: src[n].shard(full[n], rank).contiguous() for n in src}
     with trs_vllm.Trainer(cfg, shards, rank=rank, tp=1, trainer_ranks=[0, 1], inference_ranks=[2], store=store,
-                          timeout=300.0) as tr:
+                          timeouts=trs.Timeouts(wait=300.0)) as tr:
         tr.fence()
         results.put(("published", rank, tr.publish()))
         commands.get()  # stop (the engine has shut its transfer engine down: nobody reads any more)

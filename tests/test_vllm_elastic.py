@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from _live import SESSION_ENV
+import tritonreshard as trs
 from tritonreshard.vllm import Trainer, init_info
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,9 +50,10 @@ def test_elastic_bad_input_fails_before_joining():
 
     cfg = LlamaConfig(**TINY)
     with pytest.raises(ValueError) as e:
-        Trainer(cfg, {"x": torch.zeros(2)}, rank=1, tp=1, trainer_ranks=[1, 2], store="127.0.0.1:9", elastic=True)
+        Trainer(cfg, {"x": torch.zeros(2)}, rank=1, tp=1, trainer_ranks=[1, 2], store="127.0.0.1:9",
+                membership=trs.Elastic())
     assert "an elastic group's trainers are its world: trainer_ranks must be [0, 1], got [1, 2]" in str(e.value)
-    with pytest.raises(ValueError, match="inference_ranks is needed .* unless elastic=True"):
+    with pytest.raises(ValueError, match=r"inference_ranks is needed .* unless the membership is trs.Elastic\(\)"):
         Trainer(cfg, {"x": torch.zeros(2)}, rank=0, tp=1, trainer_ranks=[0, 1], store="127.0.0.1:9")
 
 
@@ -81,7 +83,7 @@ def test_two_vllm_engines_join_and_leave_a_running_group():
     assert s["join"]["1"]["first_version"] == 2 and s["join"]["0"]["first_version"] == 1
     # The trainers' readers: A alone, then A and B, then B alone (A's ranks dropped when it left).
     assert s["readers"]["1"] == [2] and s["readers"]["3"] == [2, 3] and s["readers"]["6"] == [3]
-    assert "are elastic (tritonreshard.vllm.Trainer(elastic=True)) but init_info has elastic=False" \
+    assert "are elastic (membership=trs.Elastic()) but init_info has elastic=False" \
         in s["refused"]["not_elastic"], s["refused"]
     assert "replica 0 (its rank #0) is already in use by rank 2 of replica 0" in s["refused"]["replica_in_use"], \
         s["refused"]

@@ -46,7 +46,7 @@ import torch
 import trl.generation.vllm_client as trl_client
 import trl.generation.vllm_generation as trl_generation
 
-from .. import recipes
+from .. import Timeouts, recipes
 from ..serving import SRC_DTYPES
 from ..vllm import BACKEND, WORKER_EXTENSION, Trainer, init_info
 
@@ -162,8 +162,8 @@ class VLLMClient(trl_client.VLLMClient):
 
         def join():  # the server's workers meet this trainer inside its /init_weight_transfer_engine
             joined["trainer"] = Trainer(served["config"], zeros, rank=0, tp=tp, trainer_ranks=trainers,
-                                        inference_ranks=readers, store=store, group=GROUP, timeout=self.timeout,
-                                        peer_timeout=self.peer_timeout)
+                                        inference_ranks=readers, store=store, group=GROUP,
+                                        timeouts=Timeouts(wait=self.timeout, peer=self.peer_timeout))
 
         thread = threading.Thread(target=join, name="trs-trl-join", daemon=True)
         thread.start()
