@@ -155,7 +155,7 @@ def _timed(fn) -> float:
 def _buffer_digests(worker):
     """{name: blake2b of the bytes} of the newest complete version this worker pulled: what it
     handed vLLM, before vLLM's CPU repacking (bench harness: reads the engine's subscriber)."""
-    tensors = worker.weight_transfer_engine._sub.tensors
+    tensors = worker.weight_transfer_engine.joined.sub.tensors
     return {n: hashlib.blake2b(t.contiguous().view(torch.uint8).numpy().tobytes(), digest_size=16).hexdigest()
             for n, t in tensors.items()}
 

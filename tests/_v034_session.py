@@ -116,7 +116,7 @@ def main(wheel, port):
         # mark stays, and a later refused refit does not clear it.
         w.start_weight_update()
         try:
-            engine._apply({})
+            engine.apply({})
             raise AssertionError("apply without a model check did not raise")
         except AttributeError:
             pass

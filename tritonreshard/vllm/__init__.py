@@ -33,7 +33,7 @@ that skips a version reads the next one; one that is still reading version v whe
 want to publish v + 1 makes them wait at ``fence()``.
 
 **Elastic** (engines that come and go: autoscaling, a crashed replica): ``Trainer(...,
-elastic=True)`` in every trainer process (the trainers meet alone and keep running; their
+membership=trs.Elastic())`` in every trainer process (the trainers meet alone and keep running; their
 ``inference_ranks`` are not needed), and ``init_info(..., elastic=True, replica=i,
 inference_ranks=<this engine's own TP ranks>)`` for engine ``i``, passed to its
 ``init_weight_transfer_engine`` whenever it starts: it joins the running group and serves the newest
@@ -121,10 +121,10 @@ def init_info(**fields) -> dict:
     ``prefetch``: each worker pulls every published version in the background into its spare
     buffer set, so ``update_weights`` only applies it (False: the pull runs inside
     ``update_weights``, and the trainers' ``fence()`` waits for it; see docs/vllm.md).
-    ``delta``, ``delta_anchor``: the cross-host deltas, the same as the trainers' (``Trainer(delta=)``;
+    ``delta``, ``delta_anchor``: the cross-host deltas, the same as the trainers' (``Trainer(codec=)``;
     see :class:`~tritonreshard.RefitEndpoint`).
 
-    ``elastic``: join an elastic group (the trainers are ``Trainer(..., elastic=True)``; see
+    ``elastic``: join an elastic group (the trainers are ``Trainer(..., membership=trs.Elastic())``; see
     docs/elastic.md) while it runs: ``inference_ranks`` are then this engine's own TP ranks (TP rank
     ``t`` joins as ``inference_ranks[t]``; ranks no other engine or trainer uses, below
     ``trs.engine.elastic.MAX_RANKS``), and ``replica`` its index among the engines (any int >= 0
