@@ -148,7 +148,7 @@ def test_memory_estimate_counts_what_the_ranks_allocate():
 def test_link_gbps_option():
     """--link-gbps: a simulated link between hosts (the engine's $TRITONRESHARD_SIMULATED_LINK_GBPS)."""
     from tritonreshard.apps import bench
-    from tritonreshard.apps.bench.cli import parse_gbps
+    from tritonreshard.apps.bench.config import parse_gbps
     assert parse_gbps(None) == [None] and parse_gbps("1,2.5,inf") == [1.0, 2.5, None]
     for bad in ("0", "fast", "1,-2"):
         with pytest.raises(ValueError, match=r"--link-gbps=.*gigabits/s > 0 or 'inf'"):

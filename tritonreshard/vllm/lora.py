@@ -217,7 +217,7 @@ class _LoraSlot(ServingEngine[LoraInit, UpdateInfo]):
         """Register the adapter once, through vLLM's own manager, with zero factors (vLLM builds its
         packed layout and activates a slot; pinned, so that it is never evicted and never reloaded
         from a path), then check every slot view against the recipe."""
-        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.lora_model import LoRAModel  # vLLM only inside its workers (module docstring)
         from vllm.lora.peft_helper import PEFTHelper
 
         manager, lc, spec = self.manager, self.manager.lora_config, place.spec

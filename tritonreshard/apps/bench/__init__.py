@@ -57,7 +57,7 @@ process per rank (``torch.set_num_threads(1)``); ranks run commands from the sto
 measurements. Entry points for ``tritonreshard bench``: :func:`add_arguments` and :func:`run`.
 
 Modules, one job each: :mod:`.cli` (options, checks, :func:`run`), :mod:`.config` (:class:`BenchConfig`,
-``--size``), :mod:`.model` (the model and its layouts), :mod:`.provenance` (the bits every element
+``--size``, ``--link-gbps``), :mod:`.model` (the model and its layouts), :mod:`.provenance` (the bits every element
 holds), :mod:`.baselines` (p2p and gather_broadcast), :mod:`.rank` (one rank's set-up and command
 loop), :mod:`.session` (:class:`BenchSession`, memcpy), :mod:`.memory` (the peak estimate and the
 refusal) and :mod:`.report` (the JSON object and the table).

@@ -6,9 +6,9 @@ import argparse
 import json
 import sys
 
-from .config import LAYOUTS, METHODS, WORKER_METHODS, BenchConfig, parse_size
+from .config import LAYOUTS, METHODS, WORKER_METHODS, BenchConfig, parse_gbps, parse_size
 
-__all__ = ["add_arguments", "parse_gbps", "run"]
+__all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -64,22 +64,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="instead: the fused FP8 refit vs the bf16 refit vs bf16 refit + torch quantize, "
                              "in this process (see tritonreshard.apps.bench.fp8)")
     return parser
-
-
-def parse_gbps(text) -> list[float | None]:
-    """``--link-gbps``: ``"1,10,inf"`` -> ``[1.0, 10.0, None]`` (None: the link as it is); None -> ``[None]``."""
-    if text is None:
-        return [None]
-    out = []
-    for part in str(text).split(","):
-        try:
-            gbps = float(part)
-        except ValueError:
-            gbps = float("nan")
-        if not gbps > 0:
-            raise ValueError(f"--link-gbps={text!r}: each value must be gigabits/s > 0 or 'inf', got {part.strip()!r}")
-        out.append(None if gbps == float("inf") else gbps)
-    return out
 
 
 def _config(args) -> BenchConfig:

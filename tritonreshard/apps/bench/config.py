@@ -1,11 +1,12 @@
 """The bench's configuration: :class:`BenchConfig` (every spawned rank's argument, so frozen and
-picklable), the methods and layouts it knows, and :func:`parse_size` for ``--size``."""
+picklable), the methods and layouts it knows, :func:`parse_size` for ``--size`` and :func:`parse_gbps`
+for ``--link-gbps`` (here, below both the command line and :mod:`.deltas`, which parse it)."""
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
-__all__ = ["BenchConfig", "parse_size", "METHODS", "WORKER_METHODS", "LAYOUTS"]
+__all__ = ["BenchConfig", "parse_size", "parse_gbps", "METHODS", "WORKER_METHODS", "LAYOUTS"]
 
 METHODS = ("memcpy", "tritonreshard", "p2p", "gather_broadcast")
 WORKER_METHODS = ("tritonreshard", "p2p", "gather_broadcast")  # run by the spawned ranks (memcpy: the driver)
@@ -26,6 +27,22 @@ def parse_size(text) -> int:
         raise ValueError(f"--size={text!r}: use bytes as an int or a number with a unit "
                          f"(KiB, MiB, GiB, KB, MB, GB), e.g. 256MiB")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_gbps(text) -> list[float | None]:
+    """``--link-gbps``: ``"1,10,inf"`` -> ``[1.0, 10.0, None]`` (None: the link as it is); None -> ``[None]``."""
+    if text is None:
+        return [None]
+    out = []
+    for part in str(text).split(","):
+        try:
+            gbps = float(part)
+        except ValueError:
+            gbps = float("nan")
+        if not gbps > 0:
+            raise ValueError(f"--link-gbps={text!r}: each value must be gigabits/s > 0 or 'inf', got {part.strip()!r}")
+        out.append(None if gbps == float("inf") else gbps)
+    return out
 
 
 @dataclass(frozen=True)

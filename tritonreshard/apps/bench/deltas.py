@@ -20,8 +20,7 @@ import sys
 from dataclasses import replace
 
 from ...planning import fmt_bytes
-from .cli import parse_gbps
-from .config import BenchConfig, parse_size
+from .config import BenchConfig, parse_gbps, parse_size
 from .session import BenchSession
 
 __all__ = ["parse_rates", "measure_rate", "run_cli"]
