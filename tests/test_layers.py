@@ -8,6 +8,7 @@
   serving seam, then the vLLM backend and the apps on top; a module imports only its own layer or those below;
 * a private module (``_name``) is imported only inside its own package, and a private name only
   inside its own module;
+* no import circles: no module reaches itself through the imports of others (lazy imports included);
 * the library never imports its applications (nor matplotlib, which only the apps' pictures need);
 * every module of ``tritonreshard/`` is at most 600 lines and every function in it (methods and nested
   functions too) at most 80, from its ``def`` to its last line; the Triton kernels (``kernels/``) are
@@ -131,6 +132,83 @@ def test_no_import_points_upward_and_private_modules_stay_in_their_package():
                     ".".join(parts[:-1]) != name and (_where(".".join(parts[:-1])) / "__init__.py").exists() is False:
                 problems.append(f"{where}: a private name of another module (make it public, or keep it there)")
     assert not problems, "\n".join(problems)
+
+
+def _import_graph() -> dict[str, dict[str, str]]:
+    """``{module: {module it imports: "path:line" of an import of it}}`` over the checkout.
+
+    ``from pkg import name`` imports the submodule ``pkg.name`` where there is one, else ``pkg`` itself
+    (its ``__init__``: a re-export is an import of the package). The packages above a module, whose
+    ``__init__`` Python runs first, are not edges: every module would otherwise close a circle with
+    its own package."""
+    modules = dict(_modules())
+    graph: dict[str, dict[str, str]] = {name: {} for name in modules}
+    for name, path in modules.items():
+        for target, line in _imports(name, path):
+            if target not in modules:
+                target = target.rpartition(".")[0]
+            if target in modules and target != name:
+                graph[name].setdefault(target, f"{path.relative_to(ROOT)}:{line}")
+    return graph
+
+
+def _circles(graph: dict[str, dict[str, str]]) -> list[list[str]]:
+    """One shortest circle (``[a, b, ..., a]``) through each group of modules that reach each other
+    (Tarjan's strongly connected components, then a breadth-first walk inside each)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = [stack.pop()]
+            while group[-1] != v:
+                group.append(stack.pop())
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    circles = []
+    for group in groups:
+        start, members, prev = group[0], set(group), {}
+        queue = [start]
+        for v in queue:
+            for w in sorted(graph[v]):
+                if w in members and w not in prev:
+                    prev[w] = v
+                    queue.append(w)
+        path = [start]
+        while len(path) == 1 or path[-1] != start:
+            path.append(prev[path[-1]])
+        circles.append(path[::-1])
+    return circles
+
+
+def test_no_import_circles():
+    """No module reaches itself through the imports of others: the layers say which way imports
+    point between packages, this says it inside them too (``apps/bench``'s command line once
+    imported its delta runner, which imported a parser back from the command line). Imports inside
+    functions count as well: a lazy import is for a heavy or optional dependency, and does not make
+    a circle go away (it only moves it from import time to the first call); a helper both sides need
+    goes down to a module both import."""
+    graph = _import_graph()
+    # The graph really holds the library's imports (else the check could not fail).
+    assert "tritonreshard.apps.bench.config" in graph["tritonreshard.apps.bench.cli"]
+    assert "tritonreshard.planning" in graph["tritonreshard.apps.bench.deltas"]  # a package's re-export
+    problems = [" -> ".join(c) + "\n    " + "; ".join(f"{graph[a][b]} imports {b}" for a, b in zip(c, c[1:]))
+                for c in _circles(graph)]
+    assert not problems, "import circles:\n" + "\n".join(problems)
 
 
 def test_pyproject_lists_every_package_of_the_tree():
