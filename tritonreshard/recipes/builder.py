@@ -19,7 +19,7 @@ problem at once (:func:`raise_problems`).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -28,7 +28,8 @@ from ..layout import Layout, Part, Replicate, Shard
 from ..planning import BlockQuant, Plan, plan_quantized
 
 __all__ = ["RecipeSpec", "RecipeBuilder", "tp_layout", "vllm_layout", "pad_vocab_size", "VOCAB_PADDING", "positive_int",
-           "rank_list", "check_tp", "check_divisible", "check_vocab", "check_attention", "raise_problems"]
+           "rank_list", "check_tp", "check_divisible", "check_vocab", "check_attention", "check_moe", "shared_experts",
+           "raise_problems"]
 
 #: vLLM's ``DEFAULT_VOCAB_PADDING_SIZE``.
 VOCAB_PADDING = 64
@@ -93,6 +94,46 @@ def check_vocab(vocab_size: int, tp: int, problems: list[str]) -> None:
     if padded % tp:
         problems.append(f"padded vocab {padded} (vocab_size={vocab_size} rounded up to {VOCAB_PADDING}) "
                         f"is not divisible by tp={tp}")
+
+
+def check_moe(problems: list[str], tp: int, model_type: str, *, layers: int, moe_layers: Collection[int],
+              intermediate_size: int, experts: tuple[str, int], expert_size: tuple[str, int], expert_parallel: bool,
+              vllm_refuses_tp_over_experts: bool = False, shared: tuple[str, int] | None = None,
+              lacking: str | None = "experts") -> None:
+    """vLLM's MLP size rules for a model of ``layers`` layers, of which ``moe_layers`` hold routed
+    experts (laid out by :meth:`RecipeBuilder.experts`); each broken rule appends a problem:
+
+    * the dense layers' ``intermediate_size`` splits over ``tp``;
+    * no more ranks than experts (``experts``: the phrase that names their count, and the count):
+      vLLM's Qwen3-MoE and Qwen3-Next blocks refuse more whatever the parallelism
+      (``vllm_refuses_tp_over_experts``); elsewhere only ``expert_parallel`` needs it (a rank would
+      hold no expert);
+    * split by TP (no ``expert_parallel``), the experts' ``expert_size`` ``(name, size)`` splits over ``tp``;
+    * so do the shared experts, ``shared`` ``(the phrase that names their size, the size)``;
+    * ``expert_parallel`` without expert layers names what ``model_type`` is ``lacking`` (None: a
+      family whose config may have none, and that takes ``expert_parallel`` anyway)."""
+    if len(moe_layers) < layers:
+        check_divisible(problems, "intermediate_size", intermediate_size, tp)
+    if not moe_layers:
+        if expert_parallel and lacking is not None:
+            problems.append(f"expert_parallel=True but {model_type} has no {lacking}")
+        return
+    what, count = experts
+    if tp > count and vllm_refuses_tp_over_experts:
+        problems.append(f"tp={tp} is greater than {what} (vLLM refuses it too)")
+    elif tp > count and expert_parallel:
+        problems.append(f"expert_parallel: tp={tp} is greater than {what} (a rank would hold no expert)")
+    if not expert_parallel:
+        check_divisible(problems, *expert_size, tp)
+    if shared is not None and shared[1] % tp:
+        problems.append(f"{shared[0]} is not divisible by tp={tp}")
+
+
+def shared_experts(moe_intermediate_size: int, n_shared: int) -> tuple[str, int]:
+    """:func:`check_moe`'s ``shared`` where ``n_shared`` experts of ``moe_intermediate_size`` are one
+    dense MLP in vLLM (DeepSeek, GLM-4.5: ``mlp.shared_experts``)."""
+    size = moe_intermediate_size * n_shared
+    return f"shared experts' intermediate size {size} (moe_intermediate_size * n_shared_experts)", size
 
 
 def raise_problems(where: str, problems: list[str]) -> None:

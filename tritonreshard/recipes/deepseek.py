@@ -33,7 +33,8 @@ from typing import Any
 import torch
 
 from ..layout import Part, Replicate, Shard
-from .builder import RecipeBuilder, RecipeSpec, check_divisible, check_vocab, raise_problems
+from .builder import (RecipeBuilder, RecipeSpec, check_divisible, check_moe, check_vocab, raise_problems,
+                      shared_experts)
 
 __all__ = ["build_deepseek", "deepseek_to_vllm", "DEEPSEEK_MODEL_TYPES"]
 
@@ -81,19 +82,9 @@ def build_deepseek(config: Any, b: RecipeBuilder, *, expert_parallel: bool, quan
                         f"attention (all three set) has a recipe")
     check_divisible(problems, "num_attention_heads", nq, tp)
     check_vocab(V, tp, problems)
-    if len(moe_layers) < L:
-        check_divisible(problems, "intermediate_size", inter, tp)
-    if moe_layers:
-        if expert_parallel and tp > E:
-            problems.append(f"expert_parallel: tp={tp} is greater than n_routed_experts={E} (a rank would hold "
-                            f"no expert)")
-        if not expert_parallel:
-            check_divisible(problems, "moe_intermediate_size", moe_i, tp)
-        if n_shared and (moe_i * n_shared) % tp:
-            problems.append(f"shared experts' intermediate size {moe_i * n_shared} (moe_intermediate_size * "
-                            f"n_shared_experts) is not divisible by tp={tp}")
-    elif expert_parallel:
-        problems.append(f"expert_parallel=True but {model_type} has no MoE layers")
+    check_moe(problems, tp, model_type, layers=L, moe_layers=moe_layers, intermediate_size=inter,
+              experts=(f"n_routed_experts={E}", E), expert_size=("moe_intermediate_size", moe_i),
+              expert_parallel=expert_parallel, shared=shared_experts(moe_i, n_shared), lacking="MoE layers")
     raise_problems(f"hf_to_vllm: {model_type} (hidden_size={H}, heads={nq}, kv_lora_rank={kv_lora}), tp={tp}",
                    problems)
 

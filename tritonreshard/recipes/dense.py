@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..layout import Part, Replicate, Shard
-from .builder import RecipeBuilder, check_attention, check_divisible, check_vocab, raise_problems
+from .builder import RecipeBuilder, check_attention, check_moe, check_vocab, raise_problems
 
 __all__ = ["Family", "FAMILIES", "moe_layers", "build_dense"]
 
@@ -87,15 +87,12 @@ def build_dense(config: Any, b: RecipeBuilder, *, expert_parallel: bool, quantiz
     problems: list[str] = []
     check_attention(problems, tp, nq, nkv)
     check_vocab(V, tp, problems)
-    if moe:
-        if tp > E:  # vLLM's Qwen3MoeSparseMoeBlock refuses it, with or without EP
-            problems.append(f"tp={tp} is greater than num_experts={E} (vLLM refuses it too)")
-        if not expert_parallel:
-            check_divisible(problems, "moe_intermediate_size", moe_i, tp)
-    elif expert_parallel and not fam.moe:
-        problems.append(f"expert_parallel=True but {config.model_type} has no experts")
-    if len(moe) < L:
-        check_divisible(problems, "intermediate_size", inter, tp)
+    # vLLM's Qwen3MoeSparseMoeBlock refuses tp > num_experts, with or without EP; a MoE family's
+    # config may also have no expert layer at all, which expert_parallel then leaves alone.
+    check_moe(problems, tp, config.model_type, layers=L, moe_layers=moe, intermediate_size=inter,
+              experts=(f"num_experts={E}", E), expert_size=("moe_intermediate_size", moe_i),
+              expert_parallel=expert_parallel, vllm_refuses_tp_over_experts=True,
+              lacking=None if fam.moe else "experts")
     raise_problems(f"hf_to_vllm: {config.model_type} (hidden_size={H}, heads={nq}, kv_heads={nkv}, "
                    f"head_dim={hd}), tp={tp}", problems)
 

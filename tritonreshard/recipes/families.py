@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ..layout import Part, Replicate, Shard
-from .builder import RecipeBuilder, check_attention, check_divisible, check_vocab, raise_problems
+from .builder import RecipeBuilder, check_attention, check_moe, check_vocab, raise_problems, shared_experts
 
 __all__ = ["FAMILY_MODEL_TYPES", "build_family", "qkv"]
 
@@ -88,18 +88,9 @@ def _check(config: Any, tp: int, s: dict, moe: set[int], E: int, moe_i: int, n_s
         problems.append(f"quantization={quantization!r} is not laid out for {config.model_type} yet")
     check_attention(problems, tp, s["nq"], s["nkv"])
     check_vocab(s["V"], tp, problems)
-    if len(moe) < s["L"]:
-        check_divisible(problems, "intermediate_size", s["inter"], tp)
-    if moe:
-        if expert_parallel and tp > E:
-            problems.append(f"expert_parallel: tp={tp} is greater than the {E} experts (a rank would hold none)")
-        if not expert_parallel:
-            check_divisible(problems, "the experts' intermediate size", moe_i, tp)
-        if n_shared and (moe_i * n_shared) % tp:
-            problems.append(f"shared experts' intermediate size {moe_i * n_shared} (moe_intermediate_size * "
-                            f"n_shared_experts) is not divisible by tp={tp}")
-    elif expert_parallel:
-        problems.append(f"expert_parallel=True but {config.model_type} has no experts")
+    check_moe(problems, tp, config.model_type, layers=s["L"], moe_layers=moe, intermediate_size=s["inter"],
+              experts=(f"the {E} experts", E), expert_size=("the experts' intermediate size", moe_i),
+              expert_parallel=expert_parallel, shared=shared_experts(moe_i, n_shared))
     raise_problems(f"hf_to_vllm: {config.model_type} (hidden_size={s['H']}, heads={s['nq']}, "
                    f"kv_heads={s['nkv']}, head_dim={s['hd']}), tp={tp}", problems)
 

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from ..layout import Part, Replicate, Shard
-from .builder import RecipeBuilder, check_attention, check_divisible, check_vocab, raise_problems
+from .builder import RecipeBuilder, check_attention, check_divisible, check_moe, check_vocab, raise_problems
 from .families import qkv
 
 __all__ = ["HYBRID_MODEL_TYPES", "build_hybrid"]
@@ -69,18 +69,15 @@ def _check(config: Any, tp: int, moe: set[int], expert_parallel: bool, quantizat
     check_divisible(problems, "linear_num_key_heads", config.linear_num_key_heads, tp)
     check_divisible(problems, "linear_num_value_heads", config.linear_num_value_heads, tp)
     check_vocab(config.vocab_size, tp, problems)
-    if len(moe) < config.num_hidden_layers:
-        check_divisible(problems, "intermediate_size", config.intermediate_size, tp)
-    if moe:
-        if tp > config.num_experts:  # vLLM's Qwen3NextSparseMoeBlock refuses it, with or without EP
-            problems.append(f"tp={tp} is greater than num_experts={config.num_experts} (vLLM refuses it too)")
-        if not expert_parallel:
-            check_divisible(problems, "moe_intermediate_size", config.moe_intermediate_size, tp)
-        shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
-        if shared % tp:  # vLLM then replicates the shared expert, a layout not laid out here
-            check_divisible(problems, "shared_expert_intermediate_size", shared, tp)
-    elif expert_parallel:
-        problems.append(f"expert_parallel=True but {config.model_type} has no experts")
+    E = getattr(config, "num_experts", 0) or 0
+    # vLLM's Qwen3NextSparseMoeBlock refuses tp > num_experts, with or without EP; a shared expert
+    # that tp does not divide vLLM replicates, a layout not laid out here.
+    shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
+    check_moe(problems, tp, config.model_type, layers=config.num_hidden_layers, moe_layers=moe,
+              intermediate_size=getattr(config, "intermediate_size", 0), experts=(f"num_experts={E}", E),
+              expert_size=("moe_intermediate_size", getattr(config, "moe_intermediate_size", 0)),
+              expert_parallel=expert_parallel, vllm_refuses_tp_over_experts=True,
+              shared=(f"shared_expert_intermediate_size={shared}", shared))
     raise_problems(f"hf_to_vllm: {config.model_type} (hidden_size={config.hidden_size}, heads={nq}, linear heads "
                    f"k={config.linear_num_key_heads} v={config.linear_num_value_heads}), tp={tp}", problems)
 
