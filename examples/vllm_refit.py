@@ -134,7 +134,7 @@ def trainer(rank: int, train_path: str, model: str, tp: int, store: str, group: 
     # change its copy the same way, so their noise does not depend on the rank.
     whole = {n for n in src if not any(isinstance(p, trs.Shard) for p in src[n].placements)}
     joined = dict(rank=rank, trainer_ranks=TRAINERS, inference_ranks=inference, store=store, group=group,
-                  timeout=300.0)
+                  timeouts=trs.Timeouts(wait=300.0))
     with (trs_vllm.Trainer.from_spec(spec, shards, **joined) if model in TRACED else
           trs_vllm.Trainer(cfg, shards, tp=tp, **joined)) as tr:
         results.put(("ready", rank, None))
