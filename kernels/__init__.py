@@ -10,14 +10,17 @@ design are in :mod:`tritonreshard.kernels.gather`. :mod:`~tritonreshard.kernels.
 changed words (:func:`delta_count_kernel`, :func:`delta_compact_kernel`: the delta codec's CUDA path).
 Tables are built by
 :class:`~tritonreshard.kernels.descriptors.DescriptorTable` (once per rank, reused every refit).
+Whether a table runs the kernels or torch ops is a :class:`CopyBackend`'s answer
+(:mod:`~tritonreshard.kernels.backends`: ``TritonBackend``, ``TorchBackend``, ``AutoBackend``).
 
 Compiled or interpreted is decided per launch from the tables' device: CUDA tensors run the compiled
 kernels, CPU tensors run the same source in Triton's interpreter (exact, slow: tests and
 debugging). Importing this package sets no environment variable, changes nothing for other
 libraries' Triton kernels and does not initialise CUDA.
 """
-from .delta import (DELTA_BLOCK, DELTA_WORDS, DeltaLaunch, delta_compact, delta_compact_kernel, delta_count,
-                    delta_count_kernel, delta_launch_configs)
+from .backends import BACKEND_NAMES, AutoBackend, CopyBackend, TorchBackend, TritonBackend, copy_backend
+from .delta import (DELTA_BLOCK, DELTA_WORDS, DeltaLaunch, TorchDeltaScan, TritonDeltaScan, delta_compact,
+                    delta_compact_kernel, delta_count, delta_count_kernel, delta_launch_configs)
 from .descriptors import DescriptorTable, Entry, Region
 from .quantize import (QuantizeLaunch, QuantizeTable, ceil_to_ue8m0, e4m3_from_f32, per_block_cast_to_fp8,
                        quantize_blocks_kernel, quantize_launch_configs)
@@ -41,6 +44,14 @@ from .gather import (
 )
 
 __all__ = [
+    "AutoBackend",
+    "BACKEND_NAMES",
+    "CopyBackend",
+    "TorchBackend",
+    "TritonBackend",
+    "copy_backend",
+    "TorchDeltaScan",
+    "TritonDeltaScan",
     "DELTA_BLOCK",
     "DELTA_WORDS",
     "DeltaLaunch",

@@ -10,6 +10,10 @@ message changed since the sender's snapshot, in two passes over the words.
   new values at its offset, in ascending order (a scan inside the block gives each changed word its
   rank), so the output equals torch's ``nonzero`` and ``new[idx]`` exactly.
 
+:class:`TritonDeltaScan` runs both passes for one message; :class:`TorchDeltaScan` is the same with
+torch ops (any device, any length), byte for byte. A :class:`~tritonreshard.kernels.CopyBackend`
+says which one a message gets (``delta_scan``).
+
 The snapshot is not updated here: the codec's contract is that it becomes the new version only
 once the sends completed (``commit_sends``), so a failed send leaves the base the receiver holds.
 
@@ -20,13 +24,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton.language as tl
 
 from ._jit import interpreted, jit
 
-__all__ = ["DELTA_BLOCK", "DELTA_WORDS", "DeltaLaunch", "delta_compact", "delta_compact_kernel", "delta_count",
-           "delta_count_kernel", "delta_launch_configs"]
+__all__ = ["DELTA_BLOCK", "DELTA_WORDS", "DeltaLaunch", "TorchDeltaScan", "TritonDeltaScan", "delta_compact",
+           "delta_compact_kernel", "delta_count", "delta_count_kernel", "delta_launch_configs"]
 
 #: Words per program. 4096 words is 8 KiB of each input at bf16 (16 KiB at fp32): enough per
 #: program to hide latency, small enough that the in-block scan stays in registers.
@@ -37,6 +42,7 @@ DELTA_WORDS = (torch.uint8, torch.int16, torch.int32, torch.int64)
 # compile gate's limit is 128), so they get 16 warps (8 words a thread).
 _NUM_WARPS = {1: 8, 2: 8, 4: 8, 8: 16}
 _MAX_WORDS = 2 ** 31 - 1  # positions are int32
+_GATHER_BITS = 0x0102040810204080     # see TorchDeltaScan.write_bitmask
 
 
 @jit
@@ -197,3 +203,49 @@ def delta_launch_configs(n: int = 3 * DELTA_BLOCK + 16) -> list[tuple[str, torch
         out.append(("compact", wd, _compact_launch(new, old, torch.zeros(nblocks, dtype=torch.int64),
                                                    torch.zeros(n, dtype=torch.int32), torch.zeros(n, dtype=wd))))
     return out
+
+
+class TorchDeltaScan:
+    """Compare and compact with torch (any device; also Triton's fallback for 2**31 words or more).
+
+    Built from the two messages' words: ``changed``, the words that differ. ``compact()``: their
+    positions (int64, ascending) and new values; ``write_bitmask(payload)``: the BITMASK section."""
+
+    def __init__(self, nw: torch.Tensor, ow: torch.Tensor, nmask: int):
+        self.nw, self.nmask = nw, nmask
+        self.mask = nw != ow
+        self.changed = int(torch.count_nonzero(self.mask))
+
+    def compact(self) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.nonzero(self.mask).view(-1)
+        return idx, self.nw[idx]
+
+    def write_bitmask(self, payload: torch.Tensor) -> None:
+        n = self.nw.numel()
+        if self.nw.device.type == "cpu":   # numpy's packbits: ~15x the torch bit-gather below on CPU
+            payload[:-(-n // 8)] = torch.from_numpy(np.packbits(self.mask.numpy(), bitorder="little"))
+            return
+        padded = torch.zeros(self.nmask * 8, dtype=torch.uint8, device=self.nw.device)
+        padded[:n] = self.mask
+        # Eight 0/1 bytes (an int64, little-endian) -> one byte, first byte lowest bit: the
+        # product gathers byte i into bit 56 + i, with no carries between them.
+        payload[:self.nmask] = ((padded.view(torch.int64) * _GATHER_BITS) >> 56).to(torch.uint8)
+
+
+class TritonDeltaScan:
+    """Compare and compact with this module's kernels (under 2**31 words): what :class:`TorchDeltaScan`
+    gives, byte for byte. Pass 1 (here) counts the changed words per block and writes the bitmask
+    (its bytes are the BITMASK section as they are); pass 2 (``compact()``) the changed words'
+    positions (ascending, as nonzero gives them) and new values."""
+
+    def __init__(self, nw: torch.Tensor, ow: torch.Tensor, nmask: int):
+        self.nw, self.ow, self.nmask = nw, ow, nmask
+        self.counts, self.bits = delta_count(nw, ow, nmask)
+        self.changed = int(self.counts.sum())
+
+    def compact(self) -> tuple[torch.Tensor, torch.Tensor]:
+        idx32, vals = delta_compact(self.nw, self.ow, self.counts, self.changed)
+        return idx32.to(torch.int64), vals
+
+    def write_bitmask(self, payload: torch.Tensor) -> None:
+        payload[:self.nmask] = self.bits

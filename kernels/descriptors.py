@@ -21,6 +21,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from . import gather as _k
+from .backends import copy_backend
 
 __all__ = ["DescriptorTable", "Entry", "Region"]
 
@@ -270,30 +271,34 @@ class DescriptorTable:
         """A table of some entries only (e.g. ``table.subset([3]).run()`` to step through entry 3)."""
         return DescriptorTable([self.entries[i] for i in indices], self.device)
 
-    def run(self, backend: str = "triton") -> None:
-        """Execute every entry. ``"triton"``: one launch per (dtype group, kernel variant) (compiled
-        on CUDA, Triton's interpreter on CPU tensors); ``"torch"``: ``dst_view.copy_(src_view)`` per entry (the
-        fast CPU path; equal bits except NaN payloads, see ``tritonreshard.kernels.gather``)."""
-        if backend == "triton":
-            for g in self._groups:
-                g.launch()
-        elif backend == "torch":
-            for copy_, s in self._pairs:
-                copy_(s)
-        else:
-            raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
+    def run(self, backend="triton") -> None:
+        """Execute every entry with ``backend`` (a :class:`~tritonreshard.kernels.CopyBackend` or its
+        name): ``"triton"``: :meth:`launch`; ``"torch"``: :meth:`copy`; ``"auto"``: by the table's device."""
+        copy_backend(backend).run(self)
+
+    def launch(self) -> None:
+        """Execute every entry with the kernels: one launch per (dtype group, kernel variant)
+        (compiled on CUDA, Triton's interpreter on CPU tensors)."""
+        for g in self._groups:
+            g.launch()
+
+    def copy(self) -> None:
+        """Execute every entry with torch: ``dst_view.copy_(src_view)`` per coalesced run of entries
+        (the fast CPU path; equal bits except NaN payloads, see ``tritonreshard.kernels.gather``)."""
+        for copy_, s in self._pairs:
+            copy_(s)
 
     def __len__(self) -> int:
         return len(self.entries)
 
     @property
     def num_torch_copies(self) -> int:
-        """``copy_`` calls per ``run(backend="torch")`` (same-geometry entries are coalesced)."""
+        """``copy_`` calls per :meth:`copy` (same-geometry entries are coalesced)."""
         return len(self._pairs)
 
     @property
     def num_launches(self) -> int:
-        """Kernel launches per ``run(backend="triton")``: one per (dtype group, kernel variant) with
+        """Kernel launches per :meth:`launch`: one per (dtype group, kernel variant) with
         work; at most ``2 x`` the number of dtype groups, whatever the number of tensors."""
         return sum(1 for g in self._groups for lc in g.launches if lc.num_tiles)
 

@@ -40,6 +40,7 @@ import torch
 import triton.language as tl
 
 from tritonreshard.planning import CASTABLE_DTYPES, FP8_DTYPE, BlockQuant
+from .backends import copy_backend
 from ._jit import interpreted, jit
 # The descriptor flag bit and the 128-bit vector width mean the same in both kernels' tables: one home.
 from .gather import ALIGN_BYTES as _ALIGN, FLAG_ALIGNED
@@ -488,7 +489,8 @@ class QuantizeTable:
                                 copies, writes, scale[c:c + m]))
         return out
 
-    def _run_torch(self) -> None:
+    def copy(self) -> None:
+        """Quantize every block with torch ops (about 1 MiB of block rows at a time, see the class docstring)."""
         if self._chunks is None:
             self._chunks = self._build_chunks()
         for j, v, w, zeros, copies, writes, scale in self._chunks:
@@ -505,15 +507,15 @@ class QuantizeTable:
                 d.copy_(src)
             scale.copy_(s)
 
-    def run(self, backend: str = "triton") -> None:
-        """Quantize every block: ``"triton"`` (compiled on CUDA, interpreted on CPU) or ``"torch"``."""
-        if backend == "triton":
-            for lc in self.launches:
-                lc.launch()
-        elif backend == "torch":
-            self._run_torch()
-        else:
-            raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
+    def run(self, backend="triton") -> None:
+        """Quantize every block with ``backend`` (a :class:`~tritonreshard.kernels.CopyBackend` or its
+        name): ``"triton"``: :meth:`launch`; ``"torch"``: :meth:`copy`; ``"auto"``: by the table's device."""
+        copy_backend(backend).run(self)
+
+    def launch(self) -> None:
+        """Quantize every block with the kernel (compiled on CUDA, interpreted on CPU)."""
+        for lc in self.launches:
+            lc.launch()
 
     def __len__(self) -> int:
         return len(self.jobs)

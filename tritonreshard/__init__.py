@@ -18,7 +18,8 @@ __all__ = [
     "Layout", "Shard", "Replicate", "Part", "Plan", "FillOp", "PlanStats", "TransferOp", "plan_reshard",
     "execute_local", "recipes",
     "RefitEndpoint", "RefitTrainer", "RefitInference", "RefitError", "PeerDiedError", "PullStats", "RefitStats",
-    "secret_for_children", "Timeouts", "PullOptions", "Fixed", "Elastic", "Dense", "Delta",
+    "secret_for_children", "Meeting", "SourceData", "DestinationData", "Timeouts", "PullOptions", "Fixed", "Elastic",
+    "Dense", "Delta", "BufferMode", "Shadow", "InPlace", "CopyBackend", "AutoBackend", "TritonBackend", "TorchBackend",
 ]
 __version__ = "0.1.0"
 
@@ -33,8 +34,11 @@ _EXPORTS = {
     "execute_local": "execute",
     "PullStats": "engine", "RefitEndpoint": "engine", "RefitInference": "engine", "RefitStats": "engine",
     "RefitTrainer": "engine", "secret_for_children": "engine",
+    "Meeting": "engine", "SourceData": "engine", "DestinationData": "engine",
     "Timeouts": "engine", "PullOptions": "engine", "Fixed": "engine", "Elastic": "engine",
     "Dense": "transport", "Delta": "transport",
+    "BufferMode": "engine", "Shadow": "engine", "InPlace": "engine",
+    "CopyBackend": "engine", "AutoBackend": "engine", "TritonBackend": "engine", "TorchBackend": "engine",
 }
 #: The layers, reachable as attributes too (``trs.planning.fmt_bytes``) once anything asks.
 _SUBMODULES = {"errors", "layout", "planning", "recipes", "kernels", "execute", "transport", "engine"}

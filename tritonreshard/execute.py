@@ -11,11 +11,10 @@ from typing import Mapping
 
 import torch
 
-from .kernels import DescriptorTable, QuantizeTable
+from .kernels import DescriptorTable, QuantizeTable, copy_backend
 
 __all__ = ["execute_local", "check_shard", "writable_problem"]
 
-_BACKENDS = ("auto", "triton", "torch")
 _CACHE_SIZE = 16
 _table_cache: "OrderedDict[tuple, DescriptorTable]" = OrderedDict()
 _quant_tables: "dict[tuple, QuantizeTable]" = {}  # a quantized plan's second table, evicted with its key
@@ -126,7 +125,7 @@ def _check_writable(out, src_shards, dst_req, src_req, problems) -> None:
                                 f"would read what it writes")
 
 
-def execute_local(plan, src_shards, out=None, backend: str = "auto") -> dict[int, dict[str, torch.Tensor]]:
+def execute_local(plan, src_shards, out=None, backend="auto") -> dict[int, dict[str, torch.Tensor]]:
     """Run ``plan`` with every rank's tensors in this process; returns ``{dst_rank: {name: tensor}}``.
 
     ``src_shards[rank][name]``: the local shard of a source rank (shape ``layout.local_shape(rank)``,
@@ -134,8 +133,9 @@ def execute_local(plan, src_shards, out=None, backend: str = "auto") -> dict[int
     op's ``src_name``: with ``parts=`` it differs from the destination's name). ``out``: the same
     nesting for every destination rank and name of the destination layouts, written in place and
     returned; if None, outputs are allocated (destination dtypes and local shapes, on the sources'
-    device). ``backend``: ``"triton"`` (compiled on CUDA, Triton's interpreter on CPU tensors),
-    ``"torch"`` (``copy_`` per op), ``"auto"`` (triton on CUDA, torch on CPU).
+    device). ``backend``: a :class:`~tritonreshard.kernels.CopyBackend` or its name: ``"triton"``
+    (compiled on CUDA, Triton's interpreter on CPU tensors), ``"torch"`` (``copy_`` per op),
+    ``"auto"`` (triton on CUDA, torch on CPU).
 
     Block-quantized weights (a :class:`~tritonreshard.planning.QuantizedPlan`, e.g. a recipe with
     ``quantization="fp8-block"``): their ops go to a :class:`~tritonreshard.kernels.QuantizeTable`,
@@ -149,8 +149,7 @@ def execute_local(plan, src_shards, out=None, backend: str = "auto") -> dict[int
     holds references to the tensors it was built from; with ``out=None`` nothing is cached.
     """
     problems: list[str] = []
-    if backend not in _BACKENDS:
-        problems.append(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    chosen = copy_backend(backend, problems)
     src_req = sorted({(op.src_rank, op.src_name) for op in plan.ops})
     dst_req = sorted((r, name) for name, lay in plan.dst_layouts.items() for r in lay.ranks)
     device = _check("src_shards", src_shards, plan.src_layouts, src_req, None, problems)
@@ -158,8 +157,6 @@ def execute_local(plan, src_shards, out=None, backend: str = "auto") -> dict[int
         device = _check("out", out, plan.dst_layouts, dst_req, device, problems)
         _check_writable(out, src_shards, dst_req, src_req, problems)
     device = device or torch.device("cpu")
-    if backend == "auto":
-        backend = "triton" if device.type == "cuda" else "torch"
     if problems:
         raise ValueError("execute_local: invalid input:\n  " + "\n  ".join(problems))
 
@@ -177,7 +174,7 @@ def execute_local(plan, src_shards, out=None, backend: str = "auto") -> dict[int
            tuple(_sig(out[r][n]) for r, n in dst_req))
     table, qtable = _table_cache.get(key), _quant_tables.get(key)
     if table is None:
-        quant = getattr(plan, "quant", None) or {}
+        quant = plan.quant
         src = lambda op: src_shards[op.src_rank][op.src_name]  # noqa: E731
         dst = lambda op: out[op.dst_rank][op.name]  # noqa: E731
         table = DescriptorTable.build([op for op in plan.ops if op.name not in quant], src=src, dst=dst)
@@ -193,9 +190,10 @@ def execute_local(plan, src_shards, out=None, backend: str = "auto") -> dict[int
                 _quant_tables.pop(old, None)
     else:
         _table_cache.move_to_end(key)
-    table.run(backend)
+    backend = chosen.for_device(device)  # "auto": the tensors' device decides, once
+    backend.run(table)
     if qtable is not None:
-        qtable.run(backend)
+        backend.run(qtable)
     for f in plan.fills:  # padding (e.g. vocab rows past the real vocab): no op writes it
         out[f.dst_rank][f.name][f.dst_slices].zero_()
     return result

@@ -13,16 +13,23 @@
 * :mod:`.crosshost`: the point-to-point link and signals a group spanning hosts shares;
 * :mod:`.sources`: where a pull's bytes come from (arenas and relay buffers on this host);
 * :mod:`.liveness`: heartbeats and dead peers; :mod:`.checks`: an endpoint's arguments;
-* :mod:`.config`: an endpoint's typed configs (:class:`Timeouts`, :class:`PullOptions`) and the
-  earlier flat keywords mapped onto them; :mod:`.membership`: :class:`Fixed` or :class:`Elastic`;
+* :mod:`.config`: an endpoint's typed configs (:class:`Meeting`, :class:`Timeouts`,
+  :class:`PullOptions`); :mod:`.membership`: a :class:`Membership`, :class:`Fixed` or
+  :class:`Elastic`; :mod:`.modes`: a :class:`BufferMode`, :class:`Shadow` or :class:`InPlace`; the
+  copy backends (:class:`CopyBackend`) are :mod:`tritonreshard.kernels.backends`'s;
 * :mod:`.fsdp`: FSDP2 models as sources;
 * :mod:`.endpoint`: :class:`RefitTrainer`, :class:`RefitInference`, :class:`RefitEndpoint`.
 """
-from .config import PullOptions, Timeouts
+from ..kernels import AutoBackend, CopyBackend, TorchBackend, TritonBackend
+from .checks import DestinationData, SourceData
+from .config import Meeting, PullOptions, Timeouts
 from .endpoint import PullStats, RefitEndpoint, RefitInference, RefitStats, RefitTrainer
-from .membership import Elastic, Fixed
+from .membership import Elastic, Fixed, Membership
 from .members import GroupInputs, Member, validate_members
+from .modes import BufferMode, InPlace, Shadow
 from .rendezvous import secret_for_children
 
-__all__ = ["Elastic", "Fixed", "GroupInputs", "Member", "PullOptions", "PullStats", "RefitEndpoint", "RefitInference",
-           "RefitStats", "RefitTrainer", "Timeouts", "secret_for_children", "validate_members"]
+__all__ = ["AutoBackend", "BufferMode", "CopyBackend", "DestinationData", "Elastic", "Fixed", "GroupInputs", "InPlace",
+           "Meeting", "Member", "Membership", "PullOptions", "PullStats", "RefitEndpoint", "RefitInference",
+           "RefitStats", "RefitTrainer", "Shadow", "SourceData", "Timeouts", "TorchBackend", "TritonBackend",
+           "secret_for_children", "validate_members"]

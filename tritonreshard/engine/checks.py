@@ -17,7 +17,7 @@ from ..layout import Layout, Part
 from ..planning import BlockQuant
 from . import fsdp as _fsdp
 
-__all__ = ["DestinationArgs", "LocalInputs", "Meeting", "SourceArgs", "argument_problems", "default_rank", "fsdp_source",
+__all__ = ["DestinationData", "LocalInputs", "SourceData", "argument_problems", "default_rank", "fsdp_source",
            "local_destinations", "local_inputs", "local_parts", "local_sources", "short"]
 
 
@@ -27,25 +27,30 @@ def short(obj, limit: int = 120) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def argument_problems(rank, world_size, src_tensors, src_layouts, dst_layouts, parts, epoch, start_version) -> list[str]:
-    """Problems that make joining a group impossible (raised at once, not sent in the hello). The
-    configs (timeouts, pull options, membership, codec) checked themselves when they were made."""
+def argument_problems(rank, world_size, src: "SourceData | None", dst: "DestinationData | None") -> list[str]:
+    """Problems that make joining a group impossible (raised at once, not sent in the hello):
+    ``rank`` / ``world_size`` as the launcher's defaults and the membership resolved them, and the
+    sides' data. The configs (meeting, timeouts, pull options, membership, codec) checked their own
+    values when they were made."""
     bad = []
     if not isinstance(world_size, int) or world_size < 1:
-        bad.append(f"world_size must be a positive int, got world_size={world_size!r}")
+        bad.append(f"world_size must be a positive int (trs.Meeting(world_size=) or $WORLD_SIZE), "
+                   f"got world_size={world_size!r}")
     elif not isinstance(rank, int) or not 0 <= rank < world_size:
         bad.append(f"rank must be in [0, {world_size}), got rank={rank!r}")
-    if src_layouts is None and dst_layouts is None:
-        bad.append("give src_layouts (trainer side), dst_layouts (inference side) or both")
-    if parts is not None and dst_layouts is None:
-        bad.append(f"parts describe destinations: give them with dst_layouts (the inference side), "
-                   f"got parts={short(parts)} and dst_layouts=None")
-    if (src_tensors is None) != (src_layouts is None):
-        bad.append("src_tensors and src_layouts go together (the trainer side needs both)")
-    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-        bad.append(f"epoch must be an int >= 0, got epoch={epoch!r}")
-    if isinstance(start_version, bool) or not isinstance(start_version, int) or start_version < 0:
-        bad.append(f"start_version must be an int >= 0, got start_version={start_version!r}")
+    if src is None and dst is None:
+        bad.append("give a source (trainer side), a destination (inference side) or both")
+    if src is not None and src.tensors is None:
+        bad.append("the trainer side needs its tensors, got tensors=None")
+    if src is not None and src.layouts is None:
+        bad.append("the trainer side needs its layouts (only a fully_shard model brings its own), got layouts=None")
+    v = src.start_version if src is not None else 0
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        bad.append(f"start_version must be an int >= 0, got start_version={v!r}")
+    if dst is not None and dst.layouts is None:
+        bad.append("the inference side needs its layouts, got layouts=None" + (
+            f" (parts describe destinations: give them with the layouts, got parts={short(dst.parts)})"
+            if dst.parts is not None else ""))
     return bad
 
 
@@ -158,31 +163,25 @@ def default_rank(rank, world_size):
 
 
 @dataclass(frozen=True)
-class Meeting:
-    """Where a rank meets its group: see ``tritonreshard.engine.endpoint._Rank``."""
-
-    rank: int | None = None
-    world_size: int | None = None
-    store: object = None
-    host_store: bool | None = None
-    group: str = "default"
-    epoch: int | None = None
-
-
-@dataclass(frozen=True)
-class SourceArgs:
-    """A trainer side's arguments: its shards (``{name: tensor}``, an ``nn.Module`` or an FSDP2
-    source), the trainer group's layouts, and the version before its first ``publish()``."""
+class SourceData:
+    """A trainer side's data (``trs.SourceData``, the ``source=`` of a colocated
+    :class:`~tritonreshard.RefitEndpoint`; :class:`~tritonreshard.RefitTrainer` takes the same as
+    its arguments): ``tensors``, this rank's shards (``{name: tensor}``, an ``nn.Module`` or a
+    ``fully_shard`` FSDP2 model, which brings its layouts); ``layouts``, the trainer group's global
+    layouts ``{name: Layout}`` (None with an FSDP2 model); ``start_version``, the version before its
+    first ``publish()``. Checked (the shards against the layouts too) when the rank joins."""
 
     tensors: object
-    layouts: object
+    layouts: object = None
     start_version: int = 0
 
 
 @dataclass(frozen=True)
-class DestinationArgs:
-    """An inference side's arguments: the inference group's layouts, optional tensors to write,
-    parts and block-FP8 quantization."""
+class DestinationData:
+    """An inference side's data (``trs.DestinationData``, the ``destination=`` of a colocated
+    :class:`~tritonreshard.RefitEndpoint`; :class:`~tritonreshard.RefitInference` takes the same as
+    its arguments): the inference group's global ``layouts``, optional ``tensors`` to write,
+    ``parts`` and block-FP8 ``quant``. Checked against each other when the rank joins."""
 
     layouts: object
     tensors: object = None
@@ -190,7 +189,7 @@ class DestinationArgs:
     quant: object = None
 
 
-def fsdp_source(src: SourceArgs | None) -> tuple[SourceArgs | None, object]:
+def fsdp_source(src: SourceData | None) -> tuple[SourceData | None, object]:
     """A fully_shard model brings its layouts, and FSDP2 keeps training on the arena (see fsdp):
     ``src`` with its tensors as an FSDP2 source, and that source (None for other tensors)."""
     if src is None:
@@ -218,7 +217,7 @@ class LocalInputs:
     problems: list
 
 
-def local_inputs(rank: int, src: SourceArgs | None, dst: DestinationArgs | None, device) -> LocalInputs:
+def local_inputs(rank: int, src: SourceData | None, dst: DestinationData | None, device) -> LocalInputs:
     tensors, params = (src.tensors if src is not None else None), {}
     if isinstance(tensors, torch.nn.Module):  # its parameters are re-pointed at the arena
         params = dict(tensors.named_parameters())

@@ -1,31 +1,88 @@
 """An endpoint's typed configuration, one small frozen dataclass per concern, each validated once
-where it is made:
+where it is made (one ``ValueError`` naming every problem):
 
+* :class:`Meeting`: where a rank meets its group (rank, group size, store, group name, epoch);
 * :class:`Timeouts`: how long set-up and each wait may take, and when a silent peer counts as dead;
 * :class:`PullOptions`: how an inference rank pulls (buffer mode, copy backend, device, sources);
-* membership (:class:`~tritonreshard.engine.membership.Fixed` / ``Elastic``) and the cross-host
-  codec (:class:`~tritonreshard.transport.codec.Dense` / ``Delta``) live with the code that acts on
-  them.
+* membership (a :class:`~tritonreshard.engine.membership.Membership`: ``Fixed`` / ``Elastic``), the
+  cross-host codec (a :class:`~tritonreshard.transport.codec.Codec`: ``Dense`` / ``Delta``), the
+  buffer mode (:mod:`~tritonreshard.engine.modes`) and the copy backend
+  (:mod:`~tritonreshard.kernels.backends`) live with the code that acts on them.
 
-The endpoints' earlier flat keywords (``timeout=``, ``mode=``, ``elastic=``, ``delta=``, ...) are
-one-release aliases: :func:`options` maps them onto these objects and warns once per call.
+:func:`options` gathers one endpoint's configs, defaults included, into :class:`Options`.
 """
 from __future__ import annotations
 
-import os
-import sys
-import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from ..transport import Codec, Delta, Dense, codec_for, delta_problems
-from .membership import Elastic, Fixed, Membership
+import torch.distributed as dist
+
+from ..kernels import AutoBackend, CopyBackend, copy_backend
+from ..transport import Codec, Delta
+from .membership import Fixed, Membership
+from .modes import BufferMode, Shadow, buffer_mode
 from .sources import Sources
 
-__all__ = ["Options", "PullOptions", "Timeouts", "options"]
+__all__ = ["Meeting", "Options", "PullOptions", "Timeouts", "options"]
 
 
 def _seconds(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def _count(value, low: int) -> bool:
+    """``value`` is None or an int (not a bool) >= ``low``."""
+    return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= low)
+
+
+def _store_problem(store) -> str | None:
+    if store is None or isinstance(store, dist.Store):
+        return None
+    if isinstance(store, str):
+        host, sep, port = store.rpartition(":")
+        if sep and host and port.isdigit():
+            return None
+    return f"store must be 'host:port', a torch.distributed.Store or None, got store={store!r}"
+
+
+@dataclass(frozen=True)
+class Meeting:
+    """Where a rank meets its refit group (every role). Each field left None takes the launcher's
+    value when the endpoint is made, as torchrun sets them:
+
+    ``rank``: this process's global rank (the ranks used in the layouts' meshes). None: the
+    initialised torch.distributed group's rank, else ``$RANK``. ``world_size``: number of processes
+    in the refit group (trainers + inference ranks; a colocated process counts once). None:
+    torch.distributed's world size, else ``$WORLD_SIZE``. ``store``: ``"host:port"`` of the group's
+    TCPStore, a ``torch.distributed.Store``, or None: the initialised process group's store, else
+    ``MASTER_ADDR``/``MASTER_PORT`` (as a client under torchrun, whose agent hosts that store).
+    ``host_store``: with ``store="host:port"``: rank 0 hosts the store (None/True) or everyone
+    connects as a client (False: a driver hosts it, e.g. so it outlives restarted ranks).
+    ``group``: namespace of this group's keys in the store. ``epoch``: the group epoch (>= 0; None:
+    0, or an elastic joiner's trainers' current one); keys live under ``trs/<group>/e<epoch>/``, so
+    a new group forms on the same store while old keys are ignored.
+    """
+
+    rank: int | None = None
+    world_size: int | None = None
+    store: object = None
+    host_store: bool | None = None
+    group: str = "default"
+    epoch: int | None = None
+
+    def __post_init__(self):
+        problems = [f"{name} must be an int >= {low} or None, got {name}={value!r}"
+                    for name, value, low in (("rank", self.rank, 0), ("world_size", self.world_size, 1),
+                                             ("epoch", self.epoch, 0)) if not _count(value, low)]
+        store = _store_problem(self.store)
+        if store:
+            problems.append(store)
+        if self.host_store is not None and not isinstance(self.host_store, bool):
+            problems.append(f"host_store must be True, False or None, got host_store={self.host_store!r}")
+        if not isinstance(self.group, str) or not self.group:
+            problems.append(f"group must be a non-empty str, got group={self.group!r}")
+        if problems:
+            raise ValueError("Meeting: " + "; ".join(problems))
 
 
 @dataclass(frozen=True)
@@ -49,114 +106,65 @@ class Timeouts:
 class PullOptions:
     """How an inference rank pulls.
 
-    ``mode``: ``"shadow"`` (pull into a second buffer set, then ``swap``: generation goes on
-    meanwhile) or ``"inplace"`` (write the serving tensors: pause generation meanwhile).
-    ``backend``: ``"triton"`` (compiled on CUDA, interpreter on CPU: for debugging), ``"torch"``
-    (torch copies over the same descriptors; fast on CPU) or ``"auto"`` (triton on CUDA, torch on
-    CPU). ``device``: of the destination buffers (default: the given tensors' device, else cpu).
-    ``sources``: where source bytes come from, a subclass of
+    ``mode``: a :class:`~tritonreshard.engine.modes.BufferMode`: ``trs.Shadow()`` (pull into a second
+    buffer set, then ``swap``: generation goes on meanwhile) or ``trs.InPlace()`` (write the serving
+    tensors: pause generation meanwhile). ``backend``: a :class:`~tritonreshard.kernels.CopyBackend`:
+    ``trs.TritonBackend()`` (compiled on CUDA, interpreter on CPU: for debugging),
+    ``trs.TorchBackend()`` (torch copies over the same descriptors; fast on CPU) or
+    ``trs.AutoBackend()`` (triton on CUDA, torch on CPU; resolved once, where the endpoint knows its
+    device: :meth:`for_device`). Both also take their names (``mode="inplace"``, ``backend="torch"``),
+    turned into the objects here. ``device``: of the destination buffers (default: the given
+    tensors' device, else cpu). ``sources``: where source bytes come from, a subclass of
     :class:`~tritonreshard.engine.sources.Sources` (default: this host's arenas and relay buffers,
     mapped once and read in place)."""
 
-    mode: str = "shadow"
-    backend: str = "auto"
+    mode: BufferMode = Shadow()
+    backend: CopyBackend = AutoBackend()
     device: object = None
     sources: type = Sources
 
     def __post_init__(self):
-        problems = []
-        if self.mode not in ("shadow", "inplace"):
-            problems.append(f"mode must be 'shadow' or 'inplace', got mode={self.mode!r}")
-        if self.backend not in ("auto", "torch", "triton"):
-            problems.append(f"backend must be 'auto', 'torch' or 'triton', got backend={self.backend!r}")
+        problems: list[str] = []
+        mode, backend = buffer_mode(self.mode, problems), copy_backend(self.backend, problems)
         if not (isinstance(self.sources, type) and issubclass(self.sources, Sources)):
             problems.append(f"sources must be a subclass of trs.engine.sources.Sources, got sources={self.sources!r}")
         if problems:
             raise ValueError("PullOptions: " + "; ".join(problems))
+        object.__setattr__(self, "mode", mode)  # frozen: the names become their objects once, here
+        object.__setattr__(self, "backend", backend)
+
+    def for_device(self, device) -> "PullOptions":
+        """These options with the backend that runs on ``device`` (``AutoBackend`` resolved)."""
+        return replace(self, backend=self.backend.for_device(device))
 
 
 @dataclass(frozen=True)
 class Options:
     """What :func:`options` resolved for one endpoint: every concern's object."""
 
+    meeting: Meeting
     membership: Membership
     codec: Codec
     timeouts: Timeouts
     pull: PullOptions
 
 
-#: The flat keywords of earlier releases, by the config that replaces them.
-_LEGACY = {"timeout": "timeouts", "peer_timeout": "timeouts", "elastic": "membership", "replica": "membership",
-           "delta": "codec", "delta_anchor": "codec", "mode": "pull", "backend": "pull", "device": "pull",
-           "sources": "pull"}
-_NEW = {"timeouts": "timeouts=trs.Timeouts(wait=, peer=)", "membership": "membership=trs.Elastic(replica=)",
-        "codec": "codec=trs.Delta(anchor=) or trs.Dense()", "pull": "pull=trs.PullOptions(mode=, backend=, device=, sources=)"}
-_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: What each config must be, in messages.
+_KINDS = {"meeting": "trs.Meeting", "membership": "Membership (trs.Fixed() or trs.Elastic(replica=))",
+          "codec": "Codec (trs.Delta() or trs.Dense())", "timeouts": "trs.Timeouts", "pull": "trs.PullOptions"}
+_TYPES = {"meeting": Meeting, "membership": Membership, "codec": Codec, "timeouts": Timeouts, "pull": PullOptions}
 
 
-def _caller_stacklevel() -> int:
-    """The stack level of the first frame outside this package: the user's call, whatever subclass
-    (``tritonreshard.vllm.Trainer``, ...) it went through."""
-    level, frame = 1, sys._getframe(1)
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PKG + os.sep):
-        level, frame = level + 1, frame.f_back
-    return level
-
-
-def options(who: str, accepts: frozenset, legacy: dict, *, membership=None, codec=None, timeouts=None,
-            pull=None) -> Options:
-    """Resolve one endpoint's configs: the given objects, else the earlier flat keywords in
-    ``legacy`` (a ``DeprecationWarning`` naming each), else the defaults. ``accepts``: the flat
-    keywords this role had (any other is a ``TypeError`` naming it, as for any unknown keyword).
-    Bad values: one ``ValueError`` naming every problem."""
-    unknown = sorted(set(legacy) - accepts)
-    if unknown:
-        raise TypeError(f"{who}() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}")
-    given = {"membership": membership, "codec": codec, "timeouts": timeouts, "pull": pull}
-    both = sorted({_LEGACY[k] for k in legacy if given[_LEGACY[k]] is not None})
-    if both:
-        raise TypeError(f"{who}(): give {' or '.join(both)} as the config object or as the old keywords, not both")
-    if legacy:
-        warnings.warn(f"{who}: the keyword(s) {', '.join(f'{k}=' for k in legacy)} are deprecated and go in the "
-                      f"next release; use {', '.join(sorted({_NEW[_LEGACY[k]] for k in legacy}))}",
-                      DeprecationWarning, stacklevel=_caller_stacklevel())
-    problems = []
-    built = {name: _from_legacy(name, legacy, problems) if given[name] is None and any(
-        _LEGACY[k] == name for k in legacy) else given[name] for name in given}
-    types = {"membership": (Fixed, Elastic), "codec": (Dense, Delta), "timeouts": (Timeouts,), "pull": (PullOptions,)}
-    for name, value in built.items():
-        if value is not None and not isinstance(value, types[name]):
-            problems.append(f"{name} must be a {' or '.join(t.__name__ for t in types[name])}, got {name}={value!r}")
+def options(who: str, *, meeting=None, membership=None, codec=None, timeouts=None, pull=None,
+            found=()) -> Options:
+    """One endpoint's configs: the given objects, else the defaults (``Meeting()``, ``Fixed()``,
+    ``Delta()``, ``Timeouts()``, ``PullOptions()``). A value of the wrong type: one ``ValueError``
+    naming every one, after ``found`` (the problems the caller found in its other arguments' types).
+    Each config checked its own values when it was made."""
+    given = {"meeting": meeting, "membership": membership, "codec": codec, "timeouts": timeouts, "pull": pull}
+    problems = [*found] + [f"{name} must be a {_KINDS[name]}, got {name}={value!r}" for name, value in given.items()
+                           if value is not None and not isinstance(value, _TYPES[name])]
     if problems:
         raise ValueError(f"{who}: " + "; ".join(problems))
-    return Options(built["membership"] or Fixed(), built["codec"] or Delta(), built["timeouts"] or Timeouts(),
-                   built["pull"] or PullOptions())
-
-
-def _from_legacy(name: str, legacy: dict, problems: list):
-    """The config ``name`` from the earlier flat keywords (None, with its problems, when bad)."""
-    kw = {k: legacy[k] for k in legacy if _LEGACY[k] == name}
-    if name == "codec":
-        found = delta_problems(kw.get("delta", "auto"), kw.get("delta_anchor", 64))
-        problems += found
-        return None if found else codec_for(kw.get("delta", "auto"), kw.get("delta_anchor", 64))
-    if name == "membership":
-        elastic = kw.get("elastic", False)
-        if not isinstance(elastic, bool):
-            problems.append(f"elastic must be a bool, got elastic={elastic!r}")
-            return None
-        if not elastic:
-            if kw.get("replica") is not None:
-                problems.append(f"replica= is for an elastic group's inference ranks (elastic=True with layouts), "
-                                f"got replica={kw['replica']!r}")
-            return Fixed()
-        cls, args = Elastic, {"replica": kw.get("replica")}
-    elif name == "timeouts":
-        cls, args = Timeouts, {"wait": kw.get("timeout", 60.0), "peer": kw.get("peer_timeout", 10.0)}
-    else:
-        cls, args = PullOptions, {k: kw[k] for k in ("mode", "backend", "device", "sources") if k in kw}
-    try:  # narrow: the config's own checks, gathered with the others' into one message
-        return cls(**args)
-    except ValueError as exc:
-        problems.append(str(exc).split(": ", 1)[-1])
-        return None
+    return Options(meeting or Meeting(), membership or Fixed(), codec or Delta(), timeouts or Timeouts(),
+                   pull or PullOptions())

@@ -128,7 +128,7 @@ class ElasticPublisher(Publisher):
     """An elastic group's trainer side for one epoch: ``publish`` and ``fence`` over the readers it
     admitted, and an admitter thread that admits joiners and drops leavers and the dead.
 
-    ``readers``: ``{rank: first version}`` of the readers admitted now; ``drops``: ``(rank, why)``
+    ``readers``: ``{rank: first version}`` of the readers admitted now; ``dropped``: ``(rank, why)``
     of every reader dropped this epoch."""
 
     def __init__(self, group: Group, route: Route, arena, *, sender=None):
@@ -137,7 +137,7 @@ class ElasticPublisher(Publisher):
         self._stable = False  # the arena holds the published version, and the fence ending it has not returned
         self._admitted: dict[int, tuple[int, int]] = {}  # reader -> (pid, first version)
         self.admissions = 0
-        self.drops: list[tuple[int, str]] = []
+        self._drops: list[tuple[int, str]] = []
         self._next_reap = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"trs-admit-{self.rank}")
@@ -147,6 +147,11 @@ class ElasticPublisher(Publisher):
     def readers(self) -> dict[int, int]:
         with self._lock:
             return {r: v for r, (_, v) in sorted(self._admitted.items())}
+
+    @property
+    def dropped(self) -> list[tuple[int, str]]:
+        with self._lock:
+            return list(self._drops)
 
     def _run(self) -> None:
         control = self.arena.control
@@ -196,7 +201,7 @@ class ElasticPublisher(Publisher):
         pid, _ = self._admitted.pop(r)
         self.arena.control.drop(r, pid if dead else None)
         self.group.liveness.forget(r)
-        self.drops.append((r, why))
+        self._drops.append((r, why))
 
     def publish(self) -> int:
         with self._lock:  # a reader admitted from here on reads this version
@@ -296,12 +301,12 @@ class JoinerEpoch(Epoch):
     """An elastic group's inference rank joins the trainers' epoch (see the module docstring).
 
     ``replica``: this rank's replica index; its replica is the ranks its layouts place shards on.
-    After :meth:`set_up`, ``stats`` says how long each step took (:class:`JoinStats`)."""
+    After :meth:`set_up`, ``join_stats`` says how long each step took (:class:`JoinStats`)."""
 
     def __init__(self, group: Group, *, inference, device=None, replica: int, name: str):
         super().__init__(group, inference=inference, device=device)
         self.replica, self.name = replica, name
-        self.stats: JoinStats | None = None
+        self.join_stats: JoinStats | None = None
         self._claims: list[tuple[str, str]] = []
 
     def set_up(self, member: Member) -> None:
@@ -336,7 +341,7 @@ class JoinerEpoch(Epoch):
         t6 = clock()
         group.start_heartbeats()
         ms = [(b - a) * 1e3 for a, b in ((t0, t1), (t1, t2), (t2, t3), (t3, t4), (t4, t5), (t5, t6))]
-        self.stats = JoinStats(meet_ms=ms[0], check_ms=ms[1] + ms[3], plan_ms=ms[2], map_ms=ms[4], admit_ms=ms[5],
+        self.join_stats = JoinStats(meet_ms=ms[0], check_ms=ms[1] + ms[3], plan_ms=ms[2], map_ms=ms[4], admit_ms=ms[5],
                                first_version=first)
 
     def _error(self, problems) -> ValueError:

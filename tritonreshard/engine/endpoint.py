@@ -3,22 +3,23 @@
 Who calls what::
 
     # every trainer process (source rank)
-    tr = trs.RefitTrainer(tensors, layouts, rank=r, world_size=W, store="127.0.0.1:29600")
+    tr = trs.RefitTrainer(tensors, layouts, trs.Meeting(rank=r, world_size=W, store="127.0.0.1:29600"))
     for step in ...:
         tr.fence()            # readers of this rank's arena finished the last version
         optimizer.step()      # on tr.tensors (arena-backed: no copy per step)
         tr.publish()
 
     # every inference process (destination rank)
-    inf = trs.RefitInference(layouts, rank=r, world_size=W, store="127.0.0.1:29600")
+    inf = trs.RefitInference(layouts, trs.Meeting(rank=r, world_size=W, store="127.0.0.1:29600"))
     inf.pull()                # or start_pull() ... pull_done() ... swap() in shadow mode
     weights = inf.tensors     # re-read after every swap
 
-Each concern is one typed config, made (and validated) once and handed in whole: where the rank
-meets (``rank``, ``world_size``, ``store``, ``group``, ``epoch``), ``membership`` (``trs.Fixed()`` or
-``trs.Elastic(replica=)``), ``codec`` (``trs.Delta()`` or ``trs.Dense()``), ``timeouts``
-(``trs.Timeouts``) and, on the inference side, ``pull`` (``trs.PullOptions``). Each role's
-constructor takes only its side's arguments: any other keyword is a ``TypeError``.
+A constructor takes its side's data (a colocated :class:`RefitEndpoint`: ``source=trs.SourceData``
+and ``destination=trs.DestinationData``), where the rank meets (``trs.Meeting``) and one typed
+config per concern, each made (and validated) once and handed in whole: ``membership``
+(``trs.Fixed()`` or ``trs.Elastic(replica=)``), ``codec`` (``trs.Delta()`` or ``trs.Dense()``),
+``timeouts`` (``trs.Timeouts``) and, on the inference side, ``pull`` (``trs.PullOptions``). Each
+role's constructor takes only its side's arguments: any other keyword is a ``TypeError``.
 
 An endpoint is a composition, data flowing one way:
 
@@ -49,19 +50,20 @@ inference rank keeps serving its last complete version and joins the trainers' n
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..errors import RefitError
+from ..kernels import CopyBackend
 from ..recipes import RecipeSpec
-from .checks import (DestinationArgs, Meeting, SourceArgs, argument_problems, default_rank, fsdp_source,
-                     local_inputs, short)
-from .config import Options, options
+from .checks import DestinationData, SourceData, argument_problems, default_rank, fsdp_source, local_inputs, short
+from .config import Meeting, Options, options
 from .elastic import JoinStats
 from .epoch import Epoch
 from .group import Group, check_timeout, connect, host_identity
 from .members import Member
+from .modes import BufferMode
 from .sides import InferenceSide, TrainerSide
 from .subscriber import PullStats, Subscriber
 
@@ -109,19 +111,9 @@ class _Rank:
     (:class:`_TrainerMethods`, :class:`_InferenceMethods`); their constructors say which arguments
     each side takes.
 
-    Where it meets (every role):
-        rank: this process's global rank (the ranks used in the layouts' meshes). None: the
-            initialised torch.distributed group's rank, else ``$RANK``.
-        world_size: number of processes in the refit group (trainers + inference ranks; a colocated
-            process counts once). None: torch.distributed's world size, else ``$WORLD_SIZE``.
-        store: ``"host:port"`` of the group's TCPStore, a ``torch.distributed.Store``, or None: the
-            initialised process group's store, else ``MASTER_ADDR``/``MASTER_PORT`` (as a client
-            under torchrun, whose agent hosts that store).
-        host_store: with ``store="host:port"``: rank 0 hosts the store (None/True) or everyone
-            connects as a client (False: a driver hosts it, e.g. so it outlives restarted ranks).
-        group: namespace of this group's keys in the store.
-        epoch: the group epoch (>= 0); keys live under ``trs/<group>/e<epoch>/``, so a new group
-            forms on the same store while old keys are ignored.
+    Where it meets (every role): ``meeting``, a ``trs.Meeting(rank=, world_size=, store=,
+    host_store=, group=, epoch=)`` (see :class:`~tritonreshard.engine.config.Meeting`; default
+    ``trs.Meeting()``: the launcher's rank, world size and store, as torchrun sets them).
 
     Its configs (every role; each validated where it is made):
         membership: ``trs.Fixed()`` (default) or ``trs.Elastic(replica=)`` (see
@@ -135,25 +127,21 @@ class _Rank:
         pull (inference side): ``trs.PullOptions(mode=, backend=, device=, sources=)``.
     """
 
-    def __init__(self, where: Meeting, src: SourceArgs | None, dst: DestinationArgs | None, opts: Options):
+    def __init__(self, src: SourceData | None, dst: DestinationData | None, opts: Options):
         self._released = True  # until set-up succeeded far enough to need closing (see close())
         sides = frozenset(n for n, side in (("trainer", src), ("inference", dst)) if side is not None)
-        membership, pull = opts.membership, opts.pull
+        where, membership = opts.meeting, opts.membership
         rank, world_size = default_rank(where.rank, membership.world_size(where.world_size, sides))
         src, fsdp2 = fsdp_source(src)
-        bad = argument_problems(rank, world_size, src and src.tensors, src and src.layouts, dst and dst.layouts,
-                                dst and dst.parts, 0 if where.epoch is None else where.epoch,
-                                src.start_version if src is not None else 0)
-        bad += membership.problems(sides)
+        bad = argument_problems(rank, world_size, src, dst) + membership.problems(sides)
         if bad:  # nothing to tell the group: these make joining it impossible
             raise ValueError(f"{type(self).__name__}: " + "; ".join(bad))
-        self.rank, self.world_size, self.mode = rank, world_size, pull.mode
-        self.timeout, self.peer_timeout, self._group_name = float(opts.timeouts.wait), float(opts.timeouts.peer), where.group
-        self._membership = membership
-        local = local_inputs(rank, src, dst, pull.device)
+        self.rank, self.world_size = rank, world_size
+        local = local_inputs(rank, src, dst, opts.pull.device)
         self.device = local.dst_device if dst is not None else (
             next(iter(local.src.values())).device if local.src else torch.device("cpu"))
-        self.backend = pull.backend if pull.backend != "auto" else ("triton" if self.device.type == "cuda" else "torch")
+        # The copy backend is resolved once, here, where the device is known ("auto": by the device).
+        self._opts = replace(opts, pull=opts.pull.for_device(self.device))
         self._member = Member(rank, os.getpid(), host_identity(), str(self.device),
                               dict(src.layouts) if src is not None else None,
                               dict(dst.layouts) if dst is not None else None, tuple(local.problems),
@@ -162,8 +150,8 @@ class _Rank:
                                                       timeout=self.timeout, host_store=where.host_store)
         self._trainer = TrainerSide(local.src, params=local.params, start_version=src.start_version, fsdp2=fsdp2,
                                     codec=opts.codec, membership=membership) if src is not None else None
-        self._inference = InferenceSide(rank, local.dst, device=local.dst_device, mode=pull.mode, backend=self.backend,
-                                        sources=pull.sources, codec=opts.codec) if dst is not None else None
+        self._inference = InferenceSide(rank, local.dst, device=local.dst_device, pull=self._opts.pull,
+                                        codec=opts.codec) if dst is not None else None
         epoch = membership.first_epoch(self._base_store, where.group, where.epoch, self.timeout, sides)
         self._epoch = self._make_epoch(self._new_group(epoch, self.timeout))
         # From here on every handle and resource is released by close(), also when set-up fails.
@@ -175,13 +163,34 @@ class _Rank:
             raise
 
     def _make_epoch(self, group: Group) -> Epoch:
-        return self._membership.make_epoch(group, trainer=self._trainer, inference=self._inference,
-                                           device=self.device, name=self._group_name)
+        return self._opts.membership.make_epoch(group, trainer=self._trainer, inference=self._inference,
+                                                device=self.device, name=self._opts.meeting.group)
 
     def _new_group(self, epoch: int, timeout: float) -> Group:
         return Group(self._base_store, rank=self.rank, world_size=self.world_size, epoch=epoch,
-                     name=self._group_name, timeout=timeout, peer_timeout=self.peer_timeout,
+                     name=self._opts.meeting.group, timeout=timeout, peer_timeout=self.peer_timeout,
                      hosts_store=self._hosts_store)
+
+    # ------------------------------------------------------------------ its configs
+    @property
+    def timeout(self) -> float:
+        """Seconds for set-up and each wait, the default of every call's ``timeout=`` (``timeouts.wait``)."""
+        return float(self._opts.timeouts.wait)
+
+    @property
+    def peer_timeout(self) -> float:
+        """Seconds of silence after which a peer on another host counts as dead (``timeouts.peer``)."""
+        return float(self._opts.timeouts.peer)
+
+    @property
+    def mode(self) -> BufferMode:
+        """The buffer mode (``pull.mode``: ``trs.Shadow()`` or ``trs.InPlace()``; ``str()``: its name)."""
+        return self._opts.pull.mode
+
+    @property
+    def backend(self) -> CopyBackend:
+        """The copy backend of this rank's pulls (``pull.backend``, resolved for ``device``)."""
+        return self._opts.pull.backend
 
     # ------------------------------------------------------------------ the group
     @property
@@ -293,13 +302,16 @@ class _Rank:
     def __repr__(self):
         roles = [r for r, side in (("trainer", getattr(self, "_trainer", None)),
                                    ("inference", getattr(self, "_inference", None))) if side is not None]
-        state = [f"{k}={getattr(self, k)}" for k in ("published", "version") if hasattr(type(self), k)]
         return (f"<{type(self).__name__} rank {self.rank}/{self.world_size} epoch {self.group.epoch} "
-                f"{'+'.join(roles) or '-'} {' '.join(state)} mode={self.mode} backend={self.backend}>")
+                f"{'+'.join(roles) or '-'} {' '.join(self._state())} mode={self.mode} backend={self.backend}>")
+
+    def _state(self) -> list[str]:
+        """What ``repr`` shows of each role this class has (each role's methods add theirs)."""
+        return []
 
 
 class _TrainerMethods:
-    """The trainer side's methods (a rank with ``src_layouts``)."""
+    """The trainer side's methods (a rank with a source side)."""
 
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -314,6 +326,9 @@ class _TrainerMethods:
         arena = self._trainer.arena if self._trainer is not None else None
         return dict(arena.tensors) if arena is not None else {}
 
+    def _state(self) -> list[str]:
+        return [*super()._state(), f"published={self.published}"]
+
     @property
     def published(self) -> int:
         """The last version published (``start_version`` before the first)."""
@@ -324,7 +339,7 @@ class _TrainerMethods:
         self._check_open(what)
         pub = self._trainer.publisher if self._trainer is not None else None
         if pub is None:
-            raise ValueError(f"{what}: rank {self.rank} has no source side (src_layouts was not given)")
+            raise ValueError(f"{what}: rank {self.rank} has no source side (no source= was given)")
         return pub
 
     def publish(self) -> int:
@@ -345,20 +360,17 @@ class _TrainerMethods:
     def readers(self) -> dict[int, int]:
         """The ranks that read this rank's arena now. An elastic group's trainer: ``{rank: first
         version}`` of the readers it admitted (joiners come and go); else ``{rank: 1}`` of its route's."""
-        pub = self._pub("readers")
-        if hasattr(pub, "readers"):
-            return pub.readers
-        return {r: 1 for r in pub.route.fenced if r != self.rank}
+        return self._pub("readers").readers
 
     @property
     def dropped(self) -> list[tuple[int, str]]:
         """An elastic group's trainer: ``(rank, why)`` of every reader dropped this epoch (left or
         died); [] in other groups, where a dead reader fails the fence instead."""
-        return list(getattr(self._pub("dropped"), "drops", []))
+        return self._pub("dropped").dropped
 
 
 class _InferenceMethods:
-    """The inference side's methods (a rank with ``dst_layouts``)."""
+    """The inference side's methods (a rank with a destination side)."""
 
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -373,12 +385,15 @@ class _InferenceMethods:
     def _sub(self, what) -> Subscriber:
         self._check_open(what)
         if self._buffers is None:
-            raise ValueError(f"{what}: rank {self.rank} has no destination side (dst_layouts was not given "
-                             f"or places nothing on this rank)")
+            raise ValueError(f"{what}: rank {self.rank} has no destination side (no destination= was "
+                             f"given, or its layouts place nothing on this rank)")
         if self._inference.subscriber is None:
             raise RefitError(f"{what}: rank {self.rank} reads from no group epoch now (its last epoch "
                              f"ended; call rejoin())")
         return self._inference.subscriber
+
+    def _state(self) -> list[str]:
+        return [*super()._state(), f"version={self.version}"]
 
     @property
     def version(self) -> int:
@@ -394,7 +409,7 @@ class _InferenceMethods:
     def join_stats(self) -> JoinStats | None:
         """An elastic group's inference rank: how long its last join (or rejoin) took, step by step
         (:class:`~tritonreshard.engine.elastic.JoinStats`); None in other groups."""
-        return getattr(self._epoch, "stats", None)
+        return self._epoch.join_stats
 
     @property
     def last_pull(self) -> PullStats | None:
@@ -459,16 +474,16 @@ class _InferenceMethods:
         flight is discarded. Blocks until every rank of the new epoch met (``timeout``: the
         endpoint's). Returns the new epoch. On failure (e.g. a timeout) this rank reads from no
         epoch, keeps serving, and may call ``rejoin`` again. A trainer restarts as a new process
-        with ``epoch=`` instead.
+        with ``trs.Meeting(epoch=)`` instead.
         """
         self._check_open("rejoin")
         if self._trainer is not None or self._buffers is None:
             raise ValueError(f"rejoin: only an inference-only endpoint rejoins (rank {self.rank} has "
                              f"{'a trainer side' if self._trainer is not None else 'no inference side'}); "
-                             f"a trainer restarts as a new process with epoch=")
+                             f"a trainer restarts as a new process with trs.Meeting(epoch=)")
         if epoch is None:  # the next one (elastic: the restarted trainers', once they met)
-            epoch = self._membership.next_epoch(self._base_store, self._group_name, self.group.epoch,
-                                                check_timeout("rejoin", timeout, self.timeout))
+            epoch = self._opts.membership.next_epoch(self._base_store, self._opts.meeting.group, self.group.epoch,
+                                                     check_timeout("rejoin", timeout, self.timeout))
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch <= self.group.epoch:
             raise ValueError(f"rejoin: epoch must be an int > the current epoch {self.group.epoch}, "
                              f"got epoch={epoch!r}")
@@ -491,31 +506,24 @@ def _recipe_spec(spec, what: str):
     return spec
 
 
-#: The flat keywords of earlier releases each role still accepts for one release (with a
-#: DeprecationWarning; see :func:`~tritonreshard.engine.config.options`).
-_TRAINER_LEGACY = frozenset({"timeout", "peer_timeout", "elastic", "delta", "delta_anchor"})
-_INFERENCE_LEGACY = _TRAINER_LEGACY | {"replica", "mode", "backend", "device", "sources"}
-
-
 class RefitEndpoint(_InferenceMethods, _TrainerMethods, _Rank):
     """One process of a refit group with a source side (trainer), a destination side (inference),
     or both (colocated meshes): every method of :class:`RefitTrainer` and :class:`RefitInference`.
     Use those for one role.
 
-    Trainer side: ``src_tensors`` and ``src_layouts`` (see :class:`RefitTrainer`), ``start_version``.
-    Inference side: ``dst_layouts``, ``dst_tensors``, ``parts``, ``quant`` (see
-    :class:`RefitInference`). Where it meets and its configs: see :class:`_Rank`."""
+    ``source``: the trainer side's data, a ``trs.SourceData(tensors, layouts, start_version=)`` (as
+    :class:`RefitTrainer` takes them). ``destination``: the inference side's, a
+    ``trs.DestinationData(layouts, tensors=, parts=, quant=)`` (as :class:`RefitInference` takes
+    them). Where it meets (``meeting``) and its configs: see :class:`_Rank`."""
 
-    def __init__(self, *, src_tensors=None, src_layouts=None, dst_layouts=None, dst_tensors=None, parts=None,
-                 quant=None, start_version: int = 0, rank: int | None = None, world_size: int | None = None,
-                 store=None, host_store: bool | None = None, group: str = "default", epoch: int | None = None,
-                 membership=None, codec=None, timeouts=None, pull=None, **legacy):
-        opts = options(type(self).__name__, _INFERENCE_LEGACY, legacy, membership=membership, codec=codec,
-                       timeouts=timeouts, pull=pull)
-        src = None if src_tensors is None and src_layouts is None else SourceArgs(src_tensors, src_layouts, start_version)
-        dst = None if dst_layouts is None and dst_tensors is None and parts is None and quant is None else \
-            DestinationArgs(dst_layouts, dst_tensors, parts, quant)
-        super().__init__(Meeting(rank, world_size, store, host_store, group, epoch), src, dst, opts)
+    def __init__(self, meeting: Meeting = Meeting(), *, source: SourceData | None = None,
+                 destination: DestinationData | None = None, membership=None, codec=None, timeouts=None, pull=None):
+        found = [f"{name} must be a trs.{cls.__name__} or None, got {name}={short(value)}"
+                 for name, value, cls in (("source", source, SourceData), ("destination", destination, DestinationData))
+                 if value is not None and not isinstance(value, cls)]
+        opts = options(type(self).__name__, meeting=meeting, membership=membership, codec=codec, timeouts=timeouts,
+                       pull=pull, found=found)
+        super().__init__(source, destination, opts)
 
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -536,18 +544,15 @@ class RefitTrainer(_TrainerMethods, _Rank):
     tensors stay where they were: train ``tensors`` (the arena), not them. Shapes must equal ``layouts[name].local_shape(rank)``, dtypes match. ``layouts``: the
     trainer group's global layouts ``{name: Layout}`` (same on every trainer rank).
     ``start_version``: the version before the first ``publish()`` (a restarted trainer continues the
-    numbering of its checkpoint). Where it meets (``rank``, ``world_size``, ``store``, ...) and its
-    configs (``membership``, ``codec``, ``timeouts``): see :class:`_Rank`. A keyword of the
-    inference side (``mode``, ``quant``, ``sources``, ``pull``, ...) is a ``TypeError``.
+    numbering of its checkpoint). Where it meets (``meeting``, a ``trs.Meeting``) and its configs
+    (``membership``, ``codec``, ``timeouts``): see :class:`_Rank`. A keyword of the inference side
+    (``quant``, ``pull``, ...) is a ``TypeError``.
     """
 
-    def __init__(self, tensors, layouts, *, rank: int | None = None, world_size: int | None = None, store=None,
-                 host_store: bool | None = None, group: str = "default", epoch: int | None = None,
-                 start_version: int = 0, membership=None, codec=None, timeouts=None, **legacy):
-        opts = options(type(self).__name__, _TRAINER_LEGACY, legacy, membership=membership, codec=codec,
-                       timeouts=timeouts)
-        super().__init__(Meeting(rank, world_size, store, host_store, group, epoch),
-                         SourceArgs(tensors, layouts, start_version), None, opts)
+    def __init__(self, tensors, layouts, meeting: Meeting = Meeting(), *, start_version: int = 0, membership=None,
+                 codec=None, timeouts=None):
+        opts = options(type(self).__name__, meeting=meeting, membership=membership, codec=codec, timeouts=timeouts)
+        super().__init__(SourceData(tensors, layouts, start_version), None, opts)
 
     @classmethod
     def from_recipe(cls, spec, tensors, **kwargs) -> "RefitTrainer":
@@ -570,18 +575,16 @@ class RefitInference(_InferenceMethods, _Rank):
     rank passes the same. ``quant``: optional ``{weight name: BlockQuant}`` of block-FP8 weights (a
     recipe's ``spec.quant``): each pull reads every 128x128 block whole and writes its FP8 values and
     scale in the same pass. Recipes give all three: :meth:`from_recipe`. ``pull``:
-    ``trs.PullOptions(mode=, backend=, device=, sources=)``. Where it meets and its other configs
-    (``membership``, ``codec``, ``timeouts``): see :class:`_Rank`. A trainer-side keyword
-    (``start_version``, ...) is a ``TypeError``.
+    ``trs.PullOptions(mode=, backend=, device=, sources=)``. Where it meets (``meeting``, a
+    ``trs.Meeting``) and its other configs (``membership``, ``codec``, ``timeouts``): see
+    :class:`_Rank`. A trainer-side keyword (``start_version``, ...) is a ``TypeError``.
     """
 
-    def __init__(self, layouts, *, rank: int | None = None, world_size: int | None = None, store=None,
-                 host_store: bool | None = None, group: str = "default", epoch: int | None = None, tensors=None,
-                 parts=None, quant=None, membership=None, codec=None, timeouts=None, pull=None, **legacy):
-        opts = options(type(self).__name__, _INFERENCE_LEGACY, legacy, membership=membership, codec=codec,
-                       timeouts=timeouts, pull=pull)
-        super().__init__(Meeting(rank, world_size, store, host_store, group, epoch), None,
-                         DestinationArgs(layouts, tensors, parts, quant), opts)
+    def __init__(self, layouts, meeting: Meeting = Meeting(), *, tensors=None, parts=None, quant=None, membership=None,
+                 codec=None, timeouts=None, pull=None):
+        opts = options(type(self).__name__, meeting=meeting, membership=membership, codec=codec, timeouts=timeouts,
+                       pull=pull)
+        super().__init__(None, DestinationData(layouts, tensors, parts, quant), opts)
 
     @classmethod
     def from_recipe(cls, spec, **kwargs) -> "RefitInference":
@@ -591,4 +594,4 @@ class RefitInference(_InferenceMethods, _Rank):
         the engine's parameters (``{vLLM name: tensor}``). With ``quantization="fp8-block"`` each pull
         writes the FP8 weights and their scales (``quant``: see :func:`~tritonreshard.planning.plan_quantized`)."""
         spec = _recipe_spec(spec, "RefitInference.from_recipe")
-        return cls(spec.dst, parts=spec.parts, quant=getattr(spec, "quant", None) or None, **kwargs)
+        return cls(spec.dst, parts=spec.parts, quant=spec.quant or None, **kwargs)

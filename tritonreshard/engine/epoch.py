@@ -38,6 +38,9 @@ class Epoch:
 
     #: The sides the group must have (an elastic group's trainers meet alone: ``("src",)``).
     required_sides: tuple[str, ...] = ("src", "dst")
+    #: How long this rank's join took, step by step (an elastic joiner's
+    #: :class:`~tritonreshard.engine.elastic.JoinStats`); None for an epoch that every rank meets in.
+    join_stats = None
 
     def __init__(self, group: Group, *, trainer=None, inference=None, device=None):
         self.group, self.trainer, self.inference, self.device = group, trainer, inference, device

@@ -2,16 +2,16 @@
 epoch) or :class:`Elastic` (the trainers meet alone; inference replicas join, leave or die while
 they run: :mod:`~tritonreshard.engine.elastic`).
 
-Both answer the same questions, asked by the endpoint and its trainer side and never by testing a
-flag: which problems its arguments have, how many ranks meet, which epoch to meet in (first and
-after the trainers restarted), which set-up script runs, which publisher a trainer runs and whether
-its arena stays open to newcomers. ``sides``: the roles of the asking rank, a subset of
-``{"trainer", "inference"}``.
+Both subclass :class:`Membership` and answer its questions, asked by the endpoint and its trainer
+side and never by testing a flag or a type: which problems its arguments have, how many ranks meet,
+which epoch to meet in (first and after the trainers restarted), which set-up script runs, which
+publisher a trainer runs and whether its arena stays open to newcomers. ``sides``: the roles of the
+asking rank, a subset of ``{"trainer", "inference"}``.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Union
 
 from .elastic import MAX_RANKS, ElasticPublisher, JoinerEpoch, TrainerEpoch, current_epoch
 from .epoch import Epoch
@@ -21,8 +21,43 @@ from .publisher import Publisher
 __all__ = ["Elastic", "Fixed", "Membership"]
 
 
+class Membership(ABC):
+    """Who is in a refit group: the questions an endpoint asks its membership (every rank of a
+    group passes the same kind). Subclasses are frozen dataclasses (they travel and compare)."""
+
+    @abstractmethod
+    def problems(self, sides: frozenset) -> list[str]:
+        """What makes these arguments impossible for a rank with ``sides`` (empty when none)."""
+
+    @abstractmethod
+    def world_size(self, given, sides: frozenset):
+        """How many ranks meet (``given``: the meeting's ``world_size``, maybe None)."""
+
+    @abstractmethod
+    def first_epoch(self, base_store, name: str, epoch: int | None, timeout: float, sides: frozenset) -> int:
+        """The epoch a new endpoint meets in (``epoch``: the meeting's, maybe None)."""
+
+    @abstractmethod
+    def next_epoch(self, base_store, name: str, current: int, timeout: float) -> int:
+        """The epoch ``rejoin()`` meets in by default."""
+
+    @abstractmethod
+    def make_epoch(self, group: Group, *, trainer, inference, device, name: str) -> Epoch:
+        """The set-up script of one epoch of this rank."""
+
+    @abstractmethod
+    def publisher(self, group: Group, route, arena, *, sender=None) -> Publisher:
+        """A trainer's publisher for one epoch."""
+
+    @property
+    @abstractmethod
+    def open_arena(self) -> bool:
+        """Whether a trainer's arena stays open to ranks that map it later (else it is unlinked
+        once every reader of the epoch mapped it)."""
+
+
 @dataclass(frozen=True)
-class Fixed:
+class Fixed(Membership):
     """Every rank of the group (trainers and inference ranks, ``world_size`` of them) meets in each
     epoch; a rank that dies ends the epoch, and the survivors meet again in the next."""
 
@@ -45,13 +80,11 @@ class Fixed:
     def publisher(self, group: Group, route, arena, *, sender=None) -> Publisher:
         return Publisher(group, route, arena, sender=sender)
 
-    #: Whether a trainer's arena stays open to ranks that map it later (else it is unlinked once
-    #: every reader of the epoch mapped it).
-    open_arena = False
+    open_arena = False  # every reader of the epoch is known at set-up
 
 
 @dataclass(frozen=True)
-class Elastic:
+class Elastic(Membership):
     """An elastic group (every rank passes one): the trainers meet alone (their ``world_size`` is
     the trainer ranks) and admit inference replicas as they join. An inference rank gives
     ``replica``, its replica's index (an int >= 0, unique among the replicas in); its layouts name
@@ -100,5 +133,3 @@ class Elastic:
 
     open_arena = True  # readers join for the epoch's life: the arena is handed out until it ends
 
-
-Membership = Union[Fixed, Elastic]

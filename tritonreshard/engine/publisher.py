@@ -186,5 +186,17 @@ class Publisher:
         if sender is not None:
             sender.raise_error()
 
+    @property
+    def readers(self) -> dict[int, int]:
+        """The ranks that read this arena, ``{rank: first version}``: every reader the route fences
+        reads from version 1 (an elastic publisher's readers come and go)."""
+        return {r: 1 for r in self.route.fenced if r != self.rank}
+
+    @property
+    def dropped(self) -> list[tuple[int, str]]:
+        """``(rank, why)`` of every reader dropped this epoch: none here, where a dead reader fails
+        the fence instead (an elastic publisher drops readers that leave or die)."""
+        return []
+
     def close(self) -> None:
         """End this epoch's publishing (nothing runs in the background here)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from ..planning import RankPlan, Route
 from ..transport import Codec, Delta
+from .config import PullOptions
 from .group import Group
 from .membership import Fixed, Membership
 from .publisher import Publisher, SourceArena
@@ -98,24 +99,24 @@ class TrainerSide:
 
 
 class InferenceSide:
-    """An inference rank's side. ``tensors``: given destination tensors (validated); ``device``,
-    ``mode``, ``backend``: as the endpoint's (resolved from its ``PullOptions``); ``sources``: the
-    :class:`Sources` class to map with; ``codec``: its receiving relay's (see :class:`ReceivingRelay`)."""
+    """An inference rank's side. ``tensors``: given destination tensors (validated); ``device``: of
+    its buffers; ``pull``: the endpoint's :class:`~tritonreshard.engine.config.PullOptions`, its
+    backend resolved for ``device`` (its buffer mode, copy backend and :class:`Sources` class);
+    ``codec``: its receiving relay's (see :class:`ReceivingRelay`)."""
 
-    def __init__(self, rank: int, tensors: dict, *, device, mode: str, backend: str, sources, codec: Codec = Delta()):
-        self.rank, self._tensors, self.device, self.mode = rank, tensors, device, mode
+    def __init__(self, rank: int, tensors: dict, *, device, pull: PullOptions, codec: Codec = Delta()):
+        self.rank, self._tensors, self.device, self.pull = rank, tensors, device, pull
         self._codec = codec
-        self.backend, self._sources = backend, sources
         self.buffers: ServingBuffers | None = None
         self.relay: ReceivingRelay | None = None
         self.subscriber: Subscriber | None = None
 
     def prepare(self, group: Group, rank_plan: RankPlan) -> None:
         """Rank plan step: the serving buffers, once (they outlive epochs), in the buffer order."""
-        self._quant = getattr(rank_plan.plan, "quant", None)
+        self._quant = rank_plan.plan.quant
         if self.buffers is None and rank_plan.dst_order:
             self.buffers = ServingBuffers(self.rank, rank_plan.dst_layouts, rank_plan.dst_order,
-                                          tensors=self._tensors, device=self.device, mode=self.mode,
+                                          tensors=self._tensors, device=self.device, mode=self.pull.mode,
                                           fills=rank_plan.fills)
 
     @property
@@ -136,9 +137,9 @@ class InferenceSide:
         """Map what this rank reads and build its descriptor tables."""
         if self.buffers is None:
             return
-        sources = self._sources(group, route, exported, own=own, device=self.device)
+        sources = self.pull.sources(group, route, exported, own=own, device=self.device)
         try:
-            self.subscriber = Subscriber(group, route, self.buffers, sources, backend=self.backend,
+            self.subscriber = Subscriber(group, route, self.buffers, sources, backend=self.pull.backend,
                                          quant=self._quant)
         except BaseException:
             sources.close()

@@ -7,7 +7,8 @@ Who calls what (an inference rank; :class:`tritonreshard.RefitInference` builds 
     sub.pull()                          # wait for the next version, copy, install
     sub.start_pull(); ...; sub.swap()   # shadow mode: copy in a background thread meanwhile
 
-The buffer sets (one in in-place mode, two in shadow mode) and the serving version outlive epochs; a
+The buffer sets (as many as the :class:`~tritonreshard.engine.modes.BufferMode` says: one in place,
+two in shadow mode) and the serving version outlive epochs; a
 :class:`Subscriber` belongs to one epoch. A rank keeps serving the last complete version while its
 trainers restart, and then pulls from the new ones through a new subscriber over the same buffers.
 
@@ -31,9 +32,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import RefitError
-from ..kernels import DescriptorTable, QuantizeTable
+from ..kernels import CopyBackend, DescriptorTable, QuantizeTable
 from ..transport import pack_offsets
 from .group import Group, check_timeout
+from .modes import BufferMode
 from ..planning import BufferRef, Route
 from .sources import Sources
 
@@ -128,11 +130,12 @@ class ServingBuffers:
         order: the names in the group's buffer order (same-geometry shards back to back).
         tensors: optional ``{name: tensor}`` to write (the engine's parameters): the serving set in
             in-place mode, the first of the two sets in shadow mode. device: of the buffers.
-        mode: ``"shadow"`` (two sets: pull into the spare, then swap) or ``"inplace"``.
+        mode: a :class:`~tritonreshard.engine.modes.BufferMode`: ``Shadow()`` (two sets: pull into the
+            spare, then swap) or ``InPlace()``.
         fills: the plan's zero fills of this rank (padding no copy writes): zeroed once here.
     """
 
-    def __init__(self, rank: int, layouts: dict, order, *, tensors=None, device, mode: str, fills=()):
+    def __init__(self, rank: int, layouts: dict, order, *, tensors=None, device, mode: BufferMode, fills=()):
         self.rank, self.mode, self.device = rank, mode, device
         self.layouts = dict(layouts)
         self.order = list(order)
@@ -145,7 +148,7 @@ class ServingBuffers:
         # One flat allocation per buffer set, in the group's order (as in the trainers' arenas):
         # copies of equal shards then differ by a constant address step.
         self.sets: list[dict[str, torch.Tensor]] = []
-        for i in range(2 if mode == "shadow" else 1):
+        for i in range(mode.sets):
             own = [n for n in self.order if not (i == 0 and n in tensors)]
             sizes = [self.layouts[n].local_numel(rank) * self.layouts[n].itemsize for n in own]
             offsets, total = pack_offsets(sizes)
@@ -169,7 +172,7 @@ class ServingBuffers:
     @property
     def spare(self) -> int:
         """The set a pull writes: the other one in shadow mode, the serving one in place."""
-        return 1 - self.serving if self.mode == "shadow" else 0
+        return self.mode.spare(self.serving)
 
     def install(self, slot: int, version: int, stats: PullStats) -> None:
         """A pull into ``slot`` completed: serve it."""
@@ -193,11 +196,12 @@ class Subscriber:
     Args:
         group: the epoch's group. route: this rank's route. buffers: the rank's
             :class:`ServingBuffers`. sources: the epoch's :class:`~tritonreshard.engine.sources.Sources`
-            (mapped; the subscriber closes them). backend: ``"triton"`` or ``"torch"``.
+            (mapped; the subscriber closes them). backend: the
+            :class:`~tritonreshard.kernels.CopyBackend` that runs its tables (resolved for its device).
     """
 
-    def __init__(self, group: Group, route: Route, buffers: ServingBuffers, sources: Sources, *, backend: str,
-                 quant=None):
+    def __init__(self, group: Group, route: Route, buffers: ServingBuffers, sources: Sources, *,
+                 backend: CopyBackend, quant=None):
         self.group, self.route, self.buffers, self.sources = group, route, buffers, sources
         self.rank, self.backend, self.device = group.rank, backend, buffers.device
         if set(route.fills) != set(buffers.fills):  # the same layouts and parts join every epoch
@@ -306,7 +310,7 @@ class Subscriber:
             raise RefitError(f"rank {self.rank}: sources moved past version {version} before it was read "
                              f"({ahead}); a trainer published without fence()")
         t1 = time.perf_counter()
-        if self.buffers.mode == "inplace":  # from here on a failure leaves the serving tensors torn
+        if self.buffers.mode.tears:  # from here on a failure leaves the serving tensors torn
             self.buffers.consistent = False
         with _StagingMeter(self.device) as meter:
             sources.prepare(version)
@@ -314,14 +318,14 @@ class Subscriber:
                 if ready is not None:  # the caller's stream finished with this buffer set
                     self._stream.wait_event(ready)
                 with torch.cuda.stream(self._stream):
-                    table.run(self.backend)
+                    self.backend.run(table)
                     if qtable is not None:
-                        qtable.run(self.backend)
+                        self.backend.run(qtable)
                 self._stream.synchronize()  # the ack follows the copy stream's completion
             else:
-                table.run(self.backend)
+                self.backend.run(table)
                 if qtable is not None:
-                    qtable.run(self.backend)
+                    self.backend.run(qtable)
         t2 = time.perf_counter()
         # The copy is only valid if no source changed or died while it ran (a dead trainer's
         # memory stays mapped, but the version it was publishing can no longer be vouched for).
@@ -375,8 +379,8 @@ class Subscriber:
         background thread (on its own CUDA stream), while generation goes on with the serving
         weights. Returns the version. Work queued on the caller's current stream before this call
         (e.g. generation still reading the spare set) is finished before the copy writes it."""
-        if self.buffers.mode != "shadow":
-            raise ValueError(f"start_pull needs mode='shadow' (this endpoint has mode={self.buffers.mode!r}); "
+        if not self.buffers.mode.background:
+            raise ValueError(f"start_pull needs mode='shadow' (this endpoint has mode='{self.buffers.mode}'); "
                              f"in-place pulls are synchronous: use pull()")
         if self._thread is not None:
             return self._target
@@ -457,10 +461,7 @@ class Subscriber:
     @property
     def num_copies(self) -> int:
         """Work items per pull: kernel launches (triton backend) or coalesced ``copy_`` calls (torch)."""
-        if not self._tables:
-            return 0
-        t = self._tables[0]
-        return t.num_launches if self.backend == "triton" else t.num_torch_copies
+        return self.backend.work_items(self._tables[0]) if self._tables else 0
 
     def abort(self) -> None:
         """Tell every source's control block that this rank gave up on the epoch (an elastic

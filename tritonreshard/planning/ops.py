@@ -152,6 +152,12 @@ class Plan:
         """For each destination built from ``parts=``: its parts, boxes resolved to ints."""
         return dict(self._parts)
 
+    @property
+    def quant(self) -> dict:
+        """Block-quantized destinations ``{name: BlockQuant}``: none here (a
+        :class:`~tritonreshard.planning.QuantizedPlan` has some)."""
+        return {}
+
     def fills_for_dst(self, rank: int) -> tuple[FillOp, ...]:
         """The zero fills of ``rank``'s destination shards."""
         return tuple(f for f in self._fills if f.dst_rank == rank)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .. import PullOptions, RefitInference
+from .. import Meeting, PullOptions, RefitInference
 from ..engine.rendezvous import connect_store
 from .membership import ElasticReplicas, FixedReplicas
 from .schema import ServingInit
@@ -40,10 +40,10 @@ class ServingRank:
         own weights, per set)."""
         return sum(lay.local_numel(self.rank) * lay.itemsize for lay in self.spec.dst.values())
 
-    def join(self, *, device, mode: str) -> tuple[RefitInference, float]:
+    def join(self, *, device, mode) -> tuple[RefitInference, float]:
         """Check the store (both sides elastic or neither), then join the refit group: the
-        inference endpoint of this rank in buffer ``mode`` (``"shadow"``: two sets, for the
-        background pull; ``"inplace"``: one), and how long joining took in ms. The one
+        inference endpoint of this rank in buffer ``mode`` (``trs.Shadow()``: two sets, for the
+        background pull; ``trs.InPlace()``: one), and how long joining took in ms. The one
         construction of a ``RefitInference`` on the serving side; every engine calls it."""
         init = self.init
         if self.group.asks_store(self.rank):
@@ -51,9 +51,10 @@ class ServingRank:
         t0 = time.perf_counter()
         # What RefitInference.from_recipe does, for any spec with ``dst`` / ``parts`` (/ ``quant``):
         # a RecipeSpec, LoRA's LoraSpec, an engine's own.
-        sub = RefitInference(self.spec.dst, parts=self.spec.parts, quant=getattr(self.spec, "quant", None) or None,
-                             rank=self.rank, store=init.store, group=init.group,
-                             pull=PullOptions(mode=mode, device=device), **init.configs, **self.group.endpoint_args())
+        meeting = Meeting(rank=self.rank, world_size=self.group.world_size(), store=init.store, group=init.group)
+        sub = RefitInference(self.spec.dst, meeting, parts=self.spec.parts,
+                             quant=getattr(self.spec, "quant", None) or None, pull=PullOptions(mode=mode, device=device),
+                             membership=self.group.membership(), **init.configs)
         return sub, (time.perf_counter() - t0) * 1e3
 
 

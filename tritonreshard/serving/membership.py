@@ -10,8 +10,8 @@ the serving side lives here, behind one interface, and nothing else in the servi
 * ``trainer_readers(trainer_ranks, inference_ranks, tp, problems)``: on the trainer side, the
   inference ranks of the trainers' recipe and the group's world size at the meeting;
 * ``rank(tp, tp_rank)``: the global rank TP rank ``tp_rank`` of this engine joins as;
-* ``endpoint_args()``: what the inference endpoint needs (the world size of a fixed group, and
-  the endpoint's membership: ``trs.Fixed()`` or ``trs.Elastic(replica=)``);
+* ``world_size()``: the group's size at the meeting (None: an elastic joiner has none);
+* ``membership()``: the endpoint's membership, ``trs.Fixed()`` or ``trs.Elastic(replica=)``;
 * ``check_store(store)``: both sides elastic or neither (the trainers' epoch key in the store);
 * ``asks_store(rank)``: whether that check can run before joining.
 """
@@ -61,8 +61,12 @@ class FixedReplicas:
                              f"replica(s) of TP-{tp}")
         return init.inference_ranks[init.replica * tp + tp_rank]
 
-    def endpoint_args(self) -> dict:
-        return {"world_size": len(self.init.trainer_ranks) + len(self.init.inference_ranks), "membership": Fixed()}
+    def world_size(self) -> int:
+        return len(self.init.trainer_ranks) + len(self.init.inference_ranks)
+
+    @staticmethod
+    def membership() -> Fixed:
+        return Fixed()
 
     @staticmethod
     def asks_store(rank: int) -> bool:
@@ -117,9 +121,13 @@ class ElasticReplicas:
                              f"{tp} of them, got {list(self.init.inference_ranks)}")
         return self.init.inference_ranks[tp_rank]
 
-    def endpoint_args(self) -> dict:
+    @staticmethod
+    def world_size() -> None:
+        return None  # the trainers' control blocks bound a joiner's rank (trs.Elastic)
+
+    def membership(self) -> Elastic:
         # joins the running group: meet, check, plan, map, admit (JoinStats)
-        return {"membership": Elastic(replica=self.init.replica)}
+        return Elastic(replica=self.init.replica)
 
     @staticmethod
     def asks_store(rank: int) -> bool:

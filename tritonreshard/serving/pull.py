@@ -5,7 +5,8 @@
 :class:`~tritonreshard.RefitInference`. Engine-agnostic: the engine's refit
 (:func:`~.session.refit`) calls them; they never touch the engine's own parameters.
 
-* ``MODE``, ``BUFFER_SETS``: the endpoint's buffer mode and how many buffer sets it holds;
+* ``MODE``, ``BUFFER_SETS``, ``BACKGROUND``: the endpoint's buffer mode (``trs.Shadow()`` or
+  ``trs.InPlace()``), how many buffer sets it holds, whether a thread pulls in the background;
 * ``start(sub)`` / ``stop()``: bind to the joined endpoint (the background thread starts) / end;
 * ``session()``: a context held for a whole refit: the background thread neither swaps a finished
   pull in nor starts one while it is held, so a set being applied is never pulled into;
@@ -34,6 +35,7 @@ import threading
 from collections.abc import Callable
 
 from .. import RefitError, RefitInference
+from ..engine import InPlace, Shadow
 
 __all__ = ["BackgroundPull", "InlinePull", "pull_mode"]
 
@@ -58,7 +60,8 @@ def _obtain_now(sub: RefitInference, target: int, timeout: float) -> None:
 class InlinePull:
     """Pull inside the refit (``prefetch=False``): one buffer set, nothing in the background."""
 
-    MODE, BUFFER_SETS, BACKGROUND = "inplace", 1, False
+    MODE, BACKGROUND = InPlace(), False
+    BUFFER_SETS = MODE.sets
 
     def __init__(self, *, rank: int, logger: logging.Logger | None = None, served: Callable[[], int] = lambda: 0):
         self.rank = rank
@@ -86,7 +89,8 @@ class BackgroundPull:
     ``logger``: where a background failure is logged (an engine passes its own: one under the
     engine's logging tree reaches its handler); ``served``: the version the engine serves, for that line."""
 
-    MODE, BUFFER_SETS, BACKGROUND = "shadow", 2, True
+    MODE, BACKGROUND = Shadow(), True
+    BUFFER_SETS = MODE.sets
     # How often the watcher looks at the trainers' version words (a read of shared memory): a
     # published version starts pulling within this much, at a negligible CPU cost.
     POLL_S = 0.005

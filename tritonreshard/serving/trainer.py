@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from .. import RefitTrainer
+from .. import Meeting, RefitTrainer
 from ..engine import Elastic
 from .membership import replicas_of
 from .registry import recipe_for
@@ -27,7 +27,7 @@ def join_as_trainer(trainer: RefitTrainer, tensors, layouts, *, rank: int, world
     trainer: the one construction of a trainer endpoint on the serving side. ``membership``,
     ``codec``, ``timeouts``: the endpoint's typed configs (``trs.Elastic()``, ``trs.Delta(anchor=)``,
     ``trs.Timeouts(wait=, peer=)``), the same as the engines' init info says in plain values."""
-    RefitTrainer.__init__(trainer, tensors, layouts, rank=rank, world_size=world_size, store=store, group=group,
+    RefitTrainer.__init__(trainer, tensors, layouts, Meeting(rank=rank, world_size=world_size, store=store, group=group),
                           membership=membership, codec=codec, timeouts=timeouts)
 
 

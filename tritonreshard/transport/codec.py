@@ -1,7 +1,7 @@
 """How cross-host messages travel: whole every refit (:class:`Dense`) or as exact deltas against
-what the receiver holds (:class:`Delta`). One object, chosen once at set-up; the sender asks it
-two questions (may this receiver get deltas? how is this message encoded?) and never looks at a
-mode string.
+what the receiver holds (:class:`Delta`), both a :class:`Codec`. One object, chosen once at set-up;
+the sender asks it two questions (may this receiver get deltas? how is this message encoded?) and
+never looks at a mode string or the codec's type.
 
 ``Delta()`` ("auto") also weighs the link against detection: comparing and encoding a byte costs
 time (on CPU 1-4 s/GB, slower than a loopback link), so a delta pays only where the link is slower
@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import statistics
 import time
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar, Union
+from typing import ClassVar
 
 import torch
 
@@ -134,24 +135,46 @@ class LinkModel:
                 f"delta {100 * self.fraction:.3g}% of compared)")
 
 
-@dataclass(frozen=True)
-class Dense:
-    """Every cross-host message travels whole, every refit; the sender keeps no snapshot."""
+class Codec(ABC):
+    """How cross-host messages travel: the questions a sender and a receiving relay ask (every
+    rank of a group passes the same codec). Subclasses are frozen dataclasses (they travel in the
+    rank's hello and compare)."""
 
     #: The sender keeps a copy of what it last sent (the deltas' base).
+    keeps_snapshot: ClassVar[bool]
+
+    @property
+    @abstractmethod
+    def mode(self) -> str:
+        """The string spelling (``delta=``: one of :data:`DELTA_MODES`)."""
+
+    @abstractmethod
+    def wants_delta(self, link: LinkModel | None = None, nbytes: int = 0) -> bool:
+        """Whether deltas pay for this sender (so it keeps a base: the snapshot)."""
+
+    @abstractmethod
+    def sends_delta(self, deltas_since_whole: int, link: LinkModel | None = None, nbytes: int = 0) -> bool:
+        """Whether a receiver whose base is what this rank last sent it gets deltas now."""
+
+    @abstractmethod
+    def encode(self, new: torch.Tensor, old: torch.Tensor, word: int) -> dc.Encoded:
+        """One message's encoding against ``old`` (flat uint8, ``word``-byte words)."""
+
+
+@dataclass(frozen=True)
+class Dense(Codec):
+    """Every cross-host message travels whole, every refit; the sender keeps no snapshot."""
+
     keeps_snapshot: ClassVar[bool] = False
 
     @property
     def mode(self) -> str:
-        """The string spelling (``delta=``)."""
         return "off"
 
     def wants_delta(self, link: LinkModel | None = None, nbytes: int = 0) -> bool:
-        """Whether deltas pay for this sender (so it keeps a base: the snapshot)."""
         return False
 
     def sends_delta(self, deltas_since_whole: int, link: LinkModel | None = None, nbytes: int = 0) -> bool:
-        """Whether a receiver whose base is what this rank last sent it gets deltas now."""
         return False
 
     def encode(self, new: torch.Tensor, old: torch.Tensor, word: int) -> dc.Encoded:
@@ -159,7 +182,7 @@ class Dense:
 
 
 @dataclass(frozen=True)
-class Delta:
+class Delta(Codec):
     """Each receiver gets only the elements that changed since the version its buffer holds (bits
     compared, exact; :mod:`~tritonreshard.transport.delta`), per message the smallest encoding,
     whole included, on a transfer where finding them costs less than sending whole (the sender's
@@ -199,8 +222,6 @@ class Delta:
     def encode(self, new: torch.Tensor, old: torch.Tensor, word: int) -> dc.Encoded:
         return dc.encode(new, old, word, force_sparse=self.force)
 
-
-Codec = Union[Dense, Delta]
 
 
 def delta_problems(delta, anchor) -> list[str]:

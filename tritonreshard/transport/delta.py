@@ -34,8 +34,9 @@ Every section starts at a multiple of 8 bytes (so its views are aligned; the pad
 payload is defined to the byte). :func:`decode` writes into the base in place.
 
 :func:`encode` compares and compacts with Triton on CUDA (``kernels.delta``: two passes over the
-words, the bitmask and the block counts from the first) and with torch elsewhere; the two give the
-same bytes. :func:`decode` is torch on any device.
+words, the bitmask and the block counts from the first) and with torch elsewhere, as its
+:class:`~tritonreshard.kernels.CopyBackend` says; the two give the same bytes. :func:`decode` is
+torch on any device.
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..kernels.delta import delta_compact, delta_count
+from ..kernels import AutoBackend, CopyBackend, copy_backend
 
 __all__ = ["DENSE", "BITMASK", "INDEX32", "GAP16", "GAP8", "DIFF8", "KINDS", "Encoded", "word_dtype", "word_size",
            "encode", "decode", "encoded_sizes"]
@@ -60,7 +61,6 @@ _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _DIFF_WORDS = (2, 4)                  # word widths DIFF8 is offered for (1: no gain; 8: int64 range)
 _ESCAPE = -128                        # the DIFF8 byte of an entry whose new word follows whole
 _SECTION = 8                          # payload sections start at multiples of this
-_GATHER_BITS = 0x0102040810204080     # see _TorchDelta.write_bitmask
 
 
 def _align(n: int) -> int:
@@ -162,68 +162,22 @@ def _diffs(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     return new.to(wide) - old.to(wide)
 
 
-class _TorchDelta:
-    """Compare and compact with torch (any device; also Triton's fallback for 2**31 words or more).
-
-    Built from the two messages' words: ``changed``, the words that differ. ``compact()``: their
-    positions (int64, ascending) and new values; ``write_bitmask(payload)``: the BITMASK section."""
-
-    def __init__(self, nw: torch.Tensor, ow: torch.Tensor, nmask: int):
-        self.nw, self.nmask = nw, nmask
-        self.mask = nw != ow
-        self.changed = int(torch.count_nonzero(self.mask))
-
-    def compact(self) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = torch.nonzero(self.mask).view(-1)
-        return idx, self.nw[idx]
-
-    def write_bitmask(self, payload: torch.Tensor) -> None:
-        n = self.nw.numel()
-        if self.nw.device.type == "cpu":   # numpy's packbits: ~15x the torch bit-gather below on CPU
-            payload[:-(-n // 8)] = torch.from_numpy(np.packbits(self.mask.numpy(), bitorder="little"))
-            return
-        padded = torch.zeros(self.nmask * 8, dtype=torch.uint8, device=self.nw.device)
-        padded[:n] = self.mask
-        # Eight 0/1 bytes (an int64, little-endian) -> one byte, first byte lowest bit: the
-        # product gathers byte i into bit 56 + i, with no carries between them.
-        payload[:self.nmask] = ((padded.view(torch.int64) * _GATHER_BITS) >> 56).to(torch.uint8)
-
-
-class _TritonDelta:
-    """Compare and compact with ``kernels.delta`` (under 2**31 words): what :class:`_TorchDelta`
-    gives, byte for byte. Pass 1 (here) counts the changed words per block and writes the bitmask
-    (its bytes are the BITMASK section as they are); pass 2 (``compact()``) the changed words'
-    positions (ascending, as nonzero gives them) and new values."""
-
-    def __init__(self, nw: torch.Tensor, ow: torch.Tensor, nmask: int):
-        self.nw, self.ow, self.nmask = nw, ow, nmask
-        self.counts, self.bits = delta_count(nw, ow, nmask)
-        self.changed = int(self.counts.sum())
-
-    def compact(self) -> tuple[torch.Tensor, torch.Tensor]:
-        idx32, vals = delta_compact(self.nw, self.ow, self.counts, self.changed)
-        return idx32.to(torch.int64), vals
-
-    def write_bitmask(self, payload: torch.Tensor) -> None:
-        payload[:self.nmask] = self.bits
-
-
-def _check_encode(new: torch.Tensor, old: torch.Tensor, word: int, backend: str | None, kind: int | None) -> None:
-    """encode's arguments: one ValueError naming every problem."""
-    problems = []
+def _check_encode(new: torch.Tensor, old: torch.Tensor, word: int, backend, kind: int | None) -> CopyBackend:
+    """encode's arguments: one ValueError naming every problem; the backend they name."""
+    problems: list[str] = []
     if new.dtype != torch.uint8 or old.dtype != torch.uint8 or new.shape != old.shape or new.dim() != 1:
         problems.append(f"new and old must be flat uint8 tensors of one length, got "
                         f"{new.dtype} {tuple(new.shape)} and {old.dtype} {tuple(old.shape)}")
     elif new.numel() % word:
         problems.append(f"{new.numel()} bytes is not a multiple of word={word}")
-    if backend not in (None, "torch", "triton"):
-        problems.append(f"backend must be None, 'torch' or 'triton', got {backend!r}")
+    chosen = AutoBackend() if backend is None else copy_backend(backend, problems)
     if kind is not None and (kind not in KINDS or (kind & DIFF8 and word not in _DIFF_WORDS)
                              or (kind & ~DIFF8 == INDEX32 and new.numel() // word >= 2 ** 31)):
         problems.append(f"kind={kind!r} is not one of {sorted(KINDS)} for word={word} "
                         f"(DIFF8: words of {_DIFF_WORDS} bytes; INDEX32: under 2**31 words)")
     if problems:
         raise ValueError("encode: " + "; ".join(problems))
+    return chosen
 
 
 def _dense_before_compacting(nw: torch.Tensor, ow: torch.Tensor, word: int, changed: int, nmask: int,
@@ -262,23 +216,22 @@ def _write_where(payload: torch.Tensor, where: int, delta, idx: torch.Tensor, ga
 
 
 def encode(new: torch.Tensor, old: torch.Tensor, word: int, *, force_sparse: bool = False,
-           backend: str | None = None, kind: int | None = None) -> Encoded:
+           backend=None, kind: int | None = None) -> Encoded:
     """Encode ``new`` against ``old`` (flat uint8 tensors of the same length, on one device,
     a multiple of ``word`` bytes). Returns the smallest :class:`Encoded` (``DENSE`` when no sparse
     encoding is smaller; ``force_sparse``: the smallest sparse one even if it is not; ``kind``:
     that one of :data:`KINDS`, whatever its size, for tests and benches).
 
-    ``backend``: ``"triton"`` (the compare-and-compact kernels of ``kernels.delta``: two passes
-    over the words, interpreted on CPU), ``"torch"``, or None: Triton on CUDA, torch elsewhere.
-    Both give the same encoding, byte for byte; messages of 2**31 words or more use torch."""
-    _check_encode(new, old, word, backend, kind)
+    ``backend``: a :class:`~tritonreshard.kernels.CopyBackend` or its name: ``"triton"`` (the
+    compare-and-compact kernels of ``kernels.delta``: two passes over the words, interpreted on
+    CPU), ``"torch"``, or ``"auto"`` / None: Triton on CUDA, torch elsewhere. Both give the same
+    encoding, byte for byte; messages of 2**31 words or more use torch."""
+    backend = _check_encode(new, old, word, backend, kind)
     wd = word_dtype(word)
     nw, ow = new.view(wd), old.view(wd)
     n = nw.numel()
     nmask = _align(-(-n // 8))
-    if backend is None:
-        backend = "triton" if new.device.type == "cuda" else "torch"
-    delta = (_TritonDelta if backend == "triton" and n < 2 ** 31 else _TorchDelta)(nw, ow, nmask)
+    delta = backend.delta_scan(nw, ow, nmask)
     changed = delta.changed
     if _dense_before_compacting(nw, ow, word, changed, nmask, kind, force_sparse):
         return Encoded(DENSE, n * word, n, word, changed)

@@ -29,7 +29,7 @@ import time
 import torch
 
 from ... import execute_local, recipes
-from ...kernels import DescriptorTable, QuantizeTable, per_block_cast_to_fp8
+from ...kernels import DescriptorTable, QuantizeTable, copy_backend, per_block_cast_to_fp8
 from .config import parse_size
 
 __all__ = ["fp8_config", "run_fp8"]
@@ -87,7 +87,7 @@ def run_fp8(size: int, trainers: int = 3, inference: int = 4, device: str = "cpu
     one line of text per step (building, then each method's round), e.g. a printer to stderr."""
     say = progress or (lambda line: None)
     dev = torch.device(device)
-    backend = backend or ("triton" if dev.type == "cuda" else "torch")
+    backend = copy_backend(backend or "auto").for_device(dev)  # "auto": by the device, once
     config = fp8_config(size)
     say(f"building a {config.num_hidden_layers}-layer Llama of about {size / 2**20:.0f} MiB and its plans")
     kw = dict(tp=inference, trainer_ranks=list(range(trainers)),
@@ -123,11 +123,11 @@ def run_fp8(size: int, trainers: int = 3, inference: int = 4, device: str = "cpu
                               dst=fused_dst, scale=lambda r, n: out_fused[r][n])
 
     def bf16():
-        t_bf16.run(backend)
+        backend.run(t_bf16)
 
     def fused():
-        t_rest.run(backend)
-        t_q.run(backend)
+        backend.run(t_rest)
+        backend.run(t_q)
 
     def then_quantize():
         bf16()
@@ -150,7 +150,7 @@ def run_fp8(size: int, trainers: int = 3, inference: int = 4, device: str = "cpu
                                t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t)
                    for r, ts in out_after.items() for n, t in ts.items())
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"quantize": quantization, "backend": backend, "device": str(dev), "layers": config.num_hidden_layers,
+    return {"quantize": quantization, "backend": backend.name, "device": str(dev), "layers": config.num_hidden_layers,
             "torch_threads": torch.get_num_threads(), "cores": cores,
             "load_avg": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
             "bf16_bytes_read": read, "trainers": trainers, "inference": inference, "repeats": repeats,

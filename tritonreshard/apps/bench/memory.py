@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from tritonreshard.engine.modes import buffer_mode
 from tritonreshard.planning import plan_reshard
 
 from ..driver import fmt_gib, memory_shortage
@@ -111,7 +112,7 @@ def estimate(cfg: BenchConfig) -> MemoryEstimate:
             est.ranks[r]["version-0 bits at set-up"] = shards
         for r in cfg.inference_ranks:
             shards = sum(dst[t.name].local_numel(r) * 2 for t in model)
-            est.ranks[r]["engine buffer sets"] = shards * (2 if cfg.mode == "shadow" else 1)
+            est.ranks[r]["engine buffer sets"] = shards * buffer_mode(cfg.mode).sets
             baselines = [m for m in ("p2p", "gather_broadcast") if m in methods]
             if baselines:
                 est.ranks[r]["baseline destination sets"] = shards * len(baselines)

@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from tritonreshard import PullOptions, RefitEndpoint, Timeouts
+from tritonreshard import DestinationData, Meeting, PullOptions, RefitEndpoint, SourceData, Timeouts
 from tritonreshard.engine.crosshost import LINK_GBPS_ENV
 from tritonreshard.transport import codec_for
 
@@ -89,9 +89,9 @@ class Rank:
                     self.adam[t.name].write(initial[t.name], 0)
                 else:
                     fill_bits(initial[t.name], lay, rank, t.name)
-        self.ep = RefitEndpoint(rank=rank, world_size=cfg.world_size, store=dist.PrefixStore("refit", store),
-                                src_tensors=initial, src_layouts=self.src_layouts if self.is_src else None,
-                                dst_layouts=self.dst_layouts if self.is_dst else None,
+        self.ep = RefitEndpoint(Meeting(rank=rank, world_size=cfg.world_size, store=dist.PrefixStore("refit", store)),
+                                source=SourceData(initial, self.src_layouts) if self.is_src else None,
+                                destination=DestinationData(self.dst_layouts) if self.is_dst else None,
                                 pull=PullOptions(mode=cfg.mode, device=self.device, backend=cfg.backend),
                                 timeouts=Timeouts(wait=cfg.timeout), codec=codec_for(cfg.delta))
         del initial
@@ -210,7 +210,7 @@ class Rank:
                 "descriptors": int(self.ep.stats.num_descriptors) if self.is_dst else 0,
                 "handles_opened": int(self.ep.stats.handles_opened),
                 "plan_ops_dst": len(self.plan.ops_for_dst(self.rank)), "bytes_per_refit": int(self.ep.stats.bytes_per_refit)
-                if self.is_dst else 0, "backend": self.ep.backend, "transport": self.transport}
+                if self.is_dst else 0, "backend": self.ep.backend.name, "transport": self.transport}
 
     def close(self):
         self.ep.close()

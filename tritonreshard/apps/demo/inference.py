@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tritonreshard import PullOptions, RefitInference, Timeouts, plan_reshard
+from tritonreshard import Meeting, PullOptions, RefitInference, Timeouts, plan_reshard
 
 from ..driver import poll_until
 from .config import RunConfig
@@ -95,7 +95,7 @@ class InferenceRank:
         self.orphaned = False        # --restart: the trainers' epoch ended; wait for the next one
         self.final_version = None
         self.max_stall = 0.0
-        self.inf = RefitInference(self.dst_layouts, rank=rank, world_size=rc.world_size, store=refit_store,
+        self.inf = RefitInference(self.dst_layouts, Meeting(rank=rank, world_size=rc.world_size, store=refit_store),
                                   pull=PullOptions(mode=rc.mode, device=device, backend=rc.backend),
                                   timeouts=Timeouts(wait=rc.timeout, peer=rc.peer_timeout))
 
@@ -123,7 +123,7 @@ class InferenceRank:
             refit = None
             if self.orphaned:
                 pass  # nothing to pull until the new trainers are up
-            elif self.rc.mode == "shadow":
+            elif inf.mode.background:
                 refit = self.refit_shadow(latest, b.all_done)
             elif latest > inf.version:
                 refit = self.refit_inplace(latest)

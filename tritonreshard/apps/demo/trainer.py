@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from tritonreshard import PeerDiedError, RefitTrainer, Timeouts
+from tritonreshard import Meeting, PeerDiedError, RefitTrainer, Timeouts
 
 from ..driver import wait_key
 from .config import RunConfig
@@ -39,9 +39,8 @@ def run_trainer(rank: int, rc: RunConfig, refit_store, dstore, epoch: int, devic
         dstore.set(f"trainers_up/{epoch}", "1")  # the inference group joins this epoch now
 
     # A restarted group resumes the version numbering: its first publish() is resume + 1.
-    tr = RefitTrainer(local, src_layouts, rank=rank, world_size=rc.world_size, store=refit_store,
-                      timeouts=Timeouts(wait=rc.timeout, peer=rc.peer_timeout), epoch=epoch,
-                      start_version=resume or 0)
+    tr = RefitTrainer(local, src_layouts, Meeting(rank=rank, world_size=rc.world_size, store=refit_store, epoch=epoch),
+                      timeouts=Timeouts(wait=rc.timeout, peer=rc.peer_timeout), start_version=resume or 0)
     dstore.set(f"resumed/{epoch}/{rank}", repr(time.time()))  # a restart's breakdown: checkpoint loaded, group met
     try:
         # Train on the arena tensors themselves: Parameter(t) shares t's storage, and Adam updates

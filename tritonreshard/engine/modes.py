@@ -1,0 +1,97 @@
+"""How an inference rank holds its weights while it pulls: a :class:`BufferMode`, chosen once.
+
+* :class:`Shadow`: two buffer sets; a pull writes the spare one (in the background if asked) and a
+  swap installs it, so generation goes on meanwhile and a failed pull leaves the serving weights as
+  they were;
+* :class:`InPlace`: one buffer set, written by the pull itself (pause generation meanwhile); a pull
+  that fails part-way leaves it torn (``consistent = False``).
+
+The serving buffers and the subscriber ask the mode (how many sets, which one a pull writes,
+whether a failed pull tears them, whether a pull may run in the background) and never compare its
+name. The string spellings (``"shadow"``, ``"inplace"``) are accepted where a mode enters from a
+user (``PullOptions(mode=)``, the command line) and turned into these objects there, by
+:func:`buffer_mode`.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+__all__ = ["BUFFER_MODE_NAMES", "BufferMode", "InPlace", "Shadow", "buffer_mode"]
+
+
+class BufferMode(ABC):
+    """An inference rank's buffer mode. Subclasses are frozen dataclasses without fields: every
+    instance of one is equal to every other."""
+
+    #: The string spelling (``mode=``).
+    name: ClassVar[str]
+
+    @property
+    @abstractmethod
+    def sets(self) -> int:
+        """How many buffer sets the rank holds."""
+
+    @abstractmethod
+    def spare(self, serving: int) -> int:
+        """The set a pull writes while set ``serving`` serves."""
+
+    @property
+    @abstractmethod
+    def tears(self) -> bool:
+        """Whether a pull that fails part-way leaves the serving weights torn."""
+
+    @property
+    @abstractmethod
+    def background(self) -> bool:
+        """Whether a pull may run in the background (``start_pull`` ... ``swap``)."""
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class Shadow(BufferMode):
+    """Two buffer sets: pull into the spare one, then swap (one reference assignment)."""
+
+    name: ClassVar[str] = "shadow"
+    sets: ClassVar[int] = 2
+    tears: ClassVar[bool] = False
+    background: ClassVar[bool] = True
+
+    def spare(self, serving: int) -> int:
+        return 1 - serving
+
+
+@dataclass(frozen=True)
+class InPlace(BufferMode):
+    """One buffer set, the serving one, written by each pull."""
+
+    name: ClassVar[str] = "inplace"
+    sets: ClassVar[int] = 1
+    tears: ClassVar[bool] = True
+    background: ClassVar[bool] = False
+
+    def spare(self, serving: int) -> int:
+        return serving
+
+
+_BY_NAME = {m.name: m for m in (Shadow(), InPlace())}
+#: The string spellings :func:`buffer_mode` accepts.
+BUFFER_MODE_NAMES = tuple(_BY_NAME)
+
+
+def buffer_mode(value, problems: list[str] | None = None, *, param: str = "mode") -> BufferMode | None:
+    """``value`` as a :class:`BufferMode`: a mode as it is, a name of :data:`BUFFER_MODE_NAMES` as its
+    mode. Anything else: with ``problems``, None and a line naming ``param`` and the value appended
+    to it (callers gather every problem into one ``ValueError``); without, that ``ValueError``."""
+    if isinstance(value, BufferMode):
+        return value
+    if isinstance(value, str) and value in _BY_NAME:
+        return _BY_NAME[value]
+    problem = f"{param} must be 'shadow' or 'inplace' (or a trs.BufferMode), got {param}={value!r}"
+    if problems is None:
+        raise ValueError(problem)
+    problems.append(problem)
+    return None
