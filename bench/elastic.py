@@ -97,8 +97,8 @@ def role_trainer(rank, port, mib, epoch, start_version):
     store = _store(port)
     shards = {n: lay.shard(_full(src, n, start_version, torch), rank) for n, lay in src.items()}
     t_ctor = time.monotonic()
-    with trs.RefitTrainer(shards, src, rank=rank, world_size=len(TRAINERS), store=store, timeouts=trs.Timeouts(wait=120), membership=trs.Elastic(),
-                          epoch=epoch, start_version=start_version) as tr:
+    with trs.RefitTrainer(shards, src, trs.Meeting(rank=rank, world_size=len(TRAINERS), store=store, epoch=epoch),
+                          timeouts=trs.Timeouts(wait=120), membership=trs.Elastic(), start_version=start_version) as tr:
         t_met = time.monotonic()
         _post(store, f"t/{epoch}/{rank}", {"main": T_MAIN, "imported": t_imported, "ctor": t_ctor, "met": t_met})
         while not store.check([f"stop/{epoch}"]):
@@ -125,7 +125,8 @@ def role_replica(rank, port, mib, replica, ranks):
                 raise AssertionError(f"rank {rank}: {n} of version {inf.version} differs")
 
     t_ctor = time.monotonic()
-    inf = trs.RefitInference(layouts, rank=rank, store=store, timeouts=trs.Timeouts(wait=120), membership=trs.Elastic(replica=replica))
+    inf = trs.RefitInference(layouts, trs.Meeting(rank=rank, store=store), timeouts=trs.Timeouts(wait=120),
+                             membership=trs.Elastic(replica=replica))
     t_joined = time.monotonic()
     inf.pull()
     t_first = time.monotonic()

@@ -254,7 +254,8 @@ def _refit_member(rank: int, port: int, total: int, repeats: int, device: str, q
         else:
             torch.set_num_threads(1)
         src_l, dst_l = _refit_layouts(total)
-        kw = dict(rank=rank, world_size=len(_TRAINERS) + len(_INFERENCE), store=f"127.0.0.1:{port}", timeouts=trs.Timeouts(wait=300))
+        meeting = trs.Meeting(rank=rank, world_size=len(_TRAINERS) + len(_INFERENCE), store=f"127.0.0.1:{port}")
+        kw = dict(meeting=meeting, timeouts=trs.Timeouts(wait=300))
         if rank in _TRAINERS:
             tensors = {k: _pattern(lay, rank, 0, dev) for k, lay in src_l.items()}
             with trs.RefitTrainer(tensors, src_l, **kw) as ep:

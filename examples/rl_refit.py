@@ -9,8 +9,9 @@ The pattern to copy into your own RL code:
 
     trainer                                   inference
     -------                                   ---------
-    tr = trs.RefitTrainer(tensors, layouts,   inf = trs.RefitInference(layouts, rank, world_size,
-                          rank, world_size)                            mode="shadow")
+    tr = trs.RefitTrainer(tensors, layouts,   inf = trs.RefitInference(layouts,
+        trs.Meeting(rank, world_size))            trs.Meeting(rank, world_size),
+                                                  pull=trs.PullOptions(mode="shadow"))
     params = Parameters over tr.tensors       loop:
     tr.publish()                    # v1        if inf.available_version() > inf.version:
     loop:                                           inf.start_pull()      # background
@@ -63,7 +64,7 @@ def say(line: str) -> None:
 def trainer() -> dict:
     torch.manual_seed(0)
     init = {"w_in": torch.randn(H, D) / D ** 0.5, "w_out": torch.randn(D, H) / H ** 0.5}
-    with trs.RefitTrainer(init, SRC, rank=0, world_size=WORLD) as tr:  # store: the job's
+    with trs.RefitTrainer(init, SRC, trs.Meeting(rank=0, world_size=WORLD)) as tr:  # store: the job's
         # Train on the arena itself: no copy per step, publish() only bumps the version.
         params = {n: torch.nn.Parameter(t) for n, t in tr.tensors.items()}
         opt = torch.optim.SGD(params.values(), lr=0.1)
@@ -85,7 +86,7 @@ def trainer() -> dict:
 
 
 def inference(rank: int) -> None:
-    with trs.RefitInference(DST, rank=rank, world_size=WORLD, pull=trs.PullOptions(mode="shadow")) as inf:
+    with trs.RefitInference(DST, trs.Meeting(rank=rank, world_size=WORLD), pull=trs.PullOptions(mode="shadow")) as inf:
         inf.pull()                                      # version 1: wait for it, install it
         served = 0
         while inf.version < STEPS + 1:

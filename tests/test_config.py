@@ -1,12 +1,10 @@
 """The endpoints' typed configs: each validated once where it is made, each role taking only its
-side's, and the earlier flat keywords as one-release aliases that warn and mean the same."""
-import warnings
-
+side's; the modes (membership, codec, buffer mode, copy backend) are objects, and the earlier flat
+keywords are gone."""
 import pytest
 
 import tritonreshard as trs
 from tritonreshard import Layout, Shard
-from tritonreshard.engine.config import options
 from tritonreshard.transport import codec_for
 
 DST = {"w": Layout((4,), 1, [Shard(0)])}
@@ -16,8 +14,9 @@ def test_each_config_names_every_problem_at_once():
     with pytest.raises(ValueError, match=r"Timeouts: wait must be > 0 seconds, got wait=0; peer must be > 0 "
                                          r"seconds, got peer='x'"):
         trs.Timeouts(wait=0, peer="x")
-    with pytest.raises(ValueError, match=r"PullOptions: mode must be 'shadow' or 'inplace', got mode='x'; backend "
-                                         r"must be 'auto', 'torch' or 'triton', got backend='y'; sources must be"):
+    with pytest.raises(ValueError, match=r"PullOptions: mode must be 'shadow' or 'inplace' \(or a trs.BufferMode\), "
+                                         r"got mode='x'; backend must be 'auto', 'torch' or 'triton' \(or a "
+                                         r"trs.CopyBackend\), got backend='y'; sources must be"):
         trs.PullOptions(mode="x", backend="y", sources=dict)
     with pytest.raises(ValueError, match=r"Delta: anchor must be an int >= 1 .* got anchor=0; force must be True "
                                          r"or False, got force=1"):
@@ -39,44 +38,83 @@ def test_the_string_spelling_names_the_same_codec():
 
 
 def test_a_config_of_the_wrong_type_is_named():
-    with pytest.raises(ValueError, match=r"codec must be a Dense or Delta, got codec='auto'; timeouts must be a "
-                                         r"Timeouts, got timeouts=5"):
-        trs.RefitInference(DST, rank=0, world_size=1, timeouts=5, codec="auto")
+    with pytest.raises(ValueError, match=r"codec must be a Codec \(trs.Delta\(\) or trs.Dense\(\)\), got codec='auto'; "
+                                         r"timeouts must be a trs.Timeouts, got timeouts=5"):
+        trs.RefitInference(DST, meeting=trs.Meeting(rank=0, world_size=1), timeouts=5, codec="auto")
 
 
 def test_role_problems_of_a_membership_are_named_before_joining():
     with pytest.raises(ValueError, match=r"an elastic inference rank needs its replica's index"):
-        trs.RefitInference(DST, rank=0, store="127.0.0.1:9", membership=trs.Elastic())
+        trs.RefitInference(DST, meeting=trs.Meeting(rank=0, store="127.0.0.1:9"), membership=trs.Elastic())
     with pytest.raises(ValueError, match=r"replica= is for an elastic group's inference ranks, not its trainers"):
-        trs.RefitTrainer({}, DST, rank=0, world_size=1, membership=trs.Elastic(replica=0))
+        trs.RefitTrainer({}, DST, meeting=trs.Meeting(rank=0, world_size=1), membership=trs.Elastic(replica=0))
     with pytest.raises(ValueError, match=r"not both \(no colocated rank\)"):
-        trs.RefitEndpoint(src_tensors={}, src_layouts=DST, dst_layouts=DST, rank=0, world_size=1,
-                          membership=trs.Elastic(replica=0))
+        trs.RefitEndpoint(source=trs.SourceData({}, DST), destination=trs.DestinationData(DST),
+                          meeting=trs.Meeting(rank=0, world_size=1), membership=trs.Elastic(replica=0))
 
 
-def test_old_keywords_warn_once_and_mean_the_same_configs():
-    legacy = dict(timeout=5, peer_timeout=2, elastic=True, replica=1, delta="always", delta_anchor=4, mode="inplace",
-                  backend="torch", device="cpu")
-    accepts = frozenset(legacy) | {"sources"}
-    with pytest.warns(DeprecationWarning) as seen:
-        got = options("RefitInference", accepts, legacy)
-    assert len(seen) == 1 and __file__ == seen[0].filename  # one warning, pointing at the caller
-    text = str(seen[0].message)
-    assert "timeout=, peer_timeout=, elastic=, replica=, delta=, delta_anchor=, mode=, backend=, device=" in text
-    assert "timeouts=trs.Timeouts" in text and "membership=trs.Elastic" in text and "pull=trs.PullOptions" in text
-    assert got.timeouts == trs.Timeouts(wait=5, peer=2) and got.membership == trs.Elastic(replica=1)
-    assert got.codec == trs.Delta(anchor=4, force=True)
-    assert got.pull == trs.PullOptions(mode="inplace", backend="torch", device="cpu")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the new spelling warns nothing
-        assert options("RefitInference", accepts, {}) == options("RefitInference", accepts, {}, codec=trs.Delta())
+def test_old_flat_keywords_are_unexpected_keywords():
+    # One spelling per concern: the flat keywords of earlier releases are gone, as any unknown keyword.
+    for kw in ("timeout", "peer_timeout", "elastic", "replica", "delta", "delta_anchor", "mode", "backend", "device",
+               "sources", "rank", "world_size", "store", "host_store", "group", "epoch"):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{kw}'"):
+            trs.RefitInference(DST, **{kw: None})
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{kw}'"):
+            trs.RefitTrainer({}, DST, **{kw: None})
+    for kw in ("src_tensors", "src_layouts", "dst_layouts", "dst_tensors", "parts", "quant", "start_version",
+               "timeout", "rank"):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{kw}'"):
+            trs.RefitEndpoint(**{kw: None})
 
 
-def test_old_keywords_with_bad_values_name_every_problem_and_mixing_is_refused():
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError) as e:
-        trs.RefitInference(DST, rank=0, world_size=1, mode="x", backend="y", timeout=-1, delta="sparse", elastic=1)
-    for part in ("mode must be 'shadow' or 'inplace'", "backend must be", "wait must be > 0 seconds",
-                 "delta must be one of", "elastic must be a bool"):
-        assert part in str(e.value), (part, str(e.value))
-    with pytest.raises(TypeError, match=r"give timeouts as the config object or as the old keywords, not both"):
-        trs.RefitInference(DST, rank=0, world_size=1, timeout=5, timeouts=trs.Timeouts())
+def test_meeting_names_every_problem_at_once_and_defaults_to_the_launchers():
+    assert trs.Meeting() == trs.Meeting(rank=None, world_size=None, store=None, host_store=None, group="default",
+                                        epoch=None)
+    with pytest.raises(ValueError) as e:
+        trs.Meeting(rank=-1, world_size=0, store="nowhere", host_store=1, group="", epoch=True)
+    text = str(e.value)
+    assert text.startswith("Meeting: ")
+    for part in ("rank must be an int >= 0 or None, got rank=-1", "world_size must be an int >= 1 or None, got "
+                 "world_size=0", "epoch must be an int >= 0 or None, got epoch=True", "store must be 'host:port', a "
+                 "torch.distributed.Store or None, got store='nowhere'", "host_store must be True, False or None",
+                 "group must be a non-empty str, got group=''"):
+        assert part in text, (part, text)
+    with pytest.raises(AttributeError):
+        trs.Meeting().rank = 3  # frozen
+
+
+def test_wrong_kinds_of_sides_and_meeting_are_named_together():
+    with pytest.raises(ValueError) as e:
+        trs.RefitEndpoint({"rank": 0}, source={"w": 1}, destination=DST, pull="inplace")
+    text = str(e.value)
+    for part in ("source must be a trs.SourceData or None, got source={'w': 1}", "destination must be a "
+                 "trs.DestinationData or None", "meeting must be a trs.Meeting, got meeting={'rank': 0}",
+                 "pull must be a trs.PullOptions, got pull='inplace'"):
+        assert part in text, (part, text)
+
+
+def test_modes_and_backends_are_objects_chosen_once():
+    pull = trs.PullOptions(mode="inplace", backend="torch")
+    assert pull == trs.PullOptions(mode=trs.InPlace(), backend=trs.TorchBackend())  # the names become the objects
+    assert isinstance(pull.mode, trs.BufferMode) and isinstance(pull.backend, trs.CopyBackend)
+    assert (str(pull.mode), str(pull.backend)) == ("inplace", "torch")
+    assert (trs.Shadow().sets, trs.Shadow().spare(0), trs.Shadow().spare(1)) == (2, 1, 0)
+    assert (trs.InPlace().sets, trs.InPlace().spare(0), trs.InPlace().tears, trs.Shadow().tears) == (1, 0, True, False)
+    assert trs.Shadow().background and not trs.InPlace().background
+    # "auto" is resolved where the device is known, once.
+    auto = trs.PullOptions()
+    assert auto.backend == trs.AutoBackend()
+    assert auto.for_device("cpu").backend == trs.TorchBackend()
+    assert auto.for_device("cuda").backend == trs.TritonBackend()
+    assert trs.PullOptions(backend="triton").for_device("cpu").backend == trs.TritonBackend()
+
+
+def test_membership_and_codec_are_base_classes():
+    from tritonreshard.engine.membership import Membership
+    from tritonreshard.transport import Codec
+    assert all(isinstance(m, Membership) for m in (trs.Fixed(), trs.Elastic(replica=0)))
+    assert all(isinstance(c, Codec) for c in (trs.Dense(), trs.Delta()))
+    with pytest.raises(TypeError):
+        Membership()  # abstract: its kinds answer its questions
+    with pytest.raises(TypeError):
+        Codec()

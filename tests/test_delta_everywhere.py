@@ -147,7 +147,8 @@ def _worker(rank, specs, ports):
             continue
         os.environ["TRITONRESHARD_HOST"] = hosts[rank]   # read when the endpoint is made
         spec = specs[case]
-        kw = dict(rank=rank, world_size=len(hosts), store=f"127.0.0.1:{port}", group=case, timeouts=trs.Timeouts(wait=60))
+        kw = dict(meeting=trs.Meeting(rank=rank, world_size=len(hosts), store=f"127.0.0.1:{port}", group=case),
+                  timeouts=trs.Timeouts(wait=60))
         if rank not in modes:
             with trs.RefitTrainer.from_recipe(spec, shards(spec, full_tensors(case, spec, 1), rank), **kw) as tr:
                 for v in range(1, VERSIONS + 1):

@@ -70,7 +70,8 @@ def _check(ep, rank, v):
 def _worker(rank, port, versions, anchor):
     os.environ["TRITONRESHARD_HOST"] = HOSTS[rank]
     torch.set_num_threads(1)
-    kw = dict(rank=rank, world_size=WORLD, store=f"127.0.0.1:{port}", timeouts=trs.Timeouts(wait=60), codec=trs.Delta(anchor=anchor))
+    kw = dict(meeting=trs.Meeting(rank=rank, world_size=WORLD, store=f"127.0.0.1:{port}"),
+              timeouts=trs.Timeouts(wait=60), codec=trs.Delta(anchor=anchor))
     out = []
     if rank in TRAINERS:
         with trs.RefitTrainer({n: lay.shard(full(n, 1), rank) for n, lay in SRC.items()}, SRC, **kw) as tr:
@@ -163,9 +164,11 @@ def test_the_receivers_base_decides_whole_or_delta():
 # ---------------------------------------------------------------- bad input
 def test_bad_delta_and_ranks_that_disagree():
     with pytest.raises(ValueError, match=r"delta must be one of \['auto', 'off', 'always'\], got delta='sparse'"):
-        trs.RefitInference(DST, rank=2, world_size=WORLD, store="127.0.0.1:9", codec=codec_for("sparse"))
+        trs.RefitInference(DST, meeting=trs.Meeting(rank=2, world_size=WORLD, store="127.0.0.1:9"),
+                           codec=codec_for("sparse"))
     with pytest.raises(ValueError, match="anchor must be an int >= 1"):
-        trs.RefitTrainer({}, SRC, rank=0, world_size=WORLD, store="127.0.0.1:9", codec=trs.Delta(anchor=0))
+        trs.RefitTrainer({}, SRC, meeting=trs.Meeting(rank=0, world_size=WORLD, store="127.0.0.1:9"),
+                         codec=trs.Delta(anchor=0))
     res = run_ranks(_disagree, WORLD, args=(free_port(),), timeout=120, allow_errors=True)
     msgs = {r: res[r][1] for r in res}
     assert all(res[r][0] == "error" and msgs[r][0] == "ValueError" for r in res), msgs
@@ -175,7 +178,8 @@ def test_bad_delta_and_ranks_that_disagree():
 
 def _disagree(rank, port):
     os.environ["TRITONRESHARD_HOST"] = HOSTS[rank]
-    kw = dict(rank=rank, world_size=WORLD, store=f"127.0.0.1:{port}", timeouts=trs.Timeouts(wait=60))
+    kw = dict(meeting=trs.Meeting(rank=rank, world_size=WORLD, store=f"127.0.0.1:{port}"),
+              timeouts=trs.Timeouts(wait=60))
     if rank in TRAINERS:
         trs.RefitTrainer({n: lay.shard(full(n, 1), rank) for n, lay in SRC.items()}, SRC, **kw)
     else:
@@ -202,8 +206,8 @@ def _trainer(rank, port, epoch, start):
             return post(self, sends, recvs, tag)
         DistLink.post = dying_post
     shards = {n: lay.shard(full(n, start), rank) for n, lay in SRC.items()}
-    with trs.RefitTrainer(shards, SRC, rank=rank, world_size=WORLD, store=f"127.0.0.1:{port}", host_store=False,
-                          epoch=epoch, start_version=start, timeouts=trs.Timeouts(wait=120)) as tr:
+    meeting = trs.Meeting(rank=rank, world_size=WORLD, store=f"127.0.0.1:{port}", host_store=False, epoch=epoch)
+    with trs.RefitTrainer(shards, SRC, meeting, start_version=start, timeouts=trs.Timeouts(wait=120)) as tr:
         last = KILLED_AT if epoch == 0 else LAST
         for v in range(start + 1, last + 1):
             tr.fence()
@@ -222,7 +226,7 @@ def _trainer(rank, port, epoch, start):
 def _inference(rank, port):
     os.environ["TRITONRESHARD_HOST"] = HOSTS[rank]
     torch.set_num_threads(1)
-    ep = trs.RefitInference(DST, rank=rank, world_size=WORLD, store=f"127.0.0.1:{port}", host_store=False,
+    ep = trs.RefitInference(DST, trs.Meeting(rank=rank, world_size=WORLD, store=f"127.0.0.1:{port}", host_store=False),
                             timeouts=trs.Timeouts(wait=120, peer=5))
     for v in range(1, KILLED_AT):
         assert ep.pull() == v

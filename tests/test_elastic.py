@@ -61,7 +61,10 @@ def _trainer(rank, port, epoch=0, start=0):
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
     shards = {n: lay.shard(full(n, start), rank) for n, lay in SRC.items()}  # epoch 1: the last version's checkpoint
-    with trs.RefitTrainer(shards, SRC, rank=rank, world_size=len(TRAINERS), store=store, timeouts=trs.Timeouts(wait=90, peer=PEER_TIMEOUT), membership=trs.Elastic(), epoch=epoch, start_version=start) as tr:
+    with trs.RefitTrainer(shards, SRC,
+                          meeting=trs.Meeting(rank=rank, world_size=len(TRAINERS), store=store, epoch=epoch),
+                          timeouts=trs.Timeouts(wait=90, peer=PEER_TIMEOUT), membership=trs.Elastic(),
+                          start_version=start) as tr:
         arena = {n: t.data_ptr() for n, t in tr.tensors.items()}
         _key(store, "go/train") if epoch == 0 else [_key(store, f"rejoined/{r}") for r in REPLICAS[0]]
         end, v, gone = (None, 0, {}) if epoch == 0 else (start + 3, start, {})
@@ -110,7 +113,8 @@ def _pull_until(inf, rank, replica, stop):
 def _replica0(rank, port):
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-    with trs.RefitInference(dst(0), rank=rank, store=store, timeouts=trs.Timeouts(wait=90), membership=trs.Elastic(replica=0)) as inf:
+    with trs.RefitInference(dst(0), meeting=trs.Meeting(rank=rank, store=store), timeouts=trs.Timeouts(wait=90),
+                            membership=trs.Elastic(replica=0)) as inf:
         store.set(f"joined/{rank}", "1")
         if rank == REPLICAS[0][0]:
             store.wait([f"joined/{r}" for r in REPLICAS[0]], timedelta(seconds=60))
@@ -146,11 +150,13 @@ def _replica1(rank, port):
         for kw in (dict(layouts=dst(1, torch.bfloat16), replica=1), dict(layouts=dst(1), replica=0),
                    dict(layouts=wrong_shape, replica=1)):
             with pytest.raises(ValueError) as err:
-                trs.RefitInference(kw["layouts"], rank=rank, store=store, timeouts=trs.Timeouts(wait=30), membership=trs.Elastic(replica=kw["replica"]))
+                trs.RefitInference(kw["layouts"], meeting=trs.Meeting(rank=rank, store=store),
+                                   timeouts=trs.Timeouts(wait=30), membership=trs.Elastic(replica=kw["replica"]))
             refused.append(str(err.value))
     t0 = time.monotonic()
     before = int(store.get("published"))
-    inf = trs.RefitInference(dst(1), rank=rank, store=store, timeouts=trs.Timeouts(wait=90), membership=trs.Elastic(replica=1))
+    inf = trs.RefitInference(dst(1), meeting=trs.Meeting(rank=rank, store=store), timeouts=trs.Timeouts(wait=90),
+                             membership=trs.Elastic(replica=1))
     t_joined = time.monotonic()
     first = inf.join_stats.first_version
     pulled = [inf.pull()]
@@ -170,7 +176,8 @@ def _replica2(rank, port):
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
     _key(store, "go/r2")
-    inf = trs.RefitInference(dst(2), rank=rank, store=store, timeouts=trs.Timeouts(wait=90), membership=trs.Elastic(replica=2))
+    inf = trs.RefitInference(dst(2), meeting=trs.Meeting(rank=rank, store=store), timeouts=trs.Timeouts(wait=90),
+                             membership=trs.Elastic(replica=2))
     inf.pull()
     _check(inf, rank, 2, inf.version)
     store.set(f"r2/dying/{rank}", repr(time.monotonic()))

@@ -137,7 +137,7 @@ def test_validation_reports_every_problem_before_moving_data():
     with pytest.raises(ValueError) as exc:
         execute_local(plan, {0: {"w": torch.zeros(3, 8)}}, out=out, backend="nope")
     msg = str(exc.value)
-    for part in ["backend must be one of", "src_shards is missing rank(s) [1]",
+    for part in ["backend must be 'auto', 'torch' or 'triton'", "src_shards is missing rank(s) [1]",
                  "src_shards[0]['w'] has shape (3, 8), layout says (4, 8)",
                  "out is missing rank(s) [5]", "out[2]['w'] has dtype torch.float16, layout says torch.float32"]:
         assert part in msg

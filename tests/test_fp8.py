@@ -470,7 +470,8 @@ def _engine_worker(rank, world, port, tp, modes, versions, hosts):
     torch.set_num_threads(1)
     spec = _spec(_llama(), tp)
     plan = spec.plan()
-    kwargs = dict(rank=rank, world_size=world, store=f"127.0.0.1:{port}", timeouts=trs.Timeouts(wait=120))
+    kwargs = dict(meeting=trs.Meeting(rank=rank, world_size=world, store=f"127.0.0.1:{port}"),
+                  timeouts=trs.Timeouts(wait=120))
     report = {"checked": 0, "staging": None}
     if rank in plan.src_ranks:
         full = _hf_full(spec, 1)

@@ -54,7 +54,7 @@ def _rank(rank, store, fsdp_port):
             opt = torch.optim.Adam(model.parameters(), lr=1e-2)
             twin_opt = torch.optim.Adam(twin.parameters(), lr=1e-2)
             history = []
-            with trs.RefitTrainer(model, None, rank=rank, world_size=WORLD, store=store) as tr:
+            with trs.RefitTrainer(model, None, trs.Meeting(rank=rank, world_size=WORLD, store=store)) as tr:
                 arena = {n: p._local_tensor.data_ptr() for n, p in model.named_parameters()}
                 assert {n: t.data_ptr() for n, t in tr.source_tensors.items()} == arena
                 assert tr.plan.src_layouts["0.weight"] == Layout((7, 5), TRAINERS, [Shard(0)])
@@ -75,7 +75,7 @@ def _rank(rank, store, fsdp_port):
         finally:
             dist.destroy_process_group()
     got = []
-    with trs.RefitInference(_dst_layouts(), rank=rank, world_size=WORLD, store=store) as inf:
+    with trs.RefitInference(_dst_layouts(), trs.Meeting(rank=rank, world_size=WORLD, store=store)) as inf:
         for step in range(1, STEPS + 1):
             assert inf.pull() == step
             got.append({n: t.clone().numpy() for n, t in inf.tensors.items()})

@@ -309,9 +309,11 @@ LAY = {"w": Layout((4, 6), [0], [Replicate()])}
 DLAY = {"w": Layout((4, 6), [0], [Replicate()], torch.bfloat16)}
 
 
-def _endpoint(**kw):
-    args = dict(rank=0, world_size=1, store=f"127.0.0.1:{free_port()}", src_layouts=LAY,
-                src_tensors={"w": torch.arange(24.0).reshape(4, 6)}, dst_layouts=DLAY, timeouts=trs.Timeouts(wait=5))
+def _endpoint(src_tensors=None, dst_tensors=None, **kw):
+    src = {"w": torch.arange(24.0).reshape(4, 6)} if src_tensors is None else src_tensors
+    args = dict(meeting=trs.Meeting(rank=0, world_size=1, store=f"127.0.0.1:{free_port()}"),
+                source=trs.SourceData(src, LAY), destination=trs.DestinationData(DLAY, tensors=dst_tensors),
+                timeouts=trs.Timeouts(wait=5))
     args.update(kw)
     return trs.RefitEndpoint(**args)
 
@@ -362,12 +364,13 @@ def test_endpoint_rejects_bad_sources(kind):
 @pytest.mark.parametrize("make, key", [
     (lambda: dict(timeouts=trs.Timeouts(wait=-1)), "wait"), (lambda: dict(timeouts=trs.Timeouts(wait="5")), "wait"),
     (lambda: dict(timeouts=trs.Timeouts(peer=0)), "peer"), (lambda: dict(pull=trs.PullOptions(mode=None)), "mode"),
-    (lambda: dict(world_size=0), "world_size"), (lambda: dict(rank=-1), "rank"), (lambda: dict(rank="0"), "rank"),
-    (lambda: dict(pull=trs.PullOptions(backend=3)), "backend"), (lambda: dict(src_layouts=None), "src_tensors"),
+    (lambda: dict(meeting=trs.Meeting(world_size=0)), "world_size"), (lambda: dict(meeting=trs.Meeting(rank=-1)), "rank"),
+    (lambda: dict(meeting=trs.Meeting(rank="0")), "rank"), (lambda: dict(meeting={"rank": 0}), "meeting"),
+    (lambda: dict(pull=trs.PullOptions(backend=3)), "backend"),
+    (lambda: dict(source=trs.SourceData({"w": torch.zeros(4, 6)}, None)), "layouts"),
     (lambda: dict(timeouts=5), "timeouts"), (lambda: dict(pull="inplace"), "pull"),
-    (lambda: dict(timeouts=None, peer_timeout=0), "peer"),  # the old keyword: the same check, one warning
+    (lambda: dict(timeouts=None, peer_timeout=0), "peer_timeout"),  # an old flat keyword: unexpected
 ])
-@pytest.mark.filterwarnings("ignore:RefitEndpoint:DeprecationWarning")
 def test_endpoint_bad_arguments(make, key):
     with pytest.raises((ValueError, TypeError)) as info:
         _endpoint(**make())

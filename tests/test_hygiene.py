@@ -109,11 +109,14 @@ def test_transport_failed_open_releases_everything(secret):
     assert not os.path.exists(f"/dev/shm/{handle.segment_name}")
 
 
-def _endpoint(store, **kw):
+def _endpoint(store, src_tensors=None, dst_tensors=None, **kw):
     lay = {"w": Layout((4, 6), [0], [Replicate()])}
-    args = dict(rank=0, world_size=1, store=store, src_layouts=lay, src_tensors={"w": torch.arange(24.0).reshape(4, 6)},
-                dst_layouts={"w": Layout((4, 6), [0], [Replicate()], torch.bfloat16)}, timeouts=trs.Timeouts(wait=5),
-                group=f"g{time.monotonic_ns()}")
+    src = {"w": torch.arange(24.0).reshape(4, 6)} if src_tensors is None else src_tensors
+    args = dict(meeting=trs.Meeting(rank=0, world_size=1, store=store, group=f"g{time.monotonic_ns()}"),
+                source=trs.SourceData(src, lay),
+                destination=trs.DestinationData({"w": Layout((4, 6), [0], [Replicate()], torch.bfloat16)},
+                                                tensors=dst_tensors),
+                timeouts=trs.Timeouts(wait=5))
     args.update(kw)
     return trs.RefitEndpoint(**args)
 
@@ -163,7 +166,7 @@ DRIVER = textwrap.dedent('''
     def member(rank, port, ready):
         signal.signal(signal.SIGTERM, sigterm_to_exit)
         torch.set_num_threads(1)
-        kw = dict(rank=rank, world_size=2, store=f"127.0.0.1:{port}", timeout=30)
+        kw = dict(meeting=trs.Meeting(rank=rank, world_size=2, store=f"127.0.0.1:{port}"), timeouts=trs.Timeouts(wait=30))
         if rank == 0:
             lay = {"w": Layout((64, 8), [0], [Shard(0)])}
             with trs.RefitTrainer({"w": torch.zeros(64, 8)}, lay, **kw) as ep:

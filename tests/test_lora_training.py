@@ -160,8 +160,9 @@ def test_refit_trainer_binds_a_dicts_parameters_and_refuses_a_replaced_one():
     dst = {k: Layout(v.shape, [0], [Replicate()]) for k, v in src.items()}
     opt = torch.optim.SGD([w, leaf], lr=0.1)
     plain_ptr = plain.data_ptr()
-    with trs.RefitEndpoint(rank=0, world_size=1, store=f"127.0.0.1:{free_port()}",
-                           src_tensors={"w": w, "leaf": leaf, "plain": plain}, src_layouts=src, dst_layouts=dst) as ep:
+    with trs.RefitEndpoint(meeting=trs.Meeting(rank=0, world_size=1, store=f"127.0.0.1:{free_port()}"),
+                           source=trs.SourceData({"w": w, "leaf": leaf, "plain": plain}, src),
+                           destination=trs.DestinationData(dst)) as ep:
         arena = ep.source_tensors
         assert w.data_ptr() == arena["w"].data_ptr() and leaf.data_ptr() == arena["leaf"].data_ptr()
         assert plain.data_ptr() == plain_ptr != arena["plain"].data_ptr()

@@ -184,8 +184,9 @@ def _worker(rank, ports):
                 continue
             spec = _spec(kind, meg, 2)
             poison = {n: torch.full(lay.local_shape(rank), float("nan")) for n, lay in spec.dst.items()}
-            with trs.RefitInference.from_recipe(spec, rank=rank, world_size=MEG_WORLD + 2, store=f"127.0.0.1:{port}",
-                                                group=case, timeouts=trs.Timeouts(wait=60), pull=trs.PullOptions(mode="inplace"), tensors=poison) as inf:
+            meeting = trs.Meeting(rank=rank, world_size=MEG_WORLD + 2, store=f"127.0.0.1:{port}", group=case)
+            with trs.RefitInference.from_recipe(spec, meeting=meeting, timeouts=trs.Timeouts(wait=60),
+                                                pull=trs.PullOptions(mode="inplace"), tensors=poison) as inf:
                 pulled = []
                 for v in (1, 2):
                     assert inf.pull() == v
@@ -222,9 +223,8 @@ def _worker(rank, ports):
                       "layer_numbers": [[layer.layer_number for layer in chunk.decoder.layers] for chunk in chunks]}
             if engine:
                 spec = _spec(kind, meg, 2)
-                with trs.RefitTrainer.from_recipe(spec, mt, rank=rank,
-                                                  world_size=MEG_WORLD + 2, store=f"127.0.0.1:{port}", group=case,
-                                                  timeouts=trs.Timeouts(wait=60)) as tr:
+                meeting = trs.Meeting(rank=rank, world_size=MEG_WORLD + 2, store=f"127.0.0.1:{port}", group=case)
+                with trs.RefitTrainer.from_recipe(spec, mt, meeting=meeting, timeouts=trs.Timeouts(wait=60)) as tr:
                     # Megatron trains on the arena from now on: no copy per step.
                     trs.recipes.megatron_bind(chunks, tr.source_tensors, megatron=meg, rank=rank)
                     for v in (1, 2):

@@ -242,12 +242,13 @@ def _engine_worker(rank, world, port, sc):
     src, dst = sc["src"], sc["dst"]
     ids = {n: i for i, n in enumerate(sorted(dst))}
     trainer, infer = rank in sc["trainers"], rank in sc["inference"]
-    kw = dict(rank=rank, world_size=world, store=f"127.0.0.1:{port}", timeouts=trs.Timeouts(wait=60, peer=sc.get("peer_timeout", 10)))
+    kw = dict(meeting=trs.Meeting(rank=rank, world_size=world, store=f"127.0.0.1:{port}"),
+              timeouts=trs.Timeouts(wait=60, peer=sc.get("peer_timeout", 10)))
     if trainer:
-        kw.update(src_tensors={n: l.shard(_global(ids[n], l, 1).to(l.dtype), rank)
-                               for n, l in src.items() if rank in l.ranks}, src_layouts=src)
+        kw.update(source=trs.SourceData({n: l.shard(_global(ids[n], l, 1).to(l.dtype), rank)
+                                         for n, l in src.items() if rank in l.ranks}, src))
     if infer:
-        kw.update(dst_layouts=dst, pull=trs.PullOptions(mode=sc.get("mode", "shadow")))
+        kw.update(destination=trs.DestinationData(dst), pull=trs.PullOptions(mode=sc.get("mode", "shadow")))
     report = {"died": None, "cross": []}
     with trs.RefitEndpoint(**kw) as ep:
         try:

@@ -39,13 +39,14 @@ def _worker(rank, world, port, scenario):
     infer = rank in scenario["inference"]
     versions = scenario.get("versions", 3)
     mode = scenario.get("mode", "shadow")
-    kwargs = dict(rank=rank, world_size=world, store=f"127.0.0.1:{port}", timeouts=trs.Timeouts(wait=60))
+    kwargs = dict(meeting=trs.Meeting(rank=rank, world_size=world, store=f"127.0.0.1:{port}"),
+                  timeouts=trs.Timeouts(wait=60))
     if trainer:
         tensors = {n: l.shard(global_value(ids.get(n, 0), l, 1, dst.get(n)).to(l.dtype), rank)
                    for n, l in src.items() if rank in l.ranks}
-        kwargs.update(src_tensors=tensors, src_layouts=src)
+        kwargs.update(source=trs.SourceData(tensors, src))
     if infer:
-        kwargs.update(dst_layouts=dst, pull=trs.PullOptions(mode=mode))
+        kwargs.update(destination=trs.DestinationData(dst), pull=trs.PullOptions(mode=mode))
     report = {}
     with trs.RefitEndpoint(**kwargs) as ep:
         report["handles"] = ep.stats.handles_opened
@@ -134,7 +135,8 @@ def test_replicated_sources_dp_by_fsdp():
 def _mismatch_worker(rank, world, port):
     src = {"w": Layout((8, 8), 2, [Shard(0)])}
     dst = {"w": Layout((8, 8), [2, 3], [Shard(1)])}
-    kwargs = dict(rank=rank, world_size=world, store=f"127.0.0.1:{port}", timeouts=trs.Timeouts(wait=60))
+    kwargs = dict(meeting=trs.Meeting(rank=rank, world_size=world, store=f"127.0.0.1:{port}"),
+                  timeouts=trs.Timeouts(wait=60))
     if rank < 2:
         t = src["w"].shard(torch.zeros(8, 8), rank)
         ep = trs.RefitTrainer({"w": t}, src, **kwargs)
@@ -160,7 +162,8 @@ def test_mismatched_layout_fails_on_every_rank_before_data_moves():
 
 def _bad_tensor_worker(rank, world, port):
     src = {"w": Layout((4, 4), [0], [Replicate()])}
-    kwargs = dict(rank=rank, world_size=world, store=f"127.0.0.1:{port}", timeouts=trs.Timeouts(wait=60))
+    kwargs = dict(meeting=trs.Meeting(rank=rank, world_size=world, store=f"127.0.0.1:{port}"),
+                  timeouts=trs.Timeouts(wait=60))
     if rank == 0:
         trs.RefitTrainer({"w": torch.zeros(4, 3, dtype=torch.float16)}, src, **kwargs)
     else:
@@ -178,9 +181,10 @@ def test_wrong_shard_shape_and_dtype_named_on_every_rank():
 
 def test_bad_arguments_are_rejected_before_joining():
     with pytest.raises(ValueError, match="mode must be 'shadow' or 'inplace'.*backend must be"):
-        trs.RefitInference({"w": Layout((4,), 1, [Shard(0)])}, rank=0, world_size=1, pull=trs.PullOptions(mode="x", backend="y"))
+        trs.RefitInference({"w": Layout((4,), 1, [Shard(0)])}, meeting=trs.Meeting(rank=0, world_size=1),
+                           pull=trs.PullOptions(mode="x", backend="y"))
     with pytest.raises(ValueError, match=r"rank must be in \[0, 2\), got rank=5"):
-        trs.RefitInference({"w": Layout((4,), 1, [Shard(0)])}, rank=5, world_size=2)
+        trs.RefitInference({"w": Layout((4,), 1, [Shard(0)])}, meeting=trs.Meeting(rank=5, world_size=2))
 
 
 TRAINER_METHODS = {"publish", "fence", "published", "source_tensors"}
@@ -200,13 +204,13 @@ def test_each_role_has_its_side_only_and_a_colocated_rank_both():
     assert not TRAINER_METHODS & public(trs.RefitInference)
     assert TRAINER_METHODS | INFERENCE_METHODS | SHARED <= public(trs.RefitEndpoint)
     # Each role's constructor takes its side's arguments only: another side's is a TypeError naming it.
-    with pytest.raises(TypeError, match="RefitTrainer\\(\\) got unexpected keyword argument\\(s\\) 'dst_layouts'"):
-        trs.RefitTrainer({}, {}, rank=0, world_size=1, dst_layouts={})
+    with pytest.raises(TypeError, match="got an unexpected keyword argument 'dst_layouts'"):
+        trs.RefitTrainer({}, {}, meeting=trs.Meeting(rank=0, world_size=1), dst_layouts={})
     for kw in ("mode", "quant", "sources", "pull", "parts"):
         with pytest.raises(TypeError, match=f"'{kw}'"):
-            trs.RefitTrainer({}, {}, rank=0, world_size=1, **{kw: None})
+            trs.RefitTrainer({}, {}, meeting=trs.Meeting(rank=0, world_size=1), **{kw: None})
     with pytest.raises(TypeError, match="'start_version'"):
-        trs.RefitInference({}, rank=0, world_size=1, start_version=3)
+        trs.RefitInference({}, meeting=trs.Meeting(rank=0, world_size=1), start_version=3)
 
 
 def test_module_parameters_move_into_the_arena_once_and_train_there():
@@ -217,8 +221,8 @@ def test_module_parameters_move_into_the_arena_once_and_train_there():
     src = {"weight": Layout((3, 4), [0], [Replicate()]), "bias": Layout((3,), [0], [Replicate()])}
     dst = {k: Layout(v.shape, [0], [Replicate()], torch.bfloat16) for k, v in src.items()}
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with trs.RefitEndpoint(rank=0, world_size=1, store=f"127.0.0.1:{free_port()}", src_tensors=model,
-                           src_layouts=src, dst_layouts=dst) as ep:
+    with trs.RefitEndpoint(meeting=trs.Meeting(rank=0, world_size=1, store=f"127.0.0.1:{free_port()}"),
+                           source=trs.SourceData(model, src), destination=trs.DestinationData(dst)) as ep:
         arena_ptrs = {n: t.data_ptr() for n, t in ep.source_tensors.items()}
         for step in range(1, 4):
             ep.fence()

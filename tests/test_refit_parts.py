@@ -58,7 +58,8 @@ def _worker(rank, world, port, src, dst, parts, mode, versions, use_from_recipe,
         os.environ["TRITONRESHARD_HOST"] = hosts[rank]
     torch.set_num_threads(1)
     plan = trs.plan_reshard(src, dst, parts)
-    kwargs = dict(rank=rank, world_size=world, store=f"127.0.0.1:{port}", timeouts=trs.Timeouts(wait=90))
+    kwargs = dict(meeting=trs.Meeting(rank=rank, world_size=world, store=f"127.0.0.1:{port}"),
+                  timeouts=trs.Timeouts(wait=90))
     trainer = rank in plan.src_ranks
     report = {"fills": 0, "checked": 0}
     if trainer:
@@ -162,7 +163,8 @@ def test_hand_made_parts_with_padding_and_a_reused_source(mode):
 
 def _disagree_worker(rank, world, port):
     src, dst, parts = _hand_layouts(2)
-    kwargs = dict(rank=rank, world_size=world, store=f"127.0.0.1:{port}", timeouts=trs.Timeouts(wait=60))
+    kwargs = dict(meeting=trs.Meeting(rank=rank, world_size=world, store=f"127.0.0.1:{port}"),
+                  timeouts=trs.Timeouts(wait=60))
     if rank < 2:
         ep = trs.RefitTrainer(_src_shards(src, rank, 1), src, **kwargs)
     elif rank == 3:  # believes ab's padding is only 2 rows, and passes a non-Part for a_mid
@@ -189,14 +191,15 @@ def test_inference_ranks_disagreeing_on_parts_fail_on_every_rank_naming_both():
 
 def test_parts_and_recipe_arguments_are_checked_before_joining():
     src, dst, parts = _hand_layouts(1)
-    with pytest.raises(ValueError, match=r"parts describe destinations: give them with dst_layouts.*"
-                                         r"dst_layouts=None"):
-        trs.RefitEndpoint(rank=0, world_size=1, src_tensors=_src_shards(src, 0, 1), src_layouts=src, parts=parts)
+    with pytest.raises(ValueError, match=r"the inference side needs its layouts, got layouts=None \(parts describe "
+                                         r"destinations: give them with the layouts"):
+        trs.RefitEndpoint(meeting=trs.Meeting(rank=0, world_size=1), source=trs.SourceData(_src_shards(src, 0, 1), src),
+                          destination=trs.DestinationData(None, parts=parts))
     with pytest.raises(ValueError, match=r"RefitInference.from_recipe: spec must be a trs.recipes.RecipeSpec.*"
                                          r"got spec=\{'ab'"):
-        trs.RefitInference.from_recipe(dst, rank=0, world_size=1)
+        trs.RefitInference.from_recipe(dst, meeting=trs.Meeting(rank=0, world_size=1))
     with pytest.raises(ValueError, match=r"RefitTrainer.from_recipe: spec must be"):
-        trs.RefitTrainer.from_recipe(src, {}, rank=0, world_size=1)
+        trs.RefitTrainer.from_recipe(src, {}, meeting=trs.Meeting(rank=0, world_size=1))
 
 
 @pytest.mark.parametrize("recipe", [False, True], ids=["hand-made", "llama-tp2"])

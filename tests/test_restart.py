@@ -45,8 +45,8 @@ def full(name, v):
 def _trainer(rank, port, epoch, start_version, last):
     torch.set_num_threads(1)
     shards = {n: lay.shard(full(n, start_version), rank) for n, lay in SRC.items()}  # the checkpoint
-    with trs.RefitTrainer(shards, SRC, rank=rank, world_size=WORLD, store=f"127.0.0.1:{port}",
-                          host_store=False, epoch=epoch, start_version=start_version, timeouts=trs.Timeouts(wait=120)) as tr:
+    meeting = trs.Meeting(rank=rank, world_size=WORLD, store=f"127.0.0.1:{port}", host_store=False, epoch=epoch)
+    with trs.RefitTrainer(shards, SRC, meeting, start_version=start_version, timeouts=trs.Timeouts(wait=120)) as tr:
         for v in range(start_version + 1, last + 1):
             tr.fence()
             for n, t in tr.source_tensors.items():
@@ -68,8 +68,8 @@ def _check(ep, rank, v):
 def _inference(rank, port):
     torch.set_num_threads(1)
     pid = os.getpid()
-    ep = trs.RefitInference(DST, rank=rank, world_size=WORLD, store=f"127.0.0.1:{port}",
-                            host_store=False, timeouts=trs.Timeouts(wait=120))
+    ep = trs.RefitInference(DST, trs.Meeting(rank=rank, world_size=WORLD, store=f"127.0.0.1:{port}", host_store=False),
+                            timeouts=trs.Timeouts(wait=120))
     for v in range(1, LAST_OF_EPOCH0 + 1):
         assert ep.pull() == v
         _check(ep, rank, v)

@@ -342,7 +342,8 @@ def _replica_worker(rank, world, port, tp, k, versions, hosts):
         os.environ["TRITONRESHARD_HOST"] = hosts[rank]
     torch.set_num_threads(1)
     spec = _llama(tp, k)
-    kwargs = dict(rank=rank, world_size=world, store=f"127.0.0.1:{port}", timeouts=trs.Timeouts(wait=90))
+    kwargs = dict(meeting=trs.Meeting(rank=rank, world_size=world, store=f"127.0.0.1:{port}"),
+                  timeouts=trs.Timeouts(wait=90))
     trainer = rank in TRAINERS
     if trainer:
         ep = trs.RefitTrainer.from_recipe(spec, _shards(spec.src, rank, 1), **kwargs)

@@ -95,7 +95,7 @@ def _attack_worker(rank, port, secret_hex):
         os.environ[rdv.SECRET_ENV] = secret_hex
     else:  # the outsider has no secret (not even one a parent process left in the environment)
         os.environ.pop(rdv.SECRET_ENV, None)
-    kw = dict(rank=rank, world_size=3, store=f"127.0.0.1:{port}", timeouts=trs.Timeouts(wait=60))
+    kw = dict(meeting=trs.Meeting(rank=rank, world_size=3, store=f"127.0.0.1:{port}"), timeouts=trs.Timeouts(wait=60))
     src = {"w": Layout((4, 6), [0], [Replicate()])}
     dst = {"w": Layout((4, 6), [1, 2], [Replicate()])}
     report = {}
@@ -138,7 +138,8 @@ def _attack_worker(rank, port, secret_hex):
                                repr(ep._inference.subscriber.sources.controls), repr(ep.last_pull)]
     # A set-up that fails: its message must not carry the secret either.
     try:
-        trs.RefitInference({"w": "not a layout"}, rank=0, world_size=1, store=f"127.0.0.1:{free_port()}",
+        trs.RefitInference({"w": "not a layout"},
+                           meeting=trs.Meeting(rank=0, world_size=1, store=f"127.0.0.1:{free_port()}"),
                            timeouts=trs.Timeouts(wait=5))
     except Exception as exc:  # noqa: BLE001
         report["setup_error"] = f"{type(exc).__name__}: {exc}"
@@ -328,8 +329,8 @@ def test_a_group_join_refuses_a_forged_hello_and_never_unpickles(tmp_path, monke
     base = rdv.connect_store("127.0.0.1:0", world_size=1, is_master=True, timeout=10)
     dist.PrefixStore("trs/default/e0/", base).set("hello/1", planted)  # the group's namespace
     with pytest.raises(ValueError, match=f"store key 'hello/1': the value is {why}") as info:
-        trs.RefitTrainer({"w": torch.zeros(4, 6)}, {"w": Layout((4, 6), [0], [Replicate()])}, rank=0,
-                         world_size=2, store=base, timeouts=trs.Timeouts(wait=10))
+        trs.RefitTrainer({"w": torch.zeros(4, 6)}, {"w": Layout((4, 6), [0], [Replicate()])},
+                         meeting=trs.Meeting(rank=0, world_size=2, store=base), timeouts=trs.Timeouts(wait=10))
     assert isinstance(info.value, rdv.StoreValueError)
     assert not marker.exists()
 

@@ -20,7 +20,7 @@ def _soak_worker(rank, port):
     torch.set_num_threads(1)
     src = {"w": Layout((16, 8), [0], [Shard(0)]), "b": Layout((8,), [0], [Shard(0)], torch.bfloat16)}
     dst = {"w": Layout((16, 8), [1], [Shard(1)], torch.bfloat16), "b": Layout((8,), [1], [Shard(0)], torch.bfloat16)}
-    kw = dict(rank=rank, world_size=2, store=f"127.0.0.1:{port}", timeouts=trs.Timeouts(wait=60))
+    kw = dict(meeting=trs.Meeting(rank=rank, world_size=2, store=f"127.0.0.1:{port}"), timeouts=trs.Timeouts(wait=60))
     samples = {}
     if rank == 0:
         ep = trs.RefitTrainer({"w": torch.zeros(16, 8), "b": torch.zeros(8, dtype=torch.bfloat16)}, src, **kw)

@@ -11,6 +11,7 @@ import os
 import select
 import signal
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -38,7 +39,8 @@ def test_setup_with_a_missing_rank_times_out_naming_the_key_and_rank():
     lay = {"w": Layout(SHAPE, [0], [Replicate()])}
     t0 = time.monotonic()
     with pytest.raises(TimeoutError) as info:  # rank 0 hosts the store; rank 1 never comes
-        trs.RefitTrainer({"w": value(1)}, lay, rank=0, world_size=2, store=f"127.0.0.1:{free_port()}",
+        trs.RefitTrainer({"w": value(1)}, lay,
+                         meeting=trs.Meeting(rank=0, world_size=2, store=f"127.0.0.1:{free_port()}"),
                          timeouts=trs.Timeouts(wait=1.5))
     assert time.monotonic() - t0 < 30
     msg = str(info.value)
@@ -48,15 +50,17 @@ def test_setup_with_a_missing_rank_times_out_naming_the_key_and_rank():
 def test_setup_without_a_store_times_out_naming_the_address():
     port = free_port()
     with pytest.raises(TimeoutError, match=f"TCPStore at 127.0.0.1:{port}"):
-        trs.RefitInference({"w": Layout(SHAPE, [1], [Replicate()])}, rank=1, world_size=2,
-                           store=f"127.0.0.1:{port}", timeouts=trs.Timeouts(wait=1.5))
+        trs.RefitInference({"w": Layout(SHAPE, [1], [Replicate()])},
+                           meeting=trs.Meeting(rank=1, world_size=2, store=f"127.0.0.1:{port}"),
+                           timeouts=trs.Timeouts(wait=1.5))
 
 
 # ------------------------------------------------------------------------------ wait timeouts
 
 def _timeouts_worker(rank, port):
     torch.set_num_threads(1)
-    store_kw = dict(rank=rank, world_size=2, store=f"127.0.0.1:{port}", timeouts=trs.Timeouts(wait=60))
+    store_kw = dict(meeting=trs.Meeting(rank=rank, world_size=2, store=f"127.0.0.1:{port}"),
+                    timeouts=trs.Timeouts(wait=60))
     src = {"w": Layout(SHAPE, [0], [Replicate()])}
     dst = {"w": Layout(SHAPE, [1], [Replicate()])}
     report = {}
@@ -153,7 +157,7 @@ def _dead_trainer_worker(rank, port):
     everywhere; then the trainer publishes version 2 and is SIGKILLed while ranks 0 and 2 copy it
     (their copy is held until the trainer is gone) and while rank 1 waits for version 3."""
     torch.set_num_threads(1)
-    kw = dict(rank=rank, world_size=4, store=f"127.0.0.1:{port}", timeouts=trs.Timeouts(wait=60))
+    kw = dict(meeting=trs.Meeting(rank=rank, world_size=4, store=f"127.0.0.1:{port}"), timeouts=trs.Timeouts(wait=60))
     src = {"w": Layout(SHAPE, [TRAINER], [Replicate()])}
     dst = {"w": Layout(SHAPE, [0, 1, 2], [Replicate()])}
     if rank == TRAINER:
@@ -169,7 +173,8 @@ def _dead_trainer_worker(rank, port):
     base = rdv.connect_store(f"127.0.0.1:{port}", world_size=4, is_master=rank == 0, timeout=60)
     fds0 = fd_targets()
     mode = "shadow" if rank == 2 else "inplace"
-    ep = trs.RefitInference(dst, pull=trs.PullOptions(mode=mode, sources=_HeldSources), **dict(kw, store=base))
+    ep = trs.RefitInference(dst, replace(kw["meeting"], store=base), pull=trs.PullOptions(mode=mode, sources=_HeldSources),
+                            timeouts=kw["timeouts"])
     store = ep.store
     assert ep.pull() == 1 and torch.equal(ep.tensors["w"], value(1))
     report = {}
@@ -224,7 +229,8 @@ def test_trainer_sigkilled_mid_pull_is_named_and_weights_stay_known():
 
 def _dead_reader_worker(rank, port, how):
     torch.set_num_threads(1)
-    kw = dict(rank=rank, world_size=2, store=f"127.0.0.1:{port}", timeouts=trs.Timeouts(wait=60, peer=1.5))
+    kw = dict(meeting=trs.Meeting(rank=rank, world_size=2, store=f"127.0.0.1:{port}"),
+              timeouts=trs.Timeouts(wait=60, peer=1.5))
     if rank == 1:
         ep = trs.RefitInference({"w": Layout(SHAPE, [1], [Replicate()])}, **kw)
         assert ep.pull() == 1

@@ -117,8 +117,9 @@ def _endpoint(sources, port):
     dst = {"w": Layout((64, 32), [0], [Shard(1)]), "b": Layout((33,), [0], [Replicate()], dtype=torch.bfloat16)}
     tensors = {"w": torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32),
                "b": torch.arange(33, dtype=torch.float32).to(torch.bfloat16)}
-    return trs.RefitEndpoint(rank=0, world_size=1, store=f"127.0.0.1:{port}", src_tensors=tensors,
-                             src_layouts=src, dst_layouts=dst, timeouts=trs.Timeouts(wait=30), pull=trs.PullOptions(sources=sources)), tensors
+    return trs.RefitEndpoint(meeting=trs.Meeting(rank=0, world_size=1, store=f"127.0.0.1:{port}"),
+                             source=trs.SourceData(tensors, src), 
+                             destination=trs.DestinationData(dst), timeouts=trs.Timeouts(wait=30), pull=trs.PullOptions(sources=sources)), tensors
 
 
 @pytest.mark.parametrize("staged", [False, True])
@@ -151,8 +152,9 @@ def test_the_staging_meter_imports_no_torch_dynamo():
     code = textwrap.dedent(f"""
         import sys, torch, tritonreshard as trs
         lay = {{"w": trs.Layout((8, 4), [0], [trs.Replicate()])}}
-        with trs.RefitEndpoint(rank=0, world_size=1, store="127.0.0.1:{free_port()}", timeouts=trs.Timeouts(wait=30),
-                               src_tensors={{"w": torch.ones(8, 4)}}, src_layouts=lay, dst_layouts=lay) as ep:
+        with trs.RefitEndpoint(trs.Meeting(rank=0, world_size=1, store="127.0.0.1:{free_port()}"),
+                               source=trs.SourceData({{"w": torch.ones(8, 4)}}, lay), destination=trs.DestinationData(lay),
+                               timeouts=trs.Timeouts(wait=30)) as ep:
             ep.publish()
             ep.pull()
             assert torch.equal(ep.tensors["w"], torch.ones(8, 4))
@@ -167,7 +169,7 @@ def _poll_worker(rank, port):
     torch.set_num_threads(1)
     lay_src = {"w": Layout((4, 4), [0], [Replicate()])}
     lay_dst = {"w": Layout((4, 4), [1], [Replicate()])}
-    kw = dict(rank=rank, world_size=2, store=f"127.0.0.1:{port}", timeouts=trs.Timeouts(wait=60))
+    kw = dict(meeting=trs.Meeting(rank=rank, world_size=2, store=f"127.0.0.1:{port}"), timeouts=trs.Timeouts(wait=60))
     if rank == 0:
         with trs.RefitTrainer({"w": torch.zeros(4, 4)}, lay_src, **kw) as tr:
             for v in (1, 2, 3):

@@ -195,7 +195,9 @@ def _e2e(rank, world, port, versions, spec):
         return {"layouts": {n: str(lay) for n, lay in tr._layouts.items()}}
     poison = {n: torch.full(lay.local_shape(rank), float("nan")) for n, lay in spec.dst.items() if rank in lay.ranks}
     checked = 0
-    with trs.RefitInference.from_recipe(spec, world_size=world, tensors=poison, pull=trs.PullOptions(mode="shadow"), **kwargs) as ep:
+    meeting = trs.Meeting(rank=rank, world_size=world, store=f"127.0.0.1:{port}", group="vllm")
+    with trs.RefitInference.from_recipe(spec, meeting=meeting, tensors=poison, pull=trs.PullOptions(mode="shadow"),
+                                        timeouts=kwargs["timeouts"]) as ep:
         plan = spec.plan()  # the recipe's own source layouts: what the result must equal
         for v in range(1, versions + 1):
             full = _full(sorted(shapes), shapes, v)
