@@ -108,7 +108,10 @@ def llama_server():
            "--port", str(port), "--tensor-parallel-size", "2", "--dtype", "float32", "--enforce-eager",
            "--skip-tokenizer-init", "--max-model-len", "128", "--max-num-seqs", "4", "--seed", "0",
            "--weight-transfer-config", json.dumps({"backend": "tritonreshard"}),
-           "--worker-extension-cls", "tritonreshard.vllm.WorkerExtension"]
+           "--worker-extension-cls", "tritonreshard.vllm.WorkerExtension",
+           # what TRL's own `trl vllm-serve` sets, as docs/frameworks.md's command does (without
+           # processed logprobs GRPOTrainer's importance-sampling correction is biased)
+           "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1"]
     log_path = os.path.join(tmp, "server.log")
     with open(log_path, "wb") as log:
         # Its own process group, so teardown ends the server with all of its engine and worker

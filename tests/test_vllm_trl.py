@@ -5,10 +5,13 @@ signatures, and ``install()`` swaps the class TRL's trainers build. Live on the 
 ``vllm serve`` (tests/_live.py, tiny Llama, TP=2, CPU): TRL's own client refuses the CPU, ours
 refits the server through TRL's calls (``update_model_params`` -> ``update_named_params``,
 ``update_named_param``, ``weight_update``) with greedy tokens equal to transformers' after each
-update, and bad updates are refused before anything is served.
+update, and bad updates are refused before anything is served. README.md's GRPO fragment runs as
+pasted on the same server: TRL's own ``GRPOTrainer``, two steps, synced exactly.
 """
 import copy
 import inspect
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +24,7 @@ import trl.generation.vllm_generation as trl_generation  # noqa: E402  (after th
 
 from tritonreshard.frameworks.trl import VLLMClient, install  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]
 SYNC = ("init_communicator", "update_named_param", "update_named_params", "update_model_params", "weight_update",
         "reset_prefix_cache", "close_communicator")
 
@@ -138,3 +142,66 @@ def _partial_updates(client, srv, model):
         client.update_named_param("model.layers.0.mlp.down_proj.weight", model.model.layers[0].mlp.down_proj.weight.data)
     assert srv.weight_version() == "5" and srv.greedy() == hf_greedy(srv, model.state_dict())
     assert srv.greedy([PROMPTS[1]]) == hf_greedy(srv)[1:]
+
+
+def _readme_grpo() -> tuple[int, str]:
+    """README.md's GRPO fragment: (the file's line of its first code line, its code)."""
+    text = (ROOT / "README.md").read_text()
+    found = [(text.count("\n", 0, m.start(1)) + 1, m.group(1))
+             for m in re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M) if "GRPOTrainer(" in m.group(1)]
+    assert len(found) == 1, f"README.md: {len(found)} python blocks build a GRPOTrainer, one expected"
+    return found[0]
+
+
+def _run(code: str, line: int, ns: dict) -> None:
+    """``code`` in ``ns``, compiled at its own line of README.md (a traceback names the README's line)."""
+    exec(compile("\n" * (line - 1) + code, str(ROOT / "README.md"), "exec"), ns)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_readmes_grpo_fragment_trains_through_vllm_serve(llama_server, monkeypatch, tmp_path):
+    """README.md's GRPO fragment as pasted, but for the server's URL, a free group port and a
+    temporary output folder: TRL's own ``GRPOTrainer`` trains two steps through our client. TRL syncs
+    before each generation (steps 0 and 1), so after ``train()`` the server serves step 1's weights,
+    not step 2's, and ``sync_weights()`` installs step 2's: greedy tokens equal transformers' on
+    each, and each step changes them (or the check would be empty)."""
+    from transformers import TrainerCallback
+
+    srv = llama_server
+    srv.ok("/shutdown_weight_transfer_engine")  # a group an earlier file joined (a no-op if none)
+    monkeypatch.setenv("TRITONRESHARD_GROUP_SECRET", srv.env["TRITONRESHARD_GROUP_SECRET"])
+    monkeypatch.setattr(trl_generation, "VLLMClient", trl_generation.VLLMClient)  # the fragment's install(), undone
+    line, code = _readme_grpo()
+    for old, new in (('"http://localhost:8000"', repr(srv.url)), ('"/tmp/grpo-tiny"', repr(str(tmp_path / "grpo"))),
+                     ("vllm_group_port=51216", f"vllm_group_port={free_port()}")):
+        assert code.count(old) == 1, f"README.md:{line}: {old} not once in the GRPO fragment"
+        code = code.replace(old, new)
+    build, train, sync = re.split(r"^(trainer\.train\(\)\n)", code, flags=re.M)
+    assert sync.startswith("trainer.vllm_generation.sync_weights()") and sync.count("\n") == 1, sync
+
+    weights = {}  # optimizer step -> the trainer model's weights after it (0: before the first)
+
+    class Record(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            weights[0] = copy.deepcopy(ns["model"].state_dict())
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            weights[state.global_step] = copy.deepcopy(ns["model"].state_dict())
+
+    ns = {"__name__": "__main__"}
+    try:
+        _run(build, line, ns)
+        ns["trainer"].add_callback(Record())
+        _run(train, line + build.count("\n"), ns)
+        assert sorted(weights) == [0, 1, 2]
+        before, step1, step2 = (hf_greedy(srv, weights[s]) for s in (0, 1, 2))
+        assert before != step1 != step2, "each step must change greedy decoding, or the checks would be empty"
+        assert srv.weight_version() == "2" and srv.greedy() == step1  # synced before the generations of steps 1, 2
+        _run(sync, line + build.count("\n") + 1, ns)
+        assert srv.weight_version() == "3" and srv.greedy() == step2
+        assert all(torch.equal(weights[2][n], p) for n, p in ns["model"].state_dict().items())
+        hf_greedy(srv, weights[2])  # srv.hf holds what the server serves, for the files after this one
+    finally:
+        if "trainer" in ns:
+            ns["trainer"].vllm_generation.vllm_client.close_communicator()
