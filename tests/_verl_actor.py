@@ -1,0 +1,225 @@
+"""The actor ranks of tests/test_verl_actor.py: verl 0.9.1's own FSDP engine (``FSDPEngineWithLMHead``,
+built and initialised by verl's code from a saved tiny Llama) over 2 gloo processes, synced through
+verl's ``ActorRolloutRefWorker.update_weights`` as wrapped by ``tritonreshard.frameworks.verl``.
+
+Stubs, each a CUDA-only call (or a version clash) on this CPU machine; nothing else of verl is replaced:
+
+* ``verl.workers.engine.fsdp.transformer_impl.get_device_id`` and ``verl.utils.fsdp_utils.get_device_id``
+  -> ``"cpu"``: verl's platform falls back to CUDA without an accelerator, and its
+  ``torch.cuda.current_device()`` raises on a CPU build of torch;
+* ``verl.workers.engine.fsdp.utils.get_device_name`` -> ``"cpu"``: the device type of the FSDP
+  device mesh (``create_device_mesh``), "cuda" by the same fallback;
+* ``verl.workers.engine.fsdp.transformer_impl.log_gpu_memory_usage`` -> no-op: reads CUDA memory stats;
+* ``verl.models.transformers.monkey_patch.is_trl_available`` -> False: verl patches TRL 0.27's
+  ``AutoModelForCausalLMWithValueHead``, which the TRL installed here (1.16, for
+  ``tritonreshard.frameworks.trl``) no longer has; the patch only concerns value-head models.
+
+The worker itself is a stand-in object with verl's attributes (``config``, ``actor.engine``,
+``checkpoint_engine``) passed as ``self`` to the class's real (wrapped) ``update_weights``: verl's
+``Worker`` needs a Ray actor to be constructed.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib
+import time
+from types import SimpleNamespace
+
+import torch
+
+#: Every floating tensor of verl's export is bf16, whatever the parameters' dtype.
+BF16 = torch.bfloat16
+#: verl's global_steps at the first sync: a run resumed at step 10 (a fresh run starts at 0).
+FIRST_STEP = 10
+
+
+def stub_cuda_only() -> None:
+    import verl.models.transformers.monkey_patch as monkey_patch
+    import verl.utils.fsdp_utils as fsdp_utils
+    import verl.workers.engine.fsdp.transformer_impl as transformer_impl
+    import verl.workers.engine.fsdp.utils as engine_fsdp_utils
+
+    transformer_impl.get_device_id = fsdp_utils.get_device_id = lambda: "cpu"
+    engine_fsdp_utils.get_device_name = lambda: "cpu"
+    transformer_impl.log_gpu_memory_usage = lambda *a, **k: None
+    monkey_patch.is_trl_available = lambda: False
+
+
+def count_full_tensor() -> list:
+    """Count ``DTensor.full_tensor`` calls in this process from now on: ``box[0]``."""
+    from torch.distributed.tensor import DTensor
+
+    box, original = [0], DTensor.full_tensor
+
+    def full_tensor(self, *args, **kwargs):
+        box[0] += 1
+        return original(self, *args, **kwargs)
+
+    DTensor.full_tensor = full_tensor
+    return box
+
+
+def build_engine(model_dir: str, model_dtype: str):
+    """verl's FSDP2 actor engine, built by verl from ``model_dir`` (its ``initialize``: HF load,
+    ``apply_fsdp2``, full state dict load, optimizer)."""
+    import verl.workers.engine.fsdp.transformer_impl as transformer_impl
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+
+    model = HFModelConfig(path=model_dir, load_tokenizer=False, use_remove_padding=False,
+                          override_config={"attn_implementation": "eager"})
+    engine = transformer_impl.FSDPEngineWithLMHead(
+        model, FSDPEngineConfig(strategy="fsdp2", use_torch_compile=False, model_dtype=model_dtype),
+        FSDPOptimizerConfig(lr=1e-2), CheckpointConfig())
+    engine.initialize()
+    return engine
+
+
+def train_step(engine, rank: int, step: int) -> None:
+    """One real optimizer step of verl's engine (its module and its optimizer) on random tokens."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    ids = torch.randint(0, engine.model_config.hf_config.vocab_size, (2, 8), generator=g)
+    engine.module(input_ids=ids).logits.float().pow(2).mean().backward()
+    engine.optimizer.step()
+    engine.optimizer.zero_grad()
+
+
+def worker_config(**over) -> object:
+    """An ``actor_rollout_ref`` config as verl's actor worker holds it (OmegaConf)."""
+    from omegaconf import OmegaConf
+
+    cfg = {"hybrid_engine": False, "rollout": {"name": "vllm", "checkpoint_engine": {"backend": "tritonreshard"}}}
+    for key, value in over.items():
+        node = cfg
+        *path, last = key.split(".")
+        for p in path:
+            node = node[p]
+        node[last] = value
+    return OmegaConf.create(cfg)
+
+
+def one_sync(worker, n_actor: int, n_rollout: int, global_steps: int) -> dict:
+    """What verl's ``CheckpointEngineManager.update_weights`` does on the actor side of one sync:
+    ``prepare`` on every rank (gathered here over the actors' gloo group; the rollout workers'
+    metadata as they report it), ``build_topology``, ``init_process_group``, the worker's
+    ``update_weights`` (the wrapped class method), ``finalize``."""
+    import torch.distributed as dist
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    backend = worker.checkpoint_engine
+    mine = backend.prepare()
+    metadata = [None] * n_actor
+    dist.all_gather_object(metadata, mine)
+    actor_kwargs, _ = type(backend).build_topology(n_actor, n_rollout, metadata + [{"side": "rollout"}] * n_rollout)
+    backend.init_process_group(**{k: v[dist.get_rank()] for k, v in actor_kwargs.items()})
+    metrics = asyncio.run(ActorRolloutRefWorker.update_weights(worker, global_steps=global_steps))
+    backend.finalize()
+    return metrics
+
+
+def local_shards(engine) -> dict:
+    """What this rank holds of each parameter, read from the DTensors (``to_local``, no gather)
+    with torch's own offsets: ``{name: (bf16 local shard, global offset)}``."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    out = {}
+    for name, p in engine.module.named_parameters():
+        _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, list(p.placements))
+        out[name] = (p.to_local().detach().to(BF16).clone(), tuple(offset))
+    return out
+
+
+def actor_rank(rank: int, model_dir: str, fsdp_port: int, variants: list, syncs: int) -> dict:
+    """Actor rank ``rank`` of 2: for each variant ``(model_dtype, store_port)``, verl's engine and a
+    ``"tritonreshard"`` backend from verl's registry, ``syncs`` syncs with an optimizer step before
+    each but the first. Returns per variant and sync: the local shards, the sync's metrics and
+    seconds, and the ``full_tensor`` calls counted over the whole run."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{fsdp_port}", rank=rank, world_size=2)
+    stub_cuda_only()
+    full = count_full_tensor()
+    importlib.import_module("tritonreshard.frameworks.verl")  # what verl does with custom_backend_module
+    from verl.checkpoint_engine import CheckpointEngineRegistry
+
+    out = []
+    for model_dtype, store_port in variants:
+        engine = build_engine(model_dir, model_dtype)
+        backend = CheckpointEngineRegistry.new("tritonreshard", is_master=rank == 0, bucket_size=1 << 20,
+                                               store_host="127.0.0.1", store_port=store_port, timeout=120)
+        worker = SimpleNamespace(config=worker_config(), actor=SimpleNamespace(engine=engine),
+                                 checkpoint_engine=backend)
+        runs = []
+        for step in range(syncs):
+            if step:
+                train_step(engine, rank, step)
+            start = time.perf_counter()
+            metrics = one_sync(worker, 2, 1, global_steps=FIRST_STEP + step)
+            runs.append({"metrics": metrics, "seconds": time.perf_counter() - start, "shards": local_shards(engine)})
+        backend.trainer.fence()  # the reader took the last version before the arena goes away
+        backend.close()
+        out.append(runs)
+    dist.destroy_process_group()
+    return {"variants": out, "full_tensor_calls": full[0]}
+
+
+def _wait_listening(port: int, timeout: float) -> None:
+    """Until actor rank 0's store listens: its first sync comes after verl's imports and engine
+    build (tens of seconds here), and a TCPStore client that connects too early backs off for up
+    to a minute between tries."""
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout} s") from None
+            time.sleep(0.2)
+
+
+def inference_rank(rank: int, model_dir: str, variants: list, syncs: int) -> list:
+    """The refit group's reader (refit rank 2): the vLLM layouts of ``hf_to_vllm`` TP 1 (the
+    recipe's inference side), poisoned with NaN, pulling every version of every variant's group.
+    Returns the tensors it read, per variant and sync."""
+    import transformers
+
+    import tritonreshard as trs
+
+    torch.set_num_threads(1)
+    cfg = transformers.AutoConfig.from_pretrained(model_dir)
+    spec = trs.recipes.hf_to_vllm(cfg, tp=1, trainer_ranks=[0, 1], inference_ranks=[rank], dtype=BF16, src_dtype=BF16)
+    pulled = []
+    for _, port in variants:
+        _wait_listening(port, 150)
+        poison = {n: torch.full(lay.local_shape(rank), float("nan"), dtype=BF16) for n, lay in spec.dst.items()}
+        meeting = trs.Meeting(rank=rank, world_size=3, store=f"127.0.0.1:{port}", group="verl")
+        with trs.RefitInference.from_recipe(spec, meeting=meeting, tensors=poison, timeouts=trs.Timeouts(wait=150),
+                                            pull=trs.PullOptions(mode="shadow", backend="torch")) as ep:
+            for step in range(syncs):  # the sync of global_steps s publishes version s + 1
+                v = FIRST_STEP + step + 1
+                assert ep.pull(v) == v
+                pulled.append({n: t.clone() for n, t in ep.tensors.items()})
+    return pulled
+
+
+def refit_rank(rank: int, model_dir: str, fsdp_port: int, variants: list, syncs: int) -> bytes:
+    """Ranks 0 and 1: :func:`actor_rank`; rank 2: :func:`inference_rank`. The result as
+    ``torch.save`` bytes (:func:`unpack`): tensors sent through a torch.multiprocessing queue are
+    shared-memory handles that die with the process that made them."""
+    import io
+
+    out = actor_rank(rank, model_dir, fsdp_port, variants, syncs) if rank < 2 else inference_rank(
+        rank, model_dir, variants, syncs)
+    buf = io.BytesIO()
+    torch.save(out, buf)
+    return buf.getvalue()
+
+
+def unpack(data: bytes):
+    import io
+
+    return torch.load(io.BytesIO(data), weights_only=True)

