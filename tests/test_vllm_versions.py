@@ -35,6 +35,7 @@ from _vllm_sources import WHEELS_ENV, VllmSource, installed, wheels
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tritonreshard" / "vllm" / "_worker.py"   # the engine class
+SEAM = ROOT / "tritonreshard" / "serving" / "seam.py"     # its other base, the serving seam's ServingEngine
 VERSIONS = ROOT / "tritonreshard" / "vllm" / "_versions.py"   # what differs between the versions
 RELOAD = "vllm.model_executor.model_loader.reload"
 PACKAGE = ROOT / "tritonreshard" / "vllm" / "__init__.py"
@@ -263,12 +264,18 @@ def test_engine_implements_the_abstract_interface(vsrc):
 
 
 def test_engine_reads_only_what_the_base_sets(vsrc):
-    """Each ``self.X`` our engine reads but never assigns or defines is set in the base class (its
-    ``__init__`` or body): ``parallel_config``, ``model_config``, ``reset_weight_update_target``, ..."""
+    """Each ``self.X`` our engine reads but never assigns or defines is set in vLLM's base class (its
+    ``__init__`` or body: ``parallel_config``, ``model_config``, ``reset_weight_update_target``, ...)
+    or in the serving seam's ``ServingEngine`` (``join_group``, ``refit``, ``joined``, ...), and the
+    two bases share no name but the payload classes (neither may shadow the other's)."""
     base = _class(vsrc.tree(BASE), "WeightTransferEngine")
-    provided = _class_names(base) | {n.attr for n in ast.walk(base) if isinstance(n, ast.Attribute)
-                                     and isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name)
-                                     and n.value.id == "self"}
+    seam = _class_names(_class(_ours(SEAM), "ServingEngine"))
+    # The payload classes mean the same on both sides, and the engine sets them itself.
+    shared = seam & _class_names(base) - {"init_info_cls", "update_info_cls"}
+    assert not shared, (vsrc.label, sorted(shared))
+    provided = seam | _class_names(base) | {n.attr for n in ast.walk(base) if isinstance(n, ast.Attribute)
+                                            and isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name)
+                                            and n.value.id == "self"}
     engine = _class(_ours(WORKER), ENGINE)
     own = _class_names(engine) | {n.attr for n in ast.walk(engine) if isinstance(n, ast.Attribute)
                                   and isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name)
