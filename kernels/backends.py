@@ -26,7 +26,8 @@ import torch
 
 from .delta import TorchDeltaScan, TritonDeltaScan
 
-__all__ = ["AutoBackend", "BACKEND_NAMES", "CopyBackend", "TorchBackend", "TritonBackend", "copy_backend"]
+__all__ = ["AutoBackend", "BACKEND_NAMES", "CopyBackend", "TorchBackend", "TritonBackend", "choose_by_name",
+           "copy_backend"]
 
 #: The kernels index a message's words with int32 positions: longer messages compare with torch.
 _TRITON_SCAN_WORDS = 2 ** 31
@@ -123,16 +124,23 @@ _BY_NAME = {b.name: b for b in (AutoBackend(), TritonBackend(), TorchBackend())}
 BACKEND_NAMES = tuple(_BY_NAME)
 
 
-def copy_backend(value, problems: list[str] | None = None, *, param: str = "backend") -> CopyBackend | None:
-    """``value`` as a :class:`CopyBackend`: a backend as it is, a name of :data:`BACKEND_NAMES` as
-    its backend. Anything else: with ``problems``, None and a line naming ``param`` and the value
-    appended to it (callers gather every problem into one ``ValueError``); without, that ``ValueError``."""
-    if isinstance(value, CopyBackend):
+def choose_by_name(value, kind: type, by_name: dict, spelled: str, problems: list[str] | None, param: str):
+    """``value`` as a ``kind`` object (a mode or a backend, chosen once where it enters): a ``kind``
+    as it is, a name of ``by_name`` as its object. Anything else: with ``problems``, None and a line
+    naming ``param``, the names (``spelled``) and the value appended to it (callers gather every
+    problem into one ``ValueError``); without, that ``ValueError``."""
+    if isinstance(value, kind):
         return value
-    if isinstance(value, str) and value in _BY_NAME:
-        return _BY_NAME[value]
-    problem = f"{param} must be 'auto', 'torch' or 'triton' (or a trs.CopyBackend), got {param}={value!r}"
+    if isinstance(value, str) and value in by_name:
+        return by_name[value]
+    problem = f"{param} must be {spelled} (or a trs.{kind.__name__}), got {param}={value!r}"
     if problems is None:
         raise ValueError(problem)
     problems.append(problem)
     return None
+
+
+def copy_backend(value, problems: list[str] | None = None, *, param: str = "backend") -> CopyBackend | None:
+    """``value`` as a :class:`CopyBackend`: a backend as it is, a name of :data:`BACKEND_NAMES` as
+    its backend (:func:`choose_by_name`)."""
+    return choose_by_name(value, CopyBackend, _BY_NAME, "'auto', 'torch' or 'triton'", problems, param)

@@ -18,6 +18,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ..kernels.backends import choose_by_name
+
 __all__ = ["BUFFER_MODE_NAMES", "BufferMode", "InPlace", "Shadow", "buffer_mode"]
 
 
@@ -84,14 +86,6 @@ BUFFER_MODE_NAMES = tuple(_BY_NAME)
 
 def buffer_mode(value, problems: list[str] | None = None, *, param: str = "mode") -> BufferMode | None:
     """``value`` as a :class:`BufferMode`: a mode as it is, a name of :data:`BUFFER_MODE_NAMES` as its
-    mode. Anything else: with ``problems``, None and a line naming ``param`` and the value appended
-    to it (callers gather every problem into one ``ValueError``); without, that ``ValueError``."""
-    if isinstance(value, BufferMode):
-        return value
-    if isinstance(value, str) and value in _BY_NAME:
-        return _BY_NAME[value]
-    problem = f"{param} must be 'shadow' or 'inplace' (or a trs.BufferMode), got {param}={value!r}"
-    if problems is None:
-        raise ValueError(problem)
-    problems.append(problem)
-    return None
+    mode (:func:`~tritonreshard.kernels.backends.choose_by_name`: with ``problems`` a bad value is
+    appended there, without it is a ``ValueError``)."""
+    return choose_by_name(value, BufferMode, _BY_NAME, "'shadow' or 'inplace'", problems, param)

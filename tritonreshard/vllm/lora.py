@@ -158,12 +158,9 @@ class LoraTrainer(ServingTrainer):
         if src_dtype_name(dtype) != init.src_dtype:
             raise ValueError(f"LoraTrainer: the adapter's tensors are {dtype}, info has src_dtype={init.src_dtype!r}: "
                              f"pass lora_init_info(..., src_dtype={src_dtype_name(dtype)!r})")
-        init, world = self._meeting(dtype, tp=tp, trainer_ranks=init.trainer_ranks,
-                                    inference_ranks=init.inference_ranks, store=init.store, group=init.group,
-                                    membership=None, **{k: v for k, v in init.to_dict().items() if k not in (
-                                        "store", "trainer_ranks", "inference_ranks", "group", "src_dtype")})
-        self._build(init, config, given, rank=rank, tp=tp, world_size=world, timeouts=init.configs["timeouts"],
-                    codec=init.configs["codec"])
+        # The info was checked when it was made (LoraInit): the trainers and every TP rank meet once.
+        world = len(init.trainer_ranks) + len(init.inference_ranks)
+        self._build(init, config, given, rank=rank, tp=tp, world_size=world, **init.configs)
         # The copied tensors (not views of the buffer now) and their version counters: torch bumps a
         # tensor's ``_version`` on every in-place write, and shares it with the parameter a detached
         # tensor came from, so an optimizer's step on that parameter shows here. Held (an adapter is

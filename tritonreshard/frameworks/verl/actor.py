@@ -62,6 +62,9 @@ from verl.workers import engine_workers
 from ... import Layout, Meeting, RefitTrainer, Replicate, Timeouts
 from ...engine.fsdp import FSDP2Source
 from ...recipes import Megatron, megatron_bind, megatron_tensors, megatron_to_vllm
+# The rollout side's module imports neither vLLM nor verl's rollout at its top (its worker extension
+# is built on first use): one rule for the version of a step, written there.
+from .rollout import receive_weights, version_for
 
 __all__ = ["TritonreshardCheckpointEngine", "VerlRefitConfig", "Topology", "ShardSource", "export_source",
            "settings_problems", "wrap_update_weights", "install", "BACKEND", "GROUP", "KNOWN_VERL", "KNOWN_SIGNATURE"]
@@ -316,18 +319,6 @@ def export_source(engine, *, trainer_ranks, rank: int, megatron: dict | None = N
 
 
 # ------------------------------------------------------------------------------------ backend
-def _version(global_steps: int | None) -> int | None:
-    """The version a sync of ``global_steps`` publishes: ``global_steps + 1`` (verl's first sync is
-    step 0, or the step it resumed at; tritonreshard's first version is 1). The same rule as the
-    rollout side's ``version_for`` (rollout.py), which this module can't import (it imports vLLM)."""
-    if global_steps is None:
-        return None
-    if isinstance(global_steps, bool) or not isinstance(global_steps, int) or global_steps < 0:
-        raise ValueError(f"tritonreshard verl backend: global_steps must be None or an int >= 0, got "
-                         f"global_steps={global_steps!r}")
-    return global_steps + 1
-
-
 def _node_address() -> str:
     """This node's address as Ray reports it (what verl's own backends bind to), else loopback."""
     import ray  # verl's workers run under Ray; outside it (tests) the store stays on loopback
@@ -440,7 +431,7 @@ class TritonreshardCheckpointEngine(CheckpointEngine):
                              f"engine: verl handed it gathered tensors, so the wrap of ActorRolloutRefWorker."
                              f"update_weights is not active (import tritonreshard.frameworks.verl in every actor "
                              f"worker: rollout.checkpoint_engine.custom_backend_module); nothing was read")
-        want = _version(global_steps)
+        want = version_for(global_steps)
         if self.trainer is not None and want is not None and want != self.trainer.published + 1:
             raise ValueError(f"tritonreshard verl backend (refit rank {self.topology.rank}): the sync of global_steps="
                              f"{global_steps} is version {want}, but this rank's last version is "
@@ -506,7 +497,6 @@ class TritonreshardCheckpointEngine(CheckpointEngine):
 
     def receive_weights(self, global_steps: int | None = None):
         """The rollout side: :func:`tritonreshard.frameworks.verl.rollout.receive_weights`."""
-        from .rollout import receive_weights  # lazy: the rollout module is the vLLM workers' side
 
         return receive_weights(self, global_steps)
 

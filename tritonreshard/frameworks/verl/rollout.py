@@ -90,7 +90,7 @@ def version_for(global_steps: int | None) -> int | None:
     if global_steps is None:
         return None
     if isinstance(global_steps, bool) or not isinstance(global_steps, int) or global_steps < 0:
-        raise ValueError(f"tritonreshard verl rollout: global_steps must be None or an int >= 0, got "
+        raise ValueError(f"tritonreshard verl: global_steps must be None or an int >= 0, got "
                          f"global_steps={global_steps!r}")
     return global_steps + 1
 
