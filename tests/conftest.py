@@ -72,3 +72,37 @@ def llama_server():
         pytest.skip("vLLM not installed (pip install -e '.[vllm]')")
     with _live.llama_server() as srv:
         yield srv
+
+
+# ------------------------------------------------------------------ hosts that are really apart
+# tritonreshard.apps.hosts: network namespaces with a private /dev/shm and hostname each (root only;
+# CI runs as root). Where they cannot be made, the tests that need them skip, naming why (-ra lists it).
+_HOSTS_SECRET = "5e" * 32  # the group secret every host's processes get: stores listen beyond loopback
+
+
+def _hosts(request, n, **kw):
+    from tritonreshard.apps.hosts import Hosts, unavailable
+    why = unavailable()
+    if why:
+        pytest.skip(why)
+    hosts = Hosts(n, env={"TRITONRESHARD_GROUP_SECRET": _HOSTS_SECRET}, **kw)
+    request.addfinalizer(hosts.close)
+    return hosts
+
+
+@pytest.fixture(scope="module")
+def two_hosts(request):
+    """``host0`` and ``host1`` (10.77.0.1, .2), shared by a module's tests; links as a test left them
+    must be restored by it (the partition tests make their own)."""
+    return _hosts(request, 2)
+
+
+@pytest.fixture(scope="module")
+def three_hosts(request):
+    return _hosts(request, 3)
+
+
+@pytest.fixture
+def fresh_hosts(request):
+    """A factory: ``fresh_hosts(n, pid_namespace=...)``, torn down after the test."""
+    return lambda n, **kw: _hosts(request, n, **kw)
