@@ -12,6 +12,7 @@ import gc
 import math
 import os
 import signal
+import socket
 import time
 
 import pytest
@@ -237,19 +238,24 @@ def _global(name_id, layout, version):
 
 
 def _engine_worker(rank, world, port, sc):
-    os.environ["TRITONRESHARD_HOST"] = sc["hosts"][rank]
+    if "store" in sc:  # on the host harness: the host is the machine's own (its hostname)
+        assert socket.gethostname() == sc["hosts"][rank], (socket.gethostname(), sc["hosts"][rank])
+        if sc.get("plant_host"):  # a wrong host map: one identity for every machine
+            os.environ["TRITONRESHARD_HOST"] = sc["plant_host"]
+    else:
+        os.environ["TRITONRESHARD_HOST"] = sc["hosts"][rank]
     torch.set_num_threads(1)
     src, dst = sc["src"], sc["dst"]
     ids = {n: i for i, n in enumerate(sorted(dst))}
     trainer, infer = rank in sc["trainers"], rank in sc["inference"]
-    kw = dict(meeting=trs.Meeting(rank=rank, world_size=world, store=f"127.0.0.1:{port}"),
+    kw = dict(meeting=trs.Meeting(rank=rank, world_size=world, store=f"{sc.get('store', '127.0.0.1')}:{port}"),
               timeouts=trs.Timeouts(wait=60, peer=sc.get("peer_timeout", 10)))
     if trainer:
         kw.update(source=trs.SourceData({n: l.shard(_global(ids[n], l, 1).to(l.dtype), rank)
                                          for n, l in src.items() if rank in l.ranks}, src))
     if infer:
         kw.update(destination=trs.DestinationData(dst), pull=trs.PullOptions(mode=sc.get("mode", "shadow")))
-    report = {"died": None, "cross": []}
+    report = {"died": None, "cross": [], "pid": os.getpid()}
     with trs.RefitEndpoint(**kw) as ep:
         try:
             for v in range(1, sc.get("versions", 3) + 1):
@@ -262,6 +268,7 @@ def _engine_worker(rank, world, port, sc):
                         time.sleep(sc.get("kill_delay", 0))
                         os.kill(os.getpid(), signal.SIGKILL)
                     assert ep.publish() == v
+                    time.sleep(sc.get("pace", 0))
                 if infer:
                     assert ep.pull() == v
                     for n, t in ep.tensors.items():
@@ -269,10 +276,13 @@ def _engine_worker(rank, world, port, sc):
                         assert torch.equal(t.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8)), \
                             f"rank {rank} {n} v{v}"
                     report["cross"].append(ep.stats.cross_host_bytes)
+                    if sc.get("mark"):  # tells the test (outside the hosts) what this rank serves
+                        open(os.path.join(sc["mark"], f"{rank}.{v}"), "w").close()
             if trainer:
                 ep.fence()
         except trs.PeerDiedError as exc:
             report["died"] = (exc.rank, str(exc))
+            report["died_at"] = time.time()
             if infer:  # the serving weights stay the last complete version
                 report["version"] = ep.version
                 for n, t in ep.tensors.items():
@@ -292,11 +302,20 @@ def _engine_worker(rank, world, port, sc):
     gc.collect()
     # Closed, even after a peer died: no receive buffer, arena or control block of ours stays open.
     report["leftover"] = our_fds() + our_maps()
+    report["end"] = time.time()
     return report
 
 
 def _engine(sc, world, **kw):
     return run_ranks(_engine_worker, world, args=(world, free_port(), sc), timeout=180, **kw)
+
+
+def _on_hosts(hosts, sc, placement, **kw):
+    """The engine scenario ``sc`` with rank ``r`` on host ``placement[r]`` of the host harness (its
+    own network, /dev/shm and hostname: the host map is the machines' own, nothing simulated), the
+    store on rank 0's host. ``sc["hosts"]`` is set to the hostnames, for the plan the test checks."""
+    sc.update(hosts={r: hosts.names[h] for r, h in enumerate(placement)}, store=hosts.address(placement[0]))
+    return hosts.run_ranks(_engine_worker, placement, args=(len(placement), free_port(), sc), timeout=180, **kw)
 
 
 def test_engine_seed_example_across_two_hosts():
@@ -323,27 +342,25 @@ def _fetched_only_own_transfers(res, hp):
         assert res[r]["known"] == into_host + res[r]["sends"], (r, res[r])
 
 
-def test_engine_columns_to_replicas_four_inference_ranks_on_one_host():
+def test_engine_columns_to_replicas_four_inference_ranks_on_one_host(two_hosts):
     src, dst = {}, {}
     for i in range(4):
         shape = (32, 48 + 16 * i)
         src[f"t{i}"] = Layout(shape, 2, [Shard(1)], torch.float32)
         dst[f"t{i}"] = Layout(shape, [2, 3, 4, 5], [Replicate()], torch.bfloat16)
-    sc = dict(src=src, dst=dst, trainers=[0, 1], inference=[2, 3, 4, 5], mode="inplace",
-              hosts=_hosts({"a": [0, 1], "b": [2, 3, 4, 5]}))
-    res = _engine(sc, 6)
+    sc = dict(src=src, dst=dst, trainers=[0, 1], inference=[2, 3, 4, 5], mode="inplace")
+    res = _on_hosts(two_hosts, sc, [0, 0, 1, 1, 1, 1])
     model = sum(l.numel * 4 for l in src.values())
     for v in range(3):
         assert sum(res[r]["cross"][v] for r in (2, 3, 4, 5)) == model  # each byte once, not 4 times
     assert all(res[r]["cross"][0] > 0 for r in (2, 3, 4, 5))
 
 
-def test_engine_overlapping_meshes_across_hosts():
+def test_engine_overlapping_meshes_across_hosts(two_hosts):
     src = {"w": Layout((12, 10), [0, 1, 2, 3], [Shard(0)]), "b": Layout((30,), [0, 1, 2, 3], [Shard(0)])}
     dst = {"w": Layout((12, 10), [2, 3, 4, 5], [Shard(1)]), "b": Layout((30,), [2, 3, 4, 5], [Replicate()])}
-    sc = dict(src=src, dst=dst, trainers=[0, 1, 2, 3], inference=[2, 3, 4, 5],
-              hosts=_hosts({"a": [0, 1, 2], "b": [3, 4, 5]}))
-    res = _engine(sc, 6)
+    sc = dict(src=src, dst=dst, trainers=[0, 1, 2, 3], inference=[2, 3, 4, 5])
+    res = _on_hosts(two_hosts, sc, [0, 0, 0, 1, 1, 1])
     hp = plan_hosts(trs.plan_reshard(src, dst), sc["hosts"])
     for v in range(3):
         assert sum(res[r]["cross"][v] for r in (2, 3, 4, 5)) == hp.cross_host_bytes > 0
@@ -352,20 +369,98 @@ def test_engine_overlapping_meshes_across_hosts():
 
 
 @pytest.mark.parametrize("kill_delay", [0, 4.5])
-def test_engine_killed_trainer_on_the_other_host_is_a_named_peer_died_error(kill_delay):
+def test_engine_killed_trainer_on_the_other_host_is_a_named_peer_died_error(kill_delay, two_hosts):
     """Rank 1 dies before publishing version 3; rank 0 publishes it, fences and closes. Relay 2
     (rank 0's receiver) then waits for its host's readers, which wait for relay 3 (rank 1's). The
     error names rank 1 even when rank 0 closed more than ``peer_timeout`` before rank 1 died
     (``kill_delay``): a peer that finished and closed is not a death of the waits that do not need it."""
     sc = dict(src={"w": Layout((64, 64), 2, [Shard(0)])}, dst={"w": Layout((64, 64), [2, 3], [Replicate()])},
-              trainers=[0, 1], inference=[2, 3], hosts=_hosts({"a": [0, 1], "b": [2, 3]}), kill=(1, 3),
-              kill_delay=kill_delay, peer_timeout=3)
-    res = _engine(sc, 4, victims=[1])
+              trainers=[0, 1], inference=[2, 3], kill=(1, 3), kill_delay=kill_delay, peer_timeout=3)
+    res = _on_hosts(two_hosts, sc, [0, 0, 1, 1], victims=[1])
     for r in (2, 3):
         who, msg = res[r]["died"]
         assert who == 1 and "rank 1" in msg, msg
         assert res[r]["version"] == 2  # still serving the last complete version
     assert all(res[r]["leftover"] == [] for r in res), {r: res[r]["leftover"] for r in res}
+
+
+# ================================================================ isolation: hosts that are really apart
+def test_a_host_map_that_puts_two_machines_on_one_host_is_refused_naming_both(two_hosts):
+    """Every rank says it is on host "rack-1" ($TRITONRESHARD_HOST), but ranks 0-1 are on host0 and
+    2-3 on host1, each with its own /dev/shm: a rank of one would try to map the other's arena. The
+    group refuses it at hello, before a byte moves, on every rank, naming both machines."""
+    sc = dict(src={"w": Layout((16, 16), 2, [Shard(0)])}, dst={"w": Layout((16, 16), [2, 3], [Shard(1)])},
+              trainers=[0, 1], inference=[2, 3], plant_host="rack-1")
+    res = _on_hosts(two_hosts, sc, [0, 0, 1, 1], allow_errors=True)
+    for r in range(4):
+        status, (kind, msg, *_) = res[r]
+        assert status == "error" and kind == "ValueError", (r, res[r])
+        assert "host 'rack-1' is claimed by ranks that share no memory" in msg, msg
+        assert "rank(s) [0, 1] on machine 'host0'" in msg and "rank(s) [2, 3] on machine 'host1'" in msg, msg
+    assert two_hosts.shm_files(0) == two_hosts.shm_files(1) == []
+
+
+def _arena_across(rank, addr, port):
+    """Rank 0 (host0) makes a named arena and posts its handle; rank 1 (host1) tries to map it."""
+    import pickle
+    from tritonreshard.transport import create_arena, open_arena
+    store = dist.TCPStore(addr, port, 2, rank == 0, timeout=datetime.timedelta(seconds=30))
+    out = {"shm": sorted(os.listdir("/dev/shm"))}
+    if rank == 0:
+        arena = create_arena(4096)
+        store.set("handle", pickle.dumps(arena.export()))
+        out["shm"] = sorted(os.listdir("/dev/shm"))
+        store.wait(["tried"])
+        arena.close()
+        return out
+    try:
+        open_arena(pickle.loads(store.get("handle")))
+        out["error"] = None
+    except ConnectionError as exc:
+        out["error"] = str(exc)
+    store.set("tried", "1")
+    return out
+
+
+def test_another_hosts_arena_is_not_in_this_hosts_shared_memory_and_mapping_it_names_the_host(two_hosts):
+    res = two_hosts.run_ranks(_arena_across, [0, 1], args=(two_hosts.address(0), free_port()), timeout=60)
+    made = [f for f in res[0]["shm"] if f.startswith("trs-")]
+    assert len(made) == 1 and res[1]["shm"] == []  # host0's /dev/shm holds it, host1's does not
+    assert "belongs to a process on host 'host0', and this process is on host 'host1'" in res[1]["error"]
+    assert two_hosts.shm_files(0) == two_hosts.shm_files(1) == []  # closed: unlinked
+
+
+def test_a_lost_trainer_host_is_named_by_heartbeats_not_pids_and_inference_keeps_serving(fresh_hosts, tmp_path):
+    """Every process of the trainers' host is SIGKILLed at once (a node lost) after the inference
+    host served version 2. Each host has its own pid namespace, so the two hosts' ranks have the
+    same pids: a pid means nothing across hosts. Liveness across hosts is the peers' connections
+    (closed by the kernel when the processes die) and their heartbeat counters in the group's store
+    (here on the inference host): the inference ranks get a PeerDiedError naming a trainer rank,
+    and still serve their last complete version, bit for bit (checked by the ranks)."""
+    hosts = fresh_hosts(2, pid_namespace=True)
+    sc = dict(src={"w": Layout((64, 64), [2, 3], [Shard(0)])}, dst={"w": Layout((64, 64), [0, 1], [Replicate()])},
+              trainers=[2, 3], inference=[0, 1], versions=200, pace=0.05, peer_timeout=3, mark=str(tmp_path))
+
+    def lose_host0(h):
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"{r}.2").exists() for r in (0, 1)):
+            assert time.monotonic() < deadline, "the inference ranks never served version 2"
+            time.sleep(0.05)
+        lost = time.time()
+        h.kill(0)
+        return lost
+
+    res = _on_hosts(hosts, sc, [1, 1, 0, 0], victims=[2, 3], during=lose_host0)
+    for r in (0, 1):
+        who, msg = res[r]["died"]
+        assert who in (2, 3) and f"rank {who}" in msg, msg
+        assert 2 <= res[r]["version"] < 200
+        # Noticed and closed, not waited out: the wait timeout is 60 s, and the store's host (rank 0)
+        # no longer waits at close for the lost ranks it never exchanged bytes with.
+        assert res[r]["end"] - res["during"] < 60, (r, res[r]["died_at"] - res["during"], res[r]["end"] - res["during"])
+        assert res[r]["leftover"] == []
+    assert res[0]["pid"] != res[1]["pid"]              # one host's ranks: one pid namespace
+    assert hosts.shm_files(1) == []
 
 
 # ================================================================ bench --hosts

@@ -61,7 +61,7 @@ from .checks import DestinationData, SourceData, argument_problems, default_rank
 from .config import Meeting, Options, options
 from .elastic import JoinStats
 from .epoch import Epoch
-from .group import Group, check_timeout, connect, host_identity
+from .group import Group, check_timeout, connect, host_identity, machine_identity
 from .members import Member
 from .modes import BufferMode
 from .sides import InferenceSide, TrainerSide
@@ -145,7 +145,8 @@ class _Rank:
         self._member = Member(rank, os.getpid(), host_identity(), str(self.device),
                               dict(src.layouts) if src is not None else None,
                               dict(dst.layouts) if dst is not None else None, tuple(local.problems),
-                              local.parts, dst_quant=local.quant, codec=opts.codec)
+                              local.parts, dst_quant=local.quant, codec=opts.codec,
+                              machine=machine_identity())
         self._base_store, self._hosts_store = connect(where.store, rank=rank, world_size=world_size,
                                                       timeout=self.timeout, host_store=where.host_store)
         self._trainer = TrainerSide(local.src, params=local.params, start_version=src.start_version, fsdp2=fsdp2,

@@ -33,7 +33,7 @@ from . import rendezvous as rdv
 from .liveness import Liveness
 from .members import Member
 
-__all__ = ["Group", "host_identity", "connect", "check_timeout", "HOST_ENV"]
+__all__ = ["Group", "host_identity", "machine_identity", "connect", "check_timeout", "HOST_ENV"]
 
 _compat.disarm_process_group_pin()  # before the job may call init_process_group (see there)
 
@@ -43,6 +43,24 @@ HOST_ENV = "TRITONRESHARD_HOST"
 def host_identity() -> str:
     """This process's host identity: ``$TRITONRESHARD_HOST`` (simulated hosts), else the hostname."""
     return os.environ.get(HOST_ENV) or socket.gethostname()
+
+
+def machine_identity() -> str:
+    """What this process shares memory with: ``hostname/boot id/device of /dev/shm``. Two processes
+    with equal ones read each other's shared memory (one kernel, one /dev/shm); a host identity
+    (:func:`host_identity`) claimed by processes with different ones is a wrong host map (one label
+    on two machines, or on two containers with a /dev/shm each), refused at hello before any byte
+    moves. The hostname comes first so that an error can name the machine."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()[:8]
+    except FileNotFoundError:  # not Linux: the hostname and /dev/shm have to do
+        boot = "-"
+    try:
+        shm = os.stat("/dev/shm").st_dev
+    except FileNotFoundError:
+        shm = "-"
+    return f"{socket.gethostname()}/{boot}/{shm}"
 
 
 def connect(store, *, rank: int, world_size: int, timeout: float, host_store: bool | None):

@@ -270,6 +270,10 @@ class Liveness:
         signals or heartbeats) closed or is dead, or after ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         users = [u for u in users if u != self.rank]
+        # Users on other hosts that this rank never exchanged bytes with are not among the peers it
+        # watches: watch their heartbeats now, or a host lost at once would keep the store's host
+        # here for the whole timeout, waiting for ranks that will never close.
+        self._remote = tuple(sorted(set(self._remote) | {u for u in users if self.members[u].host != self.host}))
         while users and time.monotonic() < deadline:
             users = [u for u in users if not self._store.check([f"closed/{u}"]) and not self.dead_reason(u)]
             time.sleep(_LOOK_S / 5)

@@ -17,7 +17,7 @@ from ..transport import Codec, Delta, Dense
 from . import rendezvous as rdv
 
 __all__ = ["GroupInputs", "Member", "device_problems", "group_error", "hello", "input_differences", "inputs_digest",
-           "inputs_wanted", "side_inputs", "validate_members", "with_inputs"]
+           "inputs_wanted", "machine_problems", "side_inputs", "validate_members", "with_inputs"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,9 @@ class Member:
     quant_digest: str = ""
     #: How this rank's cross-host messages travel (every rank the same): ``Dense()`` or ``Delta(...)``.
     codec: Codec = Delta()
+    #: What this rank shares memory with (:func:`~tritonreshard.engine.group.machine_identity`):
+    #: ranks of one ``host`` must have the same ("" where unknown: not compared).
+    machine: str = ""
 
     def __repr__(self):
         roles = [r for r, on in (("trainer", self.src_layouts is not None),
@@ -168,9 +171,30 @@ def validate_members(members: list[Member], world_size: int, sides: tuple[str, .
                         f"rank {members[0].rank} has {members[0].codec!r}: every rank must pass the same codec= "
                         f"(delta= / delta_anchor=)")
     hosts = {m.rank: m.host for m in members}
+    problems += machine_problems(members)
     if problems:
         raise group_error(world_size, problems)
     return GroupInputs(layouts["src"], layouts["dst"], parts or {}, quant or {}, hosts)
+
+def machine_problems(members: list[Member]) -> list[str]:
+    """Ranks that claim one host but share no memory (a wrong host map): one problem per such host,
+    naming each machine and its ranks. Ranks of one host map each other's arenas by name or by fd; on
+    two machines (or two containers with a /dev/shm each) that would fail deep in a transfer, or
+    worse, so it is refused at hello."""
+    out = []
+    by_host: dict[str, dict[str, list[int]]] = {}
+    for m in members:
+        if m.machine:
+            by_host.setdefault(m.host, {}).setdefault(m.machine, []).append(m.rank)
+    for host, machines in sorted(by_host.items()):
+        if len(machines) > 1:
+            where = "; ".join(f"rank(s) {sorted(rs)} on machine {mach.split('/')[0]!r} ({mach})"
+                              for mach, rs in sorted(machines.items(), key=lambda kv: min(kv[1])))
+            out.append(f"host {host!r} is claimed by ranks that share no memory: {where}. Ranks of one host "
+                       f"map each other's shared memory, so one host identity ($TRITONRESHARD_HOST, else the "
+                       f"hostname) must not name two machines or two /dev/shm; give each its own")
+    return out
+
 
 def input_differences(ref: Member, other: Member, who: str) -> list[str]:
     """What ``other``'s destination inputs (layouts, parts, quantization) differ in from ``ref``'s,

@@ -22,6 +22,7 @@ import logging
 import mmap
 import os
 import secrets
+import socket
 import stat
 
 import torch
@@ -137,6 +138,20 @@ class ShmArena(Arena):
 
     @classmethod
     def open(cls, handle: ArenaHandle, *, secret=None, timeout: float = 10.0) -> "ShmArena":
+        try:
+            return cls._open(handle, secret=secret, timeout=timeout)
+        except (FileNotFoundError, ConnectionError) as exc:
+            here = socket.gethostname()
+            if handle.hostname == here:
+                raise
+            # Not gone: never here. A name in /dev/shm, or an abstract socket, is only this host's.
+            raise ConnectionError(
+                f"open_arena: {handle!r} belongs to a process on host {handle.hostname!r}, and this process "
+                f"is on host {here!r}: another host's shared memory cannot be mapped (a host map that puts "
+                f"the two on one host is wrong) ({exc})") from None
+
+    @classmethod
+    def _open(cls, handle: ArenaHandle, *, secret, timeout: float) -> "ShmArena":
         if handle.kind == "shm-name":
             fd = cls._open_named(handle)
         elif handle.kind == "shm-fd":
