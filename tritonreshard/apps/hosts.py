@@ -14,8 +14,9 @@ What one host is (``Hosts(n)``: hosts ``host0 .. host{n-1}``):
 * **name**: its own UTS namespace with hostname ``host{i}``, and a private ``/etc/hosts`` naming every
   host's address, as a cluster's DNS would: tritonreshard's host identity is the hostname, as on real
   nodes, and gloo finds its interface from it. ``TRITONRESHARD_HOST`` is removed from the environment;
-* **processes**, optionally (``pid_namespace=True``): its own pid namespace, so that pids and
-  pidfds of one host mean nothing on another.
+* **processes**, optionally (``pid_namespace=True``): its own pid namespace, shared by the host's
+  processes (held by a ``sleep`` that is its pid 1) with its own ``/proc``, so that pids and pidfds
+  of one host mean nothing on another: the first processes of two hosts get the same pids.
 
 Links: :meth:`Hosts.rate` puts a token bucket (``tc qdisc ... tbf``) on both directions of a host's
 link; :meth:`Hosts.cut` sets the switch's end of it down (no packet passes either way, nothing is
@@ -57,10 +58,12 @@ from typing import Sequence
 
 import torch.multiprocessing as mp
 
-__all__ = ["Hosts", "HostProcessError", "unavailable", "SUBNET"]
+__all__ = ["Hosts", "HostProcessError", "unavailable", "sweep", "SUBNET", "GATEWAY"]
 
 #: The hosts' subnet, inside the harness's own namespaces only (never on the machine's network).
 SUBNET = "10.77.0"
+#: This machine's address on the switch, with ``Hosts(gateway=True)``.
+GATEWAY = f"{SUBNET}.254"
 _RUN = Path("/run/tritonreshard-hosts")
 _PREFIX = "trs-"
 _COUNTER = itertools.count()
@@ -160,12 +163,16 @@ class Hosts:
 
     Args:
         n: how many hosts (``host0 .. host{n-1}``, addresses ``10.77.0.1 ..``).
-        pid_namespace: give each host process its own pid namespace too.
+        pid_namespace: give each host its own pid namespace too (all its processes in it).
         shm_size: each host's /dev/shm (tmpfs ``size=``).
         env: environment added to every process on every host (e.g. ``TRITONRESHARD_GROUP_SECRET``).
+        gateway: also link this machine's own network namespace to the switch, at :data:`GATEWAY`
+            (``10.77.0.254``), for a driver that runs here and serves the hosts (a bench's store). Its
+            link is not a host's: rates and cuts of a host apply to what that host exchanges with it.
     """
 
-    def __init__(self, n: int, *, pid_namespace: bool = False, shm_size: str = "4g", env: dict | None = None):
+    def __init__(self, n: int, *, pid_namespace: bool = False, shm_size: str = "4g", env: dict | None = None,
+                 gateway: bool = False):
         why = unavailable()
         if why:
             raise RuntimeError(f"host harness: {why}")
@@ -180,6 +187,9 @@ class Hosts:
         self.hosts: list[Host] = []
         self._closed = False
         self._procs: list = []
+        self._inits: list = []  # the processes holding the hosts' pid namespaces
+        self.gateway = GATEWAY if gateway else None
+        self._gateway_dev = f"t{os.getpid() % 100000}x{next(_COUNTER)}g" if gateway else None
         atexit.register(self.close)
         try:
             self._make(n, shm_size)
@@ -217,15 +227,29 @@ class Hosts:
             host.shm.mkdir(parents=True)
             _sh("mount", "-t", "tmpfs", "-o", f"size={shm_size},mode=1777", f"{host.netns}-shm", str(host.shm))
             self._write_launcher(host, etc_hosts)
+        if self.gateway:
+            here, there = self._gateway_dev, self._gateway_dev + "s"
+            _sh("ip", "link", "add", here, "type", "veth", "peer", "name", there)
+            _sh("ip", "link", "set", there, "netns", self.switch)
+            _sh("ip", "-n", self.switch, "link", "set", there, "master", "br0")
+            _sh("ip", "-n", self.switch, "link", "set", there, "up")
+            _sh("ip", "addr", "add", f"{self.gateway}/24", "dev", here)
+            _sh("ip", "link", "set", here, "up")
 
     def _write_launcher(self, host: Host, etc_hosts: Path) -> None:
         """A script that runs its arguments on ``host``: enter its network namespace, then a new mount
         and UTS namespace (and pid namespace) where its tmpfs is /dev/shm, ``/etc/hosts`` names every
         host, and the hostname is the host's; then exec."""
-        pid = ["--pid", "--fork", "--kill-child", "--mount-proc"] if self.pid_namespace else []
         inner = 'mount --bind "$0" /dev/shm && mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec "$@"'
-        argv = ["nsenter", f"--net=/run/netns/{host.netns}", "--", "unshare", "--mount", "--uts",
-                "--propagation", "private", *pid, "--", "/bin/sh", "-c", inner,
+        enter = [f"--net=/run/netns/{host.netns}"]
+        if self.pid_namespace:
+            # The host's pid namespace is held by its pid 1 (a sleep); nsenter forks into it and
+            # waits, and /proc is remounted so that it shows the host's processes only.
+            init = self._pid_init(host)
+            enter.append(f"--pid=/proc/{init}/ns/pid")
+            inner = "mount -t proc proc /proc && " + inner
+        argv = ["nsenter", *enter, "--", "unshare", "--mount", "--uts",
+                "--propagation", "private", "--", "/bin/sh", "-c", inner,
                 str(host.shm), str(etc_hosts), host.name]
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
         host.launcher.write_text(
@@ -238,6 +262,20 @@ class Hosts:
         # What spawn execs as "the interpreter": this Python, on the host.
         host.python.write_text(f'#!/bin/sh\nexec {shlex.quote(str(host.launcher))} {shlex.quote(sys.executable)} "$@"\n')
         host.python.chmod(0o755)
+
+    def _pid_init(self, host: Host) -> int:
+        """Start the process that holds ``host``'s pid namespace (its pid 1); returns its pid here."""
+        p = subprocess.Popen(["nsenter", f"--net=/run/netns/{host.netns}", "--", "unshare", "--pid", "--fork",
+                              "--kill-child", "sleep", "infinity"])
+        self._inits.append(p)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the sleep is unshare's child, in the new namespace
+            kids = Path(f"/proc/{p.pid}/task/{p.pid}/children")
+            pids = kids.read_text().split() if kids.exists() else []
+            if pids:
+                return int(pids[0])
+            time.sleep(0.01)
+        raise RuntimeError(f"host harness: the pid namespace of {host.name} did not start within 10 s")
 
     # -------------------------------------------------------------------------------- queries
     def __len__(self) -> int:
@@ -391,8 +429,13 @@ class Hosts:
             if p.is_alive():
                 p.kill()
             p.join(5)
+        for p in self._inits:
+            p.kill()
+            p.wait(5)
         for h in self.hosts:
             _sh("ip", "netns", "del", h.netns, check=False)
+        if self._gateway_dev:  # its peer goes with the switch, and it with its peer
+            _sh("ip", "link", "del", self._gateway_dev, check=False)
         _sh("ip", "netns", "del", self.switch, check=False)
         _remove_dir(self.dir)
 
