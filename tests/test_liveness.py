@@ -124,14 +124,78 @@ def test_a_cross_host_peer_is_dead_after_peer_timeout_of_looking_and_a_stall_of_
     live.watch_remote([1])
     try:
         dist.PrefixStore("live/", store).add("hb/1", 1)  # rank 1 beat once, then went silent
+        live.start()
+        assert live.dead_reason(1) is None            # asked: the store thread starts looking
+        time.sleep(0.6)
         assert live.dead_reason(1) is None            # first look: the counter is new
-        time.sleep(3.0)                               # this rank "stalled" for 3x peer_timeout
+        time.sleep(3.0)                               # nobody asked (this rank "stalled") for 3x peer_timeout
         assert live.dead_reason(1) is None, "our own stall made a peer dead"
         deadline = time.monotonic() + 30
         while live.dead_reason(1) is None and time.monotonic() < deadline:
             time.sleep(0.05)
         reason = live.dead_reason(1)
-        assert reason.startswith("rank 1 (pid 12345 on host 'h1') sent no heartbeat for "), reason
-        assert reason.endswith("(peer_timeout=1 s)"), reason
+        assert reason.startswith("rank 1 (pid 12345 on host 'h1', whose ranks are [1]) sent no heartbeat for "), reason
+        assert reason.endswith("(peer_timeout=1 s): that host is lost, or cut off from the group's store"), reason
     finally:
+        live.close()
+
+
+class _Partitioned(dist.Store):
+    """A store whose calls hang (``mode="hang"``, a partition: TCP retransmits until the store's
+    timeout) or fail (``"fail"``, its host gone) once cut; a HashStore otherwise."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.mode, self.release = dist.HashStore(), None, threading.Event()
+
+    def _cut(self):
+        if self.mode == "hang":
+            self.release.wait(60)
+        elif self.mode == "fail":
+            raise dist.DistNetworkError("Connection reset by peer")
+
+    def add(self, key, value):
+        self._cut()
+        return self.inner.add(key, value)
+
+    def check(self, keys):
+        self._cut()
+        return self.inner.check(keys)
+
+    def set(self, key, value):
+        self._cut()
+        return self.inner.set(key, value)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["hang", "fail"])
+def test_a_store_that_does_not_answer_makes_the_other_hosts_unreachable_without_blocking_a_wait(mode):
+    """Cut off from the group's store, this rank can hear no peer on another host: after peer_timeout
+    each of them is unreachable, named with its host and that host's ranks. The wait that asks is
+    never blocked on the store itself (the store thread is), and local heartbeats go on."""
+    store = _Partitioned()
+    members = {0: Member(0, os.getpid(), "h0", "cpu"), 1: Member(1, 12345, "h1", "cpu"),
+               2: Member(2, 12346, "h1", "cpu")}
+    live = Liveness(0, members, "h0", peer_timeout=1.0, store=store)
+    live.watch_remote([1, 2])
+    live.start()
+    try:
+        assert live.dead_reason(1) is None
+        store.mode = mode
+        deadline = time.monotonic() + 30
+        while live.dead_reason(2) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        reason = live.dead_reason(2)
+        assert reason.startswith("host 'h1' (ranks [1, 2]) is unreachable from this rank's host 'h0': the group's "
+                                 "store has not answered for "), reason
+        assert "so rank 2 cannot be heard" in reason, reason
+        store.mode = None     # healed: heard again at the next beat
+        store.release.set()
+        deadline = time.monotonic() + 30
+        while live.dead_reason(2) is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert live.dead_reason(2) is None
+    finally:
+        store.mode = None
+        store.release.set()
         live.close()

@@ -441,7 +441,7 @@ def test_a_lost_trainer_host_is_named_by_heartbeats_not_pids_and_inference_keeps
     sc = dict(src={"w": Layout((64, 64), [2, 3], [Shard(0)])}, dst={"w": Layout((64, 64), [0, 1], [Replicate()])},
               trainers=[2, 3], inference=[0, 1], versions=200, pace=0.05, peer_timeout=3, mark=str(tmp_path))
 
-    def lose_host0(h):
+    def lose_host0(h, stop):
         deadline = time.monotonic() + 120
         while not all((tmp_path / f"{r}.2").exists() for r in (0, 1)):
             assert time.monotonic() < deadline, "the inference ranks never served version 2"

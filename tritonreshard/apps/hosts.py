@@ -50,6 +50,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -258,10 +259,10 @@ class Hosts:
             f"unset TRITONRESHARD_HOST\n"
             + (f"export {env}\n" if env else "")
             + f'exec {shlex.join(argv)} "$@"\n')
-        host.launcher.chmod(0o755)
+        host.launcher.chmod(0o700)  # it may hold the group secret (env=)
         # What spawn execs as "the interpreter": this Python, on the host.
         host.python.write_text(f'#!/bin/sh\nexec {shlex.quote(str(host.launcher))} {shlex.quote(sys.executable)} "$@"\n')
-        host.python.chmod(0o755)
+        host.python.chmod(0o700)
 
     def _pid_init(self, host: Host) -> int:
         """Start the process that holds ``host``'s pid namespace (its pid 1); returns its pid here."""
@@ -336,9 +337,10 @@ class Hosts:
         :func:`tritonreshard.apps.kit.run_ranks`: a hard timeout SIGKILLs the silent ranks and
         raises naming them; a rank's exception fails the call with its traceback unless
         ``allow_errors`` (then ``("error", (type, message, traceback))`` or ``("ok", value)``);
-        ``victims`` must die of SIGKILL and report nothing. ``during(hosts)``, if given, runs in this
-        process while the ranks run (e.g. cut a link at a moment), and returns what it measured,
-        returned as ``result["during"]``.
+        ``victims`` must die of SIGKILL and report nothing. ``during(hosts, stop)``, if given, runs in
+        a thread of this process while the ranks run (e.g. cut a link at a moment) and returns what it
+        measured, returned as ``result["during"]`` (its exception fails the call); ``stop`` (a
+        ``threading.Event``) is set when the call ends early (a rank failed), so it can give up.
 
         Each rank reports over a pipe of its own (a queue's lock would be a semaphore in the
         parent's /dev/shm, which a host does not see), pickled whole (tensors by value)."""
@@ -365,8 +367,17 @@ class Hosts:
         out: dict = {}
         survivors = set(range(len(placement))) - set(victims)
         deadline = time.monotonic() + timeout
+        stop, during_out = threading.Event(), {}
+
+        def run_during():
+            try:
+                during_out["value"] = during(self, stop)
+            except BaseException as exc:  # handed to the caller below
+                during_out["error"] = exc
+        watcher = threading.Thread(target=run_during, daemon=True, name="hosts-during") if during else None
         try:
-            during_value = during(self) if during is not None else None
+            if watcher is not None:
+                watcher.start()
             pending = dict(enumerate(pipes))
             while not survivors <= set(out):
                 remaining = deadline - time.monotonic()
@@ -391,7 +402,17 @@ class Hosts:
                 procs[r].join(max(1.0, deadline - time.monotonic()))
                 if procs[r].exitcode != -signal.SIGKILL:
                     raise AssertionError(f"rank {r} exit code {procs[r].exitcode}, expected SIGKILL")
+            if watcher is not None:
+                # Every rank reported: what during() still waits for will not come.
+                stop.set()
+                watcher.join(max(0.1, min(30.0, deadline - time.monotonic())))
+                rank_failed = any(v[0] == "error" for v in out.values())
+                if "error" in during_out and not rank_failed:  # a rank's error is the cause: below
+                    raise during_out["error"]
+                if watcher.is_alive():
+                    raise HostProcessError("during() did not return within 30 s of the ranks' end")
         finally:
+            stop.set()
             for p in procs:
                 p.join(max(0.1, min(10.0, deadline - time.monotonic())))
             for p in procs:
@@ -402,7 +423,7 @@ class Hosts:
                 c.close()
         out = {r: v for r, v in out.items() if r in survivors}
         if during is not None:
-            out["during"] = during_value
+            out["during"] = during_out.get("value")
         if allow_errors:
             return out
         errors = {r: v[1] for r, v in out.items() if r != "during" and v[0] == "error"}

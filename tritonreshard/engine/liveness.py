@@ -16,9 +16,16 @@
   this rank's own looking is dead (a stretch in which this rank itself did not run, or did not look,
   counts at most a quarter of it: a machine that paused both must not make the peer look silent).
   One that set ``closed/<rank>`` left (a clean close: gone at once for a wait that needs it, but not
-  for a transfer it already completed, see ``dead_reason(closed_is_gone=)``).
+  for a transfer it already completed, see ``dead_reason(closed_is_gone=)``). Pids and pidfds play
+  no part across hosts (another host's pid means nothing here). A store that does not answer for
+  ``peer_timeout`` (a call in flight that long, or failing that long: a partition between this rank
+  and the store's host, or that host lost) makes every peer on another host unreachable: a wait
+  that needs one fails naming that peer's host and its ranks, within ``peer_timeout``, instead of
+  running out its own timeout.
 
-One thread per rank beats both. Who calls what: the :class:`~tritonreshard.engine.group.Group` owns
+Two threads per rank: one beats into shared memory (never blocked by the network), one into the
+store, and reads the counters of the peers a wait asked about (so a wait never blocks on the store
+either: it reads what that thread last saw). Who calls what: the :class:`~tritonreshard.engine.group.Group` owns
 one :class:`Liveness` per epoch; the publisher, subscriber and relay register the blocks and peers
 they share; every wait asks :meth:`Liveness.dead_reason` through ``Group.wait``.
 """
@@ -74,6 +81,10 @@ class Liveness:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._store_thread: threading.Thread | None = None
+        self._wanted: dict[int, float] = {}        # remote peer -> when a wait last asked about it
+        self._call_since: float | None = None      # a store call in flight since (monotonic)
+        self._failing_since: float | None = None   # store calls failing since (monotonic)
         # Local peers' pidfds: readable once the process exited. None where the platform has none.
         self._exits: dict[int, select.poll | None] = {}
         self._poll_lock = threading.Lock()
@@ -160,23 +171,56 @@ class Liveness:
     # ------------------------------------------------------------------ beating
     def start(self) -> None:
         self._beat_once()
+        if self._remote:
+            self._store_call(lambda: self._store.add(f"hb/{self.rank}", 1))
         self._thread = threading.Thread(target=self._loop, daemon=True, name=f"trs-heartbeat-{self.rank}")
         self._thread.start()
+        self._store_thread = threading.Thread(target=self._store_loop, daemon=True,
+                                              name=f"trs-heartbeat-store-{self.rank}")
+        self._store_thread.start()
 
     def _beat_once(self) -> None:
         for c in self._beat:
             c.heartbeat(self.rank)
-        if self._remote:
-            self._store.add(f"hb/{self.rank}", 1)
 
     def _loop(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
+            self._beat_once()
+
+    def _store_call(self, fn):
+        """``fn()`` (one store round trip), timed: a call in flight, or calls failing, for longer
+        than ``peer_timeout`` make the peers on other hosts unreachable (:meth:`_unreachable`)."""
+        self._call_since = time.monotonic()
+        try:
+            out = fn()
+        except (RuntimeError, dist.DistError):
+            if self._failing_since is None:
+                self._failing_since = self._call_since
+            raise
+        finally:
+            self._call_since = None
+        self._failing_since = None
+        return out
+
+    def _store_loop(self) -> None:
+        """Beat into the store, and read the counters of the peers a wait asked about within the last
+        two looks (no wait, no traffic beyond the beat). A failing store is retried every beat: the
+        waits see how long it failed, and a healed partition is used again as soon as it answers."""
+        while not self._stop.wait(HEARTBEAT_S):
+            if not self._remote:
+                continue
             try:
-                self._beat_once()
-            except (RuntimeError, dist.DistError):  # the store's host is gone: nothing left to tell
-                if not self._remote:
-                    raise
-                self._remote = ()
+                self._store_call(lambda: self._store.add(f"hb/{self.rank}", 1))
+                now = time.monotonic()
+                with self._lock:
+                    due = [p for p, asked in self._wanted.items() if now - asked < 2 * _LOOK_S
+                           and now - self._looked.get(p, (-1e9, None))[0] >= _LOOK_S]
+                for peer in due:
+                    reason = self._look(peer, now)
+                    with self._lock:
+                        self._looked[peer] = (now, reason)
+            except (RuntimeError, dist.DistError):  # unreachable, or its host is gone: the waits say so
+                continue
 
     # ------------------------------------------------------------------ asking
     def dead_reason(self, peer: int, *, closed_is_gone: bool = True) -> str | None:
@@ -214,22 +258,39 @@ class Liveness:
                 f"(peer_timeout={self.peer_timeout:g} s): hung or starved")
 
     def _remote_reason(self, peer: int, closed_is_gone: bool) -> str | None:
+        """What the store thread last saw of ``peer`` (asking it to keep looking); never a store call
+        here, so a wait is never stuck on an unreachable store."""
         now = time.monotonic()
         with self._lock:
-            when, reason = self._looked.get(peer, (-1e9, None))
-        if now - when >= _LOOK_S:  # a store round trip per look: at most one per peer every _LOOK_S
-            reason = self._look(peer, now)
-            with self._lock:
-                self._looked[peer] = (now, reason)
+            self._wanted[peer] = now
+            _, reason = self._looked.get(peer, (-1e9, None))
+        unreachable = self._unreachable(peer, now)
+        if unreachable:
+            return unreachable
         if reason is not None and reason.endswith("closed its endpoint") and not closed_is_gone:
             return None
         return reason
 
+    def _host_ranks(self, host: str) -> list[int]:
+        return sorted(r for r, m in self.members.items() if m.host == host)
+
+    def _unreachable(self, peer: int, now: float) -> str | None:
+        """Why ``peer`` cannot be reached when the store has not answered for ``peer_timeout``."""
+        since, failing = self._call_since, self._failing_since
+        age = max(now - since if since is not None else 0.0, now - failing if failing is not None else 0.0)
+        if age <= self.peer_timeout:
+            return None
+        host = self.members[peer].host
+        return (f"host {host!r} (ranks {self._host_ranks(host)}) is unreachable from this rank's host "
+                f"{self.host!r}: the group's store has not answered for {age:.1f} s (peer_timeout="
+                f"{self.peer_timeout:g} s; a partition between the hosts, or that host lost), so rank {peer} "
+                f"cannot be heard")
+
     def _look(self, peer: int, now: float) -> str | None:
         m = self.members[peer]
-        if self._store.check([f"closed/{peer}"]):
+        if self._store_call(lambda: self._store.check([f"closed/{peer}"])):
             return f"rank {peer} (pid {m.pid} on host {m.host!r}) closed its endpoint"
-        count = self._store.add(f"hb/{peer}", 0)
+        count = self._store_call(lambda: self._store.add(f"hb/{peer}", 0))
         with self._lock:
             seen, silent, last = self._counts.get(peer, (None, 0.0, now))
             if count != seen:
@@ -238,8 +299,9 @@ class Liveness:
             silent += min(now - last, _GAP_S, self.peer_timeout / 4)  # what this rank saw: its stalls count little
             self._counts[peer] = (count, silent, now)
         if silent > self.peer_timeout:
-            return (f"rank {peer} (pid {m.pid} on host {m.host!r}) sent no heartbeat for "
-                    f"{silent:.1f} s (peer_timeout={self.peer_timeout:g} s)")
+            return (f"rank {peer} (pid {m.pid} on host {m.host!r}, whose ranks are {self._host_ranks(m.host)}) "
+                    f"sent no heartbeat for {silent:.1f} s (peer_timeout={self.peer_timeout:g} s): that host "
+                    f"is lost, or cut off from the group's store")
         return None
 
     # ------------------------------------------------------------------ lifetime
@@ -248,10 +310,13 @@ class Liveness:
         if self._stop.is_set():
             return
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(1.0)
-            self._thread = None
-        if self._remote:
+        for t in (self._thread, self._store_thread):
+            if t is not None:
+                t.join(1.0)
+        self._thread = self._store_thread = None
+        # An unreachable store would hold this call for its whole timeout (behind the store thread's
+        # call in flight): the peers learn of the close from the silence instead.
+        if self._remote and self._call_since is None and self._failing_since is None:
             try:
                 self._store.set(f"closed/{self.rank}", "1")
             except (RuntimeError, dist.DistError):  # the store's host is gone (perhaps the dead peer)
@@ -270,10 +335,15 @@ class Liveness:
         signals or heartbeats) closed or is dead, or after ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         users = [u for u in users if u != self.rank]
-        # Users on other hosts that this rank never exchanged bytes with are not among the peers it
-        # watches: watch their heartbeats now, or a host lost at once would keep the store's host
-        # here for the whole timeout, waiting for ranks that will never close.
-        self._remote = tuple(sorted(set(self._remote) | {u for u in users if self.members[u].host != self.host}))
+        # Looked at here, not by the store thread (stopped by now), and every user on another host,
+        # not only the peers this rank watched: a user it never exchanged bytes with, on a host lost
+        # at once, would otherwise keep the store's host here for the whole timeout.
+        looked = -1e9
         while users and time.monotonic() < deadline:
-            users = [u for u in users if not self._store.check([f"closed/{u}"]) and not self.dead_reason(u)]
+            now = time.monotonic()
+            look = now - looked >= _LOOK_S
+            if look:
+                looked = now
+            users = [u for u in users if not self._store.check([f"closed/{u}"]) and not (
+                self.dead_reason(u) if self.members[u].host == self.host else look and self._look(u, now))]
             time.sleep(_LOOK_S / 5)

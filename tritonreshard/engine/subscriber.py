@@ -287,7 +287,12 @@ class Subscriber:
         versions = [c.published_version for c in self._controls.values()]
         return min(versions) if versions else 0
 
-    def _pull_into(self, slot: int, version: int, timeout: float, cancel=None, ready=None) -> PullStats:
+    def _pull_into(self, slot: int, version: int, timeout: float, cancel=None, ready=None,
+                   newest: bool = False) -> PullStats:
+        """Copy ``version`` into buffer set ``slot``. ``newest``: a pull of "the newest" (no version
+        asked for) takes the sources' common version when they are all past ``version`` by the time
+        it may read: the first version of an epoch whose trainers went on from where they were (a
+        new epoch after a partition: their first version may be past the one after this rank's)."""
         t0 = time.perf_counter()
         sources, group, controls, owners = self.sources, self.group, self._controls, self._owners
         table, qtable = self._tables[slot], self._qtables[slot]
@@ -305,6 +310,9 @@ class Subscriber:
                    f"sources {list(controls)} to publish version {version}", timeout,
                    peers=owners, controls=self._remote, doorbell=doorbell,
                    status=lambda: f"published: {published()}", cancel=cancel)
+        common = set(published().values())
+        if newest and len(common) == 1 and min(common) > version:
+            version = min(common)
         ahead = {s: v for s, v in published().items() if v != version}
         if ahead:
             raise RefitError(f"rank {self.rank}: sources moved past version {version} before it was read "
@@ -363,9 +371,9 @@ class Subscriber:
         # The caller waits anyway, so the copy runs on this thread (no thread start or join on
         # the refit's critical path); shadow mode still writes the spare set and then swaps.
         slot = self.buffers.spare
-        stats = self._pull_into(slot, target, timeout, ready=self._ready_event())
-        self.buffers.install(slot, target, stats)
-        return target
+        stats = self._pull_into(slot, target, timeout, ready=self._ready_event(), newest=version is None)
+        self.buffers.install(slot, stats.version, stats)
+        return stats.version
 
     def _ready_event(self):
         if self._stream is None:
