@@ -156,3 +156,26 @@ def test_link_gbps_option():
     assert bench.BenchConfig(hosts=2, link_gbps=1.0).problems() == []
     assert bench.BenchConfig(hosts=2, link_gbps=0.0).problems() == ["--link-gbps=0.0 must be gigabits/s > 0"]
     assert "needs --hosts >= 2" in bench.BenchConfig(link_gbps=1.0).problems()[0]
+
+
+def test_net_option_names_every_problem_before_any_work(monkeypatch, tmp_path):
+    """--net namespaces (the host harness): what it needs is named with the other problems, before
+    anything starts, and a machine without the harness is told why and what runs instead."""
+    from tritonreshard.apps import bench, hosts
+    from tritonreshard.apps.bench.config import environment_problems
+    assert bench.BenchConfig(hosts=2, net="namespaces", link_gbps=1.0).problems() == []
+    assert bench.BenchConfig(net="namespaces").problems() == [
+        "--net=namespaces makes the hosts of --hosts: it needs --hosts >= 2, got 1"]
+    assert "not supported there" in bench.BenchConfig(hosts=2, net="namespaces", device="cuda").problems()[0]
+    assert bench.BenchConfig(hosts=2, net="wires").problems() == ["--net='wires' must be one of labels, namespaces"]
+    cfg = bench.BenchConfig(hosts=2, net="namespaces")
+    monkeypatch.setattr(hosts, "unavailable", lambda: "the host harness needs root (a test)")
+    assert environment_problems(cfg, str(tmp_path / "no" / "x.png")) == [
+        "--net=namespaces: the host harness needs root (a test); --net=labels runs without it (a slower link "
+        "is then simulated)", f"--png={str(tmp_path / 'no' / 'x.png')!r}: folder {str(tmp_path / 'no')!r} does not exist"]
+    assert environment_problems(bench.BenchConfig(hosts=2)) == []   # labels: nothing to check
+    script = tmp_path / "run_bench.py"
+    script.write_text(RUNNER)
+    out = subprocess.run([sys.executable, str(script), "--hosts", "2", "--png", str(tmp_path / "x.png")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--png=" in out.stderr and "draws the rows of --update-lr" in out.stderr

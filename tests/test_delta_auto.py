@@ -76,7 +76,9 @@ def test_measurements_in_the_order_refits_give_them():
     assert m.link_bps is None and not m.prefers_delta(N)
     m.whole_sent(N, N / 5e9)                                       # 5 GB/s
     assert m.link_bps == pytest.approx(5e9) and m.detect_bps is None
-    assert m.prefers_delta(N)                                      # detection unknown: one delta, to measure it
+    assert m.prefers_delta(N)                                      # detection unknown: a delta, to measure it
+    m.delta_encoded(N, N / 0.2e9, N // 40)                         # the first encode: cold, its time not counted
+    assert m.detect_bps is None and m.fraction == pytest.approx(0.025, abs=1e-3) and m.prefers_delta(N)
     m.delta_encoded(N, N / 0.3e9, N // 40)
     assert m.detect_bps == pytest.approx(0.3e9) and m.fraction == pytest.approx(0.025, abs=1e-3)
     assert not m.prefers_delta(N)                                  # 0.29 GB/s < 5 GB/s: whole from now on
@@ -94,6 +96,27 @@ def test_measurements_in_the_order_refits_give_them():
     m.whole_sent(N, N / 0.1e9)
     assert m.link_bps == pytest.approx(0.1e9) and m.prefers_delta(N)
     assert "LinkModel(link 0.1 GB/s, detection 0.3 GB/s" in repr(m)
+
+
+def test_the_first_encode_is_not_counted_as_detection():
+    """A sender's first delta encode faults in the encoder's working memory (later ones reuse it):
+    counted, that cold time made detection look 1.4x slower than it is, and across a link about as
+    fast as detection ``auto`` kept sending whole where the delta paid. Its fraction is exact and
+    counts; a starting detection figure (nothing to measure first) counts the first encode too."""
+    link = 0.19e9                                   # a 3 Gbit/s link shared by two senders
+    m = LinkModel(link_bps=link)
+    assert m.prefers_delta(N)                       # detection unknown: a delta, to measure it
+    m.delta_encoded(N, N / 0.19e9, N // 25)         # cold: as slow as the link
+    assert m.detect_bps is None and m.fraction == pytest.approx(0.04) and m.prefers_delta(N)
+    m.delta_encoded(N, N / 0.3e9, N // 25)          # warm: 0.3 GB/s * (1 - 0.04) > 0.19: the delta pays
+    assert m.detect_bps == pytest.approx(0.3e9) and m.prefers_delta(N)
+    counted = LinkModel(link_bps=link, detect_bps=0.3e9)
+    counted.delta_encoded(N, N / 0.1e9, N // 25)
+    assert counted.detect_bps == pytest.approx(0.1e9) and not counted.prefers_delta(N)
+    small = LinkModel(link_bps=link)                # under min_bytes: neither counted nor warming up
+    small.delta_encoded(100, 1.0, 1)
+    small.delta_encoded(N, N / 0.3e9, N // 25)
+    assert small.detect_bps is None
 
 
 def test_sizes_under_min_bytes_and_zero_times_are_not_counted():

@@ -30,6 +30,7 @@ from __future__ import annotations
 import datetime
 import importlib
 import json
+import multiprocessing.spawn as mp_spawn
 import os
 import re
 import signal
@@ -49,7 +50,7 @@ from tritonreshard import secret_for_children
 
 __all__ = ["Driver", "RankFailed", "RankError", "poll_until", "wait_key", "our_shm_entries",
            "one_line", "available_memory", "memory_shortage", "oom_kill_counts", "sigkill_cause",
-           "fmt_gib", "MEMORY_ENV"]
+           "fmt_gib", "MEMORY_ENV", "sigterm_exits"]
 
 SHM_PREFIX = "trs-"  # the engine's named segments; other programs' entries (psm_*, sem.mp-*) are not ours
 
@@ -259,13 +260,14 @@ class RankFailed(RuntimeError):
         super().__init__("; ".join(describe(e) for e in errors))
 
 
-def _rank_entry(target, rank: int, port: int, prefix: str, timeout: float, args: tuple) -> None:
+def _rank_entry(target, rank: int, port: int, prefix: str, timeout: float, args: tuple,
+                store_host: str = "127.0.0.1") -> None:
     def _sigterm(signum, frame):
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, _sigterm)
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
+    store = dist.TCPStore(store_host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
     pstore = dist.PrefixStore(prefix, store)
     try:
         target(rank, store, pstore, *args)
@@ -314,7 +316,7 @@ def _quiet_exit() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def _sigterm_exits() -> None:
+def sigterm_exits() -> None:
     """SIGTERM of the driver raises SystemExit(143), so its ``finally`` / ``with`` blocks stop the
     ranks and sweep what they left (the default action would kill the driver and orphan them).
     Only from the main thread, and only where nobody installed a handler of their own."""
@@ -326,15 +328,23 @@ def _sigterm_exits() -> None:
 
 
 class Driver:
-    """Hosts a TCPStore on 127.0.0.1 and spawns ``world_size`` ranks running
-    ``target(rank, store, pstore, *args)`` (``pstore``: the store under ``prefix``). ``role(rank)``
-    names a rank in messages. Use as a context manager, or call :meth:`close` in a ``finally``."""
+    """Hosts a TCPStore and spawns ``world_size`` ranks running ``target(rank, store, pstore,
+    *args)`` (``pstore``: the store under ``prefix``). ``role(rank)`` names a rank in messages. Use
+    as a context manager, or call :meth:`close` in a ``finally``.
+
+    Ranks on other hosts (``tritonreshard.apps.hosts``, network namespaces of this machine):
+    ``store_host`` is the address they reach the store at (torch's master listens on every
+    interface; default ``127.0.0.1``, this host), and ``executable(rank)`` the interpreter spawn
+    execs for a rank (a host's launcher, ``Hosts[i].python``; None: this Python). Spares
+    (:meth:`standby`) do not know their rank when they start, so they are this host's only."""
 
     def __init__(self, name: str, world_size: int, target, args: tuple = (), *, timeout: float,
-                 prefix: str | None = None, role: Callable[[int], str] | None = None):
+                 prefix: str | None = None, role: Callable[[int], str] | None = None,
+                 store_host: str = "127.0.0.1", executable: Callable[[int], str | None] | None = None):
         self.name, self.world_size, self.timeout = name, world_size, timeout
         self.prefix = prefix or name
         self.role = role or (lambda r: f"rank {r}")
+        self.store_host, self._executable = store_host, executable
         self._target, self._args = target, args
         self._shm_before = our_shm_entries()
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
@@ -348,7 +358,7 @@ class Driver:
         self._sigkill_causes: dict[int, str] = {}
         self._spares: list[tuple[object, object]] = []  # (process, pipe end): standby()'s, not yet a rank
         self.launches: dict[int, dict] = {}  # rank -> how its current process was launched (start())
-        _sigterm_exits()
+        sigterm_exits()
 
     # -- processes ------------------------------------------------------------------------------
     def start(self, ranks=None) -> None:
@@ -367,9 +377,18 @@ class Driver:
             else:
                 p = mp.get_context("spawn").Process(
                     target=_rank_entry, name=f"trs-{self.name}-rank{r}",
-                    args=(self._target, r, self.store.port, self.prefix, self.timeout, self._args))
+                    args=(self._target, r, self.store.port, self.prefix, self.timeout, self._args, self.store_host))
                 p.created_at, how = time.time(), "spawn"
-                p.start()
+                exe = self._executable(r) if self._executable is not None else None
+                if exe is None:
+                    p.start()
+                else:  # spawn execs the interpreter it is told: a host's launcher execs this Python there
+                    saved = mp_spawn.get_executable()
+                    mp_spawn.set_executable(str(exe))
+                    try:
+                        p.start()
+                    finally:
+                        mp_spawn.set_executable(saved)
             self.procs[r] = p
             self.launches[r] = {"how": how, "pid": p.pid, "created_at": p.created_at}
 
@@ -379,6 +398,9 @@ class Driver:
         :meth:`start` turns one into a rank at once (a restart then costs neither the interpreter's
         start nor ``import torch``, about 2 s here). Spares never used end at :meth:`close` (or
         when the driver dies: their pipe closes). Returns their pids."""
+        if self._executable is not None or self.store_host != "127.0.0.1":
+            raise ValueError(f"Driver.standby: spares start on this host before they know their rank; "
+                             f"this driver places ranks elsewhere (store_host={self.store_host!r}, executable=)")
         secret_for_children()  # a spare's environment is the one a spawned rank would get
         ctx = mp.get_context("spawn")
         for i in range(n):

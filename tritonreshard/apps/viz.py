@@ -1,4 +1,5 @@
-"""Pictures of a plan: who holds what, who needs what, what each destination receives.
+"""Pictures of a plan: who holds what, who needs what, what each destination receives; and of a
+cross-host bench run: the hosts, their links and what crossed them (:func:`draw_links`).
 
 ``draw_plan(plan, "plan.png")`` draws, for one tensor (viewed on its first two dims):
 
@@ -17,7 +18,7 @@ import os
 from tritonreshard.layout import Layout
 from tritonreshard.planning import Plan, fmt_bytes as _fmt_bytes
 
-__all__ = ["draw_plan", "check_figure_path"]
+__all__ = ["draw_plan", "draw_links", "check_figure_path"]
 
 _MAX_DST_PANELS = 8
 
@@ -239,6 +240,72 @@ def _draw_matrix(ax, plan: Plan) -> None:
         for i, row in enumerate(matrix):
             for j, v in enumerate(row):
                 ax.text(j, i, _fmt_bytes(v) if v else ".", ha="center", va="center", fontsize=7)
+
+
+def draw_links(run: dict, path: str) -> str:
+    """Draw a cross-host deltas run (``tritonreshard bench --update-lr ... --json``'s object) to the
+    image file ``path``; returns it. One panel per row (learning rate and link rate): the hosts
+    around their switch, each link labeled with its rate and, per session (``delta="off"``,
+    ``"auto"``, ``"always"``), the bytes that crossed it per refit: the engine's payload and, from
+    the host harness, the wire (the kernel's counters). Every number is the run's own."""
+    fig = _links_figure(run)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def _links_figure(run: dict):
+    from matplotlib.figure import Figure  # lazy: see _figure
+    from matplotlib.patches import Circle, FancyBboxPatch
+
+    rows, n = run["rows"], run["hosts"]
+    # host 0 (the trainers) on the left, the inference hosts stacked on the right; each link's
+    # label above its host's box
+    ys = [0.0] + [1.3 * ((n - 2) / 2 - k) for k in range(n - 1)]
+    span = max(abs(y) for y in ys)
+    fig = Figure(figsize=(7.5, (1.9 + 1.25 * span) * len(rows) + 0.6), layout="constrained")
+    axes = fig.subplots(len(rows), 1, squeeze=False)[:, 0]
+    for ax, row in zip(axes, rows):
+        ax.set_xlim(-1.55, 1.55)
+        ax.set_ylim(-span - 0.25, span + 0.95)
+        ax.set_aspect("equal")
+        ax.axis("off")
+        ax.add_patch(Circle((0, 0), 0.13, facecolor="0.85", edgecolor="black", zorder=2))
+        ax.text(0, 0, "switch", ha="center", va="center", fontsize=6.5, zorder=3)
+        link = link_name(row)
+        for i, y in enumerate(ys):
+            name = f"host{i}"
+            x = -1.15 if i == 0 else 1.15
+            ax.plot([0, x], [0, y], color="tab:blue", linewidth=2, zorder=1)
+            who = run.get("placement", {}).get(name, {})
+            sub = "; ".join(f"{k} {','.join(map(str, v))}" for k, v in who.items() if v)
+            ax.add_patch(FancyBboxPatch((x - 0.34, y - 0.15), 0.68, 0.3, boxstyle="round,pad=0.02",
+                                        facecolor="white", edgecolor="black", zorder=2))
+            ax.text(x, y, name + (f"\n{sub}" if sub else ""), ha="center", va="center", fontsize=7, zorder=3)
+            lines = [f"{link} each way; per refit:"]
+            for d, figures in row["links"].items():
+                f = figures[name]
+                wire = f" (wire {_fmt_bytes(f['wire'])})" if "wire" in f else ""
+                lines.append(f"{d}: {_fmt_bytes(f['payload'])}{wire}")
+            ax.text(x, y + 0.55, "\n".join(lines), ha="center", va="center", fontsize=6.5, zorder=3,
+                    bbox=dict(facecolor="white", edgecolor="none", alpha=0.85))
+        auto = row["auto_picked"] if row["auto_picked"] == "whole" else \
+            f"{row['auto_picked']} ({_fmt_bytes(row['auto_bytes'])})"
+        ax.set_title(f"lr {row['lr']}, every link {link}: auto sent {auto}; refit off / auto / always "
+                     f"{row['refit_ms_off']:.0f} / {row['refit_ms_auto']:.0f} / {row['refit_ms_delta']:.0f} ms"
+                     f"{'' if row['verified'] else ' (NOT VERIFIED)'}", fontsize=8)
+    how = "network namespaces (real TCP, tbf rates)" if run.get("net") == "namespaces" else \
+        "labels on one machine (loopback, simulated rates)"
+    fig.suptitle(f"{run['layout']}, {_fmt_bytes(run['size'])} bf16 over {n} hosts: {how}\n"
+                 f"payload: the engine's cross-host bytes; wire: the kernel's counters of the host's interface",
+                 fontsize=9)
+    return fig
+
+
+def link_name(row: dict) -> str:
+    """A bench row's link as the table and the picture name it: its rate, or the link as it is."""
+    if row["link_gbps"] is not None:
+        return f"{row['link_gbps']:g} Gb/s"
+    return "loopback" if row.get("net") == "labels" else "unlimited"
 
 
 def check_figure_path(path: str, what: str = "--png") -> None:

@@ -45,9 +45,16 @@ class LinkModel:
     * no link figure: whole (the first transfer is whole anyway: no base). The first whole send
       of a link is not counted: the process group (gloo, NCCL) connects each pair at its first
       message, so that send times the connection, not the bytes.
-    * link known, detection not: the delta, once, to measure it (then the rule decides). A
+    * link known, detection not: the delta, to measure it (then the rule decides). A
       calibration encode at set-up would not do: detection's cost depends on what changed (1.0
       s/GB when nothing did, 10 s/GB at 30% changed, on CPU), which only a real version shows.
+      The first delta encode of a sender is not counted either (its fraction is): it is the first
+      to touch the encoder's working memory, the size of what it compares, so it pays the page
+      faults that later encodes find already done (the allocator keeps what they freed; 1.4x the
+      time of a warm encode for 32 MiB on CPU), and on CUDA the allocator's first reservations and
+      the kernels' compilation. Counted, it makes detection look slower than it is, and ``auto``
+      would send whole where the delta pays (measured across a 3 Gbit/s link of the host harness:
+      0.19 GB/s cold, 0.30 warm, against the link's 0.19). So the second delta measures detection.
     * every ``reprobe`` whole sends in a row after a delta measurement: the delta once more, as
       the updates (``f``) and the machine's load change.
 
@@ -83,6 +90,7 @@ class LinkModel:
         self._start = (link_bps, detect_bps, float(fraction))
         self._link, self._detect, self._fraction = (deque(maxlen=window) for _ in range(3))
         self._connected = link_bps is not None   # a starting figure: no first send to discard
+        self._warm = detect_bps is not None      # nor a first encode
         self._wholes_since_delta = 0
 
     @property
@@ -113,7 +121,9 @@ class LinkModel:
         """Encoding ``compared`` bytes against the snapshot took ``seconds`` and gave ``encoded``
         bytes to send (whole messages among them included)."""
         if compared >= self.min_bytes and seconds > 0:
-            self._detect.append(compared / seconds)
+            if self._warm:
+                self._detect.append(compared / seconds)
+            self._warm = True
             self._fraction.append(min(1.0, encoded / compared))
         self._wholes_since_delta = 0
 

@@ -6,7 +6,8 @@ import argparse
 import json
 import sys
 
-from .config import LAYOUTS, METHODS, WORKER_METHODS, BenchConfig, parse_gbps, parse_size
+from .config import (LAYOUTS, METHODS, NETS, WORKER_METHODS, BenchConfig, environment_problems, parse_gbps,
+                     parse_size)
 
 __all__ = ["add_arguments", "run"]
 
@@ -30,7 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="number of tensors (many small layers, same total size), e.g. 10000 to "
                              "measure the per-tensor overhead of a refit")
     parser.add_argument("--repeats", type=int, default=10, help="timed refits per method (default 10)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed refits per method first (default 2)")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="untimed refits per method first (default 2; with --update-lr these follow the "
+                             "two untimed whole refits that start each session)")
     parser.add_argument("--backend", choices=("torch", "triton"), default=None,
                         help="engine copy backend (default: torch on cpu, triton on cuda)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -46,19 +49,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="inference replicas (vLLM data parallel): --inference ranks form this many TP "
                              "groups, in order (fsdp-tp, replicated-sources; default 1)")
     parser.add_argument("--hosts", type=int, default=1,
-                        help="simulate N hosts on this machine (a TRITONRESHARD_HOST per rank): trainers on "
-                             "host 0, inference ranks spread over hosts 1..N-1; the JSON adds cross_host_bytes "
-                             "per method (default 1: every rank on this host)")
+                        help="N hosts on this machine (see --net): trainers on host 0, inference ranks spread "
+                             "over hosts 1..N-1; the JSON adds cross_host_bytes per method (default 1: every "
+                             "rank on this host)")
+    parser.add_argument("--net", choices=NETS, default="labels",
+                        help="how --hosts makes its hosts: labels (default: a TRITONRESHARD_HOST per rank, "
+                             "loopback between them, no root needed) or namespaces (the host harness, "
+                             "tritonreshard.apps.hosts: a network namespace, /dev/shm and hostname per host, "
+                             "real TCP through a switch; needs root)")
     parser.add_argument("--update-lr", default=None, metavar="LR[,LR...]",
                         help="instead: cross-host deltas with --hosts >= 2: every refit an Adam-sized bf16 update "
                              "of this learning rate ('random': every element changes), each rate run with "
                              "delta off, auto and always; prints the changed fraction, cross-host bytes, refit "
                              "time and detection cost (see tritonreshard.apps.bench.deltas)")
     parser.add_argument("--link-gbps", default=None, metavar="GBPS[,GBPS...]",
-                        help="simulate a slower link between hosts (--hosts >= 2): every cross-host send first "
-                             "sleeps its bytes / this rate in gigabits/s ($TRITONRESHARD_SIMULATED_LINK_GBPS, a "
-                             "test hook of the engine); with --update-lr a list, one row per rate and learning "
-                             "rate ('inf': loopback as it is); default: loopback as it is")
+                        help="a slower link between hosts (--hosts >= 2), gigabits/s: with --net namespaces a "
+                             "token bucket (tc tbf) on every host's link, under real TCP; with --net labels "
+                             "every cross-host send first sleeps its bytes / this rate "
+                             "($TRITONRESHARD_SIMULATED_LINK_GBPS, a test hook of the engine). With --update-lr "
+                             "a list, one row per rate and learning rate ('inf': the link as it is); default: "
+                             "the link as it is")
+    parser.add_argument("--png", default=None, metavar="PATH",
+                        help="with --update-lr: draw the hosts, their links with the rates, and the bytes that "
+                             "crossed each link per refit (the engine's counters; with --net namespaces also "
+                             "the kernel's) to this image file")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
     parser.add_argument("--quantize", choices=("fp8-block", "fp8-block-ue8m0"), default=None,
                         help="instead: the fused FP8 refit vs the bf16 refit vs bf16 refit + torch quantize, "
@@ -73,7 +87,7 @@ def _config(args) -> BenchConfig:
     return BenchConfig(size=parse_size(args.size), layout=args.layout, trainers=args.trainers,
                        inference=args.inference, tensors=args.tensors, backend=args.backend or "auto",
                        device=args.device, mode=args.mode, timeout=args.timeout, hosts=args.hosts,
-                       replicas=args.replicas, link_gbps=links[0],
+                       replicas=args.replicas, link_gbps=links[0], net=args.net,
                        methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()))
 
 
@@ -96,10 +110,13 @@ def run(args: argparse.Namespace) -> int:
     problems = cfg.problems()
     if args.repeats < 1 or args.warmup < 0:
         problems.append(f"--repeats={args.repeats} must be >= 1 and --warmup={args.warmup} >= 0")
+    if args.png:
+        problems.append(f"--png={args.png!r} draws the rows of --update-lr; this run has none")
     if cfg.device == "cuda":
         import torch  # lazy (see above): only --device cuda asks torch before the checks are done
         if not torch.cuda.is_available():
             problems.append("--device=cuda but torch.cuda.is_available() is False")
+    problems += environment_problems(cfg)
     if problems:
         print("tritonreshard bench: invalid arguments:\n  - " + "\n  - ".join(problems), file=sys.stderr)
         return 2

@@ -6,10 +6,16 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["BenchConfig", "parse_size", "parse_gbps", "METHODS", "WORKER_METHODS", "LAYOUTS"]
+__all__ = ["BenchConfig", "environment_problems", "parse_size", "parse_gbps", "METHODS", "WORKER_METHODS", "LAYOUTS",
+           "NETS"]
 
 METHODS = ("memcpy", "tritonreshard", "p2p", "gather_broadcast")
 WORKER_METHODS = ("tritonreshard", "p2p", "gather_broadcast")  # run by the spawned ranks (memcpy: the driver)
+#: How ``--hosts N`` makes hosts: ``labels``: every rank on this machine, a ``$TRITONRESHARD_HOST``
+#: each (no root needed; a slower link is a sleep); ``namespaces``: the host harness
+#: (:mod:`tritonreshard.apps.hosts`: a network namespace, /dev/shm and hostname per host, real TCP
+#: through a switch, a slower link a tbf token bucket; root only)
+NETS = ("labels", "namespaces")
 LAYOUTS = ("fsdp-tp", "cols-replicas", "colocated", "replicated-sources", "megatron-tp-pp")
 _DEFAULT_TRAINERS = {"fsdp-tp": 2, "cols-replicas": 4, "colocated": 4, "replicated-sources": 4, "megatron-tp-pp": 4}
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
@@ -73,10 +79,13 @@ class BenchConfig:
     #: the plain bench would time the codec, not moving every byte; ``--update-lr`` (:mod:`.deltas`)
     #: runs "off" and "auto" side by side on RL-sized updates
     delta: str = "off"
-    #: a simulated link (gigabits/s) for the cross-host sends, None: loopback as it is. Each rank
-    #: sets ``$TRITONRESHARD_SIMULATED_LINK_GBPS`` (the engine's test hook: every cross-host send
-    #: first sleeps its bytes / this rate), so a delta's saving is measured against a slower link
+    #: a slower link (gigabits/s) between hosts, None: the link as it is. ``net="labels"``: each
+    #: rank sets ``$TRITONRESHARD_SIMULATED_LINK_GBPS`` (the engine's test hook: every cross-host
+    #: send first sleeps its bytes / this rate); ``net="namespaces"``: a token bucket of this rate on
+    #: every host's link (``Hosts.rate``), under real TCP
     link_gbps: float | None = None
+    #: how the hosts are made (:data:`NETS`)
+    net: str = "labels"
 
     @property
     def worker_methods(self) -> tuple[str, ...]:
@@ -96,16 +105,19 @@ class BenchConfig:
         first = 0 if self.layout == "colocated" else self.num_trainers
         return tuple(range(first, first + self.inference))
 
-    def host_of(self, rank: int) -> str | None:
-        """Simulated host identity of ``rank`` (``$TRITONRESHARD_HOST``) when ``hosts > 1``: the
-        trainers on host 0, the inference ranks spread over hosts 1..N-1 in contiguous blocks.
-        None with one host: every rank keeps the machine's own identity."""
-        if self.hosts <= 1:
-            return None
-        if rank in self.trainer_ranks:
-            return "host0"
+    def host_index(self, rank: int) -> int:
+        """The host ``rank`` runs on: the trainers on host 0, the inference ranks spread over hosts
+        1..N-1 in contiguous blocks (0 with one host)."""
+        if self.hosts <= 1 or rank in self.trainer_ranks:
+            return 0
         i = self.inference_ranks.index(rank)
-        return f"host{1 + i * (self.hosts - 1) // self.inference}"
+        return 1 + i * (self.hosts - 1) // self.inference
+
+    def host_of(self, rank: int) -> str | None:
+        """Host identity of ``rank`` when ``hosts > 1``: ``host{host_index(rank)}``, which is
+        ``$TRITONRESHARD_HOST`` with ``net="labels"`` and the host harness's hostname with
+        ``net="namespaces"``. None with one host: every rank keeps the machine's own identity."""
+        return f"host{self.host_index(rank)}" if self.hosts > 1 else None
 
     @property
     def world_size(self) -> int:
@@ -161,8 +173,14 @@ class BenchConfig:
                                            or not 0 < self.link_gbps < float("inf")):
             p.append(f"--link-gbps={self.link_gbps!r} must be gigabits/s > 0")
         elif self.link_gbps is not None and self.hosts < 2:
-            p.append(f"--link-gbps={self.link_gbps} simulates the link between hosts: it needs --hosts >= 2, "
+            p.append(f"--link-gbps={self.link_gbps} slows the link between hosts: it needs --hosts >= 2, "
                      f"got {self.hosts}")
+        if self.net not in NETS:
+            p.append(f"--net={self.net!r} must be one of {', '.join(NETS)}")
+        elif self.net == "namespaces" and self.hosts < 2:
+            p.append(f"--net=namespaces makes the hosts of --hosts: it needs --hosts >= 2, got {self.hosts}")
+        elif self.net == "namespaces" and self.device != "cpu":
+            p.append(f"--net=namespaces runs on CPU tensors over gloo; --device={self.device} is not supported there")
         if self.delta not in ("auto", "off", "always"):
             p.append(f"delta={self.delta!r} must be auto, off or always")
         return p
@@ -172,3 +190,21 @@ class BenchConfig:
         sides = [s for s, ranks in (("trainer", self.trainer_ranks), ("inference", self.inference_ranks))
                  if rank in ranks]
         return " + ".join(sides)
+
+
+def environment_problems(cfg: BenchConfig, png: str | None = None) -> list[str]:
+    """What this machine lacks for ``cfg``'s run, found before any work: the host harness that
+    ``net="namespaces"`` needs (root, iproute2, util-linux), and a folder and format for ``png``."""
+    out = []
+    if cfg.net == "namespaces":
+        from ..hosts import unavailable  # lazy: it imports torch; only the harness needs it
+        why = unavailable()
+        if why:
+            out.append(f"--net=namespaces: {why}; --net=labels runs without it (a slower link is then simulated)")
+    if png:
+        from ..viz import check_figure_path  # lazy: matplotlib only for a picture
+        try:
+            check_figure_path(png)
+        except ValueError as exc:
+            out.append(str(exc))
+    return out

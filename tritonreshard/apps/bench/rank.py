@@ -14,6 +14,8 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import socket
+import sys
 import time
 
 import torch
@@ -41,10 +43,16 @@ class Rank:
     def __init__(self, rank: int, cfg: BenchConfig, store):
         self.rank, self.cfg = rank, cfg
         host = cfg.host_of(rank)
-        if host is not None:  # the engine reads it when the endpoint joins its group
-            os.environ["TRITONRESHARD_HOST"] = host
-        if cfg.link_gbps is not None:  # read when the endpoint opens its cross-host link
-            os.environ[LINK_GBPS_ENV] = repr(float(cfg.link_gbps))
+        if cfg.net == "namespaces":
+            # A host of the harness: the engine's host identity is the hostname, as on real nodes,
+            # and the link's rate is the harness's token bucket, not a sleep of the engine's.
+            if socket.gethostname() != host:
+                raise RuntimeError(f"rank {rank} should run on {host}, but its hostname is {socket.gethostname()!r}")
+        else:
+            if host is not None:  # the engine reads it when the endpoint joins its group
+                os.environ["TRITONRESHARD_HOST"] = host
+            if cfg.link_gbps is not None:  # read when the endpoint opens its cross-host link
+                os.environ[LINK_GBPS_ENV] = repr(float(cfg.link_gbps))
         timeout = datetime.timedelta(seconds=cfg.timeout)
         if cfg.device == "cuda":
             self.device = torch.device("cuda", rank % torch.cuda.device_count())
@@ -243,6 +251,12 @@ def rank_main(rank: int, store, bstore, cfg: BenchConfig) -> None:
     except BaseException:
         r.ep.close(abort=True)  # peers waiting on this rank's endpoint stop at once; the error goes on
         raise
+    # Done, and everything closed (endpoint, process groups; the engine's segments are memfds): exit
+    # now. The interpreter's teardown with torch loaded takes 2 s or more per process on a busy
+    # 2-core machine and releases nothing the kernel does not, and a session's close waits for it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _refits(r: Rank, cmd: dict, bstore) -> dict:

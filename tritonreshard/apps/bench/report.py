@@ -82,7 +82,7 @@ def measure(session: BenchSession, methods, repeats: int, warmup: int) -> dict:
         "layout": cfg.layout, "trainers": cfg.num_trainers, "inference": cfg.inference, "device": cfg.device,
         "mode": cfg.mode, "backend": session.rank_info[-1]["backend"], "baseline_transport": transport,
         "model_bytes": session.model_bytes, "tensors": len(session.model), "plan_ops": session.plan_ops,
-        "repeats": repeats, "warmup": warmup, "processes": cfg.world_size, "hosts": cfg.hosts,
+        "repeats": repeats, "warmup": warmup, "processes": cfg.world_size, "hosts": cfg.hosts, "net": cfg.net,
         "replicas": cfg.replicas,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                     "python": platform.python_version(),
@@ -127,7 +127,8 @@ def table(out: dict) -> str:
     if out.get("hosts", 1) > 1:
         cross = ", ".join(f"{m} {fmt_bytes(res[m]['cross_host_bytes'])}" for m in METHODS
                           if "cross_host_bytes" in res.get(m, {}))
-        lines.append(f"{out['hosts']} simulated hosts (trainers on host0): bytes across hosts per refit: "
+        how = "hosts of the harness (network namespaces)" if out.get("net") == "namespaces" else "simulated hosts"
+        lines.append(f"{out['hosts']} {how} (trainers on host0): bytes across hosts per refit: "
                      f"{cross} (model {fmt_bytes(out['model_bytes'])})")
     lines.append(f"baselines over {out['baseline_transport']}; {out['processes']} processes on "
                  f"{out['machine']['cpus']} CPUs")

@@ -1,14 +1,22 @@
 """The driver's side of the bench: :class:`BenchSession` spawns the ranks once (through the shared
 :mod:`tritonreshard.apps.driver`) and runs refits on command; :func:`memcpy_seconds` is the speed
-of light the refits are compared with (the driver's own copy of the same bytes)."""
+of light the refits are compared with (the driver's own copy of the same bytes).
+
+With ``net="namespaces"`` the ranks run on the host harness (:mod:`tritonreshard.apps.hosts`):
+:func:`open_hosts` makes it (the driver joins its switch at the gateway address and hosts the store
+there), each rank is spawned on its host (``BenchConfig.host_index``), and the session puts its
+``link_gbps`` on every host's link as a token bucket (:func:`set_rate`); :func:`link_counters` reads
+the bytes each link carried from the kernel's counters."""
 from __future__ import annotations
 
 import json
 import math
+import subprocess
 import time
 
 import torch
 
+from tritonreshard import secret_for_children
 from tritonreshard.planning import plan_reshard
 
 from ..driver import Driver
@@ -17,7 +25,37 @@ from .config import BenchConfig
 from .model import build_model, layouts
 from .rank import rank_main
 
-__all__ = ["BenchSession", "memcpy_seconds", "MEMCPY_CHUNK"]
+__all__ = ["BenchSession", "memcpy_seconds", "MEMCPY_CHUNK", "open_hosts", "set_rate", "link_counters"]
+
+
+def open_hosts(cfg: BenchConfig):
+    """The host harness for ``cfg`` (``net="namespaces"``): ``cfg.hosts`` hosts and the gateway,
+    where the driver hosts the store. The group secret the ranks need (the store listens beyond
+    loopback) goes into this process's environment, which the hosts' launchers pass on to the
+    ranks (``Hosts(env=)`` would also write it into the launcher scripts, readable by anyone)."""
+    from ..hosts import Hosts  # lazy: only net="namespaces" needs the harness
+
+    secret_for_children()
+    return Hosts(cfg.hosts, gateway=True)
+
+
+def set_rate(hosts, gbps: float | None) -> None:
+    """Every host's link at ``gbps`` gigabits/s each way (a token bucket), or as it is (None)."""
+    for i in range(len(hosts)):
+        hosts.rate(i, gbps)
+
+
+def link_counters(hosts) -> dict[str, dict[str, int]]:
+    """``{host name: {"rx": bytes, "tx": bytes}}``: what each host's link has carried so far, as the
+    kernel counts it on the host's interface (payload, TCP/IP headers, the store's and gloo's own
+    messages: everything that crossed)."""
+    out = {}
+    for h in hosts.hosts:
+        text = subprocess.run(["ip", "-n", h.netns, "-s", "-j", "link", "show", "eth0"], capture_output=True,
+                              text=True, check=True).stdout
+        stats = json.loads(text)[0]["stats64"]
+        out[h.name] = {"rx": int(stats["rx"]["bytes"]), "tx": int(stats["tx"]["bytes"])}
+    return out
 
 
 #: The most bytes one ``copy_`` of :func:`memcpy_seconds` moves: far beyond any cache (so the copy is
@@ -67,10 +105,19 @@ class BenchSession:
     ``refits(method, count)`` -> list of seconds (one per timed refit), ``verify(method)`` -> bool,
     ``memcpy(repeats)`` -> list of seconds of the driver's copy of the same bytes, ``close()``.
     Use as a context manager. ``dst_bytes``: destination bytes per refit.
+
+    ``hosts`` (``net="namespaces"``): the host harness to run on (:func:`open_hosts`; the session
+    sets its links to ``cfg.link_gbps`` and leaves it open); None: the session makes its own and
+    closes it with the ranks.
     """
 
-    def __init__(self, cfg: BenchConfig, on_progress=None):
+    def __init__(self, cfg: BenchConfig, on_progress=None, hosts=None):
         problems = cfg.problems()
+        if hosts is not None and cfg.net != "namespaces":
+            problems.append(f"hosts= is the host harness of net='namespaces', but net={cfg.net!r}")
+        elif hosts is not None and (len(hosts) != cfg.hosts or hosts.gateway is None):
+            problems.append(f"hosts= must be {cfg.hosts} hosts with a gateway (open_hosts), got {hosts!r} "
+                            f"(gateway {hosts.gateway})")
         if problems:
             raise ValueError("invalid bench configuration:\n  - " + "\n  - ".join(problems))
         self.cfg = cfg
@@ -84,10 +131,19 @@ class BenchSession:
         self._progress_seen = 0
         self._memcpy_bufs = None
         self.closed = False
-        self._driver = Driver("bench", cfg.world_size, rank_main, (cfg,), timeout=cfg.timeout, prefix="bench",
-                              role=cfg.role)
-        self._bstore = self._driver.pstore
+        self._driver = None
+        self._own_hosts = cfg.net == "namespaces" and hosts is None
+        self.hosts = open_hosts(cfg) if self._own_hosts else hosts
         try:
+            place = {}
+            if self.hosts is not None:
+                set_rate(self.hosts, cfg.link_gbps)
+                self._shm_before = {i: set(self.hosts.shm_files(i)) for i in range(len(self.hosts))}
+                place = dict(store_host=self.hosts.gateway,
+                             executable=lambda r: self.hosts[cfg.host_index(r)].python)
+            self._driver = Driver("bench", cfg.world_size, rank_main, (cfg,), timeout=cfg.timeout, prefix="bench",
+                                  role=cfg.role, **place)
+            self._bstore = self._driver.pstore
             self._driver.start()
             self._wait(lambda: self._bstore.add("ready", 0) >= cfg.world_size, "set-up")
             self.rank_info = json.loads(self._bstore.get("info"))
@@ -190,15 +246,27 @@ class BenchSession:
 
     # -- lifetime ----------------------------------------------------------------------------
     def close(self, failed: bool = False) -> list[str]:
-        """Stops the ranks; returns the engine's /dev/shm entries that appeared meanwhile (a leak)."""
+        """Stops the ranks; returns the engine's /dev/shm entries that appeared meanwhile (a leak),
+        on this machine and, on the host harness, in each host's own /dev/shm (``host1:trs-...``).
+        A harness the session made is torn down, whatever happened."""
         if self.closed:
             return []
         self.closed = True
         self._memcpy_bufs = None
-        if not failed:
-            self._n, n = self._n + 1, self._n
-            self._bstore.set(f"cmd/{n}", json.dumps({"op": "stop"}))
-        return self._driver.close(join=30.0 if not failed else 0.0)
+        leaked = []
+        try:
+            if self._driver is not None:
+                if not failed:
+                    self._n, n = self._n + 1, self._n
+                    self._bstore.set(f"cmd/{n}", json.dumps({"op": "stop"}))
+                leaked = self._driver.close(join=30.0 if not failed else 0.0)
+                if self.hosts is not None:
+                    leaked += [f"{self.hosts[i].name}:{n}" for i, before in self._shm_before.items()
+                               for n in sorted(set(self.hosts.shm_files(i)) - before) if n.startswith("trs-")]
+        finally:
+            if self._own_hosts:
+                self.hosts.close()
+        return leaked
 
     def __enter__(self):
         return self
