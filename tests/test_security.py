@@ -475,3 +475,30 @@ def test_register_plain_names_every_problem():
     rdv.register_plain(Fine)
     rdv.publish(store, "k", Fine((1, torch.int8), {2: b"x"}))
     assert _same(rdv.fetch(store, "k", timeout=1), Fine((1, torch.int8), {2: b"x"}))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="starting a store as another uid needs root")
+def test_a_loopback_store_of_another_uid_hands_out_no_secret(monkeypatch):
+    """An HTTP call (vLLM's /init_weight_transfer_engine) may name any store: one that another user
+    of this machine started on loopback would hand a server without $TRITONRESHARD_GROUP_SECRET that
+    user's secret, and then that user's weights. Such a store is refused, naming its uid; a store
+    on another host always was (it listens beyond loopback)."""
+    monkeypatch.delenv("TRITONRESHARD_GROUP_SECRET", raising=False)
+    port = free_port()
+    other = subprocess.Popen(
+        # Imported as root (the interpreter's files may be root's alone), then the store is made as
+        # uid 65534: a listening socket belongs to the uid that created it.
+        [sys.executable, "-c", "import os, time; from tritonreshard.engine import rendezvous as rdv; "
+         "os.setgid(65534); os.setuid(65534); "
+         f"s = rdv.connect_store('127.0.0.1:{port}', world_size=2, is_master=True); "
+         "print('ready', flush=True); time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "ready"
+        store = rdv.connect_store(f"127.0.0.1:{port}", world_size=2, is_master=False, timeout=10)
+        with pytest.raises(ValueError, match=rf"the TCPStore on port {port} belongs to uid 65534, not to this "
+                                             rf"process's uid 0"):
+            rdv.group_secret(store, is_master=False, timeout=5)
+    finally:
+        other.kill()
+        other.wait(10)

@@ -468,8 +468,9 @@ class _InferenceMethods:
         return sub.swap(self.timeout * 2 if timeout is None else timeout)
 
     def rejoin(self, epoch: int | None = None, timeout: float | None = None) -> int:
-        """After its trainers died: join the group's next epoch (default ``self.epoch + 1``) formed
-        by the restarted trainers, without restarting this process.
+        """After its trainers died, or a partition ended the epoch: join the group's next epoch
+        (default ``self.epoch + 1``) formed by the restarted (or reconnected) trainers, without
+        restarting this process.
 
         The serving weights and ``version`` stay as they are until a later pull; any pull in
         flight is discarded. Blocks until every rank of the new epoch met (``timeout``: the

@@ -181,9 +181,12 @@ class Group:
                 who = c.abort_rank
                 m = self.members.get(who)
                 if m is not None and m.host != self.host:
-                    # Only a relay on this host sets another host's rank: that rank died on the wire.
-                    err = PeerDiedError(who, f"rank {self.rank}: rank {who} on host {m.host!r} died (seen by "
-                                             f"a relay on this host) while waiting for {what}")
+                    # Only a relay on this host sets another host's rank: that rank died on the wire, or
+                    # its host can no longer be reached (the relay's reason says which).
+                    ranks = sorted(r for r, o in self.members.items() if o.host == m.host)
+                    err = PeerDiedError(who, f"rank {self.rank}: rank {who} on host {m.host!r} (that host's ranks: "
+                                             f"{ranks}) is dead or unreachable, as a relay on this host saw, "
+                                             f"while waiting for {what}")
                     self.end(err)
                     raise err
                 raise RefitError(f"rank {self.rank}: the group was aborted ({c.abort_reason()}) "

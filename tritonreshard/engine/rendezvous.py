@@ -400,8 +400,9 @@ def secret_for_children() -> None:
     os.environ.setdefault(SECRET_ENV, secrets.token_hex(_SECRET_BYTES))
 
 
-def _listening_addresses(port: int) -> list[str]:
-    """Local addresses of the sockets listening on TCP ``port`` in this network namespace."""
+def _listeners(port: int) -> list[tuple[str, int]]:
+    """``(local address, owner uid)`` of the sockets listening on TCP ``port`` in this network
+    namespace (``/proc/net/tcp{,6}``: the uid is the socket's creator's)."""
     out = []
     for path, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
         if not os.path.exists(path):  # no IPv6 in this kernel
@@ -417,7 +418,7 @@ def _listening_addresses(port: int) -> list[str]:
             # The kernel prints each 32-bit word of the address in host byte order.
             raw = b"".join(int(addr_hex[i:i + 8], 16).to_bytes(4, sys.byteorder)
                            for i in range(0, len(addr_hex), 8))
-            out.append(str(ipaddress.ip_address(raw[:width])))
+            out.append((str(ipaddress.ip_address(raw[:width])), int(cols[7])))
     return out
 
 
@@ -432,9 +433,16 @@ def _beyond_loopback(store: dist.Store) -> str | None:
     host, port = store.host, store.port
     if not _is_loopback_host(host):
         return f"it is reached at {host}:{port}, not over loopback"
-    addrs = _listening_addresses(port)
+    listeners = _listeners(port)
+    addrs = [a for a, _ in listeners]
     if not addrs:
         return f"no socket listening on port {port} is visible in /proc/net/tcp{{,6}}"
+    # A loopback store of another user (an HTTP call may name any port): its secret, and so the
+    # weights this process would read, would be that user's.
+    others = sorted({uid for _, uid in listeners if uid != os.geteuid()})
+    if others:
+        return (f"the TCPStore on port {port} belongs to uid {', '.join(map(str, others))}, not to this "
+                f"process's uid {os.geteuid()}")
     wide = sorted({a for a in addrs if not _is_loopback_host(a)})
     if wide:
         shown = ", ".join("every interface" if ipaddress.ip_address(a).is_unspecified else a for a in wide)
