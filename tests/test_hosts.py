@@ -98,10 +98,14 @@ def test_teardown_leaves_nothing_also_when_the_owner_was_killed():
     # A process that makes hosts, starts a process on one, and is SIGKILLed: no close() ran.
     owner = subprocess.Popen(
         [sys.executable, "-c", "from tritonreshard.apps.hosts import Hosts; import time, sys; "
-         "h = Hosts(2); h.popen(1, ['sleep', '300']); print(h.tag, h[1].shm, flush=True); time.sleep(300)"],
+         "h = Hosts(2); h.popen(1, ['sleep', '321']); print(h.tag, h[1].shm, flush=True); time.sleep(300)"],
         stdout=subprocess.PIPE, text=True)
     tag, shm = owner.stdout.readline().split()
     assert f"{tag}-h1" in _netns() and os.path.ismount(shm)
+    deadline = time.monotonic() + 30  # the sleep on host1 runs (so that its end below means something)
+    while subprocess.run(["pgrep", "-f", "^sleep 321$"], capture_output=True).returncode != 0:
+        assert time.monotonic() < deadline, "the sleep on host1 never started"
+        time.sleep(0.05)
     owner.send_signal(signal.SIGKILL)
     owner.wait(10)
     assert f"{tag}-h1" in _netns()   # left behind ...
@@ -109,13 +113,13 @@ def test_teardown_leaves_nothing_also_when_the_owner_was_killed():
     assert f"{tag}-h0" in removed and f"{tag}-h1" in removed and f"{tag}-sw" in removed, removed
     assert tag not in _netns() and not os.path.exists(shm)
     # The sleep on host1 died with its host.
-    assert subprocess.run(["pgrep", "-f", "^sleep 300$"], capture_output=True).returncode == 1
+    assert subprocess.run(["pgrep", "-f", "^sleep 321$"], capture_output=True).returncode == 1
     # And a closed harness leaves nothing: no namespace, no mount, no directory.
     with Hosts(1) as h:
         tag, d = h.tag, h.dir
-        h.popen(0, ["sleep", "300"])
+        h.popen(0, ["sleep", "321"])
     assert tag not in _netns() and not d.exists()
-    assert subprocess.run(["pgrep", "-f", "^sleep 300$"], capture_output=True).returncode == 1
+    assert subprocess.run(["pgrep", "-f", "^sleep 321$"], capture_output=True).returncode == 1
 
 
 def test_placement_on_a_host_the_harness_lacks_is_refused(two_hosts):

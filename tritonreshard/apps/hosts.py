@@ -189,6 +189,7 @@ class Hosts:
         self._closed = False
         self._procs: list = []
         self._inits: list = []  # the processes holding the hosts' pid namespaces
+        self._popens: list = []  # popen()'s
         self.gateway = GATEWAY if gateway else None
         self._gateway_dev = f"t{os.getpid() % 100000}x{next(_COUNTER)}g" if gateway else None
         atexit.register(self.close)
@@ -328,7 +329,11 @@ class Hosts:
     # ------------------------------------------------------------------------------ processes
     def popen(self, i: int, argv: Sequence[str], **kwargs) -> subprocess.Popen:
         """``subprocess.Popen(argv)`` on host ``i`` (``argv[0]`` found on PATH there)."""
-        return subprocess.Popen([str(self.hosts[i].launcher), *argv], **kwargs)
+        proc = subprocess.Popen([str(self.hosts[i].launcher), *argv], **kwargs)
+        # Killed by close() by pid too: it may enter the host's namespace just after close() listed
+        # the namespace's processes (the launcher execs all the way down: the pid is the command's).
+        self._popens.append(proc)
+        return proc
 
     def run_ranks(self, fn, placement: Sequence[int], args=(), timeout: float = 120.0, *,
                   allow_errors: bool = False, victims=(), during=None) -> dict:
@@ -349,35 +354,13 @@ class Hosts:
         if bad:
             raise ValueError(f"Hosts.run_ranks: placement names hosts {sorted(set(bad))}; this harness has "
                              f"{len(self.hosts)}")
-        procs, pipes = [], []
-        for rank, h in enumerate(placement):
-            recv, send = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_host_rank_entry, args=(fn, rank, tuple(args), send), daemon=True)
-            # spawn execs the interpreter it is told; this host's launcher execs it inside the host.
-            saved = mp_spawn.get_executable()
-            mp_spawn.set_executable(str(self.hosts[h].python))
-            try:
-                p.start()
-            finally:
-                mp_spawn.set_executable(saved)
-            send.close()
-            procs.append(p)
-            pipes.append(recv)
-            self._procs.append(p)
+        procs, pipes = self._spawn(ctx, fn, placement, args)
         out: dict = {}
         survivors = set(range(len(placement))) - set(victims)
         deadline = time.monotonic() + timeout
         stop, during_out = threading.Event(), {}
-
-        def run_during():
-            try:
-                during_out["value"] = during(self, stop)
-            except BaseException as exc:  # handed to the caller below
-                during_out["error"] = exc
-        watcher = threading.Thread(target=run_during, daemon=True, name="hosts-during") if during else None
+        watcher = self._start_during(during, stop, during_out) if during else None
         try:
-            if watcher is not None:
-                watcher.start()
             pending = dict(enumerate(pipes))
             while not survivors <= set(out):
                 remaining = deadline - time.monotonic()
@@ -428,13 +411,46 @@ class Hosts:
             return out
         errors = {r: v[1] for r, v in out.items() if r != "during" and v[0] == "error"}
         if errors:
-            first = min(errors, key=lambda r: errors[r][3])
-            name, msg, tb, _ = errors[first]
-            later = "".join(f"\n  then rank {r} raised {errors[r][0]}: {errors[r][1].splitlines()[0] if errors[r][1] else ''}"
-                            for r in sorted(errors) if r != first)
-            raise AssertionError(f"rank {first} on {self.hosts[placement[first]].name} raised {name}: {msg}"
-                                 f"{later}\n{tb}")
+            raise self._first_error(errors, placement)
         return {r: (v if r == "during" else v[1]) for r, v in out.items()}
+
+    def _start_during(self, during, stop, out: dict) -> threading.Thread:
+        """Run ``during(self, stop)`` in a thread; its value or exception lands in ``out``."""
+        def run():
+            try:
+                out["value"] = during(self, stop)
+            except BaseException as exc:  # handed to run_ranks' caller
+                out["error"] = exc
+        watcher = threading.Thread(target=run, daemon=True, name="hosts-during")
+        watcher.start()
+        return watcher
+
+    def _first_error(self, errors: dict, placement) -> AssertionError:
+        """The error of the rank that failed first (most often the cause), naming the later ones."""
+        first = min(errors, key=lambda r: errors[r][3])
+        name, msg, tb, _ = errors[first]
+        later = "".join(f"\n  then rank {r} raised {errors[r][0]}: {errors[r][1].splitlines()[0] if errors[r][1] else ''}"
+                        for r in sorted(errors) if r != first)
+        return AssertionError(f"rank {first} on {self.hosts[placement[first]].name} raised {name}: {msg}{later}\n{tb}")
+
+    def _spawn(self, ctx, fn, placement, args) -> tuple[list, list]:
+        """Start rank ``r`` on host ``placement[r]``; returns the processes and their report pipes."""
+        procs, pipes = [], []
+        for rank, h in enumerate(placement):
+            recv, send = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_host_rank_entry, args=(fn, rank, tuple(args), send), daemon=True)
+            # spawn execs the interpreter it is told; this host's launcher execs it inside the host.
+            saved = mp_spawn.get_executable()
+            mp_spawn.set_executable(str(self.hosts[h].python))
+            try:
+                p.start()
+            finally:
+                mp_spawn.set_executable(saved)
+            send.close()
+            procs.append(p)
+            pipes.append(recv)
+            self._procs.append(p)
+        return procs, pipes
 
     # ------------------------------------------------------------------------------- teardown
     def close(self) -> None:
@@ -450,7 +466,7 @@ class Hosts:
             if p.is_alive():
                 p.kill()
             p.join(5)
-        for p in self._inits:
+        for p in [*self._popens, *self._inits]:
             p.kill()
             p.wait(5)
         for h in self.hosts:

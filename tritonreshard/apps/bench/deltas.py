@@ -33,6 +33,7 @@ import sys
 from dataclasses import replace
 
 from ...planning import fmt_bytes
+from ..driver import sigterm_exits
 from ..viz import link_name
 from .config import BenchConfig, environment_problems, parse_gbps, parse_size
 from .session import BenchSession, link_counters, open_hosts
@@ -176,7 +177,6 @@ def run_cli(args) -> int:
     if problems:
         print("tritonreshard bench: invalid arguments:\n  - " + "\n  - ".join(dict.fromkeys(problems)), file=sys.stderr)
         return 2
-    from ..driver import sigterm_exits
     sigterm_exits()  # a SIGTERM from now on unwinds: the sessions stop their ranks, the harness goes
     rows = []
     with (open_hosts(cfg) if net == "namespaces" else contextlib.nullcontext()) as hosts:

@@ -30,6 +30,8 @@ relay's close waiting for a store call that the cut link holds), which is being 
 from __future__ import annotations
 
 import argparse
+import datetime
+import faulthandler
 import hashlib
 import os
 import shutil
@@ -39,9 +41,13 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 import tritonreshard as trs
 from tritonreshard import Layout, Replicate, Shard
+
+from ..hosts import Hosts
+from ..kit import free_port
 
 __all__ = ["PartitionConfig", "run_partitions", "CASES", "main"]
 
@@ -106,9 +112,6 @@ def _mark(mark: str, name: str) -> None:
 def _rank(rank: int, addr: str, port: int, cfg: PartitionConfig, mark: str) -> dict:
     """One rank of the scenario (see the module docstring). The test process talks to the ranks
     only through files in ``mark`` (a directory every host sees; not the network under test)."""
-    import datetime
-    import faulthandler
-    import torch.distributed as dist
     faulthandler.enable()  # a native abort (a gloo thread) shows where it came from
     torch.set_num_threads(1)
     src = {"w": Layout(cfg.shape, TRAINERS, [Shard(0)], torch.bfloat16)}
@@ -212,8 +215,6 @@ def _driver(cfg: PartitionConfig, mark: str):
 def run_partitions(cfg: PartitionConfig = PartitionConfig()) -> dict:
     """Run the scenario on a fresh pair of hosts; returns ``{"ranks": {rank: report}, "cuts": [...],
     "shm_after": (host0's, host1's)}``. Needs what :class:`~tritonreshard.apps.hosts.Hosts` needs."""
-    from tritonreshard.apps.hosts import Hosts
-    from tritonreshard.apps.kit import free_port
     mark = tempfile.mkdtemp(prefix="trs-partitions-")
     try:
         with Hosts(2, env={"TRITONRESHARD_GROUP_SECRET": _SECRET}) as hosts:
