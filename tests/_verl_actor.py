@@ -17,11 +17,19 @@ Stubs, each a CUDA-only call (or a version clash) on this CPU machine; nothing e
 The worker itself is a stand-in object with verl's attributes (``config``, ``actor.engine``,
 ``checkpoint_engine``) passed as ``self`` to the class's real (wrapped) ``update_weights``: verl's
 ``Worker`` needs a Ray actor to be constructed.
+
+The rollout replicas are not vLLM engines: each is one plain ``trs.RefitInference`` rank with the
+recipe's vLLM layouts (``hf_to_vllm`` TP 1), the inference side a vLLM worker's engine builds.
+Replica 0 is refit rank 2 in both groups; replica 1 (refit rank 3, elastic group only) is added
+after the first sync and SIGKILLed before it reads the second.
 """
 from __future__ import annotations
 
 import asyncio
 import importlib
+import logging
+import os
+import signal
 import time
 from types import SimpleNamespace
 
@@ -129,11 +137,42 @@ def local_shards(engine) -> dict:
     return out
 
 
-def actor_rank(rank: int, model_dir: str, fsdp_port: int, variants: list, syncs: int) -> dict:
-    """Actor rank ``rank`` of 2: for each variant ``(model_dtype, store_port)``, verl's engine and a
-    ``"tritonreshard"`` backend from verl's registry, ``syncs`` syncs with an optimizer step before
-    each but the first. Returns per variant and sync: the local shards, the sync's metrics and
-    seconds, and the ``full_tensor`` calls counted over the whole run."""
+class _Warnings(logging.Handler):
+    """The backend's warnings in this process (it names the rollout ranks it dropped)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def mark(marks: str, variant: int, what: str) -> str:
+    """The marker file of ``what`` in variant ``variant``: how the processes of the test keep verl's
+    order without verl's manager (its ``ray.get`` waits for every worker of a sync)."""
+    return os.path.join(marks, f"{variant}-{what}")
+
+
+def _wait_for(path: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {path} after {timeout} s")
+        time.sleep(0.02)
+
+
+def actor_rank(rank: int, model_dir: str, fsdp_port: int, variants: list, marks: str) -> dict:
+    """Actor rank ``rank`` of 2: for each variant ``(model_dtype, store_port, elastic, rollouts)``,
+    verl's engine and a ``"tritonreshard"`` backend from verl's registry, one sync per entry of
+    ``rollouts`` (the number of rollout workers verl's manager holds at that sync), an optimizer step
+    before each but the first. After each sync, rank 0 marks ``synced-<version>``, and both wait, as
+    verl's manager waits for the rollout side of the sync, for replica 0 to have read the version
+    and (two rollout workers) for replica 1 to have joined, then record their readers and mark
+    ``recorded-<version>-<rank>``; each marks ``fenced-<rank>`` at the end.
+    Returns per variant and sync: the local shards, the sync's metrics and seconds, the trainer's
+    identity and arena addresses, its readers then and the backend's ``dropped``; the backend's
+    warnings and the ``full_tensor`` calls counted over the whole run."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -143,25 +182,37 @@ def actor_rank(rank: int, model_dir: str, fsdp_port: int, variants: list, syncs:
     importlib.import_module("tritonreshard.frameworks.verl")  # what verl does with custom_backend_module
     from verl.checkpoint_engine import CheckpointEngineRegistry
 
+    warned = _Warnings()
+    logging.getLogger("tritonreshard.frameworks.verl.actor").addHandler(warned)
     out = []
-    for model_dtype, store_port in variants:
+    for i, (model_dtype, store_port, elastic, rollouts) in enumerate(variants):
         engine = build_engine(model_dir, model_dtype)
         backend = CheckpointEngineRegistry.new("tritonreshard", is_master=rank == 0, bucket_size=1 << 20,
-                                               store_host="127.0.0.1", store_port=store_port, timeout=120)
+                                               store_host="127.0.0.1", store_port=store_port, timeout=120,
+                                               elastic=elastic)
         worker = SimpleNamespace(config=worker_config(), actor=SimpleNamespace(engine=engine),
                                  checkpoint_engine=backend)
         runs = []
-        for step in range(syncs):
+        for step, n_rollout in enumerate(rollouts):
             if step:
                 train_step(engine, rank, step)
             start = time.perf_counter()
-            metrics = one_sync(worker, 2, 1, global_steps=FIRST_STEP + step)
-            runs.append({"metrics": metrics, "seconds": time.perf_counter() - start, "shards": local_shards(engine)})
-        backend.trainer.fence()  # the reader took the last version before the arena goes away
+            metrics = one_sync(worker, 2, n_rollout, global_steps=FIRST_STEP + step)
+            seconds, version, trainer = time.perf_counter() - start, metrics["tritonreshard/version"], backend.trainer
+            if rank == 0:
+                open(mark(marks, i, f"synced-{version}"), "w").close()
+            for what in [f"read-{version}"] + (["joined"] if n_rollout == 2 else []):
+                _wait_for(mark(marks, i, what), 150)
+            runs.append({"metrics": metrics, "seconds": seconds, "shards": local_shards(engine), "trainer": id(trainer),
+                         "arena": [t.data_ptr() for t in trainer.source_tensors.values()],
+                         "readers": sorted(trainer.readers), "dropped": [r for r, _ in backend.dropped]})
+            open(mark(marks, i, f"recorded-{version}-{rank}"), "w").close()
+        backend.trainer.fence()  # the readers took the last version before the arena goes away
+        open(mark(marks, i, f"fenced-{rank}"), "w").close()
         backend.close()
         out.append(runs)
     dist.destroy_process_group()
-    return {"variants": out, "full_tensor_calls": full[0]}
+    return {"variants": out, "full_tensor_calls": full[0], "warnings": warned.lines}
 
 
 def _wait_listening(port: int, timeout: float) -> None:
@@ -181,39 +232,77 @@ def _wait_listening(port: int, timeout: float) -> None:
             time.sleep(0.2)
 
 
-def inference_rank(rank: int, model_dir: str, variants: list, syncs: int) -> list:
-    """The refit group's reader (refit rank 2): the vLLM layouts of ``hf_to_vllm`` TP 1 (the
-    recipe's inference side), poisoned with NaN, pulling every version of every variant's group.
-    Returns the tensors it read, per variant and sync."""
+def _reader(rank: int, model_dir: str, port: int, elastic: bool, replica: int):
+    """A rollout rank of the group on ``port``: the vLLM layouts of ``hf_to_vllm`` TP 1 (the
+    recipe's inference side), poisoned with NaN; a fixed group's rank 2 of 3, or replica
+    ``replica`` of an elastic group, joining whenever it starts."""
     import transformers
 
     import tritonreshard as trs
 
-    torch.set_num_threads(1)
     cfg = transformers.AutoConfig.from_pretrained(model_dir)
     spec = trs.recipes.hf_to_vllm(cfg, tp=1, trainer_ranks=[0, 1], inference_ranks=[rank], dtype=BF16, src_dtype=BF16)
+    _wait_listening(port, 150)
+    poison = {n: torch.full(lay.local_shape(rank), float("nan"), dtype=BF16) for n, lay in spec.dst.items()}
+    meeting = trs.Meeting(rank=rank, world_size=None if elastic else 3, store=f"127.0.0.1:{port}", group="verl")
+    return trs.RefitInference.from_recipe(spec, meeting=meeting, tensors=poison, timeouts=trs.Timeouts(wait=150),
+                                          pull=trs.PullOptions(mode="shadow", backend="torch"),
+                                          membership=trs.Elastic(replica=replica) if elastic else None)
+
+
+def inference_rank(rank: int, model_dir: str, variants: list, marks: str) -> list:
+    """Replica 0 (refit rank 2), pulling every version of every variant's group (marking
+    ``read-<version>``). Returns the tensors it read, per variant and sync."""
+    torch.set_num_threads(1)
     pulled = []
-    for _, port in variants:
-        _wait_listening(port, 150)
-        poison = {n: torch.full(lay.local_shape(rank), float("nan"), dtype=BF16) for n, lay in spec.dst.items()}
-        meeting = trs.Meeting(rank=rank, world_size=3, store=f"127.0.0.1:{port}", group="verl")
-        with trs.RefitInference.from_recipe(spec, meeting=meeting, tensors=poison, timeouts=trs.Timeouts(wait=150),
-                                            pull=trs.PullOptions(mode="shadow", backend="torch")) as ep:
-            for step in range(syncs):  # the sync of global_steps s publishes version s + 1
+    for i, (_, port, elastic, rollouts) in enumerate(variants):
+        with _reader(rank, model_dir, port, elastic, replica=0) as ep:
+            for step in range(len(rollouts)):  # the sync of global_steps s publishes version s + 1
                 v = FIRST_STEP + step + 1
                 assert ep.pull(v) == v
                 pulled.append({n: t.clone() for n, t in ep.tensors.items()})
+                open(mark(marks, i, f"read-{v}"), "w").close()
+            for actor in (0, 1):  # in the group until both actors are done: their readers stay put
+                _wait_for(mark(marks, i, f"fenced-{actor}"), 150)
     return pulled
 
 
-def refit_rank(rank: int, model_dir: str, fsdp_port: int, variants: list, syncs: int) -> bytes:
-    """Ranks 0 and 1: :func:`actor_rank`; rank 2: :func:`inference_rank`. The result as
-    ``torch.save`` bytes (:func:`unpack`): tensors sent through a torch.multiprocessing queue are
-    shared-memory handles that die with the process that made them."""
+def removed_replica(rank: int, model_dir: str, variants: list, marks: str) -> None:
+    """Replica 1 (refit rank 3) of the elastic variant: starts once the first sync published
+    (verl's ``add_replicas`` before the second), reads the version it was admitted at if that is
+    the first sync's, marks ``joined``, waits until both actors recorded their readers after the
+    second sync, then SIGKILLs itself without reading that sync's version: the actors' next fence
+    waits for its ack and must drop this rank instead. Saves ``marks/replica1.pt`` (its first
+    version and what it read) first."""
+    torch.set_num_threads(1)
+    i = next(i for i, v in enumerate(variants) if v[2])
+    first_sync = FIRST_STEP + 1
+    _wait_for(mark(marks, i, f"synced-{first_sync}"), 200)
+    ep = _reader(rank, model_dir, variants[i][1], True, replica=1)
+    first = ep.join_stats.first_version
+    pulled = None
+    if first == first_sync:  # admitted while the actors' arena held the first sync's version
+        assert ep.pull(first) == first
+        pulled = {n: t.clone() for n, t in ep.tensors.items()}
+    torch.save({"first": first, "pulled": pulled}, os.path.join(marks, "replica1.pt"))
+    open(mark(marks, i, "joined"), "w").close()
+    for actor in (0, 1):
+        _wait_for(mark(marks, i, f"recorded-{first_sync + 1}-{actor}"), 150)
+    assert ep.available_version() == first_sync + 1 and ep.version < first_sync + 1
+    os.kill(os.getpid(), signal.SIGKILL)  # mid-update: version published, not read, never acked
+
+
+def refit_rank(rank: int, model_dir: str, fsdp_port: int, variants: list, marks: str) -> bytes:
+    """Ranks 0 and 1: :func:`actor_rank`; rank 2: :func:`inference_rank`; rank 3:
+    :func:`removed_replica` (it dies, returns nothing). The result as ``torch.save`` bytes
+    (:func:`unpack`): tensors sent through a torch.multiprocessing queue are shared-memory handles
+    that die with the process that made them."""
     import io
 
-    out = actor_rank(rank, model_dir, fsdp_port, variants, syncs) if rank < 2 else inference_rank(
-        rank, model_dir, variants, syncs)
+    if rank == 3:
+        removed_replica(rank, model_dir, variants, marks)
+    out = actor_rank(rank, model_dir, fsdp_port, variants, marks) if rank < 2 else inference_rank(
+        rank, model_dir, variants, marks)
     buf = io.BytesIO()
     torch.save(out, buf)
     return buf.getvalue()

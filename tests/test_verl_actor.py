@@ -3,10 +3,13 @@
 
 Live: verl's own FSDP engine (``FSDPEngineWithLMHead``, built by verl from a saved tiny Llama, FSDP2
 over 2 gloo processes; the CUDA-only calls stubbed are named in tests/_verl_actor.py) synced through
-verl's ``ActorRolloutRefWorker.update_weights`` as the package wraps it, twice per engine (an
-optimizer step of verl's own optimizer between), read back by a vLLM-layout inference rank in this
-process (the recipe's inference side, ``hf_to_vllm`` TP 1) and compared bit for bit with the
-actors' own shards; ``DTensor.full_tensor`` is counted (0) and so are the bytes each rank copies.
+verl's ``ActorRolloutRefWorker.update_weights`` as the package wraps it (an optimizer step of verl's
+own optimizer between syncs), read back by vLLM-layout inference ranks in processes of their own
+(the recipe's inference side, ``hf_to_vllm`` TP 1: not vLLM engines) and compared bit for bit with
+the actors' own shards; ``DTensor.full_tensor`` is counted (0) and so are the bytes each rank
+copies. fp32 parameters in a fixed group (``elastic=False``), two syncs; bf16 parameters in an
+elastic group (the default), three syncs as verl's manager changes its replicas: replica 0 alone,
+replica 1 added, replica 1 removed after it was SIGKILLed before reading the second sync's version.
 
 Megatron by interface: verl's Megatron engine needs Megatron-Bridge 0.5.2 (its export index is the
 bridge's conversion tasks), which is not on PyPI, so the engine can't be built here. Its real
@@ -34,7 +37,9 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(240)
 
 BF16 = torch.bfloat16
-SYNCS = 2
+#: ``(model_dtype, elastic, rollout workers at each sync)``: verl's manager adds replica 1 before the
+#: elastic group's second sync and removes it (dead) before the third.
+VARIANTS = [("fp32", False, (1, 1)), ("bf16", True, (1, 2, 1))]
 
 
 def _llama():
@@ -58,26 +63,32 @@ def _assemble(shards: dict, shapes: dict) -> dict:
 def test_fsdp_engine_publishes_its_own_shards_through_the_wrapped_update_weights(tmp_path):
     """fp32 parameters (verl's training default): verl's export casts each shard to a fresh bf16
     tensor, copied once per sync into the arena. bf16 parameters: the export is FSDP2's own local
-    shards, bound to the arena at the first sync, so later syncs copy nothing."""
+    shards, bound to the arena at the first sync, so later syncs copy nothing. The elastic group
+    keeps its trainers and arenas while replica 1 comes and dies; the sync after its death drops
+    rank 3 by name, waits for nobody else, and replica 0 reads every version."""
     cfg = _llama()
-    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "model")
+    (tmp_path / "marks").mkdir()
     from _verl_actor import refit_rank, unpack
 
-    variants = [("fp32", free_port()), ("bf16", free_port())]
-    out = {r: unpack(v) for r, v in run_ranks(refit_rank, 3, args=(str(tmp_path), free_port(), variants, SYNCS),
-                                                timeout=220).items()}
+    variants = [(dtype, free_port(), elastic, rollouts) for dtype, elastic, rollouts in VARIANTS]
+    out = {r: unpack(v) for r, v in run_ranks(refit_rank, 4, args=(str(tmp_path / "model"), free_port(), variants,
+                                                                   str(tmp_path / "marks")),
+                                                timeout=220, victims=(3,)).items()}
     pulled = out[2]
     spec = trs.recipes.hf_to_vllm(cfg, tp=1, trainer_ranks=[0, 1], inference_ranks=[2], dtype=BF16, src_dtype=BF16)
     assert out[0]["full_tensor_calls"] == 0 and out[1]["full_tensor_calls"] == 0
     shapes = {n: lay.shape for n, lay in spec.src.items()}
     plan = spec.plan()
-    for i, (dtype, _) in enumerate(variants):
-        for step in range(SYNCS):
+    wanted, at = [], 0
+    for i, (dtype, _, elastic, rollouts) in enumerate(variants):
+        for step in range(len(rollouts)):
             runs = [out[r]["variants"][i][step] for r in (0, 1)]
             full = _assemble([run["shards"] for run in runs], shapes)
             srcs = {r: {n: lay.shard(full[n], r) for n, lay in spec.src.items() if r in lay.ranks} for r in (0, 1)}
             want = trs.execute_local(plan, srcs, backend="torch")[2]
-            got = pulled[i * SYNCS + step]
+            wanted.append(want)
+            got = pulled[at + step]
             assert set(got) == set(want)
             for n in want:
                 assert torch.equal(got[n].view(torch.int16), want[n].view(torch.int16)), (dtype, step, n)
@@ -89,13 +100,30 @@ def test_fsdp_engine_publishes_its_own_shards_through_the_wrapped_update_weights
                 assert m["tritonreshard/copied_bytes"] == copies, (dtype, step, r, m)
         # verl's optimizer stepped between the syncs: the second version differs from the first (with
         # bf16 parameters, the optimizer wrote the arena itself)
-        first, second = pulled[i * SYNCS], pulled[i * SYNCS + 1]
+        first, second = pulled[at], pulled[at + 1]
         assert not torch.equal(first["model.embed_tokens.weight"], second["model.embed_tokens.weight"]), dtype
+        at += len(rollouts)
+    # The elastic group as verl's manager changed its replicas: the same trainer and arena on each
+    # actor at every sync (no rejoin); replica 1 admitted for the second sync, then dropped by name.
+    elastic = [out[r]["variants"][1] for r in (0, 1)]
+    for r, runs in zip((0, 1), elastic):
+        assert len({run["trainer"] for run in runs}) == 1 and len({tuple(run["arena"]) for run in runs}) == 1, r
+        assert [run["readers"] for run in runs[1:]] == [[2, 3], [2]], (r, [run["readers"] for run in runs])
+        assert runs[-1]["dropped"] == [3] and sum(run["metrics"]["tritonreshard/dropped"] for run in runs) == 1, r
+        assert runs[-1]["metrics"]["tritonreshard/readers"] == 1
+        assert any("dropped rollout rank(s) [3] from the refit group" in w and "rank 3 (pid" in w
+                   for w in out[r]["warnings"]), out[r]["warnings"]
+        # the fence after rank 3's death did not wait for it (the wait timeout is 120 s)
+        assert runs[2]["seconds"] < 60, runs[2]["seconds"]
+    replica1 = torch.load(tmp_path / "marks" / "replica1.pt", weights_only=True)
+    assert replica1["first"] in (11, 12)  # admitted at the version the arena held, or at the next
+    if replica1["first"] == 11:  # what it read is that version, bit for bit
+        want = wanted[len(VARIANTS[0][2])]
+        assert all(torch.equal(replica1["pulled"][n].view(torch.int16), want[n].view(torch.int16)) for n in want)
     print("per variant, rank, sync: (bytes copied, send_weights s, whole sync s)",
-          {dtype: [[(out[r]["variants"][i][s]["metrics"]["tritonreshard/copied_bytes"],
-                     round(out[r]["variants"][i][s]["metrics"]["tritonreshard/send_s"], 4),
-                     round(out[r]["variants"][i][s]["seconds"], 4)) for s in range(SYNCS)] for r in (0, 1)]
-           for i, (dtype, _) in enumerate(variants)})
+          {dtype: [[(run["metrics"]["tritonreshard/copied_bytes"], round(run["metrics"]["tritonreshard/send_s"], 4),
+                     round(run["seconds"], 4)) for run in out[r]["variants"][i]] for r in (0, 1)]
+           for i, (dtype, *_) in enumerate(variants)})
 
 
 # ------------------------------------------------------------------------------ Megatron: by interface
@@ -274,18 +302,23 @@ def test_the_backend_refuses_bad_config_gathered_tensors_and_a_changed_topology(
     cls = CheckpointEngineRegistry.get("tritonreshard")
     assert cls is verl_actor.TritonreshardCheckpointEngine and cls.consumes_engine is True
     with pytest.raises(ValueError) as e:
-        cls(bucket_size=1, is_master=True, store_port=70000, timeout=0, megatron={"tp": 0}, colour="red")
-    for part in ("store_port=70000", "timeout=0", "megatron={'tp': 0}", "unknown key 'colour'"):
+        cls(bucket_size=1, is_master=True, store_port=70000, timeout=0, megatron={"tp": 0}, colour="red", elastic="yes")
+    for part in ("store_port=70000", "timeout=0", "megatron={'tp': 0}", "unknown key 'colour'",
+                 "elastic='yes' must be True or False"):
         assert part in str(e.value), (part, str(e.value))
-    actor = cls(bucket_size=1, is_master=True, store_host="127.0.0.1", store_port=29999)
+    # A fixed group (elastic=False): every rollout worker a rank of the first sync's meeting.
+    actor = cls(bucket_size=1, is_master=True, store_host="127.0.0.1", store_port=29999, elastic=False)
     meta = actor.prepare()
-    assert meta == {"side": "actor", "rank": 0, "store": "127.0.0.1:29999", "megatron": None}
+    assert meta == {"side": "actor", "rank": 0, "store": "127.0.0.1:29999", "megatron": None, "elastic": False}
     a, b = cls.build_topology(1, 2, [meta, {"side": "rollout"}, {"side": "rollout"}])
     assert [t["rank"] for t in a["topology"] + b["topology"]] == [0, 1, 2]
     assert b["topology"][1] == {"rank": 2, "store": "127.0.0.1:29999", "trainer_ranks": (0,),
-                                "inference_ranks": (1, 2), "group": "verl", "src_dtype": "bfloat16", "megatron": None}
+                                "inference_ranks": (1, 2), "group": "verl", "src_dtype": "bfloat16", "megatron": None,
+                                "elastic": False}
     with pytest.raises(ValueError, match=r"metadata sides \['rollout', 'actor'\]"):
         cls.build_topology(1, 1, [{"side": "rollout"}, meta])
+    with pytest.raises(ValueError, match=r"the actors report elastic=\[False, True\]"):
+        cls.build_topology(2, 0, [meta, {**meta, "rank": 1, "elastic": True}])
     actor.init_process_group(**{k: v[0] for k, v in a.items()})
     gathered = ((f"w{i}", torch.zeros(2)) for i in range(3))
     with pytest.raises(ValueError, match="gathered tensors.*nothing was read"):
@@ -294,10 +327,45 @@ def test_the_backend_refuses_bad_config_gathered_tensors_and_a_changed_topology(
     assert actor.init_info == {"store": "127.0.0.1:29999", "trainer_ranks": [0], "inference_ranks": [1, 2],
                                "group": "verl", "src_dtype": "bfloat16"}
     actor.trainer = SimpleNamespace(published=11)  # as if the group had formed at global_steps 10
-    with pytest.raises(ValueError, match="topology changed after the refit group formed"):
+    with pytest.raises(ValueError) as e:  # verl's add_replicas: a fixed group can't follow
         actor.init_process_group(**{k: v[0] for k, v in cls.build_topology(1, 3, [meta] + [{"side": "rollout"}] * 3)[0]
                                     .items()})
+    for part in ("topology changed after the refit group formed (inference_ranks: (1, 2) -> (1, 2, 3))",
+                 "this refit group is fixed (engine_kwargs elastic=False)", "nothing was changed"):
+        assert part in str(e.value), (part, str(e.value))
+    assert actor.topology.inference_ranks == (1, 2)
     with pytest.raises(ValueError, match=r"global_steps=12 is version 13, but this rank's last version is 11.*nothing"):
         asyncio.run(actor.send_weights(SimpleNamespace(get_per_tensor_param_shard=None), global_steps=12))
     actor.trainer = None
     assert math.isfinite(actor.config.timeout)
+
+
+def test_an_elastic_actor_follows_replica_changes_and_refuses_any_other(verl_actor):
+    """The default: the actors meet alone, so verl's add_replicas / remove_replicas (another number
+    of rollout workers at the next sync's build_topology) leave the actors' topology as it was; a
+    change of the actors' number or of the Megatron settings is refused naming old and new."""
+    cls = verl_actor.TritonreshardCheckpointEngine
+    actor = cls(bucket_size=1, is_master=True, store_host="127.0.0.1", store_port=29999)
+    meta = actor.prepare()
+    assert meta["elastic"] is True and actor.config.elastic is True
+    a, b = cls.build_topology(1, 2, [meta, {"side": "rollout"}, {"side": "rollout"}])
+    assert a["topology"][0]["rank"] == 0 and a["topology"][0]["inference_ranks"] == ()
+    assert [t["rank"] for t in b["topology"]] == [None, None]  # a replica's ranks follow from its index
+    actor.init_process_group(**{k: v[0] for k, v in a.items()})
+    assert actor.init_info == {"store": "127.0.0.1:29999", "trainer_ranks": [0], "group": "verl",
+                               "src_dtype": "bfloat16", "elastic": True}
+    formed = actor.trainer = SimpleNamespace(published=11)
+    for n_rollout in (4, 0, 6):  # replicas added, all removed, added again: nothing to follow here
+        actor.init_process_group(**{k: v[0] for k, v in cls.build_topology(
+            1, n_rollout, [meta] + [{"side": "rollout"}] * n_rollout)[0].items()})
+        assert actor.trainer is formed and actor.topology.trainer_ranks == (0,)
+    other = {**meta, "rank": 1, "store": None, "megatron": {"tp": 2}}
+    grown = cls.build_topology(2, 2, [{**meta, "megatron": {"tp": 2}}, other] + [{"side": "rollout"}] * 2)[0]
+    with pytest.raises(ValueError) as e:
+        actor.init_process_group(**{k: v[0] for k, v in grown.items()})
+    for part in ("(refit rank 0): the topology changed after the refit group formed",
+                 "trainer_ranks: (0,) -> (0, 1)", "megatron: None -> {'tp': 2}",
+                 "a change of the actor world size, the Megatron settings", "needs a restart of the job"):
+        assert part in str(e.value), (part, str(e.value))
+    assert actor.topology.trainer_ranks == (0,) and actor.trainer is formed
+    actor.trainer = None

