@@ -507,17 +507,21 @@ def main(argv=None) -> dict:
             summary["fault"]["serves_previous"] = summary["mismatches"] == before
 
             if args.recover:  # same engine, new trainer processes: a new refit group under a new name
-                group.stop()
+                # The workers leave first: a trainer hosting the group's store waits (up to the group's
+                # timeout) for its cross-host readers to close before it exits (--hosts 2).
                 llm.collective_rpc("shutdown_weight_transfer_engine")
+                group.stop()
                 group = TrainerGroup(ctx, train_path, args, tag="vllm-restart-1", **placed)
                 groups.append(group)
                 join(group)
                 refit(group, args.refits + 2, 1, "refit after the trainers restarted")
                 summary["recovered"] = True
     finally:
-        for g in groups:
-            g.stop()
-        llm.collective_rpc("shutdown_weight_transfer_engine")
+        try:
+            llm.collective_rpc("shutdown_weight_transfer_engine")  # before the trainers stop: see --recover above
+        finally:
+            for g in groups:
+                g.stop()
         # Now, not at interpreter exit (the check below needs it), with time to exit cleanly (see the top).
         llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_GRACE_S)
         summary["vllm_shm_removed"] += _remove_vllm_shm(idents)

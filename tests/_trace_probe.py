@@ -11,6 +11,9 @@ import sys
 from test_trace import traced_equals_hand_written
 
 if __name__ == "__main__":
+    import gc
+
+    gc.freeze()  # what the imports made lives as long as this process; see tests/conftest.py
     out = {}
     for model_type, tp, ep in json.loads(open(sys.argv[1]).read()):
         try:  # each case's own verdict, every case run

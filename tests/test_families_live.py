@@ -10,43 +10,46 @@ loader (the workers with ``init_info(trace=True)``), and the group checks they a
 Left out of CI for time, run by hand: Mixtral (``--model tiny-mixtral``), GLM-4.5 MoE
 (``--model tiny-glm4-moe``; gpt-oss covers routed experts live) and Gemma 3 (``--model tiny-gemma3``;
 tests/test_vllm.py's Qwen2 covers tied embeddings live). Every tensor of each is
-tests/test_families.py's (in-process). Skips where vLLM is not installed."""
+tests/test_families.py's (in-process). The four runs share one driver process, one after the other (tests/_refit_batch.py),
+and their engines run vLLM's engine core in it (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, see
+tests/test_vllm.py): each engine's workers, where the backend runs, and each run's trainers are
+processes of their own either way. Skips where vLLM is not installed."""
 import importlib.util
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from _refit_batch import run_batch, summary_of
+
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM not installed (pip install -e '.[vllm]')")
 
 
-def _run_example(*args, timeout):
-    """One live engine: examples/vllm_refit.py with ``args``; returns its JSON summary."""
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1")
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "vllm_refit.py"), *args, "--json"],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-    lines = proc.stdout.strip().splitlines()
-    # A string, not a tuple: pytest shortens a tuple's repr to a line, which cut the worker's error off.
-    assert lines and lines[-1].startswith("{"), (f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n"
-                                                 f"--- stderr\n{proc.stderr[-6000:]}")
-    summary = json.loads(lines[-1])
-    assert proc.returncode == 0 and summary["ok"], (summary, proc.stderr[-4000:])
-    return summary
+MODELS = ["tiny-phi3", "tiny-gpt-oss", "tiny-qwen3-next", "tiny-granite"]
+RUN_TIMEOUT_S = 540  # one model's run; the batch (the first test's set-up) gets this per model
+
+
+def _refits(model):
+    # Qwen3-Next's reference is an engine start per version (26-31 s each here): one refit in CI.
+    return 1 if model == "tiny-qwen3-next" else 2
+
+
+@pytest.fixture(scope="module")
+def live_runs(tmp_path_factory):
+    """Every model's examples/vllm_refit.py run, one after the other in one driver process
+    (tests/_refit_batch.py: the driver's imports once, not once per model)."""
+    runs = [["--model", m, "--tp", "2", "--refits", str(_refits(m))] for m in MODELS]
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    return run_batch(runs, env=env, timeout_per_run=RUN_TIMEOUT_S, workdir=tmp_path_factory.mktemp("families-live"))
 
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("model", ["tiny-phi3", "tiny-gpt-oss", "tiny-qwen3-next", "tiny-granite"])
-def test_family_refits_live_greedy_exact(model):
-    # Qwen3-Next's reference is an engine start per version (26-31 s each here): one refit in CI.
-    refits = 1 if model == "tiny-qwen3-next" else 2
-    summary = _run_example("--model", model, "--tp", "2", "--refits", str(refits), timeout=540)
+@pytest.mark.timeout(RUN_TIMEOUT_S * len(MODELS) + 60)  # the first one's set-up runs the batch
+@pytest.mark.parametrize("model", MODELS)
+def test_family_refits_live_greedy_exact(live_runs, model):
+    refits = _refits(model)
+    summary, _ = summary_of(live_runs, model)
     assert summary["refits"] == refits and summary["tp"] == 2
     g = summary["greedy"]
     assert len(g) == refits + 1 and all(a != b for a, b in zip(g, g[1:]))  # each refit changed what vLLM generates

@@ -170,7 +170,9 @@ def live(adapters, tmp_path_factory):
     case = dict(workdir=str(work), base_dir=str(root / "base"), refits=3, slots_out=str(work / "slots.pt"),
                 probe=[[name, ADAPTERS[name][0] + 1, str(root / name)] for name in ADAPTERS])
     (work / "case.json").write_text(json.dumps(case))
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1")
+    # vLLM's engine core in the driver's process (tests/test_vllm.py: ENGINE_CORE_IN_DRIVER): one
+    # process fewer to start; the workers, where the LoRA refit runs, are spawned processes either way.
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("_lora_refit.py")), str(work / "case.json")],
                           capture_output=True, text=True, timeout=840, env=env, cwd=ROOT)
     lines = proc.stdout.strip().splitlines()

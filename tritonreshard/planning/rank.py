@@ -151,9 +151,11 @@ def tensor_order(plan: Plan, names) -> list[str]:
     """``names`` in the group's one buffer order: by geometry (local shapes, dtypes, both sides'
     layouts), then name. Trainers' arenas and inference ranks' buffers both use it, so shards of
     the same geometry sit back to back on both sides."""
+    src, dst = plan.src_layouts, plan.dst_layouts  # once: each is a copy (per name, sorting was quadratic)
+
     def key(n):
-        lay = plan.src_layouts.get(n) or plan.dst_layouts.get(n)
-        other = plan.dst_layouts.get(n) if n in plan.src_layouts else plan.src_layouts.get(n)
+        lay = src.get(n) or dst.get(n)
+        other = dst.get(n) if n in src else src.get(n)
         return (lay.shape, str(lay.dtype), lay.ranks, tuple(map(str, lay.placements)),
                 (other.shape, other.ranks, tuple(map(str, other.placements))) if other is not None else (), n)
     return sorted(names, key=key)
@@ -208,7 +210,8 @@ class RankPlan:
     @property
     def dst_layouts(self) -> dict:
         """``{name: Layout}`` of the destinations this rank holds."""
-        return {n: self.plan.dst_layouts[n] for n in self.dst_order}
+        dst = self.plan.dst_layouts  # a copy: taken once, not per name
+        return {n: dst[n] for n in self.dst_order}
 
     def host_part(self, src_offsets: Mapping[tuple[int, str], int]) -> HostPlan:
         """This rank's host's part of the host plan (on one host: all of it), given the byte
