@@ -49,10 +49,44 @@ def test_setup_with_a_missing_rank_times_out_naming_the_key_and_rank():
 
 def test_setup_without_a_store_times_out_naming_the_address():
     port = free_port()
-    with pytest.raises(TimeoutError, match=f"TCPStore at 127.0.0.1:{port}"):
+    with pytest.raises(TimeoutError, match=f"TCPStore at 127.0.0.1:{port} within 1.5 s: connection refused: "
+                                           "nothing listens on that port"):
         trs.RefitInference({"w": Layout(SHAPE, [1], [Replicate()])},
                            meeting=trs.Meeting(rank=1, world_size=2, store=f"127.0.0.1:{port}"),
                            timeouts=trs.Timeouts(wait=1.5))
+
+
+def _unreachable_store_worker(rank, port):
+    """On host1, host0's link cut: each store address fails, naming itself and why, within its
+    timeout (torch's own connect retries past it). ``(message, seconds)`` per address."""
+    out = {}
+    for addr in (f"10.77.0.1:{port}", f"10.77.0.2:{port}", f"no-such-host.invalid:{port}"):
+        t0 = time.monotonic()
+        try:
+            trs.RefitInference({"w": Layout(SHAPE, [1], [Replicate()])},
+                               meeting=trs.Meeting(rank=1, world_size=2, store=addr), timeouts=trs.Timeouts(wait=2.0))
+        except TimeoutError as e:
+            out[addr] = (str(e), time.monotonic() - t0)
+    return out
+
+
+def test_an_unreachable_rendezvous_fails_within_its_timeout_naming_the_address_and_why(two_hosts):
+    """Across hosts that are really apart: a store behind a cut link, an address where nothing
+    listens (host1's own), a name that does not resolve."""
+    port = free_port()
+    two_hosts.cut(0)
+    try:
+        res = two_hosts.run_ranks(_unreachable_store_worker, [1], args=(port,), timeout=60)[0]
+    finally:
+        two_hosts.restore(0)
+    whys = {f"10.77.0.1:{port}": "no answer: the address is unreachable from this host",
+            f"10.77.0.2:{port}": "connection refused: nothing listens on that port",
+            f"no-such-host.invalid:{port}": "'no-such-host.invalid' does not resolve on this host ('host1')"}
+    assert sorted(res) == sorted(whys), res
+    for addr, why in whys.items():
+        msg, took = res[addr]
+        assert f"could not connect to the TCPStore at {addr} within 2 s: {why}" in msg, msg
+        assert took < 2.0 + 1.0, (addr, took)   # within the timeout (plus the endpoint's own set-up)
 
 
 # ------------------------------------------------------------------------------ wait timeouts

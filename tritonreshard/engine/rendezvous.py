@@ -54,6 +54,7 @@ import os
 import secrets
 import socket
 import sys
+import time
 from datetime import timedelta
 from functools import lru_cache
 from typing import Any
@@ -146,6 +147,30 @@ def _loopback_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _wait_reachable(host: str, port: int, deadline: float, failed: str) -> None:
+    """Until ``deadline`` (monotonic), open and close plain TCP connections to ``host:port`` until
+    one is accepted (a store accepts a connection that says nothing). TimeoutError ``failed: why``
+    at the deadline, ``why`` from the last attempt: refused (nothing listens), no answer (a cut link,
+    a firewall that drops), no route; a name that does not resolve fails at once."""
+    why = "no attempt finished"
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            socket.create_connection((host, port), timeout=min(left, 1.0)).close()
+            return
+        except socket.gaierror as e:
+            raise TimeoutError(f"{failed}: {host!r} does not resolve on this host "
+                               f"({socket.gethostname()!r}): {e.strerror}") from None
+        except ConnectionRefusedError:
+            why = "connection refused: nothing listens on that port (the store's process has not started yet, or exited)"
+        except (socket.timeout, TimeoutError):
+            why = ("no answer: the address is unreachable from this host (a link down, a firewall that drops "
+                   "packets, or no such machine on this network)")
+        except OSError as e:  # EHOSTUNREACH, ENETUNREACH: retried, a link may come up
+            why = f"{e.strerror or e} from this host ({socket.gethostname()!r})"
+        time.sleep(min(0.1, max(deadline - time.monotonic(), 0.0)))
+    raise TimeoutError(f"{failed}: {why}")
+
+
 def connect_store(addr: str | None = None, *, world_size: int, is_master: bool,
                   timeout: float = 60.0, wait_for_workers: bool = False) -> dist.TCPStore:
     """Connect to (master: start) the group's TCPStore.
@@ -176,8 +201,12 @@ def connect_store(addr: str | None = None, *, world_size: int, is_master: bool,
             raise TimeoutError(f"connect_store: could not {role} the TCPStore at {host}:{port}: "
                                f"{e.strerror}") from None
         port_n, listen_fd = sock.getsockname()[1], sock.detach()  # the store closes it, even on failure
+    deadline = time.monotonic() + timeout
+    if not is_master:  # within the timeout, and saying why (torch retries past it, and says little)
+        _wait_reachable(bare, port_n, deadline, f"connect_store: could not connect to the TCPStore at "
+                                                f"{host}:{port} within {timeout:.3g} s")
     try:
-        return dist.TCPStore(host, port_n, world_size, is_master, _td(timeout),
+        return dist.TCPStore(host, port_n, world_size, is_master, _td(max(deadline - time.monotonic(), 0.1)),
                              wait_for_workers=wait_for_workers, master_listen_fd=listen_fd)
     except (RuntimeError, dist.DistError) as e:
         raise TimeoutError(f"connect_store: could not {role} the TCPStore at {host}:{port} within "
