@@ -152,6 +152,8 @@ def _input_error(problems: list[str]) -> ValueError:
 def _cmd_plan(args) -> int:
     if args.model:
         return _cmd_model_plan(args)
+    if args.hosts or args.hosts_of is not None:   # a plan between two layouts has no hosts: say so
+        raise ValueError("--hosts and --hosts-of place the ranks of --model's refit on hosts: add --model")
     # Syntax first, with no torch: a mistyped flag is reported at once, every problem together.
     problems = []
     try:
@@ -214,11 +216,50 @@ LINKS = {"h100-nvlink": 450.0, "h200-nvlink": 450.0, "h800-nvlink": 200.0, "gb20
 
 MODEL_HELP = """Model mode (--model): the refit of a Hugging Face config's model, FSDP trainers -> replicas x TP,
 modelled per rank without making the whole plan. Trainers are ranks 0..T-1, inference ranks follow;
---hosts-of N puts N consecutive ranks on each host (default: one host). --link names the link
-within a host and, after a comma, between hosts (presets: %s), or a JSON file
+--hosts-of N puts N consecutive ranks on each host (default: one host); or name each host's ranks,
+one --hosts NAME=RANKS per host, RANKS comma-separated ranks and ranges a-b (both ends included):
+every rank on exactly one host, every host on a rank (a bad map is refused, every problem named,
+before anything is modelled). --link names the link within a host and, after a comma, between
+hosts (presets: %s), or a JSON file
 {"within": {"name": ..., "GBps": ...}, "across": {"name": ..., "GBps": ...}}.
   tritonreshard plan --model config.json --trainers 64 --tp 8 --replicas 8 --hosts-of 8 --link h200-nvlink,ib-400g
+  tritonreshard plan --model config.json --trainers 4 --tp 2 --replicas 2 --hosts node0=0-3 --hosts node1=4-7
 """ % ", ".join(f"{k} {v:g} GB/s" for k, v in LINKS.items())
+
+
+#: The most ranks one ``--hosts`` range may name: more than any group, so a typo (``0-99999999``)
+#: is refused at once instead of filling memory.
+_MAX_RANGE = 1 << 20
+
+
+def _parse_host_map(entries: list[str]) -> dict[str, list[int]]:
+    """``--hosts NAME=RANKS`` (the flag once per host) -> ``{name: ranks}``, the syntax only; a
+    ValueError names every entry that does not parse. RANKS: comma-separated ranks and ranges
+    ``a-b`` (both ends included); empty RANKS is a host with no rank, which the map's check names."""
+    host_map: dict[str, list[int]] = {}
+    problems = []
+    for entry in entries:
+        name, sep, text = entry.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            problems.append(f"--hosts {entry!r} must be NAME=RANKS, e.g. node0=0-3,8")
+            continue
+        if name in host_map:
+            problems.append(f"--hosts names host {name!r} twice: give each host one --hosts with all its ranks")
+            continue
+        ranks: list[int] = []
+        for item in text.split(",") if text.strip() else []:
+            m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", item)
+            a, b = (int(m[1]), int(m[2] or m[1])) if m else (0, -1)
+            if not m or b < a or b - a >= _MAX_RANGE:
+                problems.append(f"--hosts {entry!r}: {item.strip()!r} is not a rank or a range a-b "
+                                f"(a <= b, at most {_MAX_RANGE} ranks)")
+                continue
+            ranks += range(a, b + 1)
+        host_map[name] = ranks
+    if problems:
+        raise _input_error(problems)
+    return host_map
 
 
 def _links(text: str) -> dict[str, tuple[str, float]]:
@@ -250,9 +291,19 @@ def _cmd_model_plan(args) -> int:
             problems.append(f"--{flag} must be a positive int, got {v}")
     if args.hosts_of is not None and args.hosts_of < 1:
         problems.append(f"--hosts-of must be a positive int, got {args.hosts_of}")
+    if args.hosts and args.hosts_of is not None:
+        problems.append("--hosts and --hosts-of both place ranks on hosts: give one of them")
     if problems:
         raise ValueError("; ".join(problems))
     links = _links(args.link)
+    T, n_inf = args.trainers, args.replicas * args.tp
+    if args.hosts:   # before the config is read and anything is modelled
+        # Lazy: tritonreshard.planning loads torch, which the flags' own checks above do without.
+        from tritonreshard.planning import hosts_from_map
+        hosts = hosts_from_map(_parse_host_map(args.hosts), range(T + n_inf))
+    else:
+        hosts = ({r: f"host{r // args.hosts_of}" for r in range(T + n_inf)} if args.hosts_of
+                 else {r: "host0" for r in range(T + n_inf)})
     with open(args.model) as f:
         cfg = SimpleNamespace(**json.load(f))
     # Lazy: the recipe and the traffic model load torch, once the arguments are good.
@@ -261,7 +312,6 @@ def _cmd_model_plan(args) -> int:
 
     dtype = _torch_dtype(args.dst_dtype or "bf16")
     src_dtype = _torch_dtype(args.src_dtype or "bf16")
-    T, n_inf = args.trainers, args.replicas * args.tp
     trainers, inference = list(range(T)), list(range(T, T + n_inf))
     t0 = time.process_time()
     spec = hf_to_vllm(cfg, tp=args.tp, trainer_ranks=trainers, inference_ranks=inference, dtype=dtype,
@@ -269,15 +319,13 @@ def _cmd_model_plan(args) -> int:
     t1 = time.process_time()
     plans = {r: spec.plan(rank=r) for r in (trainers[0], inference[0])}
     t2 = time.process_time()
-    hosts = ({r: f"host{r // args.hosts_of}" for r in range(T + n_inf)} if args.hosts_of
-             else {r: "host0" for r in range(T + n_inf)})
     traffic = refit_traffic(spec.src, spec.dst, spec.parts, hosts)
     t3 = time.process_time()
     model_bytes = sum(lay.numel * lay.itemsize for lay in spec.src.values())
     n_hosts = len(set(hosts.values()))
     print(f"MODEL, not a measurement: {cfg.model_type} from {args.model} ({fmt_bytes(model_bytes)} in "
           f"{src_dtype}), FSDP-{T} trainers -> {args.replicas} replica(s) x TP-{args.tp} ({dtype}), "
-          f"{n_hosts} host(s){f' of {args.hosts_of} ranks' if args.hosts_of else ''}")
+          f"{n_hosts} host(s){f' of {args.hosts_of} ranks' if args.hosts_of else ' from --hosts' if args.hosts else ''}")
     print(f"links (nominal peaks per GPU and direction): within a host {links['within'][0]} "
           f"{links['within'][1]:g} GB/s, across hosts {links['across'][0]} {links['across'][1]:g} GB/s")
     print(f"planning (this machine, CPU s): recipe {t1 - t0:.3f} s; trainer rank {trainers[0]}'s plan and "
@@ -295,10 +343,11 @@ def _cmd_model_plan(args) -> int:
         rows.append((r, hosts[r], "trainer" if r < T else f"replica {(r - T) // args.tp} TP {(r - T) % args.tp}",
                      cells, traffic.pieces.get(r, 0)))
     shown = rows if args.all_ops else [row for row in rows if row[0] in (0, T - 1, T, T + args.tp - 1, T + n_inf - 1)]
-    print(f"{'rank':>5} {'host':>7} {'role':<16} {'out within':>11} {'in within':>11} {'out across':>11} "
+    w = max(7, *map(len, hosts.values()))   # --hosts names may be longer than "host12"
+    print(f"{'rank':>5} {'host':>{w}} {'role':<16} {'out within':>11} {'in within':>11} {'out across':>11} "
           f"{'in across':>11} {'ops':>9}")
     for r, h, role, cells, ops in shown:
-        print(f"{r:>5} {h:>7} {role:<16} " + " ".join(f"{fmt_bytes(b):>11}" for b in cells.values()) + f" {ops:>9,}")
+        print(f"{r:>5} {h:>{w}} {role:<16} " + " ".join(f"{fmt_bytes(b):>11}" for b in cells.values()) + f" {ops:>9,}")
     if not args.all_ops:
         print(f"  ({len(rows) - len(shown)} more ranks: --all-ops prints every rank)")
     ingress = [b for b in traffic.host_ingress.values() if b]
@@ -341,6 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=8, help="model mode: vLLM tensor-parallel size (default 8)")
     p.add_argument("--replicas", type=int, default=1, help="model mode: vLLM replicas of TP (default 1)")
     p.add_argument("--hosts-of", type=int, metavar="N", help="model mode: N consecutive ranks per host")
+    p.add_argument("--hosts", action="append", metavar="NAME=RANKS",
+                   help="model mode: one host and its ranks, e.g. node0=0-3,8; once per host (not with --hosts-of)")
     p.add_argument("--link", default="h200-nvlink,ib-400g",
                    help="model mode: within[,across] link presets or a .json (default h200-nvlink,ib-400g)")
     p.set_defaults(func=_cmd_plan)

@@ -15,7 +15,7 @@ Modules, bottom up (each imports only those above it in this list):
 * :mod:`.hostplan`: what a host plan is: :class:`HostPlan`, :class:`CrossTransfer`, :class:`FanoutOp`;
 * :mod:`.crossings`: the boxes crossing into a host: senders, receivers, receive buffers;
 * :mod:`.hosts`: the plan split by host (:func:`plan_hosts`): each byte a host needs crosses into it
-  once, then fans out locally;
+  once, then fans out locally; :func:`hosts_from_map` reads a host map ``{host: ranks}``, checked;
 * :mod:`.hostpart`: one host's part from the layouts (:func:`plan_host_part`), what a rank on several
   hosts plans, without making a plan;
 * :mod:`.wire`: what travels: one rank's view joined from the hosts' parts (:func:`join_host_parts`)
@@ -28,7 +28,7 @@ from .boxes import RECV_ALIGN, box_is_contiguous, cut_global
 from .dtypes import CASTABLE_DTYPES, castable
 from .hostplan import CrossTransfer, FanoutOp, HostPlan, host_order
 from .hostpart import plan_host_part
-from .hosts import plan_hosts
+from .hosts import hosts_from_map, plan_hosts
 from .ops import FillOp, Plan, PlanStats, TransferOp, merge_plans
 from .quant import FP8_DTYPE, SCALE_RULES, BlockQuant, QuantizedPlan, plan_quantized
 from .reshard import plan_reshard, source_pieces
@@ -40,7 +40,7 @@ from .rank import BufferRef, HostTransfers, RankPlan, Read, Route, host_outbox, 
 __all__ = ["BlockQuant", "CASTABLE_DTYPES", "CrossTransfer", "FP8_DTYPE", "FanoutOp", "FillOp", "HostPlan",
            "Message", "Plan", "PlanStats", "QuantizedPlan", "RECV_ALIGN", "SCALE_RULES", "Traffic", "TransferOp",
            "box_is_contiguous", "castable", "cut_global", "fmt_bytes", "fmt_global", "fmt_slices", "host_order",
-           "join_host_parts", "merge_plans", "plan_host_part", "plan_hosts", "plan_messages", "plan_quantized", "plan_reshard",
-           "refit_traffic", "source_pieces",
+           "hosts_from_map", "join_host_parts", "merge_plans", "plan_host_part", "plan_hosts", "plan_messages",
+           "plan_quantized", "plan_reshard", "refit_traffic", "source_pieces",
            "BufferRef", "HostTransfers", "RankPlan", "Read", "Route", "host_outbox", "plan_rank", "source_order",
            "tensor_order"]

@@ -42,7 +42,7 @@ Steps 3 to 5 (senders, receivers, buffers) live in :mod:`.crossings`, shared by 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from . import replicas
 from .checks import refuse_transposed
@@ -53,7 +53,7 @@ from .ops import Plan, TransferOp
 from ._gc import gc_paused
 
 # HostPlan and its parts live in .hostplan; this module plans them (they stay importable from here).
-__all__ = ["CrossTransfer", "FanoutOp", "HostPlan", "host_order", "plan_hosts"]
+__all__ = ["CrossTransfer", "FanoutOp", "HostPlan", "host_order", "hosts_from_map", "plan_hosts"]
 
 
 @gc_paused
@@ -126,6 +126,94 @@ def plan_hosts(plan: Plan, hosts: Mapping[int, str], *,
     fanout.sort(key=lambda f: (f.op.name, f.op.dst_rank, tuple([s.start for s in f.op.dst_slices]), f.transfer))
     return HostPlan(plan, host_of, tuple(local), tuple(transfers), tuple(fanout), buffer_bytes)
 
+
+
+def hosts_from_map(host_map: Mapping[str, Iterable[int]], ranks: Iterable[int]) -> dict[int, str]:
+    """``{rank: host}`` for exactly the group's ``ranks`` (what :func:`plan_hosts` takes), from a host
+    map ``{host name: the ranks on it}``, the way a person writes where ranks run.
+
+    Raises one ``ValueError`` naming every problem at once, before anything is set up: a host with
+    no rank, a host on no rank of the group (all its ranks outside ``ranks``), a host listing ranks
+    outside the group, a rank on two or more hosts (naming every one), ranks of the group on no
+    host, host names that are not non-empty strings, ranks that are not ints >= 0 (bools neither).
+    Ranks print as runs (``0-3,8``), the CLI's ``--hosts`` syntax. A host may list a rank twice.
+
+    Example::
+
+        >>> hosts_from_map({"node0": range(0, 2), "node1": [2, 3]}, range(4))
+        {0: 'node0', 1: 'node0', 2: 'node1', 3: 'node1'}
+        >>> hosts_from_map({"node0": [0, 1], "node1": [1, 9], "node2": []}, range(4))
+        Traceback (most recent call last):
+        ValueError: host map: 4 problem(s):
+          - host 'node1' lists rank(s) 9, not in the group (ranks 0-3)
+          - host 'node2' has no rank
+          - rank(s) 1 on 2 hosts: 'node0', 'node1' (a rank is on one host)
+          - rank(s) 2-3 of the group on no host
+    """
+    if not isinstance(host_map, Mapping):
+        raise TypeError(f"host_map must be a mapping host name -> ranks, got {type(host_map).__name__}")
+    problems: list[str] = []
+    split = _split_ranks(ranks)
+    if split is None:
+        problems.append(f"ranks must be an iterable of ints >= 0, got {ranks!r}")
+    elif split[1]:
+        problems.append(f"ranks lists {', '.join(map(repr, split[1]))}: not ranks (ints >= 0)")
+    group = set(split[0]) if split else set()
+    on: dict[int, list] = defaultdict(list)   # rank -> the hosts listing it, in the map's order
+    for name, value in host_map.items():
+        if not isinstance(name, str) or not name.strip():
+            problems.append(f"host name {name!r} is not a non-empty string")
+        split = _split_ranks(value)
+        if split is None:
+            problems.append(f"host {name!r}: its ranks must be an iterable of ints >= 0, got {value!r}")
+            continue
+        good, bad = split
+        outside = set(good) - group
+        if bad:
+            problems.append(f"host {name!r} lists {', '.join(map(repr, bad))}: not ranks (ints >= 0)")
+        if not good and not bad:
+            problems.append(f"host {name!r} has no rank")
+        elif good and outside == set(good):
+            problems.append(f"host {name!r} is on no rank of the group: its rank(s) {_runs(outside)} are not "
+                            f"among ranks {_runs(group) or '(none)'}")
+        elif outside:
+            problems.append(f"host {name!r} lists rank(s) {_runs(outside)}, not in the group "
+                            f"(ranks {_runs(group) or '(none)'})")
+        for r in dict.fromkeys(good):   # a rank listed twice by one host is on one host
+            on[r].append(name)
+    shared: dict[tuple, list[int]] = defaultdict(list)   # the hosts of a rank on several -> those ranks
+    for r in sorted(on):
+        if len(on[r]) > 1:
+            shared[tuple(on[r])].append(r)
+    problems += [f"rank(s) {_runs(rs)} on {len(hs)} hosts: {', '.join(map(repr, hs))} (a rank is on one host)"
+                 for hs, rs in shared.items()]
+    if group - on.keys():
+        problems.append(f"rank(s) {_runs(group - on.keys())} of the group on no host")
+    if problems:
+        raise ValueError(f"host map: {len(problems)} problem(s):\n  - " + "\n  - ".join(problems))
+    return {r: on[r][0] for r in sorted(group)}
+
+
+def _split_ranks(value) -> tuple[list[int], list] | None:
+    """``(ranks, not ranks)`` of an iterable of ranks; None if ``value`` is none (a str is none
+    either: "0-3" would read as its characters)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        return None
+    items = list(value)
+    ok = [isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in items]
+    return [r for r, y in zip(items, ok) if y], [r for r, y in zip(items, ok) if not y]
+
+
+def _runs(ranks) -> str:
+    """Ranks as sorted runs, ``{0, 1, 2, 3, 8}`` -> ``0-3,8``: a few words for a whole host."""
+    out: list[str] = []
+    for r in sorted(ranks):
+        if out and r == last + 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{r}"
+        else:
+            out.append(str(r))
+        last = r
+    return ",".join(out)
 
 
 # (destination host, source, replica set) -> the host's ops reading it; a source is a name or a
