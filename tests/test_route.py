@@ -8,6 +8,10 @@ destination element exactly once. Cross-host readiness travels as store signals 
 doorbell (no polling).
 """
 import datetime
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -170,7 +174,7 @@ def test_a_rank_plans_its_buffer_order_and_fills():
 
 def test_signals_wake_a_doorbell_and_close_ends_the_popping_thread():
     store = dist.TCPStore("127.0.0.1", free_port(), 1, True, datetime.timedelta(seconds=30))
-    a, b = Signals(store, 0), Signals(store, 1)
+    a, b = Signals(store, 0, send_timeout=10), Signals(store, 1, send_timeout=10)
     try:
         assert not b.has("ready", [0], 1)
         seen = []
@@ -191,3 +195,33 @@ def test_signals_wake_a_doorbell_and_close_ends_the_popping_thread():
         a.close()
         b.close()
     assert not a._thread.is_alive() and not b._thread.is_alive()
+
+
+@pytest.mark.timeout(60)
+def test_a_signal_never_queues_behind_another_call_on_the_groups_connection():
+    """A store call in flight on the group's connection (a liveness look over a cut link, a wait for
+    a key) holds that connection until the store's timeout; a signal sent meanwhile goes at once, on
+    a connection of its own (a relay's "ready" once waited behind such a call for 60 s, and the
+    close that joined the relay with it). A close told the store does not answer sends no stop."""
+    port = free_port()
+    master = dist.TCPStore("127.0.0.1", port, 1, True, datetime.timedelta(seconds=30), wait_for_workers=False)
+    shared = dist.TCPStore("127.0.0.1", port, 1, False, datetime.timedelta(seconds=20))
+    stuck = threading.Thread(target=shared.get, args=("never-set",), daemon=True)
+    stuck.start()
+    time.sleep(0.3)                      # the get holds the shared connection, waiting for its key
+    sig = Signals(shared, 0, send_timeout=5)
+    try:
+        t0 = time.monotonic()
+        sig.send(0, "ready", 1, "v1")
+        assert time.monotonic() - t0 < 1.0
+        assert wait_until(lambda: sig.has("ready", [0], 1), sig.bell.doorbell, time.monotonic() + 10)
+        assert sig.get("ready", 0, 1) == "v1" and stuck.is_alive()
+    finally:
+        t0 = time.monotonic()
+        sig.close(store_answers=False)
+        assert time.monotonic() - t0 < 0.5
+    master.set("never-set", "1")         # the stuck call ends
+    stuck.join(10)
+    sig = Signals(shared, 1, send_timeout=5)
+    sig.close()                          # a store that answers: the popping thread is stopped
+    assert not sig._thread.is_alive()

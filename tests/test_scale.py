@@ -2,14 +2,14 @@
 
 * A recipe over ``k * tp`` inference ranks is ``k`` replicas of TP-``tp``: rank ``i`` holds exactly
   what a single TP group's rank ``i % tp`` holds, every replica refits bit for bit through the engine
-  (one host, and simulated hosts where one host holds both replicas and receives each byte once).
+  (one host, and two hosts of the host harness where one host holds both replicas and receives each
+  byte once).
 * ``plan_reshard(..., rank=r)`` is exactly the whole plan's ops with source or destination ``r``
   (property-tested on random layouts, replicated sources and overlapping meshes included).
 * Ranks that disagree on their planning inputs still raise one and the same ``ValueError``.
 """
 import contextlib
 import math
-import os
 
 import pytest
 import torch
@@ -237,6 +237,41 @@ def test_disagreement_is_one_and_the_same_error_on_every_rank():
         assert expect in messages.pop()
 
 
+def test_trainers_that_start_from_different_versions_are_refused_naming_each():
+    """After a partition one trainer may have published a version more than another (a publish does
+    not wait for its sends); an epoch they form with what each was at would leave their readers
+    waiting for a version common to both that never comes. Refused at hello, naming each."""
+    src = {"w": Layout((4, 4), [0, 1], [Shard(0)])}
+    dst = {"w": Layout((4, 4), [2], [Replicate()])}
+
+    def member(rank, s, d, start=0):
+        return Member(rank, 100 + rank, "h", "cpu", s, d, (), None if d is None else {}, world_size=3,
+                      src_digest=inputs_digest(s), dst_digest=inputs_digest(d, {}), start_version=start)
+    assert validate_members([member(0, src, None, 6), member(1, src, None, 6), member(2, None, dst)], 3)
+    with pytest.raises(ValueError) as e:
+        validate_members([member(0, src, None, 6), member(1, src, None, 7), member(2, None, dst)], 3)
+    assert ("the trainers start from different versions (rank(s) [0] start_version=6, rank(s) [1] "
+            "start_version=7): every trainer of an epoch passes the same start_version") in str(e.value), str(e.value)
+
+
+def _start_worker(rank, port):
+    src = {"w": Layout((4, 4), [0, 1], [Shard(0)])}
+    dst = {"w": Layout((4, 4), [2], [Replicate()])}
+    meeting = trs.Meeting(rank=rank, world_size=3, store=f"127.0.0.1:{port}")
+    if rank == 2:
+        trs.RefitInference(dst, meeting, timeouts=trs.Timeouts(wait=30))
+    else:
+        trs.RefitTrainer({"w": torch.zeros(2, 4)}, src, meeting, start_version=6 + rank, timeouts=trs.Timeouts(wait=30))
+
+
+def test_the_endpoint_tells_the_group_its_start_version():
+    out = run_ranks(_start_worker, 3, args=(free_port(),), timeout=120, allow_errors=True)
+    for r in range(3):
+        kind, err = out[r]
+        assert kind == "error" and err[0] == "ValueError", out[r]
+        assert "rank(s) [0] start_version=6, rank(s) [1] start_version=7" in err[1], err[1]
+
+
 @pytest.mark.parametrize("hosts", [{0: "a", 1: "a", 2: "b", 3: "b", 4: "c", 5: "c"},
                                    {0: "a", 1: "b", 2: "b", 3: "c", 4: "c", 5: "a"},
                                    {0: "a", 1: "b", 2: "a", 3: "b", 4: "a", 5: "b"}],
@@ -337,12 +372,10 @@ def _bits(t):
     return t.contiguous().view(torch.uint8)
 
 
-def _replica_worker(rank, world, port, tp, k, versions, hosts):
-    if hosts is not None:   # simulated hosts: ranks on different ones never map each other's memory
-        os.environ["TRITONRESHARD_HOST"] = hosts[rank]
+def _replica_worker(rank, world, addr, port, tp, k, versions):
     torch.set_num_threads(1)
     spec = _llama(tp, k)
-    kwargs = dict(meeting=trs.Meeting(rank=rank, world_size=world, store=f"127.0.0.1:{port}"),
+    kwargs = dict(meeting=trs.Meeting(rank=rank, world_size=world, store=f"{addr}:{port}"),
                   timeouts=trs.Timeouts(wait=90))
     trainer = rank in TRAINERS
     if trainer:
@@ -388,21 +421,27 @@ def _expected(single, dst_rank, version):
     return out[dst_rank]
 
 
-@pytest.mark.parametrize("hosts", [None, {0: "a", 1: "a", 2: "b", 3: "b", 4: "b", 5: "b"}],
-                         ids=["one-host", "trainers-a-both-replicas-b"])
-def test_two_replicas_refit_bit_exact_through_the_engine(hosts):
+def test_two_replicas_refit_bit_exact_through_the_engine():
     tp, k = 2, 2
     world = len(TRAINERS) + k * tp
-    out = run_ranks(_replica_worker, world, args=(world, free_port(), tp, k, 2, hosts), timeout=280)
+    out = run_ranks(_replica_worker, world, args=(world, "127.0.0.1", free_port(), tp, k, 2), timeout=280)
     assert all(out[r]["checked"] == 2 for r in range(2, world))
-    if hosts is None:   # one host: every rank planned only its own part
-        assert [out[r]["plan_rank"] for r in range(world)] == list(range(world))
-    else:
-        # Host b holds both replicas: each source byte crosses into it once per refit, then fans out.
-        spec = _llama(tp, k)
-        model = sum(lay.numel * lay.itemsize for lay in spec.src.values())
-        got = {r: (out[r]["cross_host_bytes"], out[r]["cross_host_split"]) for r in range(2, world)}
-        assert sum(b for b, _ in got.values()) == model, f"model {model} B; per rank (bytes, (dense, delta, changed)): {got}"
+    # One host: every rank planned only its own part.
+    assert [out[r]["plan_rank"] for r in range(world)] == list(range(world))
+
+
+def test_two_replicas_on_another_host_refit_bit_exact_each_byte_crossing_once(two_hosts):
+    """Trainers on host0, both replicas on host1 of the host harness (a network, /dev/shm and
+    hostname each): each source byte crosses into host1 once per refit, then fans out there."""
+    tp, k = 2, 2
+    world = len(TRAINERS) + k * tp
+    out = two_hosts.run_ranks(_replica_worker, [0, 0, 1, 1, 1, 1],
+                              args=(world, two_hosts.address(0), free_port(), tp, k, 2), timeout=280)
+    assert all(out[r]["checked"] == 2 for r in range(2, world))
+    spec = _llama(tp, k)
+    model = sum(lay.numel * lay.itemsize for lay in spec.src.values())
+    got = {r: (out[r]["cross_host_bytes"], out[r]["cross_host_split"]) for r in range(2, world)}
+    assert sum(b for b, _ in got.values()) == model, f"model {model} B; per rank (bytes, (dense, delta, changed)): {got}"
 
 
 # ---------------------------------------------------------------------- traffic model and the CLI

@@ -18,7 +18,11 @@ cross-host send of this rank first sleep its bytes / that rate (``DistLink(simul
 
 Failures: a peer on another host that dies closes its connections, so a pending transfer fails at
 once and becomes :class:`~tritonreshard.PeerDiedError` naming it; between transfers cross-host peers
-are watched through their store heartbeats (:mod:`~tritonreshard.engine.liveness`).
+are watched through their store heartbeats (:mod:`~tritonreshard.engine.liveness`). A partition
+closes nothing: signals travel on a connection of their own, never queued behind a call the cut link
+holds, and a send that blocks fails after twice ``peer_timeout`` (by then the liveness names the
+unreachable host), so no thread of an epoch, and no close joining one, waits on a cut link for the
+store's timeout.
 """
 from __future__ import annotations
 
@@ -72,12 +76,20 @@ class Signals:
     ``send(rank, kind, k, value)`` pushes one to ``rank``'s queue; ``has(kind, peers, k)`` says
     whether each of ``peers`` sent it; :attr:`bell` rings when one arrives. A thread of its own
     pops this rank's queue on a separate connection; ``close()`` pushes a stop to it.
+
+    Sends go over a connection of their own. On the group's shared connection a send queued behind
+    whatever call was in flight there (a liveness look, a wait for a key), and over a cut link that
+    call holds the connection for the store's whole timeout: the relay's "ready" waited there, and
+    the epoch's close that joined the relay with it. A push waits for no answer; should it block
+    (the connection's buffers full over a cut link), it fails after ``send_timeout`` seconds.
     """
 
-    def __init__(self, store, rank: int):
+    def __init__(self, store, rank: int, *, send_timeout: float):
         self.rank = rank
         self._store = dist.PrefixStore("signals/", store)
         self._queue = _clone(self._store)
+        self._send = self._store.clone()
+        self._send.set_timeout(datetime.timedelta(seconds=send_timeout))
         self.bell = Doorbell()
         self._seen: dict[tuple[str, int, int], str] = {}
         self.error: BaseException | None = None
@@ -85,7 +97,7 @@ class Signals:
         self._thread.start()
 
     def send(self, rank: int, kind: str, k: int, value: str = "") -> None:
-        self._store.queue_push(f"q/{rank}", json.dumps([kind, self.rank, k, value]))
+        self._send.queue_push(f"q/{rank}", json.dumps([kind, self.rank, k, value]))
 
     def has(self, kind: str, peers, k: int) -> bool:
         return self.error is not None or all((kind, p, k) in self._seen for p in peers)
@@ -110,12 +122,16 @@ class Signals:
             self.error = exc
             self.bell.ring()
 
-    def close(self) -> None:
-        if self._thread.is_alive():
+    def close(self, *, store_answers: bool = True) -> None:
+        """Stop the popping thread. ``store_answers=False`` (the store has not answered this rank
+        lately: a partition) sends no stop, which would only wait for its timeout: the thread then
+        stays blocked on its own connection until the store's host closes it (that process exits),
+        and holds nothing else."""
+        if self._thread.is_alive() and store_answers:
             try:
                 self.send(self.rank, "stop", 0)
-            except (RuntimeError, dist.DistError):  # the store is gone: the popping thread saw it too
-                pass
+            except (RuntimeError, dist.DistError):  # the store is gone or cut off: nothing to stop it with
+                return
             self._thread.join(5.0)
 
 
@@ -139,7 +155,8 @@ class CrossHost:
                                  simulated_gbps=gbps)
             group.liveness.watch_remote(set(route.receivers) | set(route.senders))
             if route.sends or route.receives:
-                self.signals = Signals(group.store, self.rank)
+                # Twice peer_timeout: by then the liveness has named an unreachable host (send_signal).
+                self.signals = Signals(group.store, self.rank, send_timeout=2 * group.peer_timeout)
         except BaseException:
             self.close()
             raise
@@ -148,6 +165,17 @@ class CrossHost:
         """In a sender / relay thread: NCCL calls and syncs of this thread go to the link's GPU."""
         if self.link.device.type == "cuda":
             torch.cuda.set_device(self.link.device)
+
+    def send_signal(self, to: int, kind: str, k: int, value: str = "") -> None:
+        """Send a signal to rank ``to``; a store that does not answer (a partition) becomes the
+        liveness's PeerDiedError naming ``to``'s host and its ranks, any other store failure a
+        RefitError."""
+        try:
+            self.signals.send(to, kind, k, value)
+        except (RuntimeError, dist.DistError) as exc:
+            what = f"the store to take signal {kind!r} {k} for rank {to}"
+            self.group.check_peers([to], what, closed_is_gone=False)
+            raise RefitError(f"rank {self.rank}: the group's store failed while waiting for {what}: {exc}") from None
 
     def wait_signals(self, kind: str, peers, k: int, what: str, cancel: threading.Event) -> None:
         signals = self.signals
@@ -168,7 +196,7 @@ class CrossHost:
         threads stopped). Signals and heartbeats go through the group's store, so the process
         hosting it stays until every rank with cross-host peers closed (or is dead)."""
         if self.signals is not None:
-            self.signals.close()
+            self.signals.close(store_answers=self.group.liveness.store_silent_s() == 0.0)
             self.signals = None
         if self.link is not None:
             if self.group.hosts_store:

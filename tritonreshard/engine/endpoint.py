@@ -146,7 +146,7 @@ class _Rank:
                               dict(src.layouts) if src is not None else None,
                               dict(dst.layouts) if dst is not None else None, tuple(local.problems),
                               local.parts, dst_quant=local.quant, codec=opts.codec,
-                              machine=machine_identity())
+                              machine=machine_identity(), start_version=src.start_version if src is not None else 0)
         self._base_store, self._hosts_store = connect(where.store, rank=rank, world_size=world_size,
                                                       timeout=self.timeout, host_store=where.host_store)
         self._trainer = TrainerSide(local.src, params=local.params, start_version=src.start_version, fsdp2=fsdp2,

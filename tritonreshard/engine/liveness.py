@@ -271,13 +271,19 @@ class Liveness:
             return None
         return reason
 
+    def store_silent_s(self, now: float | None = None) -> float:
+        """Seconds the store has not answered this rank (a call in flight, or calls failing, that
+        long) at ``now`` (monotonic; default: now); 0.0 while it answers."""
+        since, failing = self._call_since, self._failing_since
+        now = time.monotonic() if now is None else now
+        return max(now - since if since is not None else 0.0, now - failing if failing is not None else 0.0)
+
     def _host_ranks(self, host: str) -> list[int]:
         return sorted(r for r, m in self.members.items() if m.host == host)
 
     def _unreachable(self, peer: int, now: float) -> str | None:
         """Why ``peer`` cannot be reached when the store has not answered for ``peer_timeout``."""
-        since, failing = self._call_since, self._failing_since
-        age = max(now - since if since is not None else 0.0, now - failing if failing is not None else 0.0)
+        age = self.store_silent_s(now)
         if age <= self.peer_timeout:
             return None
         host = self.members[peer].host
@@ -316,7 +322,7 @@ class Liveness:
         self._thread = self._store_thread = None
         # An unreachable store would hold this call for its whole timeout (behind the store thread's
         # call in flight): the peers learn of the close from the silence instead.
-        if self._remote and self._call_since is None and self._failing_since is None:
+        if self._remote and self.store_silent_s() == 0.0:
             try:
                 self._store.set(f"closed/{self.rank}", "1")
             except (RuntimeError, dist.DistError):  # the store's host is gone (perhaps the dead peer)

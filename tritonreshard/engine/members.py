@@ -47,6 +47,8 @@ class Member:
     #: What this rank shares memory with (:func:`~tritonreshard.engine.group.machine_identity`):
     #: ranks of one ``host`` must have the same ("" where unknown: not compared).
     machine: str = ""
+    #: Trainer side: the version before its first ``publish()`` (every trainer of an epoch the same).
+    start_version: int = 0
 
     def __repr__(self):
         roles = [r for r, on in (("trainer", self.src_layouts is not None),
@@ -170,11 +172,25 @@ def validate_members(members: list[Member], world_size: int, sides: tuple[str, .
         problems.append(f"rank(s) {sorted(odd)} joined with codec {sorted(set(map(repr, odd.values())))} but "
                         f"rank {members[0].rank} has {members[0].codec!r}: every rank must pass the same codec= "
                         f"(delta= / delta_anchor=)")
+    problems += _start_problems([m for m in members if m.src_layouts is not None])
     hosts = {m.rank: m.host for m in members}
     problems += machine_problems(members)
     if problems:
         raise group_error(world_size, problems)
     return GroupInputs(layouts["src"], layouts["dst"], parts or {}, quant or {}, hosts)
+
+def _start_problems(trainers: list[Member]) -> list[str]:
+    """Trainers that start from different versions: their readers would wait for a version common
+    to all their sources that never comes, or serve tensors of two versions side by side."""
+    starts: dict[int, list[int]] = {}
+    for m in trainers:
+        starts.setdefault(m.start_version, []).append(m.rank)
+    if len(starts) < 2:
+        return []
+    said = ", ".join(f"rank(s) {sorted(rs)} start_version={v}" for v, rs in sorted(starts.items()))
+    return [f"the trainers start from different versions ({said}): every trainer of an epoch passes the same "
+            f"start_version (after a partition or a restart: the newest version any of them published)"]
+
 
 def machine_problems(members: list[Member]) -> list[str]:
     """Ranks that claim one host but share no memory (a wrong host map): one problem per such host,

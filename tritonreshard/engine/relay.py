@@ -119,7 +119,7 @@ class ReceivingRelay:
                                 FOREVER, peers=[r for r in readers if r != self.rank],
                                 doorbell=control.doorbell, cancel=self._stop)
                 for s in senders:
-                    cross.signals.send(s, "ready", k, str(self.base))
+                    cross.send_signal(s, "ready", k, str(self.base))
                 cross.wait_signals("sent", senders, k, f"senders {senders} to send refit {k}", self._stop)
                 described = {s: json.loads(cross.signals.get("sent", s, k)) for s in senders}
                 versions = {s: d["v"] for s, d in described.items()}

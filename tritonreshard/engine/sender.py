@@ -113,7 +113,7 @@ class Sender:
                 described = self.copy.prepare_sends(v, bases)
                 self.detect_s = time.perf_counter() - t0
                 for r in receivers:
-                    cross.signals.send(r, "sent", k, json.dumps(described[r]))
+                    cross.send_signal(r, "sent", k, json.dumps(described[r]))
                 cross.transfer(self.copy.start_sends(v), receivers, f"the sends of version {v}", self._stop)
                 self.copy.commit_sends()
                 self._sent_version = v

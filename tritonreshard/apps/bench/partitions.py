@@ -19,13 +19,12 @@ Every rank must fail within ``peer_timeout`` (plus a look) with one error naming
 reach and that host's ranks; the inference ranks keep serving their last complete version (its digest
 checked); nothing is left in either host's /dev/shm. Then the link is restored and the round's next
 epoch forms in the same processes: the trainers open a new ``RefitTrainer(meeting=Meeting(epoch=k +
-1), start_version=)`` from the version they were at, the inference ranks ``rejoin()``. Its first
-transfer is whole (no delta starts from a base the receiver may lack); a delta round's second is a
-delta again. The figures (time to the error, time to the next good refit) are measured per round.
+1), start_version=)`` from the newest version any of them published, the inference ranks
+``rejoin()``. Its first transfer is whole (no delta starts from a base the receiver may lack); a
+delta round's second is a delta again. The figures (time to the error, time to the next good refit) are measured per round.
 
 ``python -m tritonreshard.apps.bench.partitions --rounds transfer,fence --repeats 2`` (or ``--rounds
-delta,delta``) prints them. Not in CI yet: about one run in four hangs past its hard timeout (a
-relay's close waiting for a store call that the cut link holds), which is being chased.
+delta,delta``) prints them; tests/test_partitions.py runs each case twice.
 """
 from __future__ import annotations
 
@@ -109,6 +108,18 @@ def _mark(mark: str, name: str) -> None:
     open(os.path.join(mark, name), "w").close()
 
 
+def _agree(mark: str, k: int) -> int:
+    """The version the trainers go on from after round ``k``: the newest any of them published. A
+    trainer's publish does not wait for its sends, so a cut can leave one trainer a version ahead
+    of the other; an epoch whose trainers start from different versions is refused at hello. A real
+    trainer group agrees the same way (an all-reduce of the step over its own process group)."""
+    versions = []
+    for t in TRAINERS:
+        with open(os.path.join(mark, f"version.{k}.{t}")) as f:
+            versions.append(int(f.read()))
+    return max(versions)
+
+
 def _rank(rank: int, addr: str, port: int, cfg: PartitionConfig, mark: str) -> dict:
     """One rank of the scenario (see the module docstring). The test process talks to the ranks
     only through files in ``mark`` (a directory every host sees; not the network under test)."""
@@ -130,6 +141,8 @@ def _rank(rank: int, addr: str, port: int, cfg: PartitionConfig, mark: str) -> d
                               epoch=k)
         r = {"case": case, "epoch": k, "error": None}
         if rank in TRAINERS:
+            if k:  # they go on together from the newest version any of them published (see _agree)
+                version = _agree(mark, k - 1)
             tr = trs.RefitTrainer({"w": src["w"].shard(_weight(cfg.shape, version), rank)}, src, meeting,
                                   start_version=version, codec=codec, timeouts=timeouts)
             try:
@@ -148,6 +161,8 @@ def _rank(rank: int, addr: str, port: int, cfg: PartitionConfig, mark: str) -> d
                 r["error"] = (type(exc).__name__, str(exc), time.time())
             r["shm"] = sorted(os.listdir("/dev/shm"))
             tr.close()
+            with open(os.path.join(mark, f"version.{k}.{rank}"), "w") as f:
+                f.write(str(version))
         else:
             if ep is None:
                 ep = trs.RefitInference(dst, meeting, codec=codec, timeouts=timeouts)
