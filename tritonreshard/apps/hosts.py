@@ -293,6 +293,12 @@ class Hosts:
     def address(self, i: int) -> str:
         return self.hosts[i].address
 
+    @property
+    def gateway_interface(self) -> str | None:
+        """This machine's interface on the switch (``gateway=True``; None without), for what must
+        listen where the hosts reach it (``GLOO_SOCKET_IFNAME`` of a process of this machine)."""
+        return self._gateway_dev
+
     def shm_files(self, i: int) -> list[str]:
         """What host ``i``'s /dev/shm holds now (its tmpfs, seen from outside)."""
         return sorted(os.listdir(self.hosts[i].shm))
