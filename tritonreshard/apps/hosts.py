@@ -41,6 +41,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import multiprocessing.connection as mp_connection
+import multiprocessing.resource_tracker as mp_resource_tracker
 import multiprocessing.spawn as mp_spawn
 import os
 import pickle
@@ -442,6 +443,9 @@ class Hosts:
     def _spawn(self, ctx, fn, placement, args) -> tuple[list, list]:
         """Start rank ``r`` on host ``placement[r]``; returns the processes and their report pipes."""
         procs, pipes = [], []
+        # Started here, on this machine, before any host's launcher is the executable: spawn starts it
+        # on first use with that executable, so it would live (and die) on the first rank's host.
+        mp_resource_tracker.ensure_running()
         for rank, h in enumerate(placement):
             recv, send = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_host_rank_entry, args=(fn, rank, tuple(args), send), daemon=True)
