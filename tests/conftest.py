@@ -123,6 +123,11 @@ def three_hosts(request):
     return _hosts(request, 3)
 
 
+@pytest.fixture(scope="module")
+def four_hosts(request):
+    return _hosts(request, 4)
+
+
 @pytest.fixture
 def fresh_hosts(request):
     """A factory: ``fresh_hosts(n, pid_namespace=...)``, torn down after the test."""

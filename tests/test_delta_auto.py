@@ -3,12 +3,12 @@ finding what changed would cost more than sending every byte, the delta where it
 
 The decision is the sender's :class:`~tritonreshard.transport.LinkModel`'s, from measured speeds;
 here the speeds are given (starting figures) and the clock is injected, so nothing depends on how
-fast this machine is: no test reads a wall clock. The wire test runs a real gloo pair with a frozen
+fast this machine is: no test reads a wall clock. The wire test runs a real gloo pair on two hosts of
+the host harness (tritonreshard.apps.hosts: a network, /dev/shm and hostname each) with a frozen
 model (its clock stands still, so what it measures is never counted) and checks what crossed.
 """
 import datetime
 import json
-import os
 
 import pytest
 import torch
@@ -21,7 +21,7 @@ from tritonreshard.planning import plan_hosts, plan_messages
 from tritonreshard.transport import CrossHostCopy, DistLink, LinkModel
 from tritonreshard.transport import delta as dc
 
-from _mp import free_port, run_ranks
+from _mp import free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -152,14 +152,13 @@ def test_simulated_link_rate_hook(monkeypatch):
 
 
 # ---------------------------------------------------------------- on the wire
-def _wire(rank, port, figures, force, versions):
-    os.environ["TRITONRESHARD_HOST"] = "ab"[rank]
+def _wire(rank, addr, port, figures, force, versions):
     rows, cols = 256, 2048           # 1 MiB of bf16: as large as min_bytes, so the figures decide
     src = {"w": Layout((rows, cols), [0], [Replicate()], torch.bfloat16)}
     dst = {"w": Layout((rows, cols), [1], [Replicate()], torch.bfloat16)}
     plan = trs.plan_reshard(src, dst)
-    hp = plan_hosts(plan, {0: "a", 1: "b"}, src_offsets={(0, "w"): 0})
-    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=30))
+    hp = plan_hosts(plan, {0: "host0", 1: "host1"}, src_offsets={(0, "w"): 0})
+    store = dist.TCPStore(addr, port, 2, rank == 0, timeout=datetime.timedelta(seconds=30))
     link = DistLink(store, rank=rank, world_size=2, timeout=20.0, prefix="delta-auto/")
     arena = torch.zeros(rows * cols * 2, dtype=torch.uint8)
     recv = torch.full((hp.buffer_bytes.get(1, 0),), 0xA5, dtype=torch.uint8)
@@ -196,9 +195,10 @@ def _wire(rank, port, figures, force, versions):
 
 @pytest.mark.parametrize("figures,force,deltas", [(FAST, False, False), (SLOW, False, True), (FAST, True, True)],
                          ids=["fast-link-whole", "slow-link-delta", "fast-link-always"])
-def test_auto_on_the_wire(figures, force, deltas):
+def test_auto_on_the_wire(figures, force, deltas, two_hosts):
     versions, whole = 4, 256 * 2048 * 2
-    res = run_ranks(_wire, 2, args=(free_port(), figures, force, versions), timeout=90)
+    res = two_hosts.run_ranks(_wire, [0, 1], args=(two_hosts.address(0), free_port(), figures, force, versions),
+                              timeout=90)
     sender, receiver = res[0], res[1]
     assert sender[0][0] == 0 and receiver[0] == (0, whole)      # the first transfer: whole (no base)
     for v in range(1, versions):

@@ -1,19 +1,22 @@
 """Cross-host delta refits with everything that exists: FP8-block destinations, inference replicas,
 Megatron sources and recipes (issue 29, item 5).
 
-One spawn of 8 processes runs three refit groups, one after the other (hosts simulated with
-``TRITONRESHARD_HOST``, as in test_multihost; each rank takes its host before each endpoint):
+One spawn of 10 processes on four hosts of the host harness (tritonreshard.apps.hosts: a network,
+/dev/shm and hostname each; processes 0-1 on host0, 2-3 on host1, 4-7 on host2, 8-9 on host3) runs
+three refit groups, one after the other, each with its own ranks (``CASES``: which process is which
+rank of the group, so that each group's ranks sit on the hosts it needs):
 
-* ``fp8``: ``hf_to_vllm`` (Llama) with ``quantization="fp8-block"``, 3 FSDP trainers on host ``t``
-  (k/v's 128 rows split 43/43/42: blocks read from several trainers) to 2 replicas of vLLM TP 2 on
-  host ``i`` (one shadow, one in place). The receiving relays hold bf16, the deltas apply to them,
-  and each pull quantizes from there; the replicas share the host's relays: each byte crosses once.
+* ``fp8``: ``hf_to_vllm`` (Llama) with ``quantization="fp8-block"``, 3 FSDP trainers on host0 and
+  host1 (k/v's 128 rows split 43/43/42: blocks read from several trainers) to 2 replicas of vLLM
+  TP 2 on host2 (one shadow, one in place). The receiving relays hold bf16, the deltas apply to
+  them, and each pull quantizes from there; the replicas share the host's relays: each byte crosses once.
 * ``megatron``: ``megatron_to_vllm`` (Qwen2, tied embeddings: fused QKV with bias, fused gate-up,
   the last stage's copy of the embedding) from Megatron TP 2 x PP 2, each pipeline stage on a host
-  of its own, to 2 replicas of vLLM TP 2 on two more hosts: each receiving host has its own base.
+  of its own (host0, host1), to 2 replicas of vLLM TP 2 on two more hosts (host2, host3): each
+  receiving host has its own base.
 * ``moe``: ``megatron_to_vllm`` (Qwen3-MoE: layer 0 experts over EP 2, layer 1 dense) to vLLM TP 2
-  with one replica's TP ranks on two hosts: the host holding only TP rank 1 needs half of each
-  row-parallel shard, boxes the trainers pack before sending.
+  with one replica's TP ranks on two hosts (host2, host3; the other replica on host2): host3, holding
+  only TP rank 1, needs half of each row-parallel shard, boxes the trainers pack before sending.
 
 The Megatron sources are built from full Megatron-format tensors with the recipe's own source
 layouts (test_megatron checks those layouts against real Megatron-Core). Version 1 crosses whole;
@@ -29,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import io
-import os
 import zlib
 
 import pytest
@@ -39,14 +41,14 @@ import tritonreshard as trs
 from tritonreshard.planning import plan_hosts
 from tritonreshard.recipes import Megatron
 
-from _mp import free_port, run_ranks
+from _mp import free_port
 from _waits import poll_until
 
 pytestmark = pytest.mark.timeout(300)
 
 VERSIONS = 4
 FP8 = torch.float8_e4m3fn
-WORLD = 8   # processes; each group uses the ranks of its host map
+PLACEMENT = [0, 0, 1, 1, 2, 2, 2, 2, 3, 3]   # process -> harness host (hostname host<i>)
 V = 300     # the Megatron cases' vocab: Megatron pads it to 512 rows at tp 2
 
 
@@ -74,21 +76,26 @@ def _qwen3_moe():
 
 _BF16 = dict(dtype=torch.bfloat16, src_dtype=torch.bfloat16)
 
-# name -> (the recipe, {rank: host}, {inference rank: pull mode})
+# name -> (the recipe, {rank of the group: process}, {inference rank: pull mode})
 CASES = {
     "fp8": (lambda: trs.recipes.hf_to_vllm(_llama(), tp=2, trainer_ranks=[0, 1, 2], inference_ranks=[3, 4, 5, 6],
                                            quantization="fp8-block", **_BF16),
-            {0: "t", 1: "t", 2: "t", 3: "i", 4: "i", 5: "i", 6: "i"},
+            {0: 0, 1: 1, 2: 2, 3: 4, 4: 5, 5: 6, 6: 7},          # trainers on host0-1, replicas on host2
             {3: "shadow", 4: "shadow", 5: "inplace", 6: "inplace"}),
     "megatron": (lambda: trs.recipes.megatron_to_vllm(_qwen2(), megatron=Megatron(tp=2, pp=2), tp=2, trainer_ranks=4,
                                                       inference_ranks=[4, 5, 6, 7], **_BF16),
-                 {0: "s0", 1: "s0", 2: "s1", 3: "s1", 4: "b", 5: "b", 6: "c", 7: "c"},
+                 {0: 0, 1: 1, 2: 2, 3: 3, 4: 4, 5: 5, 6: 8, 7: 9},   # stages on host0, host1; replicas host2, host3
                  {4: "shadow", 5: "shadow", 6: "inplace", 7: "inplace"}),
     "moe": (lambda: trs.recipes.megatron_to_vllm(_qwen3_moe(), megatron=Megatron(tp=2, pp=1, ep=2, etp=1), tp=2,
                                                  trainer_ranks=4, inference_ranks=[4, 5, 6, 7], **_BF16),
-            {0: "m", 1: "m", 2: "m", 3: "m", 4: "b", 5: "c", 6: "b", 7: "b"},
+            {0: 0, 1: 1, 2: 2, 3: 3, 4: 4, 5: 8, 6: 5, 7: 6},      # replica 0: TP 0 on host2, TP 1 on host3
             {4: "shadow", 5: "inplace", 6: "inplace", 7: "shadow"}),
 }
+
+
+def hosts_of(case: str) -> dict[int, str]:
+    """``{rank: hostname}`` of the case's group: the harness host of the rank's process."""
+    return {r: f"host{PLACEMENT[p]}" for r, p in CASES[case][1].items()}
 TIED = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
@@ -139,15 +146,16 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------- the ranks
-def _worker(rank, specs, ports):
+def _worker(proc, specs, ports):
     torch.set_num_threads(1)
     out = {}
-    for (case, (_, hosts, modes)), port in zip(CASES.items(), ports):
-        if rank not in hosts:
+    for (case, (_, procs, modes)), port in zip(CASES.items(), ports):
+        ranks = {p: r for r, p in procs.items()}
+        if proc not in ranks:
             continue
-        os.environ["TRITONRESHARD_HOST"] = hosts[rank]   # read when the endpoint is made
-        spec = specs[case]
-        kw = dict(meeting=trs.Meeting(rank=rank, world_size=len(hosts), store=f"127.0.0.1:{port}", group=case),
+        rank, spec = ranks[proc], specs[case]
+        store = f"host{PLACEMENT[procs[0]]}:{port}"   # on the group's rank 0
+        kw = dict(meeting=trs.Meeting(rank=rank, world_size=len(procs), store=store, group=case),
                   timeouts=trs.Timeouts(wait=60))
         if rank not in modes:
             with trs.RefitTrainer.from_recipe(spec, shards(spec, full_tensors(case, spec, 1), rank), **kw) as tr:
@@ -181,10 +189,13 @@ def _worker(rank, specs, ports):
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(four_hosts):
+    """``{case: {rank: what the group's rank reported}}``."""
     ports = [free_port() for _ in CASES]
-    out = run_ranks(_worker, WORLD, args=({case: recipe(case) for case in CASES}, ports), timeout=240)
-    return {r: torch.load(io.BytesIO(b)) for r, b in out.items()}
+    out = four_hosts.run_ranks(_worker, PLACEMENT, args=({case: recipe(case) for case in CASES}, ports), timeout=240)
+    out = {p: torch.load(io.BytesIO(b)) for p, b in out.items()}
+    assert all(four_hosts.shm_files(i) == [] for i in range(4))   # every arena and buffer unlinked
+    return {case: {r: out[p][case] for r, p in procs.items()} for case, (_, procs, _) in CASES.items()}
 
 
 # ------------------------------------------------------------------------------------- the checks
@@ -198,7 +209,7 @@ def _check_bits(case: str, runs: dict) -> None:
         src = {r: shards(spec, full, r) for r in plan.src_ranks}
         want = trs.execute_local(plan, src, out={r: poisoned(spec, r) for r in modes}, backend="torch")
         for r in modes:
-            got = runs[r][case]["pulled"][v - 1]
+            got = runs[case][r]["pulled"][v - 1]
             assert sorted(got) == sorted(want[r])
             for n, w in want[r].items():
                 assert torch.equal(got[n], _bits(w)), (case, v, r, n)
@@ -208,12 +219,13 @@ def _check_deltas(case: str, runs: dict, whole: dict[str, int]) -> None:
     """Per receiving host: version 1 crossed whole (``whole[host]`` bytes: each byte once, however
     many replicas the host serves), every later version as deltas only (a few % of the elements
     changed), at most 10% of the whole."""
-    _, hosts, modes = CASES[case]
+    _, _, modes = CASES[case]
+    hosts = hosts_of(case)
     assert sorted(whole) == sorted({hosts[r] for r in modes})
     for host in sorted(whole):
         ranks = [r for r in modes if hosts[r] == host]
         for v in range(VERSIONS):
-            got = [runs[r][case]["stats"][v] for r in ranks]   # (bytes, delta, dense, changed) per rank
+            got = [runs[case][r]["stats"][v] for r in ranks]   # (bytes, delta, dense, changed) per rank
             total = sum(g[0] for g in got)
             assert total == sum(g[1] + g[2] for g in got)
             if v == 0:
@@ -226,8 +238,7 @@ def _check_deltas(case: str, runs: dict, whole: dict[str, int]) -> None:
 
 def _ingress(case: str) -> dict[str, int]:
     """The planner's bytes into each receiving host per refit (each byte a host needs, once)."""
-    _, hosts, _ = CASES[case]
-    return dict(plan_hosts(recipe(case).plan(), hosts).traffic().host_ingress)
+    return dict(plan_hosts(recipe(case).plan(), hosts_of(case)).traffic().host_ingress)
 
 
 def _megatron_bytes(spec) -> int:
@@ -244,7 +255,7 @@ def _megatron_bytes(spec) -> int:
 
 
 def test_fp8_block_destinations_quantize_the_delta_refitted_relay_exactly(runs):
-    """The replicas on host i pull FP8 weights and block scales quantized from the relay buffers the
+    """The replicas on host2 pull FP8 weights and block scales quantized from the relay buffers the
     deltas were applied to: every version equals quantizing that version from scratch."""
     spec = recipe("fp8")
     assert sum(lay.dtype == FP8 for lay in spec.dst.values()) == 4   # qkv, o, gate_up, down: e4m3
@@ -257,34 +268,34 @@ def test_fp8_block_destinations_quantize_the_delta_refitted_relay_exactly(runs):
 
 def test_replicas_on_one_host_receive_each_byte_once_as_deltas(runs):
     spec = recipe("fp8")
-    model = sum(lay.numel * lay.itemsize for lay in spec.src.values())   # every HF byte is read on host i
-    _check_deltas("fp8", runs, {"i": model})
+    model = sum(lay.numel * lay.itemsize for lay in spec.src.values())   # every HF byte is read on host2
+    _check_deltas("fp8", runs, {"host2": model})
     # Two replicas, and the two TP ranks of each, split the host's receives: nobody got it all.
-    assert all(0 < runs[r]["fp8"]["stats"][0][0] < model for r in (3, 4, 5, 6))
+    assert all(0 < runs["fp8"][r]["stats"][0][0] < model for r in (3, 4, 5, 6))
     # The trainers' snapshots: one copy of the bytes they send across hosts (no packing buffer here).
-    assert sum(runs[r]["fp8"]["staging"] for r in (0, 1, 2)) == model
+    assert sum(runs["fp8"][r]["staging"] for r in (0, 1, 2)) == model
 
 
 def test_megatron_tp_pp_into_replicas_on_two_hosts_each_with_its_own_base(runs):
     """Megatron TP 2 x PP 2 (each stage on its host; tied embeddings: either copy is read) to one
-    replica on host b and one on host c: each host gets version 1 whole, then deltas against its
+    replica on host2 and one on host3: each host gets version 1 whole, then deltas against its
     own relays, from both stages' hosts."""
     _check_bits("megatron", runs)
     model = _megatron_bytes(recipe("megatron"))
-    _check_deltas("megatron", runs, {"b": model, "c": model})
-    assert _ingress("megatron") == {"b": model, "c": model}
+    _check_deltas("megatron", runs, {"host2": model, "host3": model})
+    assert _ingress("megatron") == {"host2": model, "host3": model}
     # The trainers keep one snapshot per receiving host (each host's base): two copies of the model.
-    assert sum(runs[r]["megatron"]["staging"] for r in range(4)) == 2 * model
+    assert sum(runs["megatron"][r]["staging"] for r in range(4)) == 2 * model
 
 
 def test_megatron_experts_into_a_tp_group_split_over_hosts(runs):
     """Megatron TP 2 x EP 2 (MoE layer 0, dense layer 1) to vLLM TP 2 with replica 0's TP ranks on
-    hosts b and c (replica 1 on b): host c needs half of every row-parallel shard, boxes the trainers
+    host2 and host3 (replica 1 on host2): host3 needs half of every row-parallel shard, boxes the trainers
     pack before sending, and those packed boxes cross as deltas too."""
     _check_bits("moe", runs)
     model = _megatron_bytes(recipe("moe"))
     ingress = _ingress("moe")
-    assert ingress["b"] == model and 0 < ingress["c"] < model
+    assert ingress["host2"] == model and 0 < ingress["host3"] < model
     _check_deltas("moe", runs, ingress)
     # Packing buffers on the trainers: their staging is more than their snapshots of what they send.
-    assert sum(runs[r]["moe"]["staging"] for r in range(4)) > sum(ingress.values())
+    assert sum(runs["moe"][r]["staging"] for r in range(4)) > sum(ingress.values())

@@ -1,6 +1,8 @@
 """Cross-host delta refits: only the elements that changed cross hosts, exactly, with no torn version.
 
-Hosts are simulated with ``TRITONRESHARD_HOST`` (as in test_multihost). The weights are bf16 with
+Trainers run on host0, inference ranks on host1 of the host harness (tritonreshard.apps.hosts: a
+network, /dev/shm and hostname each; the store on rank 0's host, or, for the restart, on an
+inference rank's, which outlives the trainers), as in test_multihost. The weights are bf16 with
 std 0.02 and every version is an Adam-sized step (1e-6 per element, the sign random), as in RL
 fine-tuning: about 2% of the bf16 elements change per version. A float32 tensor cycles through
 bit patterns that value comparisons get wrong (NaN payloads, -0.0, subnormals). Every check
@@ -16,7 +18,6 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import tritonreshard as trs
 from tritonreshard import Layout, Replicate, Shard
@@ -24,19 +25,19 @@ from tritonreshard.planning import plan_hosts, plan_messages
 from tritonreshard.transport import CrossHostCopy, DistLink, codec_for
 
 from _faults import our_fds, our_maps
-from _mp import collect_ok, free_port, reap, run_ranks, start_rank
+from _mp import free_port
 
 pytestmark = pytest.mark.timeout(300)
 
 TRAINERS, INFERENCE, WORLD = (0, 1), (2, 3), 4
-HOSTS = {0: "a", 1: "a", 2: "b", 3: "b"}
+PLACEMENT = [0, 0, 1, 1]   # rank -> harness host: trainers on host0, inference ranks on host1
 SRC = {"w": Layout((64, 96), TRAINERS, [Shard(0)], torch.bfloat16),
        "v": Layout((40, 32), TRAINERS, [Shard(0)], torch.bfloat16),
        "odd": Layout((6, 4), TRAINERS, [Shard(0)], torch.float32)}
 DST = {"w": Layout((64, 96), INFERENCE, [Replicate()], torch.bfloat16),
        "v": Layout((40, 32), INFERENCE, [Shard(1)], torch.bfloat16),
        "odd": Layout((6, 4), INFERENCE, [Replicate()], torch.float32)}
-MODEL = sum(lay.numel * lay.itemsize for lay in SRC.values())   # each byte crosses once (host b)
+MODEL = sum(lay.numel * lay.itemsize for lay in SRC.values())   # each byte crosses once (into host1)
 _ODD = [0x00000000, 0x80000000, 0x7FC00001, 0x7FC00002, 0x00000001, 0x00000002, 0xFFC00003, 0x3F800000]
 
 
@@ -67,10 +68,9 @@ def _check(ep, rank, v):
 
 
 # ---------------------------------------------------------------- the engine, Adam-sized steps
-def _worker(rank, port, versions, anchor):
-    os.environ["TRITONRESHARD_HOST"] = HOSTS[rank]
+def _worker(rank, addr, port, versions, anchor):
     torch.set_num_threads(1)
-    kw = dict(meeting=trs.Meeting(rank=rank, world_size=WORLD, store=f"127.0.0.1:{port}"),
+    kw = dict(meeting=trs.Meeting(rank=rank, world_size=WORLD, store=f"{addr}:{port}"),
               timeouts=trs.Timeouts(wait=60), codec=trs.Delta(anchor=anchor))
     out = []
     if rank in TRAINERS:
@@ -92,9 +92,10 @@ def _worker(rank, port, versions, anchor):
     return out
 
 
-def test_adam_sized_bf16_steps_cross_as_exact_deltas():
+def test_adam_sized_bf16_steps_cross_as_exact_deltas(two_hosts):
     versions, anchor = 5, 4
-    res = run_ranks(_worker, WORLD, args=(free_port(), versions, anchor), timeout=240)
+    res = two_hosts.run_ranks(_worker, PLACEMENT, args=(two_hosts.address(0), free_port(), versions, anchor),
+                              timeout=240)
     for v in range(versions):
         got = [res[r][v] for r in INFERENCE]
         crossed = sum(g[0] for g in got)
@@ -109,13 +110,12 @@ def test_adam_sized_bf16_steps_cross_as_exact_deltas():
 
 
 # ---------------------------------------------------------------- the wire: base versions decide
-def _wire(rank, port, steps, anchor):
-    os.environ["TRITONRESHARD_HOST"] = "ab"[rank]
+def _wire(rank, addr, port, steps, anchor):
     src = {"w": Layout((16, 64), [0], [Replicate()], torch.bfloat16)}
     dst = {"w": Layout((16, 64), [1], [Replicate()], torch.bfloat16)}
     plan = trs.plan_reshard(src, dst)
-    hp = plan_hosts(plan, {0: "a", 1: "b"}, src_offsets={(0, "w"): 0})
-    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=30))
+    hp = plan_hosts(plan, {0: "host0", 1: "host1"}, src_offsets={(0, "w"): 0})
+    store = dist.TCPStore(addr, port, 2, rank == 0, timeout=datetime.timedelta(seconds=30))
     link = DistLink(store, rank=rank, world_size=2, timeout=20.0, prefix="delta-wire/")
     arena = torch.zeros(16 * 64 * 2, dtype=torch.uint8)
     recv = torch.full((hp.buffer_bytes.get(1, 0),), 0xA5, dtype=torch.uint8)
@@ -148,11 +148,11 @@ def _wire(rank, port, steps, anchor):
     return seen
 
 
-def test_the_receivers_base_decides_whole_or_delta():
+def test_the_receivers_base_decides_whole_or_delta(two_hosts):
     """(version, the base the receiver announces): a delta only against the version last sent; a
     receiver with no base (a failed refit), a stale base (skipped versions) or an anchor due gets it whole."""
     steps = [(1, 0), (2, 1), (3, 0), (4, 2), (5, 4), (6, 5), (7, 6), (8, 7)]
-    res = run_ranks(_wire, 2, args=(free_port(), steps, 3), timeout=120)
+    res = two_hosts.run_ranks(_wire, [0, 1], args=(two_hosts.address(0), free_port(), steps, 3), timeout=120)
     assert res[0] == [0, 1, 0, 0, 4, 5, 0, 7]   # 7: anchor 3 after two deltas (5, 6) -> whole
     dense = 16 * 64 * 2
     for (v, _), base, (rbase, delta, whole) in zip(steps, res[0], res[1]):
@@ -162,23 +162,23 @@ def test_the_receivers_base_decides_whole_or_delta():
 
 
 # ---------------------------------------------------------------- bad input
-def test_bad_delta_and_ranks_that_disagree():
+def test_bad_delta_and_ranks_that_disagree(two_hosts):
     with pytest.raises(ValueError, match=r"delta must be one of \['auto', 'off', 'always'\], got delta='sparse'"):
         trs.RefitInference(DST, meeting=trs.Meeting(rank=2, world_size=WORLD, store="127.0.0.1:9"),
                            codec=codec_for("sparse"))
     with pytest.raises(ValueError, match="anchor must be an int >= 1"):
         trs.RefitTrainer({}, SRC, meeting=trs.Meeting(rank=0, world_size=WORLD, store="127.0.0.1:9"),
                          codec=trs.Delta(anchor=0))
-    res = run_ranks(_disagree, WORLD, args=(free_port(),), timeout=120, allow_errors=True)
+    res = two_hosts.run_ranks(_disagree, PLACEMENT, args=(two_hosts.address(0), free_port()), timeout=120,
+                              allow_errors=True)
     msgs = {r: res[r][1] for r in res}
     assert all(res[r][0] == "error" and msgs[r][0] == "ValueError" for r in res), msgs
     assert len({msgs[r][1] for r in res}) == 1                # the same one error on every rank
     assert "rank(s) [3] joined with codec ['Dense()'] but rank 0 has Delta(anchor=64, force=False)" in msgs[0][1], msgs[0][1]
 
 
-def _disagree(rank, port):
-    os.environ["TRITONRESHARD_HOST"] = HOSTS[rank]
-    kw = dict(meeting=trs.Meeting(rank=rank, world_size=WORLD, store=f"127.0.0.1:{port}"),
+def _disagree(rank, addr, port):
+    kw = dict(meeting=trs.Meeting(rank=rank, world_size=WORLD, store=f"{addr}:{port}"),
               timeouts=trs.Timeouts(wait=60))
     if rank in TRAINERS:
         trs.RefitTrainer({n: lay.shard(full(n, 1), rank) for n, lay in SRC.items()}, SRC, **kw)
@@ -188,10 +188,20 @@ def _disagree(rank, port):
 
 # ---------------------------------------------------------------- a sender killed mid-delta
 KILLED_AT, LAST = 3, 4
+STORE_RANK = 2   # the store lives with an inference rank (host1): it outlives the trainers it sees die
 
 
-def _trainer(rank, port, epoch, start):
-    os.environ["TRITONRESHARD_HOST"] = HOSTS[rank]
+def _meeting(rank, addr, port, epoch=None):
+    return trs.Meeting(rank=rank, world_size=WORLD, store=f"{addr}:{port}", host_store=rank == STORE_RANK,
+                       epoch=epoch)
+
+
+def _epoch0(rank, addr, port, marks):
+    """Epoch 0 of the restart test: the trainers (host0) and the inference ranks (host1)."""
+    return _trainer(rank, addr, port, 0, 0) if rank in TRAINERS else _inference(rank, addr, port, marks)
+
+
+def _trainer(rank, addr, port, epoch, start):
     torch.set_num_threads(1)
     if epoch == 0 and rank == 1:
         post = DistLink.post
@@ -206,7 +216,7 @@ def _trainer(rank, port, epoch, start):
             return post(self, sends, recvs, tag)
         DistLink.post = dying_post
     shards = {n: lay.shard(full(n, start), rank) for n, lay in SRC.items()}
-    meeting = trs.Meeting(rank=rank, world_size=WORLD, store=f"127.0.0.1:{port}", host_store=False, epoch=epoch)
+    meeting = _meeting(rank, addr, port, epoch)
     with trs.RefitTrainer(shards, SRC, meeting, start_version=start, timeouts=trs.Timeouts(wait=120)) as tr:
         last = KILLED_AT if epoch == 0 else LAST
         for v in range(start + 1, last + 1):
@@ -216,18 +226,17 @@ def _trainer(rank, port, epoch, start):
             tr.publish()
         try:
             tr.fence()
-        except trs.PeerDiedError:   # rank 0 of epoch 0: its peer died; the driver ends it
+        except trs.PeerDiedError:   # rank 0 of epoch 0: its peer died
             pass
-        if epoch == 0:
-            time.sleep(600)
+        if epoch == 0:   # ended as a job's driver would end it, once the inference ranks served
+            tr.store.wait([f"served/{r}" for r in INFERENCE], datetime.timedelta(seconds=200))
+            os.kill(os.getpid(), signal.SIGKILL)
     return epoch
 
 
-def _inference(rank, port):
-    os.environ["TRITONRESHARD_HOST"] = HOSTS[rank]
+def _inference(rank, addr, port, marks):
     torch.set_num_threads(1)
-    ep = trs.RefitInference(DST, trs.Meeting(rank=rank, world_size=WORLD, store=f"127.0.0.1:{port}", host_store=False),
-                            timeouts=trs.Timeouts(wait=120, peer=5))
+    ep = trs.RefitInference(DST, _meeting(rank, addr, port), timeouts=trs.Timeouts(wait=120, peer=5))
     for v in range(1, KILLED_AT):
         assert ep.pull() == v
         _check(ep, rank, v)
@@ -238,6 +247,7 @@ def _inference(rank, port):
     assert ep.version == KILLED_AT - 1
     _check(ep, rank, KILLED_AT - 1)      # still serving the last complete version, exactly
     ep.store.set(f"served/{rank}", b"1")
+    open(os.path.join(marks, f"served.{rank}"), "w").close()   # for the test, outside the hosts
     assert ep.rejoin() == 1
     stats = []
     for v in range(KILLED_AT, LAST + 1):
@@ -251,30 +261,23 @@ def _inference(rank, port):
     return {"who": who, "stats": stats, "leftover": our_fds() + our_maps()}
 
 
-def test_sender_killed_mid_delta_serves_no_torn_version_and_the_next_transfer_is_whole():
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    trs.secret_for_children()
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+def test_sender_killed_mid_delta_serves_no_torn_version_and_the_next_transfer_is_whole(two_hosts, tmp_path):
+    """Trainer rank 1 (host0) dies between version 3's delta headers and payloads; once the inference
+    ranks (host1) served version 2 on, both trainers are gone and restart on host0 as epoch 1 from the
+    checkpoint of version 2 (the one being served): version 3 again, then 4. The inference ranks
+    rejoin without restarting."""
+    addr, port = two_hosts.address(1), free_port()   # the store: on STORE_RANK's host
 
-    def start(fn, rank, *args):
-        return start_rank(ctx, fn, rank, (store.port, *args), results)
+    def restart(hosts, stop):
+        deadline = time.monotonic() + 200
+        while not all((tmp_path / f"served.{r}").exists() for r in INFERENCE):
+            assert time.monotonic() < deadline and not stop.is_set(), "the inference ranks never served version 2"
+            time.sleep(0.05)
+        return hosts.run_ranks(_trainer, [0, 0], args=(addr, port, 1, KILLED_AT - 1), timeout=200)
 
-    inf = {r: start(_inference, r) for r in INFERENCE}
-    old = {r: start(_trainer, r, 0, 0) for r in TRAINERS}
-    new = {}
-    try:
-        e0 = dist.PrefixStore("trs/default/e0/", store)
-        e0.wait([f"served/{r}" for r in INFERENCE], datetime.timedelta(seconds=200))
-        old[1].join(30)
-        assert old[1].exitcode == -signal.SIGKILL
-        os.kill(old[0].pid, signal.SIGKILL)
-        old[0].join(30)
-        # Restarted from the checkpoint of version 2 (the one being served): version 3 again, then 4.
-        new = {r: start(_trainer, r, 1, KILLED_AT - 1) for r in TRAINERS}
-        out = collect_ok(results, range(WORLD), 200)
-    finally:
-        reap([*inf.values(), *old.values(), *new.values()])
+    out = two_hosts.run_ranks(_epoch0, PLACEMENT, args=(addr, port, str(tmp_path)), timeout=280,
+                              victims=TRAINERS, during=restart)
+    assert out["during"] == {0: 1, 1: 1}   # the restarted trainers ended epoch 1
     for r in INFERENCE:
         assert out[r]["who"] == 1, out[r]
         (d3, w3), (d4, w4) = out[r]["stats"]
@@ -282,3 +285,4 @@ def test_sender_killed_mid_delta_serves_no_torn_version_and_the_next_transfer_is
         assert d4 > 0 and w4 == 0          # then deltas again
         assert out[r]["leftover"] == [], out[r]["leftover"]
     assert sum(out[r]["stats"][0][1] for r in INFERENCE) == MODEL
+    assert two_hosts.shm_files(0) == two_hosts.shm_files(1) == []

@@ -27,7 +27,7 @@ from tritonreshard import Layout, Shard
 from tritonreshard.kernels import QuantizeTable, ceil_to_ue8m0, e4m3_from_f32, per_block_cast_to_fp8
 from tritonreshard.planning import BlockQuant, QuantizedPlan, plan_quantized, plan_reshard
 
-from _mp import free_port, reap, run_ranks
+from _mp import free_port, reap
 
 transformers = pytest.importorskip("transformers")
 
@@ -463,14 +463,11 @@ def test_quantize_table_refuses_partial_blocks_and_wrong_tensors():
 # ------------------------------------------------------------------------------------------- engine
 
 
-def _engine_worker(rank, world, port, tp, modes, versions, hosts):
-    import os
-
-    os.environ["TRITONRESHARD_HOST"] = hosts[rank]  # simulated hosts: no memory mapped across them
+def _engine_worker(rank, world, addr, port, tp, modes, versions):
     torch.set_num_threads(1)
     spec = _spec(_llama(), tp)
     plan = spec.plan()
-    kwargs = dict(meeting=trs.Meeting(rank=rank, world_size=world, store=f"127.0.0.1:{port}"),
+    kwargs = dict(meeting=trs.Meeting(rank=rank, world_size=world, store=f"{addr}:{port}"),
                   timeouts=trs.Timeouts(wait=120))
     report = {"checked": 0, "staging": None}
     if rank in plan.src_ranks:
@@ -511,16 +508,17 @@ def _engine_worker(rank, world, port, tp, modes, versions, hosts):
 
 
 @pytest.mark.timeout(300)
-def test_engine_refits_fp8_across_processes():
-    """3 trainers, 2 TP ranks over 2 versions: rank 3 on the trainers' host pulls in shadow mode with
-    the torch backend; rank 4, on another (simulated) host, in place with the Triton kernel
+def test_engine_refits_fp8_across_processes(two_hosts):
+    """3 trainers, 2 TP ranks over 2 versions: rank 3 on the trainers' host (host0 of the host
+    harness) pulls in shadow mode with the torch backend; rank 4, on host1 (its own network and
+    /dev/shm: nothing of host0's memory is mapped there), in place with the Triton kernel
     (interpreted): its blocks cross hosts as boxes into rank 4's relay buffer (bf16), and are
     quantized from there."""
     tp = 2
     world = len(TRAINERS) + tp
     modes = [("shadow", "torch"), ("inplace", "triton")]
-    hosts = ["h0", "h0", "h0", "h0", "h1"]
-    out = run_ranks(_engine_worker, world, (world, free_port(), tp, modes, 2, hosts), timeout=240)
+    out = two_hosts.run_ranks(_engine_worker, [0, 0, 0, 0, 1],
+                              (world, two_hosts.address(0), free_port(), tp, modes, 2), timeout=240)
     inference = [out[r] for r in range(len(TRAINERS), world)]
     assert all(rep["checked"] == 2 for rep in inference)
     assert inference[0]["relay_reads"] == 0 and inference[1]["relay_reads"] > 0  # rank 4 read across hosts

@@ -1,11 +1,13 @@
-"""Cross-host refits over torch.distributed point-to-point, with hosts simulated on one machine.
+"""Cross-host refits over torch.distributed point-to-point, on hosts of the host harness
+(tritonreshard.apps.hosts: a network, /dev/shm and hostname each, linked through a switch).
 
-Every rank runs in its own process with its own host identity. Senders send their host plan's
+Every rank runs in its own process on its host. Senders send their host plan's
 messages straight from an arena-like flat buffer (provenance data: every element's value encodes
 its global index and the version); receivers receive into their receive buffers, which come back
 to the test; the test then runs the local and fan-out ops on those bytes and compares every
 destination element bit for bit. Faults: a SIGKILLed sender or receiver on the other host makes
-its peers raise PeerDiedError naming it, within the hard timeout.
+its peers raise PeerDiedError naming it, within the hard timeout. Two runs stay on this machine over
+loopback, each saying why: NCCL between two GPUs, and the engine with hosts by label.
 """
 import datetime
 import gc
@@ -43,7 +45,7 @@ def _arena_layout(plan, rank):
     return dict(zip(names, offsets)), total
 
 
-def _setup(rank, world, port, src, dst, hosts, device="cpu"):
+def _setup(rank, world, addr, port, src, dst, hosts, device="cpu"):
     plan = trs.plan_reshard(src, dst)
     src_offsets = {}
     for r in plan.src_ranks:
@@ -51,7 +53,7 @@ def _setup(rank, world, port, src, dst, hosts, device="cpu"):
         src_offsets.update({(r, n): o for n, o in offs.items()})
     hp = plan_hosts(plan, hosts, src_offsets=src_offsets)
     msgs = plan_messages(hp, src_offsets)
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=30))
+    store = dist.TCPStore(addr, port, world, rank == 0, timeout=datetime.timedelta(seconds=30))
     if device == "cuda":
         device = f"cuda:{rank}"
         torch.cuda.set_device(device)
@@ -76,10 +78,9 @@ def _fill(plan, shard, rank, version):
         t.copy_(_value(version, lay.shard(g, rank), t.dtype).to(t.device))
 
 
-def _rank_refits(rank, world, port, src, dst, hosts, versions, device="cpu"):
+def _rank_refits(rank, world, addr, port, src, dst, hosts, versions, device="cpu"):
     """One rank: ``versions`` refits over the wire. Returns the receive buffer after each."""
-    os.environ["TRITONRESHARD_HOST"] = hosts[rank]
-    plan, hp, store, link, shard, recv, copy = _setup(rank, world, port, src, dst, hosts, device)
+    plan, hp, store, link, shard, recv, copy = _setup(rank, world, addr, port, src, dst, hosts, device)
     got = []
     for v in range(1, versions + 1):
         if shard:
@@ -125,10 +126,18 @@ def _check_outputs(plan, hp, buffers, version):
                 f"{n} on rank {r}, version {version}"
 
 
-def _run(src, dst, hosts, versions=2, device="cpu"):
+def _run(src, dst, spec, harness, versions=2, device="cpu"):
+    """Rank ``r`` on the host ``spec`` names it in (``{name: ranks}``): the i-th name is the harness's
+    host ``i``; ``harness=None``: every rank on this machine, over loopback (the hosts only in the plan)."""
+    hosts = _hosts(spec, harness)
     world = len(hosts)
-    res = run_ranks(_rank_refits, world, args=(world, free_port(), src, dst, hosts, versions, device),
-                    timeout=120)
+    if harness is None:
+        res = run_ranks(_rank_refits, world, args=(world, "127.0.0.1", free_port(), src, dst, hosts, versions, device),
+                        timeout=120)
+    else:
+        placement = [harness.names.index(hosts[r]) for r in range(world)]
+        res = harness.run_ranks(_rank_refits, placement, args=(world, harness.address(placement[0]), free_port(), src,
+                                                               dst, hosts, versions, device), timeout=120)
     plan = trs.plan_reshard(src, dst)
     hp = plan_hosts(plan, hosts, src_offsets={
         (r, n): o for r in plan.src_ranks for n, o in _arena_layout(plan, r)[0].items()})
@@ -141,14 +150,16 @@ def _run(src, dst, hosts, versions=2, device="cpu"):
     return hp, stats
 
 
-def _hosts(spec):
-    return {r: h for h, ranks in spec.items() for r in ranks}
+def _hosts(spec, harness=None):
+    """``{rank: host}`` from ``{name: ranks}``; on ``harness``, its i-th host's hostname for the i-th name."""
+    names = {h: (harness.names[i] if harness is not None else h) for i, h in enumerate(spec)}
+    return {r: names[h] for h, ranks in spec.items() for r in ranks}
 
 
-def test_seed_example_across_two_hosts_over_gloo():
+def test_seed_example_across_two_hosts_over_gloo(two_hosts):
     src = {"w": Layout((8, 8), 2, [Shard(0)])}
     dst = {"w": Layout((8, 8), [2, 3, 4, 5], [Shard(1)])}
-    hp, stats = _run(src, dst, _hosts({"a": [0, 1], "b": [2, 3, 4, 5]}))
+    hp, stats = _run(src, dst, {"a": [0, 1], "b": [2, 3, 4, 5]}, two_hosts)
     assert hp.cross_host_bytes == 256
     # Each trainer sends its whole shard once: one header + one message.
     assert stats[0][2] == stats[1][2] == 1 and stats[0][3] == 0
@@ -156,40 +167,41 @@ def test_seed_example_across_two_hosts_over_gloo():
 
 @pytest.mark.cuda
 def test_nccl_between_two_gpus_on_two_simulated_hosts():
+    # Over loopback, the hosts only in the plan (the transport reads no host identity): it needs two
+    # GPUs, which a GPU machine has, where the host harness (root, namespaces) may not be made.
     if torch.cuda.device_count() < 2:
         pytest.skip("NCCL needs one GPU per rank: 2 GPUs")
     src = {"w": Layout((64, 96), 1, [Replicate()], torch.bfloat16), "c": Layout((40, 24), 1, [Replicate()])}
     dst = {"w": Layout((64, 96), [1], [Replicate()], torch.bfloat16), "c": Layout((40, 24), [1], [Shard(1)])}
-    hp, stats = _run(src, dst, _hosts({"a": [0], "b": [1]}), versions=3, device="cuda")
+    hp, stats = _run(src, dst, {"a": [0], "b": [1]}, None, versions=3, device="cuda")
     assert hp.cross_host_bytes == 64 * 96 * 2 + 40 * 24 * 4
 
 
-def test_columns_to_replicas_four_ranks_on_one_host_each_byte_once():
+def test_columns_to_replicas_four_ranks_on_one_host_each_byte_once(two_hosts):
     src, dst = {}, {}
     for i in range(6):
         shape = (48, 64 + 16 * i)
         src[f"t{i}"] = Layout(shape, 2, [Shard(1)])
         dst[f"t{i}"] = Layout(shape, [2, 3, 4, 5], [Replicate()])
-    hp, stats = _run(src, dst, _hosts({"a": [0, 1], "b": [2, 3, 4, 5]}), versions=3)
+    hp, stats = _run(src, dst, {"a": [0, 1], "b": [2, 3, 4, 5]}, two_hosts, versions=3)
     model = sum(l.numel * 4 for l in dst.values())
     assert hp.cross_host_bytes == model and hp.p2p_cross_host_bytes == 4 * model
     assert all(stats[r][1] > 0 for r in (2, 3, 4, 5))  # every inference rank receives a share
 
 
-def test_overlapping_meshes_and_packed_boxes_three_hosts():
+def test_overlapping_meshes_and_packed_boxes_three_hosts(three_hosts):
     src = {"w": Layout((12, 10), [0, 1, 2, 3], [Shard(0)]),
            "b": Layout((30,), [0, 1, 2, 3], [Shard(0)], torch.bfloat16)}
     dst = {"w": Layout((12, 10), [2, 3, 4, 5], [Shard(1)]),
            "b": Layout((30,), [2, 3, 4, 5], [Replicate()], torch.float32)}
-    hp, stats = _run(src, dst, _hosts({"a": [0, 1], "b": [2, 3], "c": [4, 5]}))
+    hp, stats = _run(src, dst, {"a": [0, 1], "b": [2, 3], "c": [4, 5]}, three_hosts)
     assert any(not t.contiguous for t in hp.transfers)  # column halves of row shards: packed
     assert sum(s[3] for s in stats.values()) == hp.send_staging_bytes > 0
 
 
 # ---------------------------------------------------------------- faults
-def _rank_fault(rank, world, port, src, dst, hosts, victim, when):
-    os.environ["TRITONRESHARD_HOST"] = hosts[rank]
-    plan, hp, store, link, shard, recv, copy = _setup(rank, world, port, src, dst, hosts)
+def _rank_fault(rank, world, addr, port, src, dst, hosts, victim, when):
+    plan, hp, store, link, shard, recv, copy = _setup(rank, world, addr, port, src, dst, hosts)
     # Everyone connected (first refit completes) before the fault.
     for v in (1, 2):
         if rank == victim and v == 2 and when == "before-send":
@@ -212,13 +224,14 @@ def _rank_fault(rank, world, port, src, dst, hosts, victim, when):
 
 
 @pytest.mark.parametrize("victim", [0, 3], ids=["sender", "receiver"])
-def test_killed_rank_on_the_other_host_is_a_named_peer_died_error(victim):
+def test_killed_rank_on_the_other_host_is_a_named_peer_died_error(victim, two_hosts):
     src = {"w": Layout((64, 64), 2, [Shard(0)])}
     dst = {"w": Layout((64, 64), [2, 3], [Replicate()])}
-    hosts = _hosts({"a": [0, 1], "b": [2, 3]})
+    hosts = _hosts({"a": [0, 1], "b": [2, 3]}, two_hosts)
     world = 4
-    res = run_ranks(_rank_fault, world, args=(world, free_port(), src, dst, hosts, victim, "before-send"),
-                    timeout=90, victims=[victim], allow_errors=True)
+    res = two_hosts.run_ranks(_rank_fault, [0, 0, 1, 1], args=(world, two_hosts.address(0), free_port(), src, dst,
+                                                               hosts, victim, "before-send"),
+                              timeout=90, victims=[victim], allow_errors=True)
     hp = plan_hosts(trs.plan_reshard(src, dst), hosts)
     # The victim's peers over the wire are exactly the ones that must see it die.
     peers = {t.receiver for t in hp.sends_of(victim)} | {t.src_rank for t in hp.recvs_of(victim)}
@@ -319,6 +332,9 @@ def _on_hosts(hosts, sc, placement, **kw):
 
 
 def test_engine_seed_example_across_two_hosts():
+    # Hosts by label ($TRITONRESHARD_HOST per rank, over loopback), not on the harness: the host
+    # identity of `tritonreshard bench --net labels` and of a rehearsal on one machine (docs/hosts.md),
+    # which needs no root; the engine tests below run on the harness.
     sc = dict(src={"w": Layout((8, 8), 2, [Shard(0)])}, dst={"w": Layout((8, 8), [2, 3, 4, 5], [Shard(1)])},
               trainers=[0, 1], inference=[2, 3, 4, 5], hosts=_hosts({"a": [0, 1], "b": [2, 3, 4, 5]}))
     res = _engine(sc, 6)

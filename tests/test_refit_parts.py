@@ -8,7 +8,6 @@ changes every version: element ``i`` of source ``name`` at version ``v`` encodes
 name), exact in the source's dtype and in every destination dtype (bfloat16 ``a_mid`` included, so
 its ``src_start`` offset shows), and every element and version differ.
 """
-import os
 
 import pytest
 import torch
@@ -53,12 +52,11 @@ def _check(rank, plan, tensors, want, fills, v):
         assert torch.equal(_bits(tensors[f.name][f.dst_slices]), torch.zeros_like(_bits(tensors[f.name][f.dst_slices]))), f
 
 
-def _worker(rank, world, port, src, dst, parts, mode, versions, use_from_recipe, spec, hosts=None):
-    if hosts is not None:  # simulated hosts: ranks on different ones never map each other's memory
-        os.environ["TRITONRESHARD_HOST"] = hosts[rank]
+def _worker(rank, world, port, src, dst, parts, mode, versions, use_from_recipe, spec, addr="127.0.0.1"):
+    """One rank; ``addr``: the store's host (rank 0's address on the host harness)."""
     torch.set_num_threads(1)
     plan = trs.plan_reshard(src, dst, parts)
-    kwargs = dict(meeting=trs.Meeting(rank=rank, world_size=world, store=f"127.0.0.1:{port}"),
+    kwargs = dict(meeting=trs.Meeting(rank=rank, world_size=world, store=f"{addr}:{port}"),
                   timeouts=trs.Timeouts(wait=90))
     trainer = rank in plan.src_ranks
     report = {"fills": 0, "checked": 0}
@@ -203,19 +201,20 @@ def test_parts_and_recipe_arguments_are_checked_before_joining():
 
 
 @pytest.mark.parametrize("recipe", [False, True], ids=["hand-made", "llama-tp2"])
-def test_parts_plans_across_two_hosts(recipe):
-    """Trainers on host a, inference ranks on host b: the renamed, cast and padded parts arrive
-    through the cross-host relays bit for bit, padding stays zero (it never crosses), and each
-    source byte an inference host needs crosses once per refit."""
+def test_parts_plans_across_two_hosts(recipe, two_hosts):
+    """Trainers on host0, inference ranks on host1 of the host harness (a network, /dev/shm and
+    hostname each): the renamed, cast and padded parts arrive through the cross-host relays bit for
+    bit, padding stays zero (it never crosses), and each source byte an inference host needs
+    crosses once per refit."""
     if recipe:
         spec = _tiny_llama_spec(2)
         src, dst, parts = spec.src, spec.dst, spec.parts
     else:
         src, dst, parts = _hand_layouts(2)
     plan = trs.plan_reshard(src, dst, parts)
-    hosts = {0: "a", 1: "a", 2: "b", 3: "b"}
-    out = run_ranks(_worker, 4, args=(4, free_port(), src, dst, parts, "shadow", 2, False, None, hosts),
-                    timeout=280)
+    hosts = {0: "host0", 1: "host0", 2: "host1", 3: "host1"}
+    out = two_hosts.run_ranks(_worker, [0, 0, 1, 1], args=(4, free_port(), src, dst, parts, "shadow", 2, False, None,
+                                                           two_hosts.address(0)), timeout=280)
     assert out[2]["checked"] == out[3]["checked"] == 2
     assert out[2]["fills"] + out[3]["fills"] == sum(f.numel for f in plan.fills) > 0
     # The engine's own accounting equals the host plan's: at most every source byte, once.
