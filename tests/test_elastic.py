@@ -307,3 +307,52 @@ def test_control_block_join_and_admission_words():
             plain.request_join(0, 1)
         with pytest.raises(ValueError, match="reader must be in"):
             cb.request_join(4, 1)
+
+
+def _across_hosts(rank, addr, port):
+    """Trainers 0-1 on host0 (rank 0 hosts the store), rank 2 on host1 trying to join as replica 0."""
+    torch.set_num_threads(1)
+    wait = timedelta(seconds=60)
+    store = (dist.TCPStore(addr, port, is_master=True, wait_for_workers=False, timeout=wait) if rank == 0
+             else dist.TCPStore(addr, port, is_master=False, timeout=wait))
+    if rank == 2:
+        store.wait(["published"], wait)
+        with pytest.raises(ValueError) as err:
+            trs.RefitInference(dst(0), meeting=trs.Meeting(rank=rank, store=store), timeouts=trs.Timeouts(wait=30),
+                               membership=trs.Elastic(replica=0))
+        store.set("refused", "1")
+        store.wait(["done/0", "done/1"], wait)
+        return {"error": str(err.value), "shm": os.listdir("/dev/shm"), "fds": our_fds(), "maps": our_maps()}
+    shards = {n: lay.shard(full(n, 0), rank) for n, lay in SRC.items()}
+    with trs.RefitTrainer(shards, SRC, meeting=trs.Meeting(rank=rank, world_size=len(TRAINERS), store=store),
+                          timeouts=trs.Timeouts(wait=60), membership=trs.Elastic()) as tr:
+        v = 0
+        while v < 2 or not store.check(["refused"]):   # the group goes on while the joiner is refused
+            tr.fence()
+            v += 1
+            for n, t in tr.tensors.items():
+                t.copy_(SRC[n].shard(full(n, v), rank))
+            tr.publish()
+            if rank == 0 and v == 2:
+                store.set("published", str(v))
+            time.sleep(0.01)
+        tr.fence()
+        readers = tr.readers
+    store.set(f"done/{rank}", "1")
+    if rank == 0:
+        store.wait(["done/1"], wait)
+    return {"published": v, "readers": readers}
+
+
+def test_a_joiner_on_another_host_is_refused_naming_both_hosts(two_hosts):
+    """An elastic group runs on one host (its readers map the trainers' arenas in place): a replica
+    rank on a host that is really apart is refused before any byte moves, naming its host and the
+    trainers', while the trainers go on publishing (docs/elastic.md, Limits)."""
+    from _mp import free_port
+
+    out = two_hosts.run_ranks(_across_hosts, [0, 0, 1], args=(two_hosts.address(0), free_port()), timeout=180)
+    err = out[2]["error"]
+    assert "an elastic group runs on one host: this rank is on 'host1', trainers on ['host0']" in err, err
+    assert out[2]["shm"] == [] and out[2]["fds"] == [] and out[2]["maps"] == [], out[2]
+    for r in TRAINERS:
+        assert out[r]["published"] >= 2 and not out[r]["readers"], out[r]   # nobody joined
