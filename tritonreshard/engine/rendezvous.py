@@ -54,7 +54,6 @@ import os
 import secrets
 import socket
 import sys
-import time
 from datetime import timedelta
 from functools import lru_cache
 from typing import Any
@@ -147,28 +146,23 @@ def _loopback_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _wait_reachable(host: str, port: int, deadline: float, failed: str) -> None:
-    """Until ``deadline`` (monotonic), open and close plain TCP connections to ``host:port`` until
-    one is accepted (a store accepts a connection that says nothing). TimeoutError ``failed: why``
-    at the deadline, ``why`` from the last attempt: refused (nothing listens), no answer (a cut link,
-    a firewall that drops), no route; a name that does not resolve fails at once."""
-    why = "no attempt finished"
-    while (left := deadline - time.monotonic()) > 0:
-        try:
-            socket.create_connection((host, port), timeout=min(left, 1.0)).close()
-            return
-        except socket.gaierror as e:
-            raise TimeoutError(f"{failed}: {host!r} does not resolve on this host "
-                               f"({socket.gethostname()!r}): {e.strerror}") from None
-        except ConnectionRefusedError:
-            why = "connection refused: nothing listens on that port (the store's process has not started yet, or exited)"
-        except (socket.timeout, TimeoutError):
-            why = ("no answer: the address is unreachable from this host (a link down, a firewall that drops "
-                   "packets, or no such machine on this network)")
-        except OSError as e:  # EHOSTUNREACH, ENETUNREACH: retried, a link may come up
-            why = f"{e.strerror or e} from this host ({socket.gethostname()!r})"
-        time.sleep(min(0.1, max(deadline - time.monotonic(), 0.0)))
-    raise TimeoutError(f"{failed}: {why}")
+def _why_unreachable(host: str, port: int) -> str:
+    """After a failed connect: one plain TCP connection attempt to ``host:port`` (at most 1 s),
+    saying why the store could not be reached from this host: refused (nothing listens), no answer
+    (a cut link, a firewall that drops), no route, a name that does not resolve."""
+    here = socket.gethostname()
+    try:
+        socket.create_connection((host, port), timeout=1.0).close()
+    except socket.gaierror as e:
+        return f"{host!r} does not resolve on this host ({here!r}): {e.strerror}"
+    except ConnectionRefusedError:
+        return "connection refused: nothing listens on that port (the store's process has not started, or exited)"
+    except (socket.timeout, TimeoutError):
+        return ("no answer: the address is unreachable from this host (a link down, a firewall that drops "
+                "packets, or no such machine on this network)")
+    except OSError as e:  # EHOSTUNREACH, ENETUNREACH
+        return f"{e.strerror or e} from this host ({here!r})"
+    return "it accepts connections now, but not within the timeout"
 
 
 def connect_store(addr: str | None = None, *, world_size: int, is_master: bool,
@@ -201,16 +195,14 @@ def connect_store(addr: str | None = None, *, world_size: int, is_master: bool,
             raise TimeoutError(f"connect_store: could not {role} the TCPStore at {host}:{port}: "
                                f"{e.strerror}") from None
         port_n, listen_fd = sock.getsockname()[1], sock.detach()  # the store closes it, even on failure
-    deadline = time.monotonic() + timeout
-    if not is_master:  # within the timeout, and saying why (torch retries past it, and says little)
-        _wait_reachable(bare, port_n, deadline, f"connect_store: could not connect to the TCPStore at "
-                                                f"{host}:{port} within {timeout:.3g} s")
     try:
-        return dist.TCPStore(host, port_n, world_size, is_master, _td(max(deadline - time.monotonic(), 0.1)),
+        return dist.TCPStore(host, port_n, world_size, is_master, _td(timeout),
                              wait_for_workers=wait_for_workers, master_listen_fd=listen_fd)
     except (RuntimeError, dist.DistError) as e:
+        # torch says only that it timed out; a client says why the address could not be reached.
+        why = (str(e).splitlines()[0] if str(e) else type(e).__name__) if is_master else _why_unreachable(bare, port_n)
         raise TimeoutError(f"connect_store: could not {role} the TCPStore at {host}:{port} within "
-                           f"{timeout:.3g} s: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+                           f"{timeout:.3g} s: {why}") from None
 
 
 # ---------------------------------------------------------------------------- plain values
