@@ -70,7 +70,7 @@ def _unreachable_store_worker(rank, port):
     return out
 
 
-def test_an_unreachable_rendezvous_fails_within_its_timeout_naming_the_address_and_why(two_hosts):
+def test_an_unreachable_rendezvous_fails_at_its_timeout_naming_the_address_and_why(two_hosts):
     """Across hosts that are really apart: a store behind a cut link, an address where nothing
     listens (host1's own), a name that does not resolve."""
     port = free_port()
