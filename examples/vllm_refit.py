@@ -52,7 +52,6 @@ import argparse
 import contextlib
 import json
 import multiprocessing.connection as mp_connection
-import multiprocessing.spawn as mp_spawn
 import os
 import pickle
 import queue
@@ -658,13 +657,8 @@ class TrainerGroup:
         for p in self.procs.values():
             if on is None:
                 p.start()
-                continue
-            saved = mp_spawn.get_executable()  # spawn execs it: host 0's launcher runs this Python there
-            mp_spawn.set_executable(str(on[0].python))
-            try:
-                p.start()
-            finally:
-                mp_spawn.set_executable(saved)
+            else:  # host 0's launcher runs this Python there
+                on.start(0, p)
         if on is not None:  # the trainers hold their ends: one that exits closes its result pipe
             for ends in theirs.values():
                 for end in ends:

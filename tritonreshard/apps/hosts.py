@@ -26,7 +26,8 @@ reset: TCP connections stall as over a pulled cable) and :meth:`Hosts.restore` b
 Processes: :meth:`Hosts.run_ranks` runs ``fn(rank, *args)`` with rank ``r`` on host
 ``placement[r]``, as :func:`tritonreshard.apps.kit.run_ranks` does on one host (hard timeout,
 tracebacks, victims), spawned through a small per-host launcher that enters the host's namespaces and
-then execs this Python; :meth:`Hosts.popen` runs any command on a host.
+then execs this Python; :meth:`Hosts.start` starts any spawned process there, and :meth:`Hosts.popen`
+runs any command on a host.
 
 Teardown: :meth:`Hosts.close` (also the context manager's exit, and at interpreter exit) kills the
 hosts' processes, deletes the namespaces (their links go with them), unmounts the tmpfs and removes
@@ -443,24 +444,30 @@ class Hosts:
     def _spawn(self, ctx, fn, placement, args) -> tuple[list, list]:
         """Start rank ``r`` on host ``placement[r]``; returns the processes and their report pipes."""
         procs, pipes = [], []
-        # Started here, on this machine, before any host's launcher is the executable: spawn starts it
-        # on first use with that executable, so it would live (and die) on the first rank's host.
-        mp_resource_tracker.ensure_running()
         for rank, h in enumerate(placement):
             recv, send = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_host_rank_entry, args=(fn, rank, tuple(args), send), daemon=True)
-            # spawn execs the interpreter it is told; this host's launcher execs it inside the host.
-            saved = mp_spawn.get_executable()
-            mp_spawn.set_executable(str(self.hosts[h].python))
-            try:
-                p.start()
-            finally:
-                mp_spawn.set_executable(saved)
+            self.start(h, p)
             send.close()
             procs.append(p)
             pipes.append(recv)
-            self._procs.append(p)
         return procs, pipes
+
+    def start(self, i: int, process) -> None:
+        """``process.start()`` on host ``i``: a process of a ``spawn`` context (``multiprocessing`` or
+        ``torch.multiprocessing``), killed by :meth:`close` if still alive. What it talks over must
+        cross hosts: pipes, not queues (a queue's lock is a semaphore in this machine's /dev/shm)."""
+        # Started here, on this machine, before a host's launcher is the executable: spawn starts it
+        # on first use with that executable, so it would live (and die) on host i.
+        mp_resource_tracker.ensure_running()
+        # spawn execs the interpreter it is told; this host's launcher execs it inside the host.
+        saved = mp_spawn.get_executable()
+        mp_spawn.set_executable(str(self.hosts[i].python))
+        try:
+            process.start()
+        finally:
+            mp_spawn.set_executable(saved)
+        self._procs.append(process)
 
     # ------------------------------------------------------------------------------- teardown
     def close(self) -> None:

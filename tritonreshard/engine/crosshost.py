@@ -61,12 +61,11 @@ FOREVER = float("inf")   # a sender / relay waits as long as training or serving
 _STORE_WAIT = datetime.timedelta(days=365)  # a blocked queue_pop ends by a message, never by timing out
 
 
-def _clone(store):
+def _clone(store, timeout: datetime.timedelta = _STORE_WAIT):
     """A new connection to the same store and namespace (``PrefixStore.clone`` keeps the prefix):
-    a blocked ``queue_pop`` holds its connection, so the rank's other store calls must not queue
-    behind it."""
+    a blocked call holds its connection, so the rank's other store calls must not queue behind it."""
     out = store.clone()
-    out.set_timeout(_STORE_WAIT)
+    out.set_timeout(timeout)
     return out
 
 
@@ -88,8 +87,7 @@ class Signals:
         self.rank = rank
         self._store = dist.PrefixStore("signals/", store)
         self._queue = _clone(self._store)
-        self._send = self._store.clone()
-        self._send.set_timeout(datetime.timedelta(seconds=send_timeout))
+        self._send = _clone(self._store, datetime.timedelta(seconds=send_timeout))
         self.bell = Doorbell()
         self._seen: dict[tuple[str, int, int], str] = {}
         self.error: BaseException | None = None

@@ -179,6 +179,7 @@ def validate_members(members: list[Member], world_size: int, sides: tuple[str, .
         raise group_error(world_size, problems)
     return GroupInputs(layouts["src"], layouts["dst"], parts or {}, quant or {}, hosts)
 
+
 def _start_problems(trainers: list[Member]) -> list[str]:
     """Trainers that start from different versions: their readers would wait for a version common
     to all their sources that never comes, or serve tensors of two versions side by side."""
