@@ -6,12 +6,13 @@ import datetime
 import multiprocessing as mp
 import pickle
 import socket
+import threading
 import time
 
 import pytest
 import torch.distributed as dist
 
-from tritonreshard.apps.kit import reap
+from tritonreshard.apps.kit import free_port, reap
 from tritonreshard.engine.rendezvous import (SECRET_ENV, SECRET_KEY, all_gather_obj, connect_store,
                                              fetch, group_secret, publish)
 
@@ -53,6 +54,22 @@ def test_connect_store_bad_input_and_env(monkeypatch, master):
     c = connect_store(None, world_size=1, is_master=False, timeout=5)
     publish(master, "k", 1)
     assert fetch(c, "k", timeout=1) == 1
+
+
+def test_a_client_before_its_master_waits_and_keeps_its_whole_timeout():
+    """A client that starts first waits for the master (torch's connect, on a thread given up at
+    the timeout); the store it gets has the whole timeout for every later get/wait."""
+    port = free_port()
+    got = {}
+    client = threading.Thread(target=lambda: got.setdefault(
+        "store", connect_store(f"127.0.0.1:{port}", world_size=2, is_master=False, timeout=20)))
+    client.start()
+    time.sleep(1.5)  # the client's attempts are refused meanwhile
+    master = connect_store(f"127.0.0.1:{port}", world_size=2, is_master=True, timeout=20)
+    client.join(30)
+    assert not client.is_alive() and got["store"].timeout == datetime.timedelta(seconds=20)
+    publish(master, "k", 7)
+    assert fetch(got["store"], "k", timeout=5) == 7
 
 
 def test_group_secret_created_once_shared_and_redacted(master, monkeypatch):

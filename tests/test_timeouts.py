@@ -57,7 +57,7 @@ def test_setup_without_a_store_times_out_naming_the_address():
 
 
 def _unreachable_store_worker(rank, port):
-    """On host1, host0's link cut: each store address fails, naming itself and why, about its
+    """On host1, host0's link cut: each store address fails, naming itself and why, within its
     timeout. ``(message, seconds)`` per address."""
     out = {}
     for addr in (f"10.77.0.1:{port}", f"10.77.0.2:{port}", f"no-such-host.invalid:{port}"):
@@ -86,8 +86,9 @@ def test_an_unreachable_rendezvous_fails_at_its_timeout_naming_the_address_and_w
     for addr, why in whys.items():
         msg, took = res[addr]
         assert f"could not connect to the TCPStore at {addr} within 2 s: {why}" in msg, msg
-        # torch's connect retries a little past the timeout (its backoff), then one look says why
-        assert took < 2.0 + 4.0, (addr, took)
+        # the timeout, then at most 0.5 s to say why (torch's own retries overran it by up to 5 s);
+        # the rest of the slack is for a loaded machine's scheduling
+        assert took < 2.0 + 0.5 + 1.5, (addr, took)
 
 
 # ------------------------------------------------------------------------------ wait timeouts

@@ -54,6 +54,7 @@ import os
 import secrets
 import socket
 import sys
+import threading
 from datetime import timedelta
 from functools import lru_cache
 from typing import Any
@@ -146,13 +147,14 @@ def _loopback_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _why_unreachable(host: str, port: int) -> str:
-    """After a failed connect: one plain TCP connection attempt to ``host:port`` (at most 1 s),
-    saying why the store could not be reached from this host: refused (nothing listens), no answer
-    (a cut link, a firewall that drops), no route, a name that does not resolve."""
+def _attempt(host: str, port: int, timeout: float) -> str | None:
+    """One plain TCP connection to ``host:port`` (closed at once: a store accepts a connection that
+    says nothing), at most ``timeout`` s. None when accepted, else why not from this host: refused
+    (nothing listens), no answer (a cut link, a firewall that drops), no route, a name that does not
+    resolve."""
     here = socket.gethostname()
     try:
-        socket.create_connection((host, port), timeout=1.0).close()
+        socket.create_connection((host, port), timeout=timeout).close()
     except socket.gaierror as e:
         return f"{host!r} does not resolve on this host ({here!r}): {e.strerror}"
     except ConnectionRefusedError:
@@ -162,7 +164,28 @@ def _why_unreachable(host: str, port: int) -> str:
                 "packets, or no such machine on this network)")
     except OSError as e:  # EHOSTUNREACH, ENETUNREACH
         return f"{e.strerror or e} from this host ({here!r})"
-    return "it accepts connections now, but not within the timeout"
+    return None
+
+
+def _client(host: str, port: int, world_size: int, timeout: float, wait_for_workers: bool) -> dist.TCPStore:
+    """torch's client connect, given up at ``timeout``: torch retries with a growing random delay
+    that runs seconds past its own timeout, so it runs on a thread of its own (the constructor
+    releases the GIL) that is left to end by itself; a store it gets after that is dropped."""
+    got: dict[str, Any] = {}
+
+    def connect() -> None:
+        try:
+            got["store"] = dist.TCPStore(host, port, world_size, False, _td(timeout),
+                                         wait_for_workers=wait_for_workers)
+        except (RuntimeError, dist.DistError) as e:
+            got["error"] = e
+
+    worker = threading.Thread(target=connect, name=f"tritonreshard-connect-{host}:{port}", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if "store" in got:
+        return got["store"]
+    raise got.get("error") or TimeoutError("torch's connect is still retrying")
 
 
 def connect_store(addr: str | None = None, *, world_size: int, is_master: bool,
@@ -195,14 +218,19 @@ def connect_store(addr: str | None = None, *, world_size: int, is_master: bool,
             raise TimeoutError(f"connect_store: could not {role} the TCPStore at {host}:{port}: "
                                f"{e.strerror}") from None
         port_n, listen_fd = sock.getsockname()[1], sock.detach()  # the store closes it, even on failure
+    failed = f"connect_store: could not {role} the TCPStore at {host}:{port} within {timeout:.3g} s"
     try:
-        return dist.TCPStore(host, port_n, world_size, is_master, _td(timeout),
+        if not is_master:
+            return _client(host, port_n, world_size, timeout, wait_for_workers)
+        return dist.TCPStore(host, port_n, world_size, True, _td(timeout),
                              wait_for_workers=wait_for_workers, master_listen_fd=listen_fd)
-    except (RuntimeError, dist.DistError) as e:
-        # torch says only that it timed out; a client says why the address could not be reached.
-        why = (str(e).splitlines()[0] if str(e) else type(e).__name__) if is_master else _why_unreachable(bare, port_n)
-        raise TimeoutError(f"connect_store: could not {role} the TCPStore at {host}:{port} within "
-                           f"{timeout:.3g} s: {why}") from None
+    except (RuntimeError, dist.DistError, TimeoutError) as e:
+        # torch says only that it timed out; a client says why the address could not be reached
+        # (one plain connection, never a loop of them: a stream of connections that close at once
+        # wedges torch's libuv store, and other ranks' connects to it time out).
+        why = (str(e).splitlines()[0] if str(e) else type(e).__name__) if is_master else \
+            (_attempt(bare, port_n, 0.5) or "it accepts connections now, but not within the timeout")
+        raise TimeoutError(f"{failed}: {why}") from None
 
 
 # ---------------------------------------------------------------------------- plain values
