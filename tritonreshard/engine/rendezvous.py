@@ -167,25 +167,23 @@ def _attempt(host: str, port: int, timeout: float) -> str | None:
     return None
 
 
-def _client(host: str, port: int, world_size: int, timeout: float, wait_for_workers: bool) -> dist.TCPStore:
-    """torch's client connect, given up at ``timeout``: torch retries with a growing random delay
-    that runs seconds past its own timeout, so it runs on a thread of its own (the constructor
-    releases the GIL) that is left to end by itself; a store it gets after that is dropped."""
-    got: dict[str, Any] = {}
+def _client(host: str, port: int, world_size: int, timeout: float, wait_for_workers: bool) -> dist.TCPStore | None:
+    """torch's client connect, given up at ``timeout`` (None then, or when torch failed sooner):
+    torch retries with a growing random delay that runs seconds past its own timeout, so it runs on
+    a thread of its own (the constructor releases the GIL) that is left to end by itself; a store
+    it gets after that is dropped."""
+    got: list[dist.TCPStore] = []
 
     def connect() -> None:
         try:
-            got["store"] = dist.TCPStore(host, port, world_size, False, _td(timeout),
-                                         wait_for_workers=wait_for_workers)
-        except (RuntimeError, dist.DistError) as e:
-            got["error"] = e
+            got.append(dist.TCPStore(host, port, world_size, False, _td(timeout), wait_for_workers=wait_for_workers))
+        except (RuntimeError, dist.DistError):
+            pass  # the caller says why, from a connection of its own
 
     worker = threading.Thread(target=connect, name=f"tritonreshard-connect-{host}:{port}", daemon=True)
     worker.start()
     worker.join(timeout)
-    if "store" in got:
-        return got["store"]
-    raise got.get("error") or TimeoutError("torch's connect is still retrying")
+    return got[0] if got else None
 
 
 def connect_store(addr: str | None = None, *, world_size: int, is_master: bool,
@@ -219,18 +217,19 @@ def connect_store(addr: str | None = None, *, world_size: int, is_master: bool,
                                f"{e.strerror}") from None
         port_n, listen_fd = sock.getsockname()[1], sock.detach()  # the store closes it, even on failure
     failed = f"connect_store: could not {role} the TCPStore at {host}:{port} within {timeout:.3g} s"
-    try:
-        if not is_master:
-            return _client(host, port_n, world_size, timeout, wait_for_workers)
-        return dist.TCPStore(host, port_n, world_size, True, _td(timeout),
-                             wait_for_workers=wait_for_workers, master_listen_fd=listen_fd)
-    except (RuntimeError, dist.DistError, TimeoutError) as e:
-        # torch says only that it timed out; a client says why the address could not be reached
-        # (one plain connection, never a loop of them: a stream of connections that close at once
-        # wedges torch's libuv store, and other ranks' connects to it time out).
-        why = (str(e).splitlines()[0] if str(e) else type(e).__name__) if is_master else \
-            (_attempt(bare, port_n, 0.5) or "it accepts connections now, but not within the timeout")
-        raise TimeoutError(f"{failed}: {why}") from None
+    if is_master:
+        try:
+            return dist.TCPStore(host, port_n, world_size, True, _td(timeout),
+                                 wait_for_workers=wait_for_workers, master_listen_fd=listen_fd)
+        except (RuntimeError, dist.DistError) as e:
+            raise TimeoutError(f"{failed}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    if (store := _client(host, port_n, world_size, timeout, wait_for_workers)) is not None:
+        return store
+    # torch says only that it timed out: one plain connection says why the address could not be
+    # reached (never a loop of them: a stream of connections that close at once stalls torch's
+    # libuv store, and other ranks' connects to it with it).
+    why = _attempt(bare, port_n, 0.5) or "it accepts connections now, but not within the timeout"
+    raise TimeoutError(f"{failed}: {why}")
 
 
 # ---------------------------------------------------------------------------- plain values
