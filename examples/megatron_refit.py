@@ -45,7 +45,7 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vllm_refit import _dist_ident, _remove_vllm_shm, _worker_stats, compare  # noqa: E402
+from vllm_refit import compare, dist_ident, remove_vllm_shm, worker_stats  # noqa: E402
 
 from tritonreshard.apps.kit import TINY, expect, free_port, random_prompts, reap, tiny_config, tiny_model  # noqa: E402
 
@@ -94,8 +94,9 @@ def hf_to_megatron(cfg, hf: dict, vocab_rows: int) -> dict:
             out[f"{m}.pre_mlp_layernorm.weight"] = hf[f"{p}.post_attention_layernorm.weight"]
             out[f"{m}.mlp.router.weight"] = hf[f"{p}.mlp.gate.weight"]
             for e in range(cfg.num_experts):
-                out[f"{m}.mlp.experts.local_experts.{e}.linear_fc1.weight"] = hf[f"{p}.mlp.experts.gate_up_proj"][e:e + 1]
-                out[f"{m}.mlp.experts.local_experts.{e}.linear_fc2.weight"] = hf[f"{p}.mlp.experts.down_proj"][e:e + 1]
+                expert = f"{m}.mlp.experts.local_experts.{e}"
+                out[f"{expert}.linear_fc1.weight"] = hf[f"{p}.mlp.experts.gate_up_proj"][e:e + 1]
+                out[f"{expert}.linear_fc2.weight"] = hf[f"{p}.mlp.experts.down_proj"][e:e + 1]
             continue
         out[f"{m}.mlp.linear_fc1.weight"] = torch.cat([hf[f"{p}.mlp.gate_proj.weight"], hf[f"{p}.mlp.up_proj.weight"]])
         out[f"{m}.mlp.linear_fc1.layer_norm_weight"] = hf[f"{p}.post_attention_layernorm.weight"]
@@ -265,7 +266,8 @@ def main(argv=None) -> dict:
     train_path = model_dir.rstrip("/") + "-train.safetensors"
     save_file({n: p.detach().contiguous() for n, p in hf.named_parameters()}, train_path)
     prompts = random_prompts(cfg.vocab_size, range(12, 12 + args.prompts), seed=SEED + 1)
-    summary = {"model": args.model, "megatron": {"tp": meg.tp, "pp": meg.pp, "ep": meg.ep, "etp": meg.etp}, "tp": args.tp, "refits": 0, "prompts": len(prompts),
+    summary = {"model": args.model, "megatron": {"tp": meg.tp, "pp": meg.pp, "ep": meg.ep, "etp": meg.etp},
+               "tp": args.tp, "refits": 0, "prompts": len(prompts),
                "tokens_compared": 0, "mismatches": 0, "refit_ms": [], "worker": [], "greedy": []}
     spec = trs.recipes.megatron_to_vllm(cfg, megatron=meg, tp=args.tp, trainer_ranks=world,
                                         inference_ranks=list(range(world, world + args.tp)),
@@ -275,8 +277,9 @@ def main(argv=None) -> dict:
     ctx = mp.get_context("spawn")
     store, gloo = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     results, commands = ctx.Queue(), {r: ctx.Queue() for r in range(world)}
-    procs = {r: ctx.Process(target=trainer, args=(r, world, args.model, dataclasses.asdict(meg), train_path, args.tp, store,
-                                                  gloo, commands[r], results), daemon=True) for r in range(world)}
+    procs = {r: ctx.Process(target=trainer, args=(r, world, args.model, dataclasses.asdict(meg), train_path, args.tp,
+                                                  store, gloo, commands[r], results), daemon=True)
+             for r in range(world)}
     for p in procs.values():
         p.start()
 
@@ -285,7 +288,7 @@ def main(argv=None) -> dict:
     llm = LLM(model_dir, tensor_parallel_size=args.tp, dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
               max_model_len=128, max_num_seqs=max(4, len(prompts)), seed=SEED,
               weight_transfer_config={"backend": trs_vllm.BACKEND}, worker_extension_cls=trs_vllm.WORKER_EXTENSION)
-    idents = sorted(set(llm.collective_rpc(_dist_ident)) - {None})
+    idents = sorted(set(llm.collective_rpc(dist_ident)) - {None})
     try:
         info = trs_vllm.init_info(store=store, trainer_ranks=list(range(world)),
                                   inference_ranks=list(range(world, world + args.tp)), group="megatron",
@@ -309,7 +312,7 @@ def main(argv=None) -> dict:
             llm.collective_rpc("finish_weight_update")
             summary["refit_ms"].append(round((time.perf_counter() - t0) * 1e3, 2))
             llm.reset_prefix_cache()
-            stats = llm.collective_rpc(_worker_stats)
+            stats = llm.collective_rpc(worker_stats)
             summary["worker"].append(stats[0])
             summary["worker_bytes"] = [w["bytes"] for w in stats]  # what each TP rank pulls per refit
             summary["refits"] += 1
@@ -323,7 +326,7 @@ def main(argv=None) -> dict:
         reap(procs, timeout=30)
         llm.collective_rpc("shutdown_weight_transfer_engine")
         llm.llm_engine.engine_core.shutdown(timeout=30)
-        summary["vllm_shm_removed"] = _remove_vllm_shm(idents) if os.path.isdir("/dev/shm") else []
+        summary["vllm_shm_removed"] = remove_vllm_shm(idents) if os.path.isdir("/dev/shm") else []
         shutil.rmtree(model_dir)
         os.unlink(train_path)
     summary["ok"] = summary["mismatches"] == 0 and summary["refits"] == args.refits

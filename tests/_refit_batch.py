@@ -52,7 +52,7 @@ def summary_of(batch, model: str) -> tuple[dict, str]:
 
 def main(path: str) -> int:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-    import vllm_refit  # the trainers' processes import it by this name (spawn passes sys.path on)
+    import vllm_refit  # the trainers' processes import its modules by name (spawn passes sys.path on)
 
     failed = 0
     with open(path) as f:

@@ -32,3 +32,14 @@ def test_every_library_module_has_a_row():
         short = rel.removeprefix("tritonreshard/")
         tail = "/".join(short.split("/")[-2:])
         assert {rel, short, tail, path.name} & said, f"{rel} has no row in docs/code-layout.md"
+
+
+def test_the_vllm_refit_examples_parts_have_rows():
+    """examples/vllm_refit.py is split by job into modules beside it: each has a row, and every
+    example file a row names exists."""
+    table = DOC[:DOC.index("## Adding a model family")]
+    said = set(re.findall(r"`(examples/[\w./-]+\.py)`", table))
+    parts = {p.relative_to(ROOT).as_posix() for p in (ROOT / "examples").glob("vllm_refit*.py")}
+    assert "examples/vllm_refit.py" in parts and len(parts) > 1, parts
+    assert parts <= said, f"no row in docs/code-layout.md: {sorted(parts - said)}"
+    assert all((ROOT / f).is_file() for f in said), sorted(f for f in said if not (ROOT / f).is_file())
