@@ -44,7 +44,7 @@ def _check_shape(data):
     # window, so every value lies in [0, that refit's time].
     coord = ours["coordination_ms_all"]
     assert len(coord) == len(ours["seconds_all"])
-    for c, s in zip(coord, ours["seconds_all"]):
+    for c, s in zip(coord, ours["seconds_all"], strict=True):
         assert 0 <= c <= 1e3 * s, (c, s)
     assert min(coord) <= ours["coordination_ms"] <= max(coord)
     assert res["p2p"]["verified"] is True and res["gather_broadcast"]["verified"] is True
@@ -85,7 +85,8 @@ def test_bench_rejects_bad_arguments(tmp_path):
     out = subprocess.run([sys.executable, str(script), "--layout", "replicated-sources", "--trainers", "3"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "even --trainers" in out.stderr
-    out = subprocess.run([sys.executable, str(script), "--update-lr", "1e-6"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, str(script), "--update-lr", "1e-6"], capture_output=True, text=True,
+                         timeout=60)
     assert out.returncode == 2 and "needs --hosts >= 2" in out.stderr
     out = subprocess.run([sys.executable, str(script), "--update-lr", "1e-6,fast", "--hosts", "2"], capture_output=True,
                          text=True, timeout=60)
@@ -172,10 +173,88 @@ def test_net_option_names_every_problem_before_any_work(monkeypatch, tmp_path):
     monkeypatch.setattr(hosts, "unavailable", lambda: "the host harness needs root (a test)")
     assert environment_problems(cfg, str(tmp_path / "no" / "x.png")) == [
         "--net=namespaces: the host harness needs root (a test); --net=labels runs without it (a slower link "
-        "is then simulated)", f"--png={str(tmp_path / 'no' / 'x.png')!r}: folder {str(tmp_path / 'no')!r} does not exist"]
+        "is then simulated)",
+        f"--png={str(tmp_path / 'no' / 'x.png')!r}: folder {str(tmp_path / 'no')!r} does not exist"]
     assert environment_problems(bench.BenchConfig(hosts=2)) == []   # labels: nothing to check
     script = tmp_path / "run_bench.py"
     script.write_text(RUNNER)
     out = subprocess.run([sys.executable, str(script), "--hosts", "2", "--png", str(tmp_path / "x.png")],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--png=" in out.stderr and "draws the rows of --update-lr" in out.stderr
+
+
+def _parse(*argv):
+    import argparse
+
+    from tritonreshard.apps import bench
+    p = argparse.ArgumentParser(prog="tritonreshard bench")
+    bench.add_arguments(p)
+    return p, p.parse_args(list(argv))
+
+
+def test_codec_option_is_checked_before_anything_runs(capsys):
+    """--codec: the library's string spelling (off / auto / always, what ``codec_for`` takes), off
+    by default, named in --help; a value it does not know, a codec with one host, and a codec with
+    --update-lr (which runs all three) or --quantize are refused with the problem named, exit 2."""
+    from tritonreshard.apps.bench import BenchConfig, run
+    from tritonreshard.apps.bench.cli import _config
+    from tritonreshard.apps.bench.config import CODECS, DEFAULT_CODEC
+    from tritonreshard.transport import DELTA_MODES, Delta, Dense, codec_for
+    assert set(CODECS) == set(DELTA_MODES) and DEFAULT_CODEC == "off"
+    assert [type(codec_for(c)) for c in CODECS] == [Dense, Delta, Delta] and codec_for("always").force
+    p, args = _parse("--hosts", "2")
+    assert args.codec is None and _config(args).delta == "off"   # the default the help names
+    for codec in CODECS:
+        assert _config(_parse("--hosts", "2", "--codec", codec)[1]).delta == codec
+    text = " ".join(p.format_help().split())
+    assert "--codec {off,auto,always}" in text and "Default off: trs.Dense(), every byte every refit" in text
+    assert "auto: trs.Delta(), the library's default" in text and "always: trs.Delta(force=True)" in text
+    with pytest.raises(SystemExit) as exc:
+        _parse("--hosts", "2", "--codec", "delta")
+    assert exc.value.code == 2 and "argument --codec: invalid choice: 'delta'" in capsys.readouterr().err
+    assert BenchConfig(hosts=2, delta="always").problems() == []
+    assert BenchConfig(hosts=2, delta="sparse").problems() == ["--codec='sparse' must be one of off, auto, always"]
+    assert BenchConfig(delta="auto").problems() == [
+        "--codec=auto encodes what crosses hosts: it needs --hosts >= 2 (on one host nothing crosses), got 1"]
+    assert run(_parse("--codec", "always")[1]) == 2
+    assert "--codec=always encodes what crosses hosts" in capsys.readouterr().err
+    assert run(_parse("--codec", "off", "--hosts", "2", "--update-lr", "1e-6")[1]) == 2
+    assert "--update-lr runs every codec (off, auto, always)" in capsys.readouterr().err
+    assert run(_parse("--codec", "auto", "--quantize", "fp8-block")[1]) == 2
+    assert "--quantize runs in this process" in capsys.readouterr().err
+
+
+def test_memory_estimate_counts_the_delta_codec():
+    """A delta codec keeps a snapshot of what each trainer sends and encodes / decodes it with
+    temporaries of DELTA_WORK times the message: counted, so a run that would not fit is refused."""
+    from tritonreshard.apps.bench import BenchConfig
+    from tritonreshard.apps.bench.memory import DELTA_WORK, estimate
+    off = estimate(BenchConfig(size=8 << 20, hosts=2))
+    always = estimate(BenchConfig(size=8 << 20, hosts=2, delta="always"))
+    for r in (0, 1):   # the trainers
+        assert "delta snapshot" not in off.ranks[r]
+        assert always.ranks[r]["delta snapshot"] == always.ranks[r]["arena"]
+        assert always.ranks[r]["delta encoding"] == DELTA_WORK * always.ranks[r]["arena"]
+    largest = max(always.ranks[r]["arena"] for r in (0, 1))
+    assert always.ranks[2]["delta decoding"] == DELTA_WORK * largest   # host1's receiver: a whole arena
+    assert always.total > off.total
+
+
+def test_bench_codec_reaches_the_engine_across_two_hosts(tmp_path):
+    """--hosts 2 (labels: two host identities over loopback) with --codec off and always: the
+    result names the codec (table and JSON), both verify bit for bit, and the engine's cross-host
+    bytes differ: off moves every destination byte, always a delta of every refit (the provenance
+    bits change every element by a version key: a bitmask and an int8 difference per element)."""
+    crossed = {}
+    for codec in ("off", "always"):
+        out = _bench(tmp_path, "--hosts", "2", "--codec", codec, "--size", "2MiB", "--trainers", "1", "--inference",
+                     "1", "--methods", "tritonreshard", "--repeats", "2", "--warmup", "1", "--json")
+        data = json.loads(out.stdout.strip().splitlines()[-1])
+        ours = data["results"]["tritonreshard"]
+        assert data["codec"] == codec and data["hosts"] == 2 and ours["verified"] is True, data
+        header = out.stdout.splitlines()[0]
+        assert f"codec {codec} ({'trs.Dense()' if codec == 'off' else 'trs.Delta(force=True)'})" in header, header
+        crossed[codec] = ours["cross_host_bytes"]
+        if codec == "off":
+            assert crossed[codec] == data["bytes"], data   # one inference rank on host1: every byte it holds
+    assert 0 < crossed["always"] < 0.75 * crossed["off"], crossed

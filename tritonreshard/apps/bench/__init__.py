@@ -41,6 +41,17 @@ the engine measures it (``last_pull.copy_ms``: its descriptor-table copy, device
 ``staging_bytes`` the extra memory the pulls allocated as the engine measured it (``staging_bytes``
 of each rank: the most one pull took), summed over the ranks.
 
+Codec (``--codec``, with ``--hosts`` >= 2): how the engine's cross-host messages travel, in the
+library's string spelling (``delta=``). ``off`` (the default here: ``trs.Dense()``, every byte
+every refit), ``auto`` (``trs.Delta()``, the library's default: a delta where finding what changed
+costs less than sending whole, as each trainer measures its link and its detection) or ``always``
+(``trs.Delta(force=True)``: a delta every refit after the first, whole every 64: the anchor). The
+default is ``off`` because the provenance bits below change every element every refit, by a
+version key that a delta compresses to about 56% (a bitmask and one int8 difference per element):
+with a delta the plain run would time the encoder on a change no training step makes. The table
+and the JSON (``"codec"``) name the run's codec; ``--update-lr`` (:mod:`.deltas`) runs all three
+on RL-sized updates instead.
+
 Provenance: every element's bf16 bits are a hash of (tensor name, global index) XOR a key of the
 version, with the top exponent bit clear (finite values). Every refit changes every weight, so after
 the timed refits each inference rank checks its shards bit for bit: a stale, misplaced or unwritten
@@ -56,11 +67,12 @@ process per rank (``torch.set_num_threads(1)``); ranks run commands from the sto
 (:class:`BenchSession`, also used by ``bench/test_bench_refit.py``) so one set-up serves many
 measurements. Entry points for ``tritonreshard bench``: :func:`add_arguments` and :func:`run`.
 
-Modules, one job each: :mod:`.cli` (options, checks, :func:`run`), :mod:`.config` (:class:`BenchConfig`,
-``--size``, ``--link-gbps``), :mod:`.model` (the model and its layouts), :mod:`.provenance` (the bits every element
-holds), :mod:`.baselines` (p2p and gather_broadcast), :mod:`.rank` (one rank's set-up and command
-loop), :mod:`.session` (:class:`BenchSession`, memcpy), :mod:`.memory` (the peak estimate and the
-refusal) and :mod:`.report` (the JSON object and the table).
+Modules, one job each: :mod:`.cli` (options, checks, :func:`run`), :mod:`.config`
+(:class:`BenchConfig`, ``--size``, ``--link-gbps``, ``--codec``'s values), :mod:`.model` (the model
+and its layouts), :mod:`.provenance` (the bits every element holds), :mod:`.baselines` (p2p and
+gather_broadcast), :mod:`.rank` (one rank's set-up and command loop), :mod:`.session`
+(:class:`BenchSession`, memcpy), :mod:`.memory` (the peak estimate and the refusal) and
+:mod:`.report` (the JSON object and the table).
 """
 from .cli import add_arguments, run
 from .config import BenchConfig, parse_size

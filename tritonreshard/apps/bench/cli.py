@@ -6,8 +6,18 @@ import argparse
 import json
 import sys
 
-from .config import (LAYOUTS, METHODS, NETS, WORKER_METHODS, BenchConfig, environment_problems, parse_gbps,
-                     parse_size)
+from .config import (
+    CODECS,
+    DEFAULT_CODEC,
+    LAYOUTS,
+    METHODS,
+    NETS,
+    WORKER_METHODS,
+    BenchConfig,
+    environment_problems,
+    parse_gbps,
+    parse_size,
+)
 
 __all__ = ["add_arguments", "run"]
 
@@ -57,6 +67,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "loopback between them, no root needed) or namespaces (the host harness, "
                              "tritonreshard.apps.hosts: a network namespace, /dev/shm and hostname per host, "
                              "real TCP through a switch; needs root)")
+    parser.add_argument("--codec", choices=tuple(CODECS), default=None,
+                        help=f"how the engine's cross-host messages travel (--hosts >= 2; the library's delta= "
+                             f"spelling). Default {DEFAULT_CODEC}: {CODECS['off']}, every byte every refit (the "
+                             f"bench's provenance bits change every element every refit, which a delta would "
+                             f"compress, so the plain run moves every byte). auto: {CODECS['auto']}, the library's "
+                             f"default: a delta where finding what changed costs less than sending whole, as the "
+                             f"trainers measure their link and detection. always: {CODECS['always']}, a delta every "
+                             f"refit after the first (whole every 64: the anchor), whatever the link. The table "
+                             f"and --json ('codec') name it. Not with --update-lr (it runs all three) or --quantize")
     parser.add_argument("--update-lr", default=None, metavar="LR[,LR...]",
                         help="instead: cross-host deltas with --hosts >= 2: every refit an Adam-sized bf16 update "
                              "of this learning rate ('random': every element changes), each rate run with "
@@ -88,11 +107,19 @@ def _config(args) -> BenchConfig:
                        inference=args.inference, tensors=args.tensors, backend=args.backend or "auto",
                        device=args.device, mode=args.mode, timeout=args.timeout, hosts=args.hosts,
                        replicas=args.replicas, link_gbps=links[0], net=args.net,
+                       delta=DEFAULT_CODEC if getattr(args, "codec", None) is None else args.codec,
                        methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()))
 
 
 def run(args: argparse.Namespace) -> int:
     """Runs the bench; returns the exit code (0: measured and every method verified)."""
+    codec = getattr(args, "codec", None)
+    if codec is not None and (args.update_lr is not None or args.quantize):
+        which = ("--update-lr runs every codec (off, auto, always) side by side" if args.update_lr is not None else
+                 "--quantize runs in this process: nothing crosses hosts")
+        print(f"tritonreshard bench: invalid arguments:\n  - --codec={codec} sets the codec of the plain run, but "
+              f"{which}; leave --codec out", file=sys.stderr)
+        return 2
     if args.update_lr is not None:
         from .deltas import run_cli as run_deltas_cli  # lazy, as below
         return run_deltas_cli(args)

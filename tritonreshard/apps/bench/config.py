@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 
 __all__ = ["BenchConfig", "environment_problems", "parse_size", "parse_gbps", "METHODS", "WORKER_METHODS", "LAYOUTS",
-           "NETS"]
+           "NETS", "CODECS", "DEFAULT_CODEC"]
 
 METHODS = ("memcpy", "tritonreshard", "p2p", "gather_broadcast")
 WORKER_METHODS = ("tritonreshard", "p2p", "gather_broadcast")  # run by the spawned ranks (memcpy: the driver)
@@ -16,6 +16,18 @@ WORKER_METHODS = ("tritonreshard", "p2p", "gather_broadcast")  # run by the spaw
 #: (:mod:`tritonreshard.apps.hosts`: a network namespace, /dev/shm and hostname per host, real TCP
 #: through a switch, a slower link a tbf token bucket; root only)
 NETS = ("labels", "namespaces")
+#: ``--codec``: how the engine's cross-host messages travel, the library's string spelling
+#: (``delta=``, :func:`tritonreshard.transport.codec_for`) -> its typed config. ``off``: every byte,
+#: every refit; ``auto``: a delta where finding what changed costs less than sending whole (the
+#: trainers' measured link and detection speeds decide; the library's default); ``always``: a delta
+#: every refit after the first, whatever the link (tests). (Here, not imported from the transport:
+#: ``--help`` and the argument checks load no torch.)
+CODECS = {"off": "trs.Dense()", "auto": "trs.Delta()", "always": "trs.Delta(force=True)"}
+#: The plain run's codec: the provenance bits change every element every refit, by a version key
+#: that a delta compresses to about 56% (a bitmask and one int8 difference per element), so with a
+#: delta codec the bench would time the encoder on a change no training step makes, not the moving
+#: of every byte. ``--update-lr`` runs all three.
+DEFAULT_CODEC = "off"
 LAYOUTS = ("fsdp-tp", "cols-replicas", "colocated", "replicated-sources", "megatron-tp-pp")
 _DEFAULT_TRAINERS = {"fsdp-tp": 2, "cols-replicas": 4, "colocated": 4, "replicated-sources": 4, "megatron-tp-pp": 4}
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
@@ -74,11 +86,10 @@ class BenchConfig:
     #: Adam-sized bf16 update of that size (:mod:`.updates`), as in RL fine-tuning; ``"random"``:
     #: every refit draws fresh weights (a full random change)
     update_lr: float | str | None = None
-    #: the engine's cross-host deltas (``RefitEndpoint(codec=)``, spelled as ``delta=``). "off" here: the provenance bits
-    #: change every element by a version key that int8 differences would compress, so with deltas
-    #: the plain bench would time the codec, not moving every byte; ``--update-lr`` (:mod:`.deltas`)
-    #: runs "off" and "auto" side by side on RL-sized updates
-    delta: str = "off"
+    #: the engine's cross-host codec (``RefitEndpoint(codec=)``) in its string spelling (``delta=``,
+    #: ``--codec``: one of :data:`CODECS`); default :data:`DEFAULT_CODEC` (see there).
+    #: ``--update-lr`` (:mod:`.deltas`) runs "off", "auto" and "always" side by side on RL-sized updates
+    delta: str = DEFAULT_CODEC
     #: a slower link (gigabits/s) between hosts, None: the link as it is. ``net="labels"``: each
     #: rank sets ``$TRITONRESHARD_SIMULATED_LINK_GBPS`` (the engine's test hook: every cross-host
     #: send first sleeps its bytes / this rate); ``net="namespaces"``: a token bucket of this rate on
@@ -169,7 +180,8 @@ class BenchConfig:
             p.append(f"--update-lr={self.update_lr!r} must be a learning rate in (0, 1) or 'random'")
         if self.update_lr is not None and self.methods != ("tritonreshard",):
             p.append("--update-lr measures the engine alone (methods=('tritonreshard',))")
-        if self.link_gbps is not None and (isinstance(self.link_gbps, bool) or not isinstance(self.link_gbps, (int, float))
+        if self.link_gbps is not None and (isinstance(self.link_gbps, bool)
+                                           or not isinstance(self.link_gbps, (int, float))
                                            or not 0 < self.link_gbps < float("inf")):
             p.append(f"--link-gbps={self.link_gbps!r} must be gigabits/s > 0")
         elif self.link_gbps is not None and self.hosts < 2:
@@ -181,8 +193,11 @@ class BenchConfig:
             p.append(f"--net=namespaces makes the hosts of --hosts: it needs --hosts >= 2, got {self.hosts}")
         elif self.net == "namespaces" and self.device != "cpu":
             p.append(f"--net=namespaces runs on CPU tensors over gloo; --device={self.device} is not supported there")
-        if self.delta not in ("auto", "off", "always"):
-            p.append(f"delta={self.delta!r} must be auto, off or always")
+        if not isinstance(self.delta, str) or self.delta not in CODECS:
+            p.append(f"--codec={self.delta!r} must be one of {', '.join(CODECS)}")
+        elif self.delta != "off" and isinstance(self.hosts, int) and self.hosts < 2:
+            p.append(f"--codec={self.delta} encodes what crosses hosts: it needs --hosts >= 2 (on one host "
+                     f"nothing crosses), got {self.hosts}")
         return p
 
     def role(self, rank: int) -> str:

@@ -141,13 +141,14 @@ def measure_rate(cfg: BenchConfig, lr: float | str, repeats: int, warmup: int, h
                            "delta" if auto["cross_host_bytes"] <= always["cross_host_bytes"] else "mixed",
             "refit_ms_off": off["refit_ms"], "refit_ms_auto": auto["refit_ms"], "refit_ms_delta": always["refit_ms"],
             "detect_s_per_gb": always["detect_s_per_gb"],
-            "links": {d: f["links"] for d, f in zip(DELTAS, (off, auto, always))},
+            "links": {d: f["links"] for d, f in zip(DELTAS, (off, auto, always), strict=True)},
             "verified": off["verified"] and auto["verified"] and always["verified"]}
 
 
 def _fmt(row: dict) -> str:
     changed = "-" if row["changed"] is None else f"{100 * row['changed']:.2f}%"
-    auto = row["auto_picked"] if row["auto_picked"] == "whole" else f"{row['auto_picked']} {fmt_bytes(row['auto_bytes'])}"
+    auto = (row["auto_picked"] if row["auto_picked"] == "whole"
+            else f"{row['auto_picked']} {fmt_bytes(row['auto_bytes'])}")
     return (f"{str(row['lr']):>8}  {link_name(row):>9}  {changed:>8}"
             f"  {fmt_bytes(row['dense_bytes']):>10}  {fmt_bytes(row['delta_bytes']):>10}  {100 * row['ratio']:6.2f}%"
             f"  {auto:>16}  {row['refit_ms_off']:8.1f}  {row['refit_ms_auto']:8.1f}  {row['refit_ms_delta']:9.1f}"

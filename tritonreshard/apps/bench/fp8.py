@@ -58,11 +58,11 @@ def _sync(device):
 
 
 def _time_rounds(fns: dict, repeats: int, warmup: int, device, progress=None) -> dict:
-    """The timed rounds' seconds of each method in ``fns`` (a list per method), its rounds interleaved: round ``i`` of every method
-    before round ``i + 1`` of any, so a change of machine load during the run falls on every method
-    alike (run one after another, a busy spell could make either look several times slower). The
-    order within a round rotates, so no method always follows the same one. ``progress(line)``: one
-    line per method and round."""
+    """The timed rounds' seconds of each method in ``fns`` (a list per method), its rounds
+    interleaved: round ``i`` of every method before round ``i + 1`` of any, so a change of machine
+    load during the run falls on every method alike (run one after another, a busy spell could make
+    either look several times slower). The order within a round rotates, so no method always follows
+    the same one. ``progress(line)``: one line per method and round."""
     names = list(fns)
     times = {n: [] for n in names}
     total = warmup + repeats

@@ -21,7 +21,8 @@ checked); nothing is left in either host's /dev/shm. Then the link is restored a
 epoch forms in the same processes: the trainers open a new ``RefitTrainer(meeting=Meeting(epoch=k +
 1), start_version=)`` from the newest version any of them published, the inference ranks
 ``rejoin()``. Its first transfer is whole (no delta starts from a base the receiver may lack); a
-delta round's second is a delta again. The figures (time to the error, time to the next good refit) are measured per round.
+delta round's second is a delta again. The figures (time to the error, time to the next good
+refit) are measured per round.
 
 ``python -m tritonreshard.apps.bench.partitions --rounds transfer,fence --repeats 2`` (or ``--rounds
 delta,delta``) prints them; tests/test_partitions.py runs each case twice.
@@ -262,7 +263,8 @@ def figures(result: dict) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tritonreshard.apps.bench.partitions", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tritonreshard.apps.bench.partitions",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", default="transfer,fence", help=f"comma-separated cases from {CASES} "
                     "(all 'delta' or none)")
     ap.add_argument("--repeats", type=int, default=1, help="run the rounds this many times in a row")

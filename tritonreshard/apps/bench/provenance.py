@@ -74,7 +74,7 @@ def check_bits(tensors: list[torch.Tensor], keys: list[int], layout: Layout, ran
     ok = [True] * len(tensors)
     for rows in _row_chunks(tuple(layout.local_shape(rank))):
         expect = _hash_rows(layout, rank, name, rows, tensors[0].device if tensors else "cpu")
-        for i, (t, k) in enumerate(zip(tensors, keys)):
+        for i, (t, k) in enumerate(zip(tensors, keys, strict=True)):
             if ok[i]:
                 ok[i] = torch.equal(t.view(torch.int16)[rows], torch.bitwise_xor(expect, k))
     return ok

@@ -190,7 +190,7 @@ class Rank:
         keys = [key16(self.last[m]) for m in checked]
         for t in self.model:
             res = check_bits([sets[m][t.name] for m in checked], keys, self.dst_layouts[t.name], self.rank, t.name)
-            for m, good in zip(checked, res):
+            for m, good in zip(checked, res, strict=True):
                 ok[m] = ok[m] and good
         return ok
 
@@ -217,8 +217,9 @@ class Rank:
         return {"rank": self.rank,
                 "descriptors": int(self.ep.stats.num_descriptors) if self.is_dst else 0,
                 "handles_opened": int(self.ep.stats.handles_opened),
-                "plan_ops_dst": len(self.plan.ops_for_dst(self.rank)), "bytes_per_refit": int(self.ep.stats.bytes_per_refit)
-                if self.is_dst else 0, "backend": self.ep.backend.name, "transport": self.transport}
+                "plan_ops_dst": len(self.plan.ops_for_dst(self.rank)),
+                "bytes_per_refit": int(self.ep.stats.bytes_per_refit) if self.is_dst else 0,
+                "backend": self.ep.backend.name, "transport": self.transport}
 
     def close(self):
         self.ep.close()

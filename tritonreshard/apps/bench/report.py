@@ -10,7 +10,7 @@ import torch
 
 from tritonreshard.planning import fmt_bytes
 
-from .config import METHODS, WORKER_METHODS
+from .config import CODECS, METHODS, WORKER_METHODS
 from .session import BenchSession
 
 __all__ = ["measure", "table"]
@@ -75,7 +75,7 @@ def measure(session: BenchSession, methods, repeats: int, warmup: int) -> dict:
             if b in results:
                 ours[f"speedup_vs_{b}"] = results[b]["seconds"] / ours["seconds"]
     if "memcpy" in results:
-        for m, r in results.items():
+        for r in results.values():
             r.setdefault("ratio_to_memcpy", r["gbps"] / results["memcpy"]["gbps"])
     transport = session.rank_info[0]["transport"]
     out.update({
@@ -83,7 +83,7 @@ def measure(session: BenchSession, methods, repeats: int, warmup: int) -> dict:
         "mode": cfg.mode, "backend": session.rank_info[-1]["backend"], "baseline_transport": transport,
         "model_bytes": session.model_bytes, "tensors": len(session.model), "plan_ops": session.plan_ops,
         "repeats": repeats, "warmup": warmup, "processes": cfg.world_size, "hosts": cfg.hosts, "net": cfg.net,
-        "replicas": cfg.replicas,
+        "replicas": cfg.replicas, "codec": cfg.delta,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                     "python": platform.python_version(),
                     "gpu": torch.cuda.get_device_name(0) if cfg.device == "cuda" else None},
@@ -91,11 +91,16 @@ def measure(session: BenchSession, methods, repeats: int, warmup: int) -> dict:
     return out
 
 
+def _codec(out: dict) -> str:
+    """The run's codec as the table names it: ``codec off (trs.Dense())``."""
+    return f"codec {out['codec']} ({CODECS[out['codec']]})"
+
+
 def table(out: dict) -> str:
     """The table ``tritonreshard bench`` prints, from :func:`measure`'s result."""
     res = out["results"]
     lines = [f"tritonreshard bench: {out['layout']}, {out['trainers']} trainer(s) -> {out['inference']} inference "
-             f"rank(s), {out['device']}, {out['backend']} backend, {out['mode']} mode; "
+             f"rank(s), {out['device']}, {out['backend']} backend, {out['mode']} mode, {_codec(out)}; "
              f"{fmt_bytes(out['model_bytes'])} bf16 model in {out['tensors']} tensors, "
              f"{fmt_bytes(out['bytes'])} written per refit; median of {out['repeats']} "
              f"(after {out['warmup']} warm-up)"]
