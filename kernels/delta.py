@@ -11,8 +11,8 @@ message changed since the sender's snapshot, in two passes over the words.
   rank), so the output equals torch's ``nonzero`` and ``new[idx]`` exactly.
 
 :class:`TritonDeltaScan` runs both passes for one message; :class:`TorchDeltaScan` is the same with
-torch ops (any device, any length), byte for byte. A :class:`~tritonreshard.kernels.CopyBackend`
-says which one a message gets (``delta_scan``).
+torch ops (any device, any length; on CPU with numpy, in one pass over chunks of the words), byte for
+byte. A :class:`~tritonreshard.kernels.CopyBackend` says which one a message gets (``delta_scan``).
 
 The snapshot is not updated here: the codec's contract is that it becomes the new version only
 once the sends completed (``commit_sends``), so a failed send leaves the base the receiver holds.
@@ -22,6 +22,7 @@ Compiled on CUDA tensors, interpreted on CPU tensors (``_jit``): the interpreter
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +44,14 @@ DELTA_WORDS = (torch.uint8, torch.int16, torch.int32, torch.int64)
 _NUM_WARPS = {1: 8, 2: 8, 4: 8, 8: 16}
 _MAX_WORDS = 2 ** 31 - 1  # positions are int32
 _GATHER_BITS = 0x0102040810204080     # see TorchDeltaScan.write_bitmask
+#: Bytes of each message per chunk of TorchDeltaScan's CPU pass: a chunk of the message and of the
+#: snapshot (2 x 256 KiB) and its mask stay in a core's L2 while they are compared and compacted.
+_CPU_CHUNK_BYTES = 1 << 18
+#: A chunk of which more than 1/_EAGER changed is compacted only if asked (``compact_numpy``): a
+#: message of such is headed for DENSE or BITMASK, which need no positions, and compacting them costs
+#: the most; up to 1/8, ``_flatnonzero``'s two steps are the fast ones.
+_EAGER = 8
+_UNSIGNED = {2: np.uint16, 4: np.uint32}   # the words the codec offers DIFF8 for, their bits unsigned
 
 
 @jit
@@ -205,26 +214,146 @@ def delta_launch_configs(n: int = 3 * DELTA_BLOCK + 16) -> list[tuple[str, torch
     return out
 
 
+def _flatnonzero(m: np.ndarray, count: int) -> np.ndarray:
+    """``np.flatnonzero`` of a bool mask (a multiple of 8 long) with ``count`` set. Up to 1/8 set,
+    in two steps: the 8-word groups with any set (each read as one uint64), then the words of
+    those groups alone; at a few % set that is 2x numpy's, which tests word after word (and past
+    ~15% set it is slower)."""
+    if count * 8 > m.size:
+        return np.flatnonzero(m)
+    groups = m.view(np.uint64)
+    g = np.flatnonzero(groups != 0)
+    r = np.flatnonzero(groups[g].view(np.bool_))   # the set words' places in those groups' words
+    q = np.take(g, r >> 3) << 3
+    r &= 7
+    r |= q
+    return r
+
+
+def _on_threads(fn, items: list) -> list:
+    """``[fn(items[w::k]) for w in range(k)]``, each call on a thread of its own: ``k`` is torch's
+    intra-op thread count (what torch's CPU ops would use), at most one a 4 items (chunks). numpy
+    releases the GIL inside each call a chunk makes, so the threads run at once."""
+    k = max(1, min(torch.get_num_threads(), len(items) // 4))
+    if k == 1:
+        return [fn(items)]
+    with ThreadPoolExecutor(k) as pool:
+        return list(pool.map(fn, [items[w::k] for w in range(k)]))
+
+
 class TorchDeltaScan:
     """Compare and compact with torch (any device; also Triton's fallback for 2**31 words or more).
 
     Built from the two messages' words: ``changed``, the words that differ. ``compact()``: their
-    positions (int64, ascending) and new values; ``write_bitmask(payload)``: the BITMASK section."""
+    positions (int64, ascending) and new values; ``write_bitmask(payload)``: the BITMASK section.
+
+    On CPU (``cpu``) the words are read once, a chunk at a time, with numpy (torch's CPU compare and
+    nonzero are each slower), on torch's thread count: each chunk of the message and of its
+    snapshot is compared, counted, packed into ``bits`` (the BITMASK section, zero-padded to
+    ``nmask`` bytes) and, where few of its words changed, compacted with its new and old words while
+    it is in the core's cache. Gathering the changed words afterwards would read both messages from
+    memory again: at a few % changed nearly every cache line holds one. A chunk of which more than
+    1/8 changed is compacted only if ``compact_numpy()`` asks (``map_chunks`` runs a function over
+    the chunks with their masks instead); for words of 2 and 4 bytes it counts instead its words
+    that differ by more than 127 in the word's width (``far_at_least``: a lower bound of DIFF8's
+    escapes, as a difference that wraps around the sign can look small but a small one never looks
+    large)."""
 
     def __init__(self, nw: torch.Tensor, ow: torch.Tensor, nmask: int):
-        self.nw, self.nmask = nw, nmask
+        self.nw, self.ow, self.nmask = nw, ow, nmask
+        self.cpu = nw.device.type == "cpu"
+        if self.cpu:
+            self._scan_cpu(nw.numpy(), ow.numpy())
+            return
         self.mask = nw != ow
         self.changed = int(torch.count_nonzero(self.mask))
 
+    def _scan_cpu(self, a: np.ndarray, b: np.ndarray) -> None:
+        n = a.size
+        self.step = step = max(8, _CPU_CHUNK_BYTES // a.itemsize)   # a multiple of 8: chunks start bitmask bytes
+        self.bits = np.zeros(self.nmask, dtype=np.uint8)
+        self._compacted = None
+        unsigned = _UNSIGNED.get(a.itemsize)
+        # int32 positions where they fit: half the memory traffic of int64 in every later pass
+        self.positions = positions = np.dtype(np.int32 if n < 2 ** 31 else np.int64)
+
+        def scan(starts) -> list[tuple]:
+            # per chunk with changes: (start, changed, far, positions, new words, old words); the last
+            # three None where the chunk is left for compact_numpy()
+            parts = []
+            buf = np.empty(-(-min(n, step) // 8) * 8, dtype=np.bool_)
+            t = np.empty(buf.size, dtype=a.dtype)
+            for s in starts:
+                e = min(n, s + step)
+                m = buf[:-(-(e - s) // 8) * 8]          # whole bytes of the bitmask: the tail False
+                m[e - s:] = False
+                np.not_equal(a[s:e], b[s:e], out=m[:e - s])
+                c = int(np.count_nonzero(m))
+                if not c:
+                    continue
+                self.bits[s // 8:(e + 7) // 8] = np.packbits(m, bitorder="little")
+                if c * _EAGER <= e - s:
+                    i = _flatnonzero(m, c)
+                    parts.append((s, c, 0, np.add(i, s, dtype=positions), a[s:e].take(i), b[s:e].take(i)))
+                    continue
+                far = 0
+                if unsigned is not None:
+                    d = np.subtract(a[s:e], b[s:e], out=t[:e - s])
+                    np.add(d, 127, out=d)                # -127..127 -> 0..254, unless it wrapped
+                    far = int(np.count_nonzero(np.greater(d.view(unsigned), 254, out=m[:e - s])))
+                parts.append((s, c, far, None, None, None))
+            return parts
+
+        self._parts = sorted((p for ps in _on_threads(scan, list(range(0, n, step))) for p in ps), key=lambda p: p[0])
+        self.changed = sum(p[1] for p in self._parts)
+        self.far_at_least = sum(p[2] for p in self._parts)
+        self._starts = [p[0] for p in self._parts]
+
+    def map_chunks(self, fn, starts: list[int] | None = None) -> list:
+        """CPU: ``[fn(start, end, mask) ...]`` for the chunks with changes (or those of ``starts``),
+        in order, on the scan's threads; ``mask``: the chunk's changed words (bool, from ``bits``)."""
+        n = self.nw.numel()
+
+        def run(ss) -> list[tuple]:
+            out = []
+            for s in ss:
+                e = min(n, s + self.step)
+                m = np.unpackbits(self.bits[s // 8:(e + 7) // 8], count=e - s, bitorder="little").view(np.bool_)
+                out.append((s, fn(s, e, m)))
+            return out
+
+        return [r for _, r in sorted((x for xs in _on_threads(run, self._starts if starts is None else starts)
+                                      for x in xs), key=lambda x: x[0])]
+
+    def compact_numpy(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """CPU: ``(positions, new words, old words)`` of the changed words (numpy arrays, computed
+        once; the positions ascending, of dtype ``positions``: int32 under 2**31 words)."""
+        if self._compacted is None:
+            a, b = self.nw.numpy(), self.ow.numpy()
+
+            def late(s: int, e: int, m: np.ndarray) -> tuple:
+                j = np.flatnonzero(m)
+                return np.add(j, s, dtype=self.positions), a[s:e].take(j), b[s:e].take(j)
+
+            todo = [p[0] for p in self._parts if p[3] is None]
+            done = dict(zip(todo, self.map_chunks(late, todo), strict=True))
+            cols = [(np.empty(0, dtype=self.positions), a[:0], b[:0])] + [done.get(p[0], p[3:]) for p in self._parts]
+            self._compacted = tuple(np.concatenate(col) for col in zip(*cols, strict=True))
+            self._parts = []
+        return self._compacted
+
     def compact(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cpu:
+            idx, new, _ = self.compact_numpy()
+            return torch.from_numpy(idx).to(torch.int64), torch.from_numpy(new)
         idx = torch.nonzero(self.mask).view(-1)
         return idx, self.nw[idx]
 
     def write_bitmask(self, payload: torch.Tensor) -> None:
-        n = self.nw.numel()
-        if self.nw.device.type == "cpu":   # numpy's packbits: ~15x the torch bit-gather below on CPU
-            payload[:-(-n // 8)] = torch.from_numpy(np.packbits(self.mask.numpy(), bitorder="little"))
+        if self.cpu:
+            payload[:self.nmask] = torch.from_numpy(self.bits)
             return
+        n = self.nw.numel()
         padded = torch.zeros(self.nmask * 8, dtype=torch.uint8, device=self.nw.device)
         padded[:n] = self.mask
         # Eight 0/1 bytes (an int64, little-endian) -> one byte, first byte lowest bit: the

@@ -35,8 +35,10 @@ payload is defined to the byte). :func:`decode` writes into the base in place.
 
 :func:`encode` compares and compacts with Triton on CUDA (``kernels.delta``: two passes over the
 words, the bitmask and the block counts from the first) and with torch elsewhere, as its
-:class:`~tritonreshard.kernels.CopyBackend` says; the two give the same bytes. :func:`decode` is
-torch on any device.
+:class:`~tritonreshard.kernels.CopyBackend` says; the two give the same bytes. On CPU the torch
+backend's scan reads both messages once, a chunk at a time in cache, with numpy, and the sections are
+made with numpy from counts (:func:`_encode_numpy`): the same bytes again, at >1 GB/s a core for an
+Adam step (``bench/delta_detect.py``). :func:`decode` is torch on any device.
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..kernels import AutoBackend, CopyBackend, copy_backend
+from ..kernels import AutoBackend, CopyBackend, TorchDeltaScan, copy_backend
 
 __all__ = ["DENSE", "BITMASK", "INDEX32", "GAP16", "GAP8", "DIFF8", "KINDS", "Encoded", "word_dtype", "word_size",
            "encode", "decode", "encoded_sizes"]
@@ -61,6 +63,7 @@ _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _DIFF_WORDS = (2, 4)                  # word widths DIFF8 is offered for (1: no gain; 8: int64 range)
 _ESCAPE = -128                        # the DIFF8 byte of an entry whose new word follows whole
 _SECTION = 8                          # payload sections start at multiples of this
+_GAP_NP = {GAP16: np.uint16, GAP8: np.uint8}   # the gap sections as numpy writes them (same bits)
 
 
 def _align(n: int) -> int:
@@ -181,12 +184,14 @@ def _check_encode(new: torch.Tensor, old: torch.Tensor, word: int, backend, kind
 
 
 def _dense_before_compacting(nw: torch.Tensor, ow: torch.Tensor, word: int, changed: int, nmask: int,
-                             kind: int | None, force_sparse: bool) -> bool:
+                             kind: int | None, force_sparse: bool, far: int | None = None) -> bool:
     """Whether ``DENSE`` is the answer before the positions are compacted: asked for, or no sparse
     encoding can beat it. Every sparse encoding costs at least one byte an entry or one bit a word
     for its positions, plus its values: the words themselves, or (DIFF8) one byte each and the
     escaped words whole. The escapes are counted (a pass over every word) only where DIFF8 alone
-    could still win: at most 1/16 unchanged."""
+    could still win: at most 1/16 unchanged. ``far``: a lower bound of them instead (a CPU scan's
+    ``far_at_least``, counted in the same pass as the compare): a False then only means that the
+    sizes decide, as they would."""
     if kind == DENSE:
         return True
     dense = nw.numel() * word
@@ -195,8 +200,141 @@ def _dense_before_compacting(nw: torch.Tensor, ow: torch.Tensor, word: int, chan
     diff8_bound = min(2 * changed, nmask + changed)
     if word not in _DIFF_WORDS or diff8_bound >= dense:
         return True
+    if far is not None:
+        return diff8_bound + far * word >= dense
     escaped = int(torch.count_nonzero(_diffs(nw, ow).abs() > 127))
     return diff8_bound + escaped * word >= dense
+
+
+def _pick(sizes: dict[int, int], kind: int | None, force_sparse: bool) -> int:
+    """The kind to send: ``kind`` if asked for, else the smallest (ties to the lower kind, so
+    ``DENSE`` first), leaving out ``DENSE`` when ``force_sparse``."""
+    if kind is not None:
+        return kind
+    candidates = {k: s for k, s in sizes.items() if k != DENSE} if force_sparse else sizes
+    return min(candidates, key=lambda k: (candidates[k], k))
+
+
+def _encode_numpy(scan: TorchDeltaScan, n: int, word: int, kind: int | None, force_sparse: bool) -> Encoded:
+    """:func:`encode` after a CPU scan, with numpy: the bytes of the torch code there, from the
+    positions and both words of the changed ones (``scan.compact_numpy()``, gathered while in
+    cache). Every size comes from counts (the gaps over 255, the differences over 127); fillers are
+    made only where a gap needs them (at a few % changed, a handful) and only for the kind sent;
+    what is made per changed word is as narrow as it can be (int32 positions and gaps under 2**31
+    words, the int8 differences in the payload itself), as these passes are bound by memory."""
+    if kind is None and scan.changed and _align(scan.changed) >= scan.nmask:
+        return _encode_bitmask_numpy(scan, n, word, force_sparse)
+    idx, vals, olds = scan.compact_numpy()
+    changed = idx.size
+    gaps = np.empty(changed, dtype=idx.dtype)      # as _gaps: each position minus the one before, the first minus -1
+    if changed:
+        gaps[0] = idx[0] + 1
+        np.subtract(idx[1:], idx[:-1], out=gaps[1:])
+    big = np.flatnonzero(gaps > _MAX_GAP[GAP8])     # the only gaps that need fillers, of either kind
+    fill = {k: (gaps[big] - 1) // mg for k, mg in _MAX_GAP.items()}
+    shifted = esc = None
+    if word in _DIFF_WORDS:
+        # the exact difference (as _diffs) plus 127: -127..127 -> 0..254, every other one beyond
+        # 254 when read unsigned (the negative ones too)
+        wide = np.dtype(np.int32 if word == 2 else np.int64)
+        shifted = np.subtract(vals, olds, dtype=wide)
+        shifted += 127
+        esc = np.flatnonzero(shifted.view(f"u{wide.itemsize}") > 254)
+    sizes = encoded_sizes(n, word, changed, gap16=changed + int(fill[GAP16].sum()),
+                          gap8=changed + int(fill[GAP8].sum()), escapes=None if esc is None else esc.size)
+    kind = _pick(sizes, kind, force_sparse)
+    if kind == DENSE:
+        return Encoded(DENSE, sizes[DENSE], n, word, changed)
+    where = kind & ~DIFF8
+    payload = torch.zeros(sizes[kind], dtype=torch.uint8)     # zeros: the padding
+    p = payload.numpy()
+    before = None           # gap kinds with fillers: the entries they go before (one each)
+    if where in _MAX_GAP and int(fill[where].sum()):
+        mg, has = _MAX_GAP[where], fill[where] > 0
+        at, f = big[has], fill[where][has]
+        before = np.repeat(at, f)
+    m = changed + (0 if before is None else before.size)
+    wbytes = _where_bytes(where, n, m)
+    if where == BITMASK:
+        scan.write_bitmask(payload)
+    elif where == INDEX32:
+        np.copyto(p[:4 * m].view(np.int32), idx, casting="unsafe")
+    else:
+        gd = np.dtype(_GAP_NP[where])
+        section = p[:m * gd.itemsize].view(gd)
+        if before is None:  # 1..65535 as uint16 bits (the int16 of the torch code), 1..255 as uint8
+            np.copyto(section, gaps, casting="unsafe")
+        else:
+            g = gaps.astype(gd)     # the gaps over mg wrap here, and are set next:
+            g[at] = gaps[at] - f * mg   # a filler's gap is mg, the entry after it keeps the rest
+            section[:] = np.insert(g, before, mg)
+    if kind & DIFF8:
+        d8 = shifted.astype(np.int8)
+        d8 -= 127               # wraps back to the difference where it fits (-127..127)
+        d8[esc] = _ESCAPE
+        if before is not None:  # a filler's difference: 0
+            d8 = np.insert(d8, before, 0)
+        p[wbytes:wbytes + m].view(np.int8)[:] = d8
+        p[wbytes + _align(m):].view(vals.dtype)[:] = vals[esc]
+    else:
+        values = vals
+        if before is not None:  # a filler's value: its word as it is, at prev + mg, prev + 2 mg, ...
+            j = np.arange(before.size) - np.repeat(np.cumsum(f) - f, f) + 1
+            prev = idx[at].astype(np.int64) - gaps[at]
+            values = np.insert(vals, before, scan.nw.numpy()[np.repeat(prev, f) + mg * j])
+        p[wbytes:].view(vals.dtype)[:] = values
+    return Encoded(kind, sizes[kind], n, word, changed, m, payload)
+
+
+def _encode_bitmask_numpy(scan: TorchDeltaScan, n: int, word: int, force_sparse: bool) -> Encoded:
+    """:func:`_encode_numpy` where at least one word in 8 changed (the bitmask's bytes at most the
+    changed words'): every positions section is then at least as long as the bitmask and holds at
+    least as many entries, and ties go to the lower kind, so the answer is ``DENSE``, ``BITMASK`` or
+    ``BITMASK | DIFF8``, and neither positions nor gaps are needed. A chunk at a time, the changed
+    words are taken by the chunk's mask and their differences made (the escapes counted exactly);
+    where nearly all changed, every word's difference is made and the changed ones taken after, as
+    numpy's boolean take is fast only where it takes nearly all."""
+    a, b = scan.nw.numpy(), scan.ow.numpy()
+    changed = scan.changed
+    wide = np.dtype(np.int32 if word == 2 else np.int64)
+
+    def nearly_all(m: np.ndarray) -> bool:
+        return 16 * int(np.count_nonzero(m)) >= 15 * m.size
+
+    def changed_words(s: int, e: int, m: np.ndarray) -> np.ndarray:
+        return a[s:e][m] if nearly_all(m) else a[s:e].take(np.flatnonzero(m))
+
+    def diffs(s: int, e: int, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        every = nearly_all(m)
+        j = None if every else np.flatnonzero(m)
+        new, old = (a[s:e], b[s:e]) if every else (a[s:e].take(j), b[s:e].take(j))
+        shifted = np.subtract(new, old, dtype=wide)   # as _encode_numpy
+        shifted += 127
+        far = shifted.view(f"u{wide.itemsize}") > 254
+        d8 = shifted.astype(np.int8)
+        d8 -= 127
+        d8[far] = _ESCAPE
+        return (d8[m] if every else d8), new[far]
+
+    parts = escapes = None
+    if word in _DIFF_WORDS:
+        parts = scan.map_chunks(diffs)
+        escapes = sum(x.size for _, x in parts)
+    sizes = {k: s for k, s in encoded_sizes(n, word, changed, escapes=escapes).items()
+             if k in (DENSE, BITMASK, BITMASK | DIFF8)}
+    kind = _pick(sizes, None, force_sparse)
+    if kind == DENSE:
+        return Encoded(DENSE, sizes[DENSE], n, word, changed)
+    payload = torch.zeros(sizes[kind], dtype=torch.uint8)     # zeros: the padding
+    p = payload.numpy()
+    scan.write_bitmask(payload)
+    wbytes = scan.nmask
+    if kind == BITMASK:
+        p[wbytes:].view(a.dtype)[:] = np.concatenate(scan.map_chunks(changed_words))
+    else:
+        p[wbytes:wbytes + changed].view(np.int8)[:] = np.concatenate([d for d, _ in parts])
+        p[wbytes + _align(changed):].view(a.dtype)[:] = np.concatenate([x for _, x in parts])
+    return Encoded(kind, sizes[kind], n, word, changed, changed, payload)
 
 
 def _write_where(payload: torch.Tensor, where: int, delta, idx: torch.Tensor, gaps: torch.Tensor,
@@ -233,8 +371,11 @@ def encode(new: torch.Tensor, old: torch.Tensor, word: int, *, force_sparse: boo
     nmask = _align(-(-n // 8))
     delta = backend.delta_scan(nw, ow, nmask)
     changed = delta.changed
-    if _dense_before_compacting(nw, ow, word, changed, nmask, kind, force_sparse):
+    cpu = isinstance(delta, TorchDeltaScan) and delta.cpu
+    if _dense_before_compacting(nw, ow, word, changed, nmask, kind, force_sparse, delta.far_at_least if cpu else None):
         return Encoded(DENSE, n * word, n, word, changed)
+    if cpu:
+        return _encode_numpy(delta, n, word, kind, force_sparse)
     idx, vals = delta.compact()
     gaps = _gaps(idx)
     fillers = {k: int(((gaps - 1) // m).sum()) for k, m in _MAX_GAP.items()}
@@ -244,9 +385,7 @@ def encode(new: torch.Tensor, old: torch.Tensor, word: int, *, force_sparse: boo
         escapes = int(torch.count_nonzero(d.abs() > 127))
     sizes = encoded_sizes(n, word, changed, gap16=changed + fillers[GAP16], gap8=changed + fillers[GAP8],
                           escapes=escapes)
-    if kind is None:
-        candidates = {k: s for k, s in sizes.items() if k != DENSE} if force_sparse else sizes
-        kind = min(candidates, key=lambda k: (candidates[k], k))
+    kind = _pick(sizes, kind, force_sparse)
     if kind == DENSE:
         return Encoded(DENSE, sizes[DENSE], n, word, changed)
     where = kind & ~DIFF8
