@@ -32,6 +32,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     for row in table:
         tr.write_line("  ".join(c.ljust(w) if i in (0, 1, 6) else c.rjust(w)
-                                for i, (c, w) in enumerate(zip(row, widths))).rstrip())
+                                for i, (c, w) in enumerate(zip(row, widths, strict=True))).rstrip())
     tr.write_line("Differs from `tritonreshard bench`: 5 rounds after 1 warm-up refit (not --repeats 10 "
                   "--warmup 2), each method's rounds in a row (not interleaved with the other methods').")

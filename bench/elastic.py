@@ -48,6 +48,7 @@ TRAINERS, REPLICA0, REPLICA1 = (0, 1), (2, 3), (4, 5)
 
 def _layouts(mib: int):
     import torch
+
     from tritonreshard import Layout, Replicate, Shard
     rows = max(2, mib * 2**20 // (4 * 1024))
     src = {"w": Layout((rows, 1024), TRAINERS, [Shard(0)]), "b": Layout((1024,), TRAINERS, [Shard(0)])}
@@ -85,6 +86,7 @@ def _get(store, key):
 def _import():
     """``import torch, tritonreshard`` and the engine (the package loads it on first use)."""
     import torch
+
     import tritonreshard as trs
     trs.RefitTrainer, trs.RefitInference  # noqa: B018 (the lazy package imports the engine here)
     return torch, trs
@@ -214,8 +216,8 @@ def live(mib: int) -> None:
         for r, x in rs.items():
             meet, check, plan, mapped, admit = x["stats"]
             print(f"  replica 0 rank {r}: detect {(x['detect'] - t_kill) * 1e3:.0f}, rejoined at "
-                  f"{(x['rejoined'] - t_kill) * 1e3:.0f} (its join: meet {meet:.1f}, check {check:.1f}, plan {plan:.1f}, "
-                  f"map {mapped:.1f}, admit {admit:.1f}), first refit (version {x['version']}) at "
+                  f"{(x['rejoined'] - t_kill) * 1e3:.0f} (its join: meet {meet:.1f}, check {check:.1f}, "
+                  f"plan {plan:.1f}, map {mapped:.1f}, admit {admit:.1f}), first refit (version {x['version']}) at "
                   f"{(x['first'] - t_kill) * 1e3:.0f}")
     finally:
         store.set("end", "1")
@@ -271,7 +273,7 @@ def scale(config: Path) -> None:
         order = source_order(spec.src, r)
         offs, total = pack_offsets([spec.src[n].local_numel(r) * spec.src[n].itemsize for n in order])
         handle = ArenaHandle("shm-fd", "0" * 32, total, total, "cpu", 1000 + r, "h")
-        exported.append(Exported(BufferRef("arena", r), handle, handle, dict(zip(order, offs))))
+        exported.append(Exported(BufferRef("arena", r), handle, handle, dict(zip(order, offs, strict=True))))
     members = tuple(Member(r, 1000 + r, "h", "cpu") for r in range(trainers))
     group = ElasticGroup(0, dict(spec.src), members, tuple(exported))
     store = dist.HashStore()
@@ -300,7 +302,8 @@ def scale(config: Path) -> None:
     print(f"  joiner: plan_rank for rank {joiner[0]}                 {t6 - t5:7.2f} s ({len(rp.plan.ops)} ops)")
     print(f"  joiner: its route (RankPlan.local_route)       {t7 - t6:7.2f} s ({len(route.reads)} reads from "
           f"{len(route.buffers)} arenas; through a host plan, the same reads: {t8 - t7:.2f} s)")
-    print(f"  joiner total {t7 - t4 + t1 - t0:.2f} s; peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")
+    print(f"  joiner total {t7 - t4 + t1 - t0:.2f} s; "
+          f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")
     print("  trainers: nothing planned or mapped; each admits the joiner's ranks it serves (a scan of its join words)")
     print("  other replicas: nothing")
 

@@ -30,6 +30,7 @@ interpreter, the refit with torch-copy pulls over shared memory).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -78,7 +79,7 @@ def d2d_seconds(nbytes: int, device, warmup: int, iters: int) -> float:
     """torch's contiguous copy of ``nbytes`` (read ``nbytes``, write ``nbytes``)."""
     a = torch.empty(nbytes, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
-    t = timer(device, lambda: b.copy_(a), warmup, iters)
+    t = timer(device, functools.partial(b.copy_, a), warmup, iters)
     del a, b
     return t
 
@@ -101,8 +102,9 @@ def merge_json(path: str | None, part: str, value) -> None:
 
 
 def _case(name: str, shape, src_l, dst_l, device):
-    import tritonreshard as trs
     from tritonreshard.kernels import DescriptorTable
+
+    import tritonreshard as trs
 
     plan = trs.plan_reshard({"w": src_l}, {"w": dst_l})
     torch.manual_seed(0)
@@ -148,7 +150,7 @@ def kernel_figures(size: int, device: torch.device, warmup: int, iters: int) -> 
         plan, table, check = _case(name, shape, src_l, dst_l, device)
         moved = table.bytes_read + table.bytes_written
         t_copy = d2d_seconds(moved // 2, device, warmup, iters)
-        t = timer(device, lambda: table.run("triton"), warmup, iters)
+        t = timer(device, functools.partial(table.run, "triton"), warmup, iters)
         variants = sorted({lc.variant for g in table._groups for lc in g.launches})
         res = {
             "name": name, "device": str(device), "shape": list(shape), "ops": len(plan.ops),
@@ -192,12 +194,12 @@ def delta_figures(size: int, device: torch.device, warmup: int, iters: int) -> l
                "kind": dc.KINDS[ref.kind], "nbytes": ref.nbytes}
         backends = ("torch", "triton") if device.type == "cuda" else ("torch",)
         for b in backends:
-            t = timer(device, lambda b=b: dc.encode(nb, ob, 2, backend=b), warmup, iters)
+            t = timer(device, functools.partial(dc.encode, nb, ob, 2, backend=b), warmup, iters)
             res[f"{b}_ms"] = round(t * 1e3, 3)
             res[f"{b}_ms_per_gb"] = round(t * 1e3 / (2 * n / 1e9), 3)
         if ref.payload is not None:
             base = ob.clone()   # applied again and again: the work per call is the same
-            t = timer(device, lambda: dc.decode(ref.kind, ref.payload, base, 2, ref.entries), warmup, iters)
+            t = timer(device, functools.partial(dc.decode, ref.kind, ref.payload, base, 2, ref.entries), warmup, iters)
             res["decode_ms"] = round(t * 1e3, 3)
             res["decode_ms_per_gb"] = round(t * 1e3 / (2 * n / 1e9), 3)
             del base
@@ -259,8 +261,8 @@ def _refit_member(rank: int, port: int, total: int, repeats: int, device: str, q
         if rank in _TRAINERS:
             tensors = {k: _pattern(lay, rank, 0, dev) for k, lay in src_l.items()}
             with trs.RefitTrainer(tensors, src_l, **kw) as ep:
-                for v in range(1, repeats + 1):
-                    for k, lay in src_l.items():
+                for _version in range(1, repeats + 1):
+                    for k in src_l:
                         ep.source_tensors[k].add_(1)  # version v: pattern + v
                     ep.publish()
                     ep.fence()
@@ -288,7 +290,7 @@ def refit_figures(total: int, repeats: int, deadline_s: float, device: str = "cu
 
     port = free_port()
     src_l, _ = _refit_layouts(total)
-    nbytes = sum(math.prod(l.shape) * 2 for l in src_l.values())
+    nbytes = sum(math.prod(lay.shape) * 2 for lay in src_l.values())
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     ranks = [*_TRAINERS, *_INFERENCE]
@@ -313,7 +315,7 @@ def refit_figures(total: int, repeats: int, deadline_s: float, device: str = "cu
            "inference": len(_INFERENCE), "repeats": repeats}
     if errors or missing:
         res["error"] = {"ranks_failed": errors, "ranks_missing": missing,
-                        "exitcodes": {r: p.exitcode for r, p in zip(ranks, procs)}}
+                        "exitcodes": {r: p.exitcode for r, p in zip(ranks, procs, strict=True)}}
         return res
     per_refit = [max(got[r][1]["pull_seconds"][i] for r in _INFERENCE) for i in range(repeats)]
     timed = per_refit[1:] if repeats > 1 else per_refit  # the first pull compiles the kernels

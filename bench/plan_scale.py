@@ -14,8 +14,8 @@ wall time under load measures the neighbours more than the planner.
 * ``plan s``: ``spec.plan(rank=r)`` (``--what dst|src``: the first inference rank, the first trainer; with
   ``--hosts-of``: its host's part, ``plan_host_part``, and its queries of it),
   or the whole plan (``--what whole``: what every rank computed before per-rank planning);
-* ``ops``: the plan's ops (on several hosts: the ops the rank runs); ``RSS MB``: the process's peak resident set (``ru_maxrss``) after
-  planning, torch and the library imported included, and ``+MB`` the growth over the peak before
+* ``ops``: the plan's ops (on several hosts: the ops the rank runs); ``RSS MB``: the process's peak resident set
+  (``ru_maxrss``) after planning, torch and the library imported included, and ``+MB`` the growth over the peak before
   the recipe was built.
 
 ``--all`` runs the figures reported in the README (one subprocess each).
@@ -48,6 +48,7 @@ def measure(config: Path, trainers: int, tp: int, replicas: int, what: str, host
     from the merged per-rank plans of the host's destination ranks (``plan_hosts(..., host=)``).
     With ``--what whole``: the whole plan and the whole host plan, what every rank made before."""
     import torch
+
     import tritonreshard as trs
 
     cfg = SimpleNamespace(**json.loads(config.read_text()))
@@ -127,7 +128,8 @@ def main(argv=None) -> None:
     ap.add_argument("--hosts-of", type=int, default=0,
                     help="ranks per host (0: one host); the rank also makes its host's part of the host plan")
     ap.add_argument("--merged", action="store_true",
-                    help="with --hosts-of: the host part from the merged per-rank plans (the way before plan_host_part)")
+                    help="with --hosts-of: the host part from the merged per-rank plans "
+                         "(the way before plan_host_part)")
     ap.add_argument("--json", action="store_true", help="measure here and print one JSON line")
     ap.add_argument("--all", action="store_true", help="the README's figures, each in a fresh process")
     ap.add_argument("--repeat", type=int, default=3,

@@ -94,6 +94,7 @@ def _rss_mib() -> int:
 def trainer(rank: int, store: str, commands, results) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     torch.set_num_threads(1)
+    import tritonreshard as trs
     import tritonreshard.vllm as trs_vllm
 
     config = load_config()
@@ -306,11 +307,12 @@ def main(argv=None) -> dict:
         want = expected_digests(spec, args.refits)
         summary["expected_s"] = round(time.perf_counter() - t0, 1)
         summary["buffers_checked"] = sum(len(d) for d in digests)
-        summary["buffers_differing"] = [f"rank {r}: {n}" for r, d in zip(INFERENCE, digests) for n in want[r]
-                                        if d.get(n) != want[r][n]]
+        summary["buffers_differing"] = [f"rank {r}: {n}" for r, d in zip(INFERENCE, digests, strict=True)
+                                        for n in want[r] if d.get(n) != want[r][n]]
         from safetensors.torch import save_file
 
-        save_file({n: full_tensor(spec, n, args.refits) for n in spec.src}, os.path.join(model_dir, "model.safetensors"))
+        save_file({n: full_tensor(spec, n, args.refits) for n in spec.src},
+                  os.path.join(model_dir, "model.safetensors"))
         summary["reload_weights_ms"] = llm.collective_rpc(_reload, args=(os.path.join(model_dir, "model.safetensors"),))
         summary["after_reload_mismatches"] = mismatches(vllm_greedy(llm, prompts, args.max_tokens), got)
         summary["worker_peak_rss_MiB"] = llm.collective_rpc(_peak_rss)

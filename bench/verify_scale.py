@@ -76,7 +76,8 @@ def measure(row: dict) -> dict:
         t0, c0 = time.perf_counter(), time.process_time()
         peak0 = _rss()
         with vtrace._as_tp_rank(tp, rank):
-            stats = verify_model(model, spec, rank=inference[rank], tp_rank=rank, **({"sample": True} if before else {}))
+            stats = verify_model(model, spec, rank=inference[rank], tp_rank=rank,
+                                 **({"sample": True} if before else {}))
         out |= {"s": round(time.perf_counter() - t0, 2), "cpu_s": round(time.process_time() - c0, 2),
                 "peak_MiB": _mib(stats.get("verify_peak_bytes")), "held_MiB": _mib(stats.get("verify_held_bytes")),
                 "rss_growth_MiB": round((_rss() - peak0) / 2**20), "params_checked": stats["verify_params"],
@@ -121,7 +122,8 @@ def rows(full: bool, cut: bool) -> list[dict]:
     if full:
         for m in MODELS:
             for ep in ((False, True) if m != "llama-3-8b" else (False,)):
-                out += [{"model": m, "tp": 8, "ep": ep, "what": "verify"}, {"model": m, "tp": 8, "ep": ep, "what": "trace"}]
+                out += [{"model": m, "tp": 8, "ep": ep, "what": "verify"},
+                        {"model": m, "tp": 8, "ep": ep, "what": "trace"}]
     if cut:  # the sizes the element check fits in here, both sides: the growth between two sizes
         for what in ("verify", "trace"):
             # (the element-wise trace of two 8B layers would need about 22 GB: one only)

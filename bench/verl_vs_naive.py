@@ -123,7 +123,7 @@ class Measured:
     set above the one before (``VmHWM`` reset through ``/proc/self/clear_refs``), and what stays
     resident after, collected and trimmed."""
 
-    def __enter__(self) -> "Measured":
+    def __enter__(self) -> Measured:
         from tritonreshard.vllm import _cost
 
         self._cost = _cost
@@ -358,7 +358,7 @@ def table(result: dict) -> str:
                               later[0]["full_tensor_calls"], _mb(later[0]["full_tensor_bytes"]),
                               _mb(later[0]["copied_bytes"]), _mb(statistics.median(peak) if peak else None), ""))
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
-    text = ["| " + " | ".join(str(c).ljust(w) for c, w in zip(line, widths)) + " |" for line in lines]
+    text = ["| " + " | ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)) + " |" for line in lines]
     text.insert(1, "| " + " | ".join("-" * w for w in widths) + " |")
     return "\n".join(text)
 

@@ -43,7 +43,8 @@ import vllm_serve_bench as sb  # noqa: E402  (its Server; it puts examples/ on t
 ex = sb.ex
 METHODS = ("start_weight_update", "update_weights", "finish_weight_update")
 # --load N: N busy processes (this one and N - 1 forks of it).
-_HOG = "import os, sys\nfor _ in range(int(sys.argv[1]) - 1):\n    if os.fork() == 0:\n        break\nwhile True:\n    pass\n"
+_HOG = ("import os, sys\nfor _ in range(int(sys.argv[1]) - 1):\n    if os.fork() == 0:\n        break\n"
+        "while True:\n    pass\n")
 ROUTES = {m: "/" + m for m in METHODS}
 
 
@@ -149,7 +150,7 @@ def main(argv=None) -> dict:
             hogs = [subprocess.Popen([sys.executable, "-c", _HOG, str(args.load)], process_group=0)]
         summary["load_avg"] = os.getloadavg()[0]
         calls = []
-        for k in range(args.before_init):
+        for _ in range(args.before_init):
             time.sleep(args.gap)
             calls.append(dict(timed_call(srv, "start_weight_update", {}), phase="before init"))
             calls.append(dict(timed_call(srv, "finish_weight_update", {}), phase="before init"))
@@ -179,7 +180,7 @@ def main(argv=None) -> dict:
         for call in calls:
             summary["calls"].append({"phase": call["phase"], "method": call["method"], "hops_ms": hops(call, events)})
         summary["worker"] = [dict(zip(("rank", "version", "kind", "total_ms", "wait_ms", "agree_ms", "copy_ms",
-                                       "post_ms"), line)) for line in sb.INSTALLED.findall(srv.log())]
+                                       "post_ms"), line, strict=True)) for line in sb.INSTALLED.findall(srv.log())]
     finally:
         for h in hogs:
             os.killpg(h.pid, signal.SIGKILL)

@@ -52,7 +52,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))  # the example's models, trainer processes and greedy check
 
 import torch  # noqa: E402
-
 import vllm_refit as ex  # noqa: E402
 
 from tritonreshard.apps.kit import free_port, hf_greedy, mismatches, random_prompts, tiny_model  # noqa: E402
@@ -238,8 +237,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", action="store_true", help="print a JSON summary as the last stdout line")
     args = ap.parse_args(argv)
     bad = [f"--{k}={v} must be >= {lo}" for k, v, lo in (
-        ("tp", args.tp, 1), ("refits", args.refits, 1), ("clients", args.clients, 1), ("max-tokens", args.max_tokens, 1),
-        ("prompts", args.prompts, 1), ("window", args.window, 0), ("gap", args.gap, 0)) if v < lo]
+        ("tp", args.tp, 1), ("refits", args.refits, 1), ("clients", args.clients, 1),
+        ("max-tokens", args.max_tokens, 1), ("prompts", args.prompts, 1), ("window", args.window, 0),
+        ("gap", args.gap, 0)) if v < lo]
     if args.max_tokens + 20 > 128:
         bad.append(f"--max-tokens={args.max_tokens} must be <= 108 (max-model-len 128, prompts of up to 20 tokens)")
     if bad:
@@ -372,7 +372,7 @@ def main(argv=None) -> dict:
         phases["vLLM reload_weights"] = rel
         check("after vLLM reload_weights", reload=True)
         load.stop()
-        for name, ph in phases.items():
+        for ph in phases.values():
             # requests begun and ended within the phase (not those that waited on the next init)
             lat = [(e - s) * 1e3 for s, e, _ in load.done if ph["start"] <= s and e <= ph["end"]]
             ph["latency_ms"] = {"p50": round(percentile(lat, 50), 1) if lat else None,
@@ -421,13 +421,16 @@ def print_table(summary: dict) -> None:
     for name, ph in summary["phases"].items():
         stall = ph.get("stall_ms", [])
         w = ph.get("worker", [])
-        split = " / ".join(_span([x[k] for x in w]) for k in ("wait_ms", "agree_ms", "copy_ms", "post_ms")) if w else "-"
+        split = (" / ".join(_span([x[k] for x in w]) for k in ("wait_ms", "agree_ms", "copy_ms", "post_ms"))
+                 if w else "-")
         lat = ph["latency_ms"]
+        during = ph.get("tokens_during_pull", [])
+        pull_s = ph.get("pull_s") or [None] * len(during)  # timed only where the pull runs in the background
         row = (name, ", ".join(f"{x:.0f}" for x in stall) or "-",
                f"{percentile(stall, 50):.0f}" if stall else "-",
                f"{lat['p50']} / {lat['p99']}", str(lat["n"]), str(ph["tokens_per_s"]),
                ", ".join(f"{x:.0f}" + (f" in {t:.1f} s" if t is not None else "") for x, t in
-                         zip(ph.get("tokens_during_pull", []), ph.get("pull_s") or [None] * 99)) or "-", split)
+                         zip(during, pull_s, strict=True)) or "-", split)
         print("| " + " | ".join(row) + " |")
     inits = [f"{ph['init_ms']:.0f} ms ({name})" for name, ph in summary["phases"].items() if "init_ms" in ph]
     if inits:

@@ -46,7 +46,8 @@ def tp_forward(config, shards, cos, sin, ids):
 
     emb = [s["model.embed_tokens.weight"] for s in shards]
     rows = emb[0].shape[0]
-    x = sum(F.embedding((ids - r * rows).clamp(0, rows - 1), e) * ((ids >= r * rows) & (ids < (r + 1) * rows))[..., None]
+    x = sum(F.embedding((ids - r * rows).clamp(0, rows - 1), e)
+            * ((ids >= r * rows) & (ids < (r + 1) * rows))[..., None]
             for r, e in enumerate(emb))
     B, T, _ = x.shape
     mask = torch.full((T, T), float("-inf")).triu(1)

@@ -41,8 +41,7 @@ import torch.multiprocessing as mp  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from vllm_refit import SEED, SIGMA, model_config, training_tensors  # noqa: E402
 
-from tritonreshard.apps.kit import (free_port, hf_greedy, mismatches, random_prompts, reap, tiny_model,  # noqa: E402
-                                    vllm_greedy)
+from tritonreshard.apps.kit import free_port, hf_greedy, mismatches, random_prompts, reap, tiny_model, vllm_greedy  # noqa: E402
 
 TRAINERS = [0, 1]            # the elastic group's world: the trainers alone
 ENGINE_RANKS = {0: [2], 1: [3]}   # replica -> its TP ranks (TP=1)
@@ -170,9 +169,9 @@ class Driver:
                 dead = [k for k, p in self.procs.items() if not p.is_alive() and k not in self.gone]
                 if dead:
                     raise RuntimeError(f"{dead} exited (codes {[self.procs[k].exitcode for k in dead]}) while "
-                                       f"the driver waited for {kind!r}")
+                                       f"the driver waited for {kind!r}") from None
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"no {kind!r} within {timeout:g} s")
+                    raise TimeoutError(f"no {kind!r} within {timeout:g} s") from None
                 continue
             if msg[0] == "error":
                 raise RuntimeError(f"engine {msg[1]} failed while the driver waited for {kind!r}: {msg[2]}")

@@ -41,7 +41,7 @@ class CopyBackend(ABC):
     name: ClassVar[str]
 
     @abstractmethod
-    def for_device(self, device) -> "CopyBackend":
+    def for_device(self, device) -> CopyBackend:
         """The backend that runs on ``device`` (a concrete backend: itself)."""
 
     @abstractmethod

@@ -15,8 +15,8 @@ memory mapped by a transport must be kept mapped by its owner.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -92,7 +92,7 @@ def _collapse(shape: Sequence[int], ss: Sequence[int], ds: Sequence[int]) -> lis
     first; [] if the region is empty."""
     if any(n == 0 for n in shape):
         return []
-    dims = [(n, s, d) for n, s, d in zip(shape, ss, ds) if n != 1]
+    dims = [(n, s, d) for n, s, d in zip(shape, ss, ds, strict=True) if n != 1]
     dims.sort(key=lambda t: t[2], reverse=True)  # stable: ties keep their order
     merged: list[tuple[int, int, int]] = []
     for n, s, d in dims:
@@ -118,8 +118,8 @@ def _regions(src_view: torch.Tensor, dst_view: torch.Tensor, src_base: int, dst_
     dims = [(1, 0, 0)] * (_k.MAX_DIMS - len(dims)) + dims
     out = []
     for idx in itertools.product(*(range(n) for n, _, _ in lead)):
-        so = sum(i * s for i, (_, s, _) in zip(idx, lead))
-        do = sum(i * d for i, (_, _, d) in zip(idx, lead))
+        so = sum(i * s for i, (_, s, _) in zip(idx, lead, strict=True))
+        do = sum(i * d for i, (_, _, d) in zip(idx, lead, strict=True))
         sa, da = src_view.data_ptr() + so * sb, dst_view.data_ptr() + do * db
         out.append(Region(tuple(n for n, _, _ in dims), tuple(s for _, s, _ in dims),
                           tuple(d for _, _, d in dims), sa - src_base, da - dst_base, sa, da, sb, db))
@@ -144,7 +144,7 @@ class _Group:
 
 def _span(t: torch.Tensor) -> int:
     """Elements from a view's first to one past its last element."""
-    return sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
+    return sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) + 1
 
 
 def _torch_copies(entries: Sequence[Entry]) -> list:
@@ -167,7 +167,7 @@ def _torch_copies(entries: Sequence[Entry]) -> list:
             pairs.append((run[0].dst_view.copy_, run[0].src_view))
         elif run:
             s, d = run[0].src_view, run[0].dst_view
-            ds, dd = (x // v.element_size() for x, v in zip(step(run[0], run[1]), (s, d)))
+            ds, dd = (x // v.element_size() for x, v in zip(step(run[0], run[1]), (s, d), strict=True))
             sv = s.as_strided((len(run), *s.shape), (ds, *s.stride()), s.storage_offset())
             dv = d.as_strided((len(run), *d.shape), (dd, *d.stride()), d.storage_offset())
             pairs.append((dv.copy_, sv))
@@ -217,7 +217,7 @@ class DescriptorTable:
         ops: Iterable,
         src: Callable[[object], torch.Tensor],
         dst: Callable[[object], torch.Tensor],
-    ) -> "DescriptorTable":
+    ) -> DescriptorTable:
         """Build the table of ``ops`` (``TransferOp``s).
 
         ``src(op)``: the full local shard of ``op.name`` on ``op.src_rank`` (any strides, any view);
@@ -267,7 +267,7 @@ class DescriptorTable:
                 "float32/bfloat16/float16 pairs):\n  " + "\n  ".join(unsupported))
         return cls(entries, device if device is not None else torch.device("cpu"))
 
-    def subset(self, indices: Iterable[int]) -> "DescriptorTable":
+    def subset(self, indices: Iterable[int]) -> DescriptorTable:
         """A table of some entries only (e.g. ``table.subset([3]).run()`` to step through entry 3)."""
         return DescriptorTable([self.entries[i] for i in indices], self.device)
 

@@ -68,6 +68,7 @@ import torch
 import triton.language as tl
 
 from tritonreshard.planning import CASTABLE_DTYPES, castable
+
 from ._jit import interpreted, jit
 
 FIELD_NAMES = ("src_addr", "dst_addr", "n_rows", "n_cols", "ss_row", "ss_col", "ds_row", "ds_col",
@@ -430,8 +431,8 @@ def plan_launches(key, boxes, device) -> list[GatherLaunch]:
             continue
         n3 = shape[3]
         aligned_rows = (ss[3] == 1 and ds[3] == 1 and sa % ALIGN_BYTES == 0 and da % ALIGN_BYTES == 0
-                        and all(n == 1 or (s * sb) % ALIGN_BYTES == 0 for n, s in zip(shape[:3], ss[:3]))
-                        and all(n == 1 or (d * db) % ALIGN_BYTES == 0 for n, d in zip(shape[:3], ds[:3])))
+                        and all(n == 1 or (s * sb) % ALIGN_BYTES == 0 for n, s in zip(shape[:3], ss[:3], strict=True))
+                        and all(n == 1 or (d * db) % ALIGN_BYTES == 0 for n, d in zip(shape[:3], ds[:3], strict=True)))
         if not aligned_rows:
             pieces.extend(_tiles_regions(box, sb, db, tc["COLS"]))
             continue

@@ -40,10 +40,13 @@ import torch
 import triton.language as tl
 
 from tritonreshard.planning import CASTABLE_DTYPES, FP8_DTYPE, BlockQuant
-from .backends import copy_backend
+
 from ._jit import interpreted, jit
+from .backends import copy_backend
+
 # The descriptor flag bit and the 128-bit vector width mean the same in both kernels' tables: one home.
-from .gather import ALIGN_BYTES as _ALIGN, FLAG_ALIGNED
+from .gather import ALIGN_BYTES as _ALIGN
+from .gather import FLAG_ALIGNED
 
 __all__ = ["E4M3_MAX", "AMAX_FLOOR", "QUANT_VARIANTS", "QuantizeLaunch", "QuantizeTable", "ceil_to_ue8m0",
            "e4m3_from_f32", "per_block_cast_to_fp8", "quantize_blocks_kernel", "quantize_launch_configs"]
@@ -306,7 +309,8 @@ class QuantizeTable:
     ``run("triton")`` is one :func:`quantize_blocks_kernel` launch per (source dtype, block, mode)
     group, one program per destination block; ``run("torch")`` quantizes about 1 MiB of block rows at a
     time with torch ops in one fp32 scratch and one work buffer shared by every weight of the table
-    (its only allocations besides torch's temporaries: no copy of the weights). Both write every destination element and every scale.
+    (its only allocations besides torch's temporaries: no copy of the weights). Both write every destination element and
+    every scale.
     """
 
     def __init__(self, jobs: list[_Job], device: torch.device):
@@ -319,7 +323,7 @@ class QuantizeTable:
 
     @classmethod
     def build(cls, ops: Iterable, quant: Mapping[str, BlockQuant], src: Callable[[object], torch.Tensor],
-              dst: Callable[[object], torch.Tensor], scale: Callable[[int, str], torch.Tensor]) -> "QuantizeTable":
+              dst: Callable[[object], torch.Tensor], scale: Callable[[int, str], torch.Tensor]) -> QuantizeTable:
         """``ops``: TransferOps into the weights named in ``quant`` (others are refused). ``src(op)``:
         the source rank's full local shard; ``dst(op)``: the destination rank's fp8 weight;
         ``scale(rank, name)``: that rank's fp32 scale tensor ``name``. Raises one ``ValueError``
@@ -393,10 +397,10 @@ class QuantizeTable:
             ds_row = w.stride(-2)
             sc = j.scale
             for li in np.ndindex(*lead):
-                w_off = sum(i * st for i, st in zip(li, w.stride()[:-2]))
-                s_off = sum(i * st for i, st in zip(li, sc.stride()[:-2]))
-                mine = [(ds, sv[tuple(i - d.start for i, d in zip(li, ds[:-2]))] if lead else sv)
-                        for ds, sv in j.pieces if all(d.start <= i < d.stop for i, d in zip(li, ds[:-2]))]
+                w_off = sum(i * st for i, st in zip(li, w.stride()[:-2], strict=True))
+                s_off = sum(i * st for i, st in zip(li, sc.stride()[:-2], strict=True))
+                mine = [(ds, sv[tuple(i - d.start for i, d in zip(li, ds[:-2], strict=True))] if lead else sv)
+                        for ds, sv in j.pieces if all(d.start <= i < d.stop for i, d in zip(li, ds[:-2], strict=True))]
                 for si, (a, z) in enumerate(q.row_blocks()):
                     for ci, c in enumerate(range(0, k, bk)):
                         cz = min(c + bk, k)
@@ -451,7 +455,7 @@ class QuantizeTable:
         scratch_all = torch.empty(numel, dtype=torch.float32, device=self.device)
         work_all = torch.empty(numel, dtype=torch.float32, device=self.device)
         out = []
-        for j, (rows, kp) in zip(self.jobs, sizes):
+        for j, (rows, kp) in zip(self.jobs, sizes, strict=True):
             bn, bk = j.q.block
             *lead, n, k = j.weight.shape
             kb = kp // bk
@@ -460,8 +464,8 @@ class QuantizeTable:
             work = work_all[:rows * kp].view(rows, kp)
             rb = j.q.row_blocks()
             for li in np.ndindex(*lead):
-                mine = [(ds, sv[tuple(i - d.start for i, d in zip(li, ds[:-2]))] if lead else sv)
-                        for ds, sv in j.pieces if all(d.start <= i < d.stop for i, d in zip(li, ds[:-2]))]
+                mine = [(ds, sv[tuple(i - d.start for i, d in zip(li, ds[:-2], strict=True))] if lead else sv)
+                        for ds, sv in j.pieces if all(d.start <= i < d.stop for i, d in zip(li, ds[:-2], strict=True))]
                 weight, scale = j.weight[li], j.scale[li]
                 for c in range(0, len(rb), per):
                     blocks = rb[c:c + per]

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _mp import free_port
 
 TINY = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1000,

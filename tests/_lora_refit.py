@@ -30,8 +30,7 @@ os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "30")
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from tritonreshard.apps.kit import (expect, free_port, hf_greedy, mismatches, random_prompts, reap,  # noqa: E402
-                                    vllm_greedy)
+from tritonreshard.apps.kit import expect, free_port, hf_greedy, mismatches, random_prompts, reap, vllm_greedy  # noqa: E402
 
 LORA = dict(r=8, lora_alpha=12, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                  "down_proj"])
@@ -189,7 +188,7 @@ def main(case):
             assert llm.llm_engine.add_lora(LoRARequest(name, lora_id, path)), name
         torch.save(llm.collective_rpc(read_slots), case["slots_out"])
         # The user's alternative today: save the adapter, load it with vLLM's own loader (same engine).
-        for k in range(3):
+        for _ in range(3):
             t0 = time.perf_counter()
             pm.save_pretrained(os.path.join(workdir, "saved"))
             t1 = time.perf_counter()

@@ -15,11 +15,10 @@ import socket
 import sys
 
 import torch
+from _provenance import provenance
 
 import tritonreshard as trs
 from tritonreshard import Layout, Replicate, Shard
-
-from _provenance import provenance
 
 VERSIONS = 3
 SRC = {"w": Layout((16, 12), [0, 1], [Shard(0)]), "b": Layout((12,), [0, 1], [Replicate()])}

@@ -28,8 +28,16 @@ from torch import nn
 
 import tritonreshard as trs
 from tritonreshard.recipes import RecipeSpec
-from tritonreshard.serving import (RankLayout, ServingEngine, ServingInit, ServingTrainer, UpdateInfo, failure_text,
-                                   outcome, register_recipe)
+from tritonreshard.serving import (
+    RankLayout,
+    ServingEngine,
+    ServingInit,
+    ServingTrainer,
+    UpdateInfo,
+    failure_text,
+    outcome,
+    register_recipe,
+)
 
 ENGINE = "tiny-mlp"
 VOCAB, HIDDEN, FFN = 64, 16, 32

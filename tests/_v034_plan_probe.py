@@ -56,8 +56,12 @@ def _rank(rank, wheel, cases):
 
     import torch
     from vllm.config import ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import (destroy_distributed_environment, destroy_model_parallel,
-                                  init_distributed_environment, initialize_model_parallel)
+    from vllm.distributed import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
     from vllm.model_executor.models.registry import ModelRegistry
 
     with tempfile.TemporaryDirectory() as root:

@@ -7,6 +7,7 @@ at TP=1 over gloo. Prints ``OK <n checks>``; any failed check raises.
 Usage: python _v034_session.py WHEEL PORT   (used by tests/test_vllm_versions.py)
 """
 import __future__
+
 import ast
 import contextlib
 import os
@@ -29,8 +30,12 @@ def main(wheel, port):
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ["VLLM_DIST_IDENT"] = f"trs-v034-{port}"  # plain torch.distributed, nothing in /dev/shm
     import torch
-    from vllm.distributed import (destroy_distributed_environment, destroy_model_parallel,
-                                  init_distributed_environment, initialize_model_parallel)
+    from vllm.distributed import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
 
     from tritonreshard import RefitError
     from tritonreshard.vllm import WorkerExtension

@@ -21,8 +21,12 @@ import torch
 def _imports():
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     from vllm.config import ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import (destroy_distributed_environment, destroy_model_parallel,
-                                  init_distributed_environment, initialize_model_parallel)
+    from vllm.distributed import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
     from vllm.model_executor.models.registry import ModelRegistry
 
     return ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config, destroy_distributed_environment, \

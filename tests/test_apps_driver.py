@@ -12,8 +12,16 @@ import pytest
 
 import tritonreshard.apps.driver as driver_mod
 from tritonreshard import PeerDiedError
-from tritonreshard.apps.driver import (MEMORY_ENV, Driver, RankFailed, available_memory, memory_shortage, one_line,
-                                       sigkill_cause, wait_key)
+from tritonreshard.apps.driver import (
+    MEMORY_ENV,
+    Driver,
+    RankFailed,
+    available_memory,
+    memory_shortage,
+    one_line,
+    sigkill_cause,
+    wait_key,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -130,7 +138,8 @@ def test_killed_rank_with_an_oom_kill_counted_is_likely_out_of_memory(monkeypatc
 def test_sigkill_cause_says_what_the_evidence_allows():
     log = ("[ 7.1] eth0: link up\n"
            "[ 132.6] Out of memory: Killed process 4242 (python3) total-vm:9000kB, anon-rss:8000kB, file-rss:0kB\n")
-    assert sigkill_cause(4242, {}, {}, log) == ": out of memory (kernel log: Out of memory: Killed process 4242 (python3))"
+    assert sigkill_cause(4242, {}, {}, log) == (": out of memory (kernel log: Out of memory: Killed process 4242 "
+                                                "(python3))")
     assert sigkill_cause(424, {}, {}, log).startswith(": not by the out-of-memory killer")  # 424 is not 4242
     machine = "the machine's oom_kill count (/proc/vmstat)"
     assert sigkill_cause(1, {machine: 0}, {machine: 2}, None) == \

@@ -21,7 +21,7 @@ def _evaluate(pieces, shape):
     out = torch.full(shape, POISON, dtype=torch.float64)
     for p in pieces:
         grids = torch.meshgrid(*[torch.arange(a, b) for a, b in p.box], indexing="ij")
-        flat = p.base + sum((g - a) * c for g, (a, _), c in zip(grids, p.box, p.coef))
+        flat = p.base + sum((g - a) * c for g, (a, _), c in zip(grids, p.box, p.coef, strict=True))
         out[tuple(slice(a, b) for a, b in p.box)] = 0.0 if p.src == FILL else (flat * 2 + p.src * 2 ** 33 + 1).double()
     return out
 
@@ -40,7 +40,8 @@ LOADERS = {
     "overwritten": ((6, 8), lambda w, s: (w.zero_(), w[1:4, 2:5].copy_(s[0][0:3, 0:3]))),
     "gpt-oss bias": ((6, 8), lambda w, s: w.copy_(torch.zeros_like(s[0]))),
     "every other row, every third column": ((6, 8), lambda w, s: w[::2, ::3].copy_(s[1][2, 1:4, 5:8])),
-    "interleaved halves": ((8, 8), lambda w, s: (w.view(4, 2, 8)[:, 0].copy_(s[0][:4]), w.view(4, 2, 8)[:, 1].copy_(s[0][2:6]))),
+    "interleaved halves": ((8, 8), lambda w, s: (w.view(4, 2, 8)[:, 0].copy_(s[0][:4]),
+                                                 w.view(4, 2, 8)[:, 1].copy_(s[0][2:6]))),
 }
 
 

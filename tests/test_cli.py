@@ -5,8 +5,8 @@ import sys
 
 import torch
 
-from tritonreshard.apps.cli import main, parse_layout_spec
 from tritonreshard import Replicate, Shard
+from tritonreshard.apps.cli import main, parse_layout_spec
 
 
 def test_plan_prints_the_seed_example(capsys):

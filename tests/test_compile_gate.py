@@ -169,8 +169,8 @@ def quantize_configurations():
         plan = plan_quantized(src, dst, None, {"w": q})
         shards = {r: torch.zeros(src["w"].local_shape(r), dtype=dtype) for r in range(3)}
         outs = {"w": torch.empty(256, 256, dtype=torch.float8_e4m3fn), "s": torch.empty(2, 2)}
-        table = kernels.QuantizeTable.build(plan.ops, plan.quant, src=lambda op: shards[op.src_rank],
-                                            dst=lambda op: outs["w"], scale=lambda r, n: outs[n])
+        table = kernels.QuantizeTable.build(plan.ops, plan.quant, src=lambda op, shards=shards: shards[op.src_rank],
+                                            dst=lambda op, outs=outs: outs["w"], scale=lambda r, n, outs=outs: outs[n])
         (launch,) = table.launches
         out.append((f"quantize-{str(dtype).removeprefix('torch.')}{'-ue8m0' if ue8m0 else ''}-{rule}", launch))
     return out

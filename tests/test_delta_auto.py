@@ -13,6 +13,7 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
+from _mp import free_port
 
 import tritonreshard as trs
 from tritonreshard import Layout, Replicate
@@ -20,8 +21,6 @@ from tritonreshard.engine.crosshost import LINK_GBPS_ENV, simulated_link_gbps
 from tritonreshard.planning import plan_hosts, plan_messages
 from tritonreshard.transport import CrossHostCopy, DistLink, LinkModel
 from tritonreshard.transport import delta as dc
-
-from _mp import free_port
 
 pytestmark = pytest.mark.timeout(120)
 

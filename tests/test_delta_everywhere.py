@@ -25,8 +25,8 @@ test_delta_refit: about 2% of the bf16 elements change) and must cross as deltas
 byte, at most 10% of the whole). Each version's figures are read from ``ep.stats`` only once the
 relays already hold the next version: they must be the served version's refit, not the relay's
 newest. The ranks send back the bits they pulled; the parent compares every destination, bit for
-bit, with the recipe's plan executed from scratch on that version's tensors (``execute_local`` into poisoned outputs; test_fp8 checks its FP8 weights and scales
-against the reference quantizer and vLLM's).
+bit, with the recipe's plan executed from scratch on that version's tensors (``execute_local`` into poisoned outputs;
+test_fp8 checks its FP8 weights and scales against the reference quantizer and vLLM's).
 """
 from __future__ import annotations
 
@@ -36,13 +36,12 @@ import zlib
 
 import pytest
 import torch
+from _mp import free_port
+from _waits import poll_until
 
 import tritonreshard as trs
 from tritonreshard.planning import plan_hosts
 from tritonreshard.recipes import Megatron
-
-from _mp import free_port
-from _waits import poll_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -149,7 +148,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _worker(proc, specs, ports):
     torch.set_num_threads(1)
     out = {}
-    for (case, (_, procs, modes)), port in zip(CASES.items(), ports):
+    for (case, (_, procs, modes)), port in zip(CASES.items(), ports, strict=True):
         ranks = {p: r for r, p in procs.items()}
         if proc not in ranks:
             continue
@@ -169,15 +168,15 @@ def _worker(proc, specs, ports):
                 out[case] = {"staging": tr.stats.staging_bytes}
             continue
         pulled, stats = [], []
-        with trs.RefitInference.from_recipe(spec, tensors=poisoned(spec, rank), pull=trs.PullOptions(mode=modes[rank], backend="torch"),
-                                            **kw) as ep:
+        with trs.RefitInference.from_recipe(spec, tensors=poisoned(spec, rank),
+                                            pull=trs.PullOptions(mode=modes[rank], backend="torch"), **kw) as ep:
             for v in range(1, VERSIONS + 1):
                 if modes[rank] == "shadow" and v > 1:
                     assert ep.start_pull() == v and ep.swap() == v
                 else:
                     assert ep.pull() == v
                 if v < VERSIONS:   # the stats are the served version's, also once the relays hold the next
-                    poll_until(lambda: ep.available_version() > v, 60, what=f"rank {rank}: version {v + 1}")
+                    poll_until(lambda v=v: ep.available_version() > v, 60, what=f"rank {rank}: version {v + 1}")
                 s = ep.stats
                 stats.append((s.cross_host_bytes, s.cross_host_delta_bytes, s.cross_host_dense_bytes,
                               s.cross_host_changed))

@@ -18,14 +18,13 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from _faults import our_fds, our_maps
+from _mp import free_port
 
 import tritonreshard as trs
 from tritonreshard import Layout, Replicate, Shard
 from tritonreshard.planning import plan_hosts, plan_messages
 from tritonreshard.transport import CrossHostCopy, DistLink, codec_for
-
-from _faults import our_fds, our_maps
-from _mp import free_port
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -155,7 +154,7 @@ def test_the_receivers_base_decides_whole_or_delta(two_hosts):
     res = two_hosts.run_ranks(_wire, [0, 1], args=(two_hosts.address(0), free_port(), steps, 3), timeout=120)
     assert res[0] == [0, 1, 0, 0, 4, 5, 0, 7]   # 7: anchor 3 after two deltas (5, 6) -> whole
     dense = 16 * 64 * 2
-    for (v, _), base, (rbase, delta, whole) in zip(steps, res[0], res[1]):
+    for (v, _), base, (rbase, delta, whole) in zip(steps, res[0], res[1], strict=True):
         assert rbase == base and (whole, delta > 0) == ((dense, False) if base == 0 else (0, True)), (v, res[1])
         if base:
             assert delta < 0.1 * dense
@@ -174,7 +173,8 @@ def test_bad_delta_and_ranks_that_disagree(two_hosts):
     msgs = {r: res[r][1] for r in res}
     assert all(res[r][0] == "error" and msgs[r][0] == "ValueError" for r in res), msgs
     assert len({msgs[r][1] for r in res}) == 1                # the same one error on every rank
-    assert "rank(s) [3] joined with codec ['Dense()'] but rank 0 has Delta(anchor=64, force=False)" in msgs[0][1], msgs[0][1]
+    assert ("rank(s) [3] joined with codec ['Dense()'] but rank 0 has Delta(anchor=64, force=False)"
+            in msgs[0][1]), msgs[0][1]
 
 
 def _disagree(rank, addr, port):

@@ -4,8 +4,8 @@ import argparse
 import json
 import math
 import os
-import secrets
 import re
+import secrets
 import subprocess
 import sys
 from pathlib import Path

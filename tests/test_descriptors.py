@@ -1,9 +1,9 @@
 """Torch-backend coalescing: same-geometry entries at a constant address step become one copy."""
 import pytest
 import torch
+from tritonreshard.kernels import DescriptorTable
 
 from tritonreshard import Layout, Replicate, Shard, plan_reshard
-from tritonreshard.kernels import DescriptorTable
 
 
 def flat_views(flat, shapes, dtype, gap=0):
@@ -23,10 +23,11 @@ def test_packed_same_geometry_tensors_coalesce_and_stay_exact(src_gap, dst_gap, 
     dst_l = {m: Layout(shape, [2, 3], [Shard(1)], torch.bfloat16) for m in names}
     plan = plan_reshard(src_l, dst_l)
     src_flat = torch.arange(2 * n * 12 + 2 * n * src_gap, dtype=torch.float32)
-    src = {r: dict(zip(names, flat_views(src_flat[r * (n * (12 + src_gap)):], [(2, 6)] * n, torch.float32, src_gap)))
+    src = {r: dict(zip(names, flat_views(src_flat[r * (n * (12 + src_gap)):], [(2, 6)] * n, torch.float32, src_gap),
+                       strict=True))
            for r in (0, 1)}
     dst_flat = torch.full((n * (12 + dst_gap),), float("nan"), dtype=torch.bfloat16)
-    dst = dict(zip(names, flat_views(dst_flat, [(4, 3)] * n, torch.bfloat16, dst_gap)))
+    dst = dict(zip(names, flat_views(dst_flat, [(4, 3)] * n, torch.bfloat16, dst_gap), strict=True))
     ops = sorted(plan.ops_for_dst(2), key=lambda op: (op.src_rank, op.name))
     table = DescriptorTable.build(ops, src=lambda op: src[op.src_rank][op.name], dst=lambda op: dst[op.name])
     assert len(table) == 2 * n

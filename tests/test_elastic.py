@@ -25,13 +25,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-import tritonreshard as trs
-from tritonreshard import Layout, Replicate, Shard
-
 from _faults import die, our_fds, our_maps
 from _mp import reap, start_rank
 from _provenance import provenance
+
+import tritonreshard as trs
+from tritonreshard import Layout, Replicate, Shard
 
 pytestmark = pytest.mark.timeout(300)  # spawning 10 processes on a loaded 2-core machine
 
@@ -272,7 +271,7 @@ def test_a_joiners_route_is_its_reads_without_a_host_plan(quantization):
     for r in trainers:  # as the trainers' arenas lay their shards out
         order = source_order(spec.src, r)
         offs, _ = pack_offsets([spec.src[n].local_numel(r) * spec.src[n].itemsize for n in order])
-        offsets.update({(r, n): o for n, o in zip(order, offs)})
+        offsets.update({(r, n): o for n, o in zip(order, offs, strict=True)})
     hosts = {r: "h" for r in trainers + replica}
     for rank in replica:
         rp = plan_rank(spec.src, spec.dst, hosts, rank, parts=spec.parts, quant=spec.quant or None)

@@ -2,12 +2,11 @@
 global tensor, so every destination element is known exactly), both backends, poisoned outputs."""
 import pytest
 import torch
+from test_kernels import assert_same_bits, bits, poison
 
 import tritonreshard as trs
 from tritonreshard import execute as _execute
 from tritonreshard.execute import execute_local
-
-from test_kernels import assert_same_bits, bits, poison
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]

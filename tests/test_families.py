@@ -96,8 +96,9 @@ def _refit(spec, full):
 
 
 def _spec(arch, tp, ep, dtype):
-    return trs.recipes.hf_to_vllm(_configs()[arch], tp=tp, trainer_ranks=TRAINERS, inference_ranks=list(range(2, 2 + tp)),
-                                  dtype=getattr(torch, dtype), expert_parallel=ep)
+    return trs.recipes.hf_to_vllm(_configs()[arch], tp=tp, trainer_ranks=TRAINERS,
+                                  inference_ranks=list(range(2, 2 + tp)), dtype=getattr(torch, dtype),
+                                  expert_parallel=ep)
 
 
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
@@ -159,7 +160,8 @@ def real_vllm(tmp_path_factory):
     if proc.returncode == 3 and proc.stdout.startswith(NO_VLLM):  # the probe's own check of the import
         pytest.skip(f"`import vllm` fails: {proc.stdout[len(NO_VLLM):].strip()}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return {c: [torch.load(f"{case['out']}.{r}.pt") for r in range(c[1])] for c, case in zip(ordered, cases)}
+    return {c: [torch.load(f"{case['out']}.{r}.pt") for r in range(c[1])]
+            for c, case in zip(ordered, cases, strict=True)}
 
 
 @pytest.mark.slow

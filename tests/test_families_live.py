@@ -11,15 +11,15 @@ Left out of CI for time, run by hand: Phi-3 (``--model tiny-phi3``; its fused ch
 split per rank are plain slices, which every live run has), Mixtral (``--model tiny-mixtral``), GLM-4.5 MoE
 (``--model tiny-glm4-moe``; gpt-oss covers routed experts live) and Gemma 3 (``--model tiny-gemma3``;
 tests/test_vllm.py's Qwen2 covers tied embeddings live). Every tensor of each is
-tests/test_families.py's (in-process). The three runs share one driver process, one after the other (tests/_refit_batch.py),
-and their engines run vLLM's engine core in it (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, see
+tests/test_families.py's (in-process). The three runs share one driver process, one after the other
+(tests/_refit_batch.py), and their engines run vLLM's engine core in it (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, see
 tests/test_vllm.py): each engine's workers, where the backend runs, and each run's trainers are
 processes of their own either way. Skips where vLLM is not installed."""
 import importlib.util
 import os
+from itertools import pairwise
 
 import pytest
-
 from _refit_batch import run_batch, summary_of
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -53,7 +53,7 @@ def test_family_refits_live_greedy_exact(live_runs, model):
     summary, _ = summary_of(live_runs, model)
     assert summary["refits"] == refits and summary["tp"] == 2
     g = summary["greedy"]
-    assert len(g) == refits + 1 and all(a != b for a, b in zip(g, g[1:]))  # each refit changed what vLLM generates
+    assert len(g) == refits + 1 and all(a != b for a, b in pairwise(g))  # each refit changed what vLLM generates
     traced = [w["trace_ms"] for w in summary["worker"]]
     assert all(t is not None and t > 0 for t in traced) if model == "tiny-granite" else traced == [None] * refits
     if model == "tiny-qwen3-next":  # bfloat16: the refitted version against a fresh engine of the same weights

@@ -21,13 +21,12 @@ import types
 
 import pytest
 import torch
+from _mp import free_port, reap
+from tritonreshard.kernels import QuantizeTable, ceil_to_ue8m0, e4m3_from_f32, per_block_cast_to_fp8
 
 import tritonreshard as trs
 from tritonreshard import Layout, Shard
-from tritonreshard.kernels import QuantizeTable, ceil_to_ue8m0, e4m3_from_f32, per_block_cast_to_fp8
 from tritonreshard.planning import BlockQuant, QuantizedPlan, plan_quantized, plan_reshard
-
-from _mp import free_port, reap
 
 transformers = pytest.importorskip("transformers")
 
@@ -363,7 +362,7 @@ def _expected(spec, full, mode):
         qf[name] = q
         n, k = x.shape[-2:]
         smap[name] = s.repeat_interleave(128, -2).repeat_interleave(128, -1)[..., :n, :k].contiguous()
-    geo = lambda dt: ({n: Layout(l.shape, l.mesh, l.placements, dt) for n, l in spec.src.items() if n in used},  # noqa: E731
+    geo = lambda dt: ({n: Layout(lay.shape, lay.mesh, lay.placements, dt) for n, lay in spec.src.items() if n in used},  # noqa: E731
                       {n: Layout(spec.dst[n].shape, spec.dst[n].mesh, spec.dst[n].placements, dt) for n in spec.quant})
     parts = {n: spec.parts[n] for n in spec.quant if n in spec.parts}
     want_q = trs.execute_local(plan_reshard(*geo(FP8), parts), _shards(geo(FP8)[0], qf), backend="torch")
@@ -478,7 +477,8 @@ def _engine_worker(rank, world, addr, port, tp, modes, versions):
                       else torch.full(lay.local_shape(rank), float("nan"), dtype=lay.dtype))
                   for n, lay in spec.dst.items() if rank in lay.ranks}
         mode, backend = modes[rank - len(TRAINERS)]
-        ep = trs.RefitInference.from_recipe(spec, tensors=poison, pull=trs.PullOptions(mode=mode, backend=backend), **kwargs)
+        ep = trs.RefitInference.from_recipe(spec, tensors=poison, pull=trs.PullOptions(mode=mode, backend=backend),
+                                            **kwargs)
     with ep:
         for v in range(1, versions + 1):
             full = _hf_full(spec, v)

@@ -2,11 +2,10 @@
 inference processes with no hand-written layouts; FSDP keeps training on the arena."""
 import pytest
 import torch
+from _mp import free_port, run_ranks
 
 import tritonreshard as trs
 from tritonreshard import Layout, Replicate, Shard
-
-from _mp import free_port, run_ranks
 
 TRAINERS, INFERENCE, WORLD, STEPS = [0, 1], [2, 3], 4, 3
 

@@ -11,14 +11,13 @@ import io
 
 import pytest
 import torch
+from _mp import free_port
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 import tritonreshard as trs
 from tritonreshard import Layout, Replicate, Shard
 from tritonreshard.apps.cli import main, parse_layout_spec
-
-from _mp import free_port
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -166,12 +165,12 @@ SENTINEL = -12345.0
 
 
 def _sources():
-    return {r: {n: l.shard(torch.arange(l.numel, dtype=torch.float32).reshape(l.shape).to(l.dtype), r)
-                for n, l in SRC.items()} for r in SRC["w"].ranks}
+    return {r: {n: lay.shard(torch.arange(lay.numel, dtype=torch.float32).reshape(lay.shape).to(lay.dtype), r)
+                for n, lay in SRC.items()} for r in SRC["w"].ranks}
 
 
 def _outs():
-    return {r: {n: torch.full(l.local_shape(r), SENTINEL, dtype=l.dtype) for n, l in DST.items()}
+    return {r: {n: torch.full(lay.local_shape(r), SENTINEL, dtype=lay.dtype) for n, lay in DST.items()}
             for r in DST["w"].ranks}
 
 
@@ -364,7 +363,8 @@ def test_endpoint_rejects_bad_sources(kind):
 @pytest.mark.parametrize("make, key", [
     (lambda: dict(timeouts=trs.Timeouts(wait=-1)), "wait"), (lambda: dict(timeouts=trs.Timeouts(wait="5")), "wait"),
     (lambda: dict(timeouts=trs.Timeouts(peer=0)), "peer"), (lambda: dict(pull=trs.PullOptions(mode=None)), "mode"),
-    (lambda: dict(meeting=trs.Meeting(world_size=0)), "world_size"), (lambda: dict(meeting=trs.Meeting(rank=-1)), "rank"),
+    (lambda: dict(meeting=trs.Meeting(world_size=0)), "world_size"),
+    (lambda: dict(meeting=trs.Meeting(rank=-1)), "rank"),
     (lambda: dict(meeting=trs.Meeting(rank="0")), "rank"), (lambda: dict(meeting={"rank": 0}), "meeting"),
     (lambda: dict(pull=trs.PullOptions(backend=3)), "backend"),
     (lambda: dict(source=trs.SourceData({"w": torch.zeros(4, 6)}, None)), "layouts"),

@@ -13,13 +13,12 @@ parts (``Part(src_dims=(0, 2, 1))``) express that.
 * the tracer feeds gpt-oss's fused experts as its checkpoints hold them (what ``save_pretrained``
   writes), not split per expert as for the other MoE families.
 """
-import re
 
 import pytest
 import torch
 
 import tritonreshard as trs
-from tritonreshard.recipes.trace import checkpoint_views, encode, spec_from_trace
+from tritonreshard.recipes.trace import checkpoint_views
 
 transformers = pytest.importorskip("transformers")
 
@@ -125,7 +124,8 @@ def test_a_transposed_part_prints_and_is_checked():
     from tritonreshard.engine.rendezvous import _decode, _encode
 
     lay = {"w": trs.Layout((3, 4), [0], [trs.Replicate()])}
-    assert inputs_digest(lay, {"w": (p,)}) != inputs_digest(lay, {"w": (trs.Part("g", [None, (0, 4), None], (0, 0, 2)),)})
+    other = trs.Part("g", [None, (0, 4), None], (0, 0, 2))
+    assert inputs_digest(lay, {"w": (p,)}) != inputs_digest(lay, {"w": (other,)})
     assert _decode(_encode(p, "p")) == p
     # The source box runs along the source's dims: a destination [5, 3] reads a [3, 5] source box.
     src = {"g": trs.Layout((3, 4), [0], [trs.Replicate()])}

@@ -8,11 +8,11 @@ import math
 
 import pytest
 import torch
+from _aliases import alias_copy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tritonreshard as trs
-from _aliases import alias_copy
 from tritonreshard import Layout, Replicate, Shard
 from tritonreshard.planning import RECV_ALIGN, box_is_contiguous, join_host_parts, plan_hosts
 
@@ -21,8 +21,8 @@ SIZES = [0, 1, 2, 3, 5, 7, 8, 13]
 
 def _globals(layouts):
     # The value of each element is its global index (exact in int64; the typed copy may round).
-    return {n: torch.arange(math.prod(l.shape), dtype=torch.int64).reshape(l.shape)
-            for n, l in layouts.items()}
+    return {n: torch.arange(math.prod(lay.shape), dtype=torch.int64).reshape(lay.shape)
+            for n, lay in layouts.items()}
 
 
 def simulate(hp, globals_):
@@ -202,7 +202,7 @@ def test_columns_to_replicas_many_tensors_balanced_without_splitting():
     hp = check(src, dst, _hosts({"a": [0, 1, 2, 3], "b": [4, 5, 6, 7]}))
     loads = [sum(t.nbytes for t in hp.recvs_of(r)) for r in (4, 5, 6, 7)]
     assert max(loads) <= 1.25 * min(loads), loads
-    model = sum(l.numel * 2 for l in dst.values())
+    model = sum(lay.numel * 2 for lay in dst.values())
     assert hp.cross_host_bytes == model and hp.p2p_cross_host_bytes == 4 * model
 
 
@@ -213,7 +213,7 @@ def test_fsdp_to_tensor_parallel_crosses_the_model_once():
         src[f"t{i}"] = Layout(shape, 2, [Shard(0)], torch.bfloat16)
         dst[f"t{i}"] = Layout(shape, [2, 3, 4, 5], [place], torch.bfloat16)
     hp = check(src, dst, _hosts({"a": [0, 1], "b": [2, 3, 4, 5]}))
-    model = sum(l.numel * 2 for l in dst.values())
+    model = sum(lay.numel * 2 for lay in dst.values())
     assert hp.cross_host_bytes == model
     # Whole trainer shards are needed on b: one direct box per (trainer, tensor).
     assert len(hp.transfers) == 8 and hp.send_staging_bytes == 0
@@ -393,12 +393,11 @@ def test_receiver_runs_keep_arena_neighbours_in_few_messages():
         shape = (64, 128 * (1 + i % 3))
         src[f"t{i:02d}"] = Layout(shape, 2, [Shard(0)], torch.bfloat16)
         dst[f"t{i:02d}"] = Layout(shape, [2, 3, 4, 5], [Replicate()], torch.bfloat16)
-    plan = trs.plan_reshard(src, dst)
     offsets = {}
     for r in (0, 1):
         names = sorted(src)
         offs, _ = pack_offsets([src[n].local_numel(r) * 2 for n in names])
-        offsets.update({(r, n): o for n, o in zip(names, offs)})
+        offsets.update({(r, n): o for n, o in zip(names, offs, strict=True)})
     hp = check(src, dst, _hosts({"a": [0, 1], "b": [2, 3, 4, 5]}), src_offsets=offsets)
     msgs = plan_messages(hp, offsets)
     for r in (0, 1, 2, 3, 4, 5):   # a rank's own messages are the whole list's that it sends or receives

@@ -21,14 +21,13 @@ import time
 
 import pytest
 import torch
+from _faults import fd_targets, our_fds, our_maps, shm_entries, wait_no_new_shm
+from _mp import free_port
 
 import tritonreshard as trs
 from tritonreshard import Layout, Replicate
 from tritonreshard.engine import rendezvous as rdv
 from tritonreshard.transport import create_arena, create_control_block, open_arena, open_control_block
-
-from _faults import fd_targets, our_fds, our_maps, shm_entries, wait_no_new_shm
-from _mp import free_port
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -166,7 +165,8 @@ DRIVER = textwrap.dedent('''
     def member(rank, port, ready):
         signal.signal(signal.SIGTERM, sigterm_to_exit)
         torch.set_num_threads(1)
-        kw = dict(meeting=trs.Meeting(rank=rank, world_size=2, store=f"127.0.0.1:{port}"), timeouts=trs.Timeouts(wait=30))
+        kw = dict(meeting=trs.Meeting(rank=rank, world_size=2, store=f"127.0.0.1:{port}"),
+                  timeouts=trs.Timeouts(wait=30))
         if rank == 0:
             lay = {"w": Layout((64, 8), [0], [Shard(0)])}
             with trs.RefitTrainer({"w": torch.zeros(64, 8)}, lay, **kw) as ep:

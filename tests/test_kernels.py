@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
+from tritonreshard.kernels import DescriptorTable
 
 from tritonreshard import kernels
-from tritonreshard.kernels import DescriptorTable
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 PAIRS = [(s, d) for s in FLOATS for d in FLOATS]

@@ -17,6 +17,7 @@
 import ast
 import subprocess
 import sys
+from itertools import pairwise
 from pathlib import Path
 
 import tritonreshard
@@ -206,7 +207,7 @@ def test_no_import_circles():
     # The graph really holds the library's imports (else the check could not fail).
     assert "tritonreshard.apps.bench.config" in graph["tritonreshard.apps.bench.cli"]
     assert "tritonreshard.planning" in graph["tritonreshard.apps.bench.deltas"]  # a package's re-export
-    problems = [" -> ".join(c) + "\n    " + "; ".join(f"{graph[a][b]} imports {b}" for a, b in zip(c, c[1:]))
+    problems = [" -> ".join(c) + "\n    " + "; ".join(f"{graph[a][b]} imports {b}" for a, b in pairwise(c))
                 for c in _circles(graph)]
     assert not problems, "import circles:\n" + "\n".join(problems)
 
@@ -234,7 +235,7 @@ def test_imports_are_at_the_top_or_say_why_they_are_lazy():
     only some users need): a comment says why, on the function's first import or the line before
     it (one reason covers the function's lazy imports)."""
     silent = []
-    for name, path in _modules():
+    for _, path in _modules():
         lines = path.read_text().splitlines()
         for fn in ast.walk(ast.parse("\n".join(lines))):
             if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):

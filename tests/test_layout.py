@@ -74,7 +74,7 @@ def test_balanced_split_plans_and_executes_exactly():
     assert sum(op.numel for op in plan.ops) == 30
     out = {r: {"w": torch.full(dst["w"].local_shape(r), float("nan"))} for r in (2, 3, 4, 5)}
     got = trs.execute_local(plan, {r: {"w": src["w"].shard(x, r)} for r in (0, 1)}, out=out, backend="torch")
-    for r, piece in zip((2, 3, 4, 5), torch.tensor_split(x, 4)):
+    for r, piece in zip((2, 3, 4, 5), torch.tensor_split(x, 4), strict=True):
         assert torch.equal(got[r]["w"], piece)
 
 
@@ -148,7 +148,8 @@ def test_plan_rejects_non_layouts():
 
 
 def test_torch_placements_are_accepted():
-    from torch.distributed.tensor import Replicate as TRep, Shard as TShard
+    from torch.distributed.tensor import Replicate as TRep
+    from torch.distributed.tensor import Shard as TShard
     lay = Layout((4, 6), [[0, 1], [2, 3]], [TShard(1), TRep()])
     assert lay.placements == (Shard(1), Replicate())
 
@@ -175,7 +176,8 @@ def _dtensor_worker(rank, world, port, cases):
 
 @pytest.mark.timeout(120)
 def test_dtensor_interop_matches_to_local():
-    from torch.distributed.tensor import Replicate as TRep, Shard as TShard
+    from torch.distributed.tensor import Replicate as TRep
+    from torch.distributed.tensor import Shard as TShard
     port = free_port()
     cases = [((7, 5), (4,), [TShard(0)]),
              ((3, 10), (4,), [TShard(1)]),

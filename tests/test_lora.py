@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from _provenance import exact_values
 
 import tritonreshard as trs
-from _provenance import exact_values
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -100,8 +100,8 @@ def _reference(config, saved, lora_config, scalings, tp, t):
     """vLLM's slot contents on TP rank ``t``, written from its LoRA layers' slicing: column-parallel
     layers keep lora_A whole and slice lora_B's rows per slice (q by heads, k/v by KV heads with
     ``kv_shard_id = t // (tp // nkv)`` when replicated), row-parallel ones slice lora_A's columns."""
-    H, nq, nkv, hd, inter = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
-                             config.head_dim, config.intermediate_size)
+    nq, nkv, hd, inter = (config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+                          config.intermediate_size)
     rep = max(1, tp // nkv)
     kv_local = max(1, nkv // tp) * hd
     out = {}
@@ -122,7 +122,8 @@ def _reference(config, saved, lora_config, scalings, tp, t):
             size = {"q_proj": nq * hd // tp, "k_proj": kv_local, "v_proj": kv_local}.get(kind, inter // tp)
             shard = t // rep if kind in ("k_proj", "v_proj") else t
             a, bb = t_a, b[shard * size:(shard + 1) * size]
-            packed, slices = (("qkv_proj", ("q_proj", "k_proj", "v_proj")) if kind.endswith(("q_proj", "k_proj", "v_proj"))
+            packed, slices = (("qkv_proj", ("q_proj", "k_proj", "v_proj"))
+                              if kind.endswith(("q_proj", "k_proj", "v_proj"))
                               else ("gate_up_proj", ("gate_proj", "up_proj")))
             vmod, i = f"{pre}.{packed}", slices.index(kind)
         slot_a = torch.zeros(MAX_RANK, a.shape[1])
@@ -293,7 +294,7 @@ def test_lora_refit_in_place_equals_transformers_peft(live):
     spec = trs.recipes.lora_to_vllm(dict(r=8, lora_alpha=12, target_modules=ALL7), _config(), 2, TRAINERS, [2, 3],
                                     fsdp=True, dtype=torch.float32)
     plan = spec.plan()
-    for r, w in zip((2, 3), summary["worker"][0]):
+    for r, w in zip((2, 3), summary["worker"][0], strict=True):
         local = sum(math.prod(spec.dst[n].local_shape(r)) * 4 for n in spec.dst)
         fills = sum(math.prod(s.stop - s.start for s in f.dst_slices) * 4 for f in plan.fills if f.dst_rank == r)
         assert w["bytes"] == local - fills > 0, (w["bytes"], local, fills)

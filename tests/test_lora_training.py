@@ -13,11 +13,10 @@ version a real peft model trained by Adam holds arrives exactly in both TP ranks
 """
 import pytest
 import torch
+from _mp import free_port, run_ranks
 
 import tritonreshard as trs
 from tritonreshard import Layout, Replicate
-
-from _mp import free_port, run_ranks
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

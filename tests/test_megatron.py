@@ -26,11 +26,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from _mp import free_port, run_ranks
 
 import tritonreshard as trs
 from tritonreshard.recipes import Megatron, megatron_vocab_size
-
-from _mp import free_port, run_ranks
 
 pytest.importorskip("megatron.core")
 transformers = pytest.importorskip("transformers")
@@ -179,7 +178,7 @@ def _worker(rank, ports):
     torch.set_num_threads(1)
     out = {}
     if rank >= MEG_WORLD:  # a vLLM TP rank of the engine cases: pull two versions
-        for (case, kind, meg, engine), port in zip(CASES, ports):
+        for (case, kind, meg, engine), port in zip(CASES, ports[:-1], strict=True):  # ports[-1]: the gloo group
             if not engine:
                 continue
             spec = _spec(kind, meg, 2)
@@ -204,7 +203,7 @@ def _worker(rank, ports):
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[-1]}", rank=rank, world_size=MEG_WORLD)
     try:
-        for (case, kind, meg, engine), port in zip(CASES, ports):
+        for (case, kind, meg, engine), port in zip(CASES, ports[:-1], strict=True):
             cfg = _hf_config(kind)
             chunks = _build(cfg, meg)
             c = _coords()
@@ -339,7 +338,7 @@ def test_megatron_shards_refit_into_vllm_bit_for_bit(megatron_runs, case, kind, 
     cfg = _hf_config(kind)
     reports = {r: out[case] for r, out in megatron_runs.items() if r < MEG_WORLD}
     per = cfg.num_hidden_layers // (meg.pp * meg.vpp)
-    for r, rep in reports.items():  # Megatron numbers layers globally, 1-based (interleaved with vpp)
+    for rep in reports.values():  # Megatron numbers layers globally, 1-based (interleaved with vpp)
         assert rep["layer_numbers"] == [[(v * meg.pp + rep["coords"]["pp"]) * per + j + 1 for j in range(per)]
                                         for v in range(meg.vpp)]
     hf = _to_hf(cfg, meg, reports)
@@ -377,7 +376,8 @@ def test_megatron_shards_refit_into_vllm_bit_for_bit(megatron_runs, case, kind, 
                 assert readers == {"embedding.word_embeddings.weight": stage[0],
                                    "output_layer.weight": stage[meg.pp - 1]}, readers
                 emb = [op for op in plan.ops if op.name == "model.embed_tokens.weight"]
-                half, total = sum(op.numel for op in emb if op.src_name == "output_layer.weight"), sum(op.numel for op in emb)
+                half = sum(op.numel for op in emb if op.src_name == "output_layer.weight")
+                total = sum(op.numel for op in emb)
                 assert 0.4 * total <= half <= 0.6 * total, (half, total)  # aliases: the reads spread over both
             dp = MEG_WORLD // (meg.tp * meg.pp)
             if dp > 1:  # DP replicas share the reads

@@ -1,14 +1,15 @@
 """Planner properties: exactly-once coverage with the right data, minimality, determinism, balance."""
 import math
 import time
+from itertools import pairwise
 
 import pytest
 import torch
+from _aliases import alias_copy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tritonreshard as trs
-from _aliases import alias_copy
 from tritonreshard import Layout, Replicate, Shard
 
 SIZES = [0, 1, 2, 3, 5, 7, 8, 13]
@@ -37,8 +38,8 @@ def apply_plan(plan, global_tensors):
 
 def check_exactly_once(src_layouts, dst_layouts):
     plan = trs.plan_reshard(src_layouts, dst_layouts)
-    globals_ = {n: torch.arange(math.prod(l.shape), dtype=torch.int64).reshape(l.shape)
-                for n, l in dst_layouts.items()}
+    globals_ = {n: torch.arange(math.prod(lay.shape), dtype=torch.int64).reshape(lay.shape)
+                for n, lay in dst_layouts.items()}
     result = apply_plan(plan, globals_)
     for name, lay in dst_layouts.items():
         for r in lay.ranks:
@@ -71,7 +72,7 @@ def layouts(draw, shape=None, rank_pool=range(12)):
         if draw(st.booleans()):
             cuts = sorted(draw(st.lists(st.integers(0, size), min_size=1, max_size=2)))
             edges = [0, *cuts, size]
-            blocks[d] = tuple(b - a for a, b in zip(edges, edges[1:]))
+            blocks[d] = tuple(b - a for a, b in pairwise(edges))
     # Per tensor dim: torch.chunk splits, or numpy.array_split ones (balanced: vLLM's expert
     # placement); every mesh dim sharding one tensor dim splits it the same way.
     balanced = {d: draw(st.booleans()) for d in range(len(shape))}
@@ -257,7 +258,7 @@ def test_llama_7b_fsdp8_to_tp8_plans_fast_and_exactly_once():
     plan = trs.plan_reshard(src, dst)
     elapsed = time.perf_counter() - t0
     print(f"7B FSDP-8 -> TP-8: {len(plan.ops)} ops, planned in {elapsed * 1e3:.1f} ms")
-    assert plan.stats.total_bytes == sum(l.local_numel(r) * 2 for l in dst.values() for r in l.ranks)
+    assert plan.stats.total_bytes == sum(lay.local_numel(r) * 2 for lay in dst.values() for r in lay.ranks)
     # Coverage is checked op-geometrically here (the tensors are too big for provenance data).
     for name, lay in dst.items():
         for r in lay.ranks:
@@ -270,13 +271,14 @@ def _expected_from_parts(dst_lay, parts, globals_):
     """The destination's global tensor assembled from the parts (padding = 0), on provenance data."""
     full = torch.zeros(dst_lay.shape, dtype=torch.int64)
     for p in parts:
+        bounds = [iv or (0, n) for iv, n in zip(p.dst, dst_lay.shape, strict=True)]
         box = tuple(slice(a, b) if iv is not None else slice(None)
-                    for iv, (a, b) in zip(p.dst, [iv or (0, n) for iv, n in zip(p.dst, dst_lay.shape)]))
+                    for iv, (a, b) in zip(p.dst, bounds, strict=True))
         if p.src is None:
             continue
         start = p.src_start or (0,) * dst_lay.ndim
         ext = [full[box].shape[d] for d in range(dst_lay.ndim)]
-        full[box] = globals_[p.sources[0]][tuple(slice(s, s + n) for s, n in zip(start, ext))]
+        full[box] = globals_[p.sources[0]][tuple(slice(s, s + n) for s, n in zip(start, ext, strict=True))]
     return full
 
 
@@ -323,7 +325,7 @@ def test_exactly_once_random_parts(data):
     cuts = sorted(data.draw(st.lists(st.integers(0, dst.shape[dim]), max_size=3)))
     edges = [0, *cuts, dst.shape[dim]]
     srcs, parts, read_as = {}, [], {}
-    for i, (a, b) in enumerate(zip(edges, edges[1:])):
+    for i, (a, b) in enumerate(pairwise(edges)):
         if a == b and data.draw(st.booleans()):
             continue  # empty boxes may be listed or left out
         box = [None] * dst.ndim
@@ -336,7 +338,7 @@ def test_exactly_once_random_parts(data):
             name = data.draw(st.sampled_from(sorted(srcs)))
             extent = list(dst.shape)
             extent[dim] = b - a
-            fits = all(e <= n for e, n in zip(extent, srcs[name].shape))
+            fits = all(e <= n for e, n in zip(extent, srcs[name].shape, strict=True))
             if fits:
                 start = [0] * dst.ndim
                 start[dim] = data.draw(st.integers(0, srcs[name].shape[dim] - (b - a)))

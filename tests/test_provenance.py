@@ -2,7 +2,6 @@
 used with, and the check behind it catches the encodings that were not."""
 import pytest
 import torch
-
 from _provenance import assert_exact, exact_values, provenance, significant_bits
 
 

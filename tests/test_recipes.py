@@ -247,7 +247,7 @@ def test_expert_parallel_places_experts_like_vllm(arch, tp, local):
         return
     spec = trs.recipes.hf_to_vllm(config, tp=tp, trainer_ranks=TRAINERS, inference_ranks=inference,
                                   dtype=torch.float32, expert_parallel=True)
-    moe_i = getattr(config, "moe_intermediate_size")
+    moe_i = config.moe_intermediate_size
     w13 = next(n for n in spec.dst if n.endswith("w13_weight"))
     # whole experts, both gate and up
     assert [spec.dst[w13].local_shape(r) for r in inference] == [(e, 2 * moe_i, config.hidden_size) for e in local]
@@ -296,7 +296,8 @@ def test_unknown_architecture_and_impossible_tp_report_everything():
     with pytest.raises(ValueError, match="intermediate_size=50 is not divisible by tp=4"):
         trs.recipes.hf_to_vllm(odd, tp=4, trainer_ranks=TRAINERS, inference_ranks=[2, 3, 4, 5])
     bert = transformers.BertConfig()
-    with pytest.raises(ValueError, match=r"model_type='bert' has no recipe; known: \['deepseek_v2', 'deepseek_v3', 'gemma3_text', 'glm4_moe', 'gpt_oss', 'llama'"):
+    with pytest.raises(ValueError, match=r"model_type='bert' has no recipe; known: \['deepseek_v2', 'deepseek_v3', "
+                                         r"'gemma3_text', 'glm4_moe', 'gpt_oss', 'llama'"):
         trs.recipes.hf_to_vllm(bert, tp=2, trainer_ranks=TRAINERS, inference_ranks=[2, 3])
     with pytest.raises(ValueError, match="inference_ranks has 3 ranks, not a multiple of tp=2"):
         trs.recipes.hf_to_vllm(config, tp=2, trainer_ranks=TRAINERS, inference_ranks=[2, 3, 4])
@@ -341,16 +342,16 @@ def _expected_ops(spec, name) -> int:
     for part in spec.parts.get(name) or (trs.Part(name, [None] * d.ndim),):
         if part.src is None:
             continue
-        box = [(0, size) if iv is None else iv for iv, size in zip(part.dst, d.shape)]
+        box = [(0, size) if iv is None else iv for iv, size in zip(part.dst, d.shape, strict=True)]
         start = part.src_start or (0,) * d.ndim
         src = spec.src[part.src]
         for dr in d.ranks:
             # per dim, the source intervals this rank's boxes read through the part
             want = [[(s + max(a, lo) - lo, s + min(b, hi) - lo) for a, b, _ in _runs(segs) if max(a, lo) < min(b, hi)]
-                    for segs, (lo, hi), s in zip(d.segments(dr), box, start)]
+                    for segs, (lo, hi), s in zip(d.segments(dr), box, start, strict=True)]
             for sr in src.ranks:
                 count = 1
-                for ivs, segs in zip(want, src.segments(sr)):
+                for ivs, segs in zip(want, src.segments(sr), strict=True):
                     count *= sum(max(a, x) < min(b, y) for a, b in ivs for x, y, _ in _runs(segs))
                 n += count
     return n
@@ -482,7 +483,7 @@ def real_vllm(tmp_path_factory, vllm_python):
                     f"vllm extra or set TRITONRESHARD_VLLM_PYTHON to a Python with vLLM (CPU build)")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return {(arch, tp, ep): [torch.load(f"{c['out']}.{r}.pt") for r in range(tp)]
-            for (arch, tp, ep), c in zip(sorted(REAL_CASES, key=lambda c: -c[1]), cases)}
+            for (arch, tp, ep), c in zip(sorted(REAL_CASES, key=lambda c: -c[1]), cases, strict=True)}
 
 
 @pytest.mark.slow
@@ -509,7 +510,8 @@ def test_deepseek_replicas_hold_what_one_tp_group_holds(ep):
     every rank exactly what the single TP-2 group's rank of its TP index gets (names, local shapes,
     dtypes and the plan's bytes), with experts split by TP or placed by EP."""
     config = _configs()["deepseek_v3"]
-    spec = trs.recipes.hf_to_vllm(config, tp=2, trainer_ranks=TRAINERS, inference_ranks=[2, 3, 4, 5], expert_parallel=ep)
+    spec = trs.recipes.hf_to_vllm(config, tp=2, trainer_ranks=TRAINERS, inference_ranks=[2, 3, 4, 5],
+                                  expert_parallel=ep)
     one = trs.recipes.hf_to_vllm(config, tp=2, trainer_ranks=TRAINERS, inference_ranks=[2, 3], expert_parallel=ep)
     assert set(spec.dst) == set(one.dst) and spec.parts == one.parts
     for name, lay in spec.dst.items():

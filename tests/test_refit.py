@@ -10,12 +10,11 @@ import os
 
 import pytest
 import torch
+from _mp import free_port, run_ranks
+from _provenance import provenance
 
 import tritonreshard as trs
 from tritonreshard import Layout, Replicate, Shard
-
-from _mp import free_port, run_ranks
-from _provenance import provenance
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -42,8 +41,8 @@ def _worker(rank, world, port, scenario):
     kwargs = dict(meeting=trs.Meeting(rank=rank, world_size=world, store=f"127.0.0.1:{port}"),
                   timeouts=trs.Timeouts(wait=60))
     if trainer:
-        tensors = {n: l.shard(global_value(ids.get(n, 0), l, 1, dst.get(n)).to(l.dtype), rank)
-                   for n, l in src.items() if rank in l.ranks}
+        tensors = {n: lay.shard(global_value(ids.get(n, 0), lay, 1, dst.get(n)).to(lay.dtype), rank)
+                   for n, lay in src.items() if rank in lay.ranks}
         kwargs.update(source=trs.SourceData(tensors, src))
     if infer:
         kwargs.update(destination=trs.DestinationData(dst), pull=trs.PullOptions(mode=mode))
@@ -56,8 +55,8 @@ def _worker(rank, world, port, scenario):
                 ep.fence()
                 if v > 1:  # the "optimizer step": new weights, in place in the arena
                     for n, t in ep.source_tensors.items():
-                        l = src[n]
-                        t.copy_(l.shard(global_value(ids[n], l, v, dst.get(n)).to(l.dtype), rank))
+                        lay = src[n]
+                        t.copy_(lay.shard(global_value(ids[n], lay, v, dst.get(n)).to(lay.dtype), rank))
                 assert ep.publish() == v
             if infer:
                 if mode == "shadow" and v > 1:

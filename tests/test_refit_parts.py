@@ -11,13 +11,12 @@ its ``src_start`` offset shows), and every element and version differ.
 
 import pytest
 import torch
+from _mp import free_port, run_ranks
+from _provenance import provenance
 
 import tritonreshard as trs
 from tritonreshard import Layout, Part, Replicate, Shard
 from tritonreshard.planning import plan_hosts
-
-from _mp import free_port, run_ranks
-from _provenance import provenance
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -49,7 +48,8 @@ def _check(rank, plan, tensors, want, fills, v):
         assert not torch.isnan(t).any(), f"rank {rank} {n} v{v}: NaN (poison) left"
         assert torch.equal(_bits(t), _bits(w)), f"rank {rank} {n} v{v}:\n{t}\n!=\n{w}"
     for f in fills:
-        assert torch.equal(_bits(tensors[f.name][f.dst_slices]), torch.zeros_like(_bits(tensors[f.name][f.dst_slices]))), f
+        filled = _bits(tensors[f.name][f.dst_slices])
+        assert torch.equal(filled, torch.zeros_like(filled)), f
 
 
 def _worker(rank, world, port, src, dst, parts, mode, versions, use_from_recipe, spec, addr="127.0.0.1"):

@@ -13,8 +13,15 @@ import pytest
 import torch.distributed as dist
 
 from tritonreshard.apps.kit import free_port, reap
-from tritonreshard.engine.rendezvous import (SECRET_ENV, SECRET_KEY, all_gather_obj, connect_store,
-                                             fetch, group_secret, publish)
+from tritonreshard.engine.rendezvous import (
+    SECRET_ENV,
+    SECRET_KEY,
+    all_gather_obj,
+    connect_store,
+    fetch,
+    group_secret,
+    publish,
+)
 
 CHILD_TIMEOUT_S = 30
 

@@ -1,6 +1,7 @@
 """The one replica/balance core (tritonreshard.planning.replicas): both planners take its knobs, and
 its balancers cover every byte exactly once within the balance they document."""
 import contextlib
+import dataclasses
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -23,7 +24,7 @@ def knobs(**kw):
 
 def test_knobs_are_one_frozen_documented_set():
     assert replicas.KNOBS == Knobs(min_split_bytes=4096, slack=1.05)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         replicas.KNOBS.slack = 2.0
     for bad in (dict(min_split_bytes=0), dict(min_split_bytes=1.5), dict(slack=0.9)):
         with pytest.raises(ValueError, match=next(iter(bad))):
@@ -62,7 +63,8 @@ def test_both_planners_take_their_knobs_from_the_one_place():
         assert sorted(hp.buffer_bytes.values()) == [half, half]
     # One sender, so only the receiver runs can react: the 1 MiB shard is cut into one run per
     # receiver, unless parts must be 1 MiB.
-    plan = trs.plan_reshard({"w": Layout((4096, 64), [0], [Replicate()])}, {"w": Layout((4096, 64), [4, 5, 6, 7], [Replicate()])})
+    plan = trs.plan_reshard({"w": Layout((4096, 64), [0], [Replicate()])},
+                            {"w": Layout((4096, 64), [4, 5, 6, 7], [Replicate()])})
     assert plan_hosts(plan, HOSTS).buffer_bytes == {4: quarter, 5: quarter, 6: quarter, 7: quarter}
     with knobs(min_split_bytes=1 << 20):
         assert plan_hosts(plan, HOSTS).buffer_bytes == {4: 4 * quarter}
@@ -119,7 +121,7 @@ def test_property_spread_serves_every_unit_once_from_its_own_replicas(ps, start,
     out = spread(ps, loads, Knobs(min_split, slack))
     assert len(out) == len(ps)
     served = dict(start)
-    for p, shares in zip(ps, out):
+    for p, shares in zip(ps, out, strict=True):
         assert sum(u for _, u in shares) == p.extent and all(u > 0 for _, u in shares), (p, shares)
         assert len({r for r, _ in shares}) == len(shares) and {r for r, _ in shares} <= set(p.replicas)
         if len(shares) > 1:   # a cut piece is cut into parts of min_split bytes on average at least

@@ -15,12 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _faults import our_fds, our_maps
+from _mp import collect_ok, reap, start_rank
 
 import tritonreshard as trs
 from tritonreshard import Layout, Shard
-
-from _faults import our_fds, our_maps
-from _mp import collect_ok, reap, start_rank
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from _mp import free_port, run_ranks
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -22,8 +23,6 @@ from tritonreshard import Layout, Part, Replicate, Shard
 from tritonreshard.engine import Member, validate_members
 from tritonreshard.engine.members import inputs_digest
 from tritonreshard.planning import plan_hosts, plan_rank, replicas
-
-from _mp import free_port, run_ranks
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -123,7 +122,7 @@ def _case(draw):
         ndim = draw(st.integers(1, 3))
         shape = tuple(draw(st.integers(0, 9)) for _ in range(ndim))
         layouts = []
-        for side in ("src", "dst"):
+        for _side in ("src", "dst"):
             mesh_shape = draw(st.sampled_from([(1,), (2,), (3,), (4,), (2, 2), (2, 3), (3, 2)]))
             first = draw(st.integers(0, 6))
             ranks = list(range(first, first + math.prod(mesh_shape)))
@@ -306,6 +305,7 @@ def _join_all(members, world):
     """Every rank's first set-up steps (``Epoch.agree``) on one store (threads): ``{rank: rank
     plan or the ValueError text}`` and the store's keys as the ranks left them."""
     import threading
+
     from tritonreshard.engine import rendezvous as rdv
     from tritonreshard.engine.epoch import Epoch
     from tritonreshard.engine.group import Group
@@ -441,7 +441,8 @@ def test_two_replicas_on_another_host_refit_bit_exact_each_byte_crossing_once(tw
     spec = _llama(tp, k)
     model = sum(lay.numel * lay.itemsize for lay in spec.src.values())
     got = {r: (out[r]["cross_host_bytes"], out[r]["cross_host_split"]) for r in range(2, world)}
-    assert sum(b for b, _ in got.values()) == model, f"model {model} B; per rank (bytes, (dense, delta, changed)): {got}"
+    assert sum(b for b, _ in got.values()) == model, (f"model {model} B; per rank (bytes, (dense, delta, changed)): "
+                                                      f"{got}")
 
 
 # ---------------------------------------------------------------------- traffic model and the CLI
@@ -510,6 +511,7 @@ def test_bench_replicas_trainer_egress_once_per_replica_and_once_per_host(tmp_pa
     import json
     import subprocess
     import sys
+
     from tritonreshard.apps.bench.config import BenchConfig
     from tritonreshard.apps.bench.model import build_model, layouts
 

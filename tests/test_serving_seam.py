@@ -14,13 +14,22 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from _mp import free_port, run_ranks
+from _tp_engine import ENGINE as TINY
+from _tp_engine import TOKENS, TinyMLP, TinyTrainer, TPEngine, full_weights, recipe
 
 import tritonreshard as trs
-from tritonreshard.serving import BackgroundPull, InlinePull, RankLayout, ServingInit, ServingTrainer, UpdateInfo
-from tritonreshard.serving import recipe_for, registered, schema
-
-from _mp import free_port, run_ranks
-from _tp_engine import ENGINE as TINY, TOKENS, TinyMLP, TinyTrainer, TPEngine, full_weights, recipe
+from tritonreshard.serving import (
+    BackgroundPull,
+    InlinePull,
+    RankLayout,
+    ServingInit,
+    ServingTrainer,
+    UpdateInfo,
+    recipe_for,
+    registered,
+    schema,
+)
 
 TRAINERS, ENGINE = [0, 1], [2, 3]
 VERSIONS = 2
@@ -80,7 +89,7 @@ def _engine(rank: int, init: dict, tp_port: int) -> dict:
 def _rank(rank: int, inits: list, tp_ports: list) -> list:
     torch.set_num_threads(1)
     out = []
-    for init, tp_port in zip(inits, tp_ports):
+    for init, tp_port in zip(inits, tp_ports, strict=True):
         out.append(_trainer(rank, init) if rank in TRAINERS else _engine(rank, init, tp_port))
     return out
 

@@ -3,12 +3,11 @@
 after a warm-up are compared with the numbers at the end, with a small tolerance for RSS."""
 import pytest
 import torch
+from _faults import fd_count, our_maps, rss_kib
+from _mp import free_port, run_ranks
 
 import tritonreshard as trs
 from tritonreshard import Layout, Shard
-
-from _faults import fd_count, our_maps, rss_kib
-from _mp import free_port, run_ranks
 
 pytestmark = pytest.mark.timeout(240)
 

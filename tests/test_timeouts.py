@@ -15,14 +15,13 @@ from dataclasses import replace
 
 import pytest
 import torch
+from _faults import die, fd_targets, our_fds, our_maps
+from _mp import free_port, run_ranks
 
 import tritonreshard as trs
 from tritonreshard import Layout, Replicate
 from tritonreshard.engine import rendezvous as rdv
 from tritonreshard.engine.sources import Sources
-
-from _faults import die, fd_targets, our_fds, our_maps
-from _mp import free_port, run_ranks
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -209,8 +208,8 @@ def _dead_trainer_worker(rank, port):
     base = rdv.connect_store(f"127.0.0.1:{port}", world_size=4, is_master=rank == 0, timeout=60)
     fds0 = fd_targets()
     mode = "shadow" if rank == 2 else "inplace"
-    ep = trs.RefitInference(dst, replace(kw["meeting"], store=base), pull=trs.PullOptions(mode=mode, sources=_HeldSources),
-                            timeouts=kw["timeouts"])
+    ep = trs.RefitInference(dst, replace(kw["meeting"], store=base),
+                            pull=trs.PullOptions(mode=mode, sources=_HeldSources), timeouts=kw["timeouts"])
     store = ep.store
     assert ep.pull() == 1 and torch.equal(ep.tensors["w"], value(1))
     report = {}

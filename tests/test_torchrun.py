@@ -11,12 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from _mp import free_port, run_ranks
 
 import tritonreshard as trs
 from tritonreshard import Layout, Replicate, Shard
 from tritonreshard.engine import rendezvous as rdv
-
-from _mp import free_port, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(240)
@@ -35,7 +34,8 @@ def _job_worker(rank, port):
     try:
         exact = []
         if rank == 0:
-            with trs.RefitTrainer({"w": value(1)}, SRC, timeouts=trs.Timeouts(wait=60)) as tr:  # rank, world, store: the job's
+            # rank, world, store: the job's
+            with trs.RefitTrainer({"w": value(1)}, SRC, timeouts=trs.Timeouts(wait=60)) as tr:
                 for v in (1, 2):
                     tr.fence()
                     tr.source_tensors["w"].copy_(value(v))

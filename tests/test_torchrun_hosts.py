@@ -15,12 +15,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _torchrun_refit as script
 import pytest
 
 import tritonreshard as trs
 from tritonreshard.planning import plan_hosts
-
-import _torchrun_refit as script
 
 ROOT = Path(__file__).resolve().parents[1]
 PORT = 29500

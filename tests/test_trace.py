@@ -12,10 +12,10 @@ planner's boxes.
   not serve, names vLLM's loader does not know: one ``ValueError`` each, naming every problem."""
 import pytest
 import torch
-
-import tritonreshard as trs
 from test_families import _configs as _family_configs
 from test_recipes import _configs
+
+import tritonreshard as trs
 from tritonreshard.recipes import RECIPES
 from tritonreshard.recipes.metatrace import LoadTracer
 from tritonreshard.recipes.trace import encode, spec_from_trace
@@ -23,8 +23,7 @@ from tritonreshard.recipes.trace import encode, spec_from_trace
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("vllm")
 # Lazy (after the skip): this module imports vLLM.
-from tritonreshard.vllm.trace import (hf_sources, rank_models, recipe_differences, trace_recipe,  # noqa: E402
-                                      vllm_load)
+from tritonreshard.vllm.trace import hf_sources, rank_models, recipe_differences, trace_recipe, vllm_load  # noqa: E402
 
 TRAINERS = [0, 1]
 
@@ -109,7 +108,7 @@ def traced_equals_hand_written(model_type: str, tp: int, ep: bool) -> None:
     # exchanged differs (the comparison sees elements, not names and shapes). Two sources, or, where
     # the checkpoint is fused already (Phi-3's qkv_proj), two regions of one.
     def extent(n, p):
-        return tuple(size if d is None else d[1] - d[0] for d, size in zip(p.dst, hand.dst[n].shape))
+        return tuple(size if d is None else d[1] - d[0] for d, size in zip(p.dst, hand.dst[n].shape, strict=True))
 
     name, i, j = next((n, i, j) for n, ps in hand.parts.items() for i in range(len(ps)) for j in range(i)
                       if ps[i].src and ps[j].src and (ps[i].src, ps[i].src_start) != (ps[j].src, ps[j].src_start)
@@ -182,7 +181,7 @@ DTYPES = {"w": torch.float32, "b": torch.float32}
 def test_a_loader_that_is_no_copy_is_refused_by_name():
     for what, make in (("scaled", lambda a, b: a * 0.5), ("summed", lambda a, b: a + b), ("negated", lambda a, b: -a),
                        ("shifted", lambda a, b: a + 2), ("made", lambda a, b: torch.ones_like(a))):
-        traced = _traced(lambda w, bp, a, b: (w.copy_(make(a, b)), bp.copy_(b)))
+        traced = _traced(lambda w, bp, a, b, make=make: (w.copy_(make(a, b)), bp.copy_(b)))
         with pytest.raises(ValueError) as e:
             spec_from_trace("m", _sources(), traced, tp=1, inference_ranks=[2], dtypes=DTYPES)
         assert "w: its loader is not a copy on TP rank 0" in str(e.value), what

@@ -16,11 +16,20 @@ import time
 
 import pytest
 import torch
-
-from tritonreshard.transport import (ALIGN, SHM_PREFIX, ArenaHandle, align_up, create_arena,
-                                     create_control_block, open_arena, open_control_block,
-                                     pack_offsets, unlink_segment)
 from _waits import poll_until, wait_acked, wait_published
+
+from tritonreshard.transport import (
+    ALIGN,
+    SHM_PREFIX,
+    ArenaHandle,
+    align_up,
+    create_arena,
+    create_control_block,
+    open_arena,
+    open_control_block,
+    pack_offsets,
+    unlink_segment,
+)
 from tritonreshard.transport._fdserver import MAGIC, NONCE
 
 SECRET = bytes(range(32))

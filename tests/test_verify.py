@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_recipes import _configs
 
 import tritonreshard as trs
-from test_recipes import _configs
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("vllm")
@@ -177,7 +177,8 @@ def test_real_size_vocab_padded_wrong_is_refused(qwen3_30b):
     lay = spec.dst[name]
     V, H = lay.shape
     padded = trs.Layout((V + 128, H), list(lay.ranks), list(lay.placements), lay.dtype)
-    wrong = _replace(spec, name, dst=padded, parts=[trs.Part(name, [(0, V), None]), trs.Part(None, [(V, V + 128), None])])
+    wrong = _replace(spec, name, dst=padded,
+                     parts=[trs.Part(name, [(0, V), None]), trs.Part(None, [(V, V + 128), None])])
     with _as_tp_rank(8, 7), pytest.raises(ValueError) as e:
         verify_model(model, wrong, rank=15, tp_rank=7)
     assert f"TP rank 7): verify failed, nothing was loaded: {name}: vLLM's load format is (18992, {H}), " \

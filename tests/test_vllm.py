@@ -207,7 +207,8 @@ def test_vllm_engine_refit_end_to_end(live_runs):
     # verify= (on by default): each engine's recipe matched vLLM's own load_weights before it joined,
     # every parameter of this 2-layer model (embed_tokens, which the LM head ties to, norm, and each
     # layer's qkv_proj weight and bias, o_proj, gate_up_proj, down_proj and 2 norms).
-    assert [(w["verify_params"], w["verify_layers"]) for w in summary["worker"]] == [(16, [0, 1])] * 3, summary["worker"]
+    verified = [(w["verify_params"], w["verify_layers"]) for w in summary["worker"]]
+    assert verified == [(16, [0, 1])] * 3, summary["worker"]
     assert summary["recovered"] is True
     assert len(summary["reload_weights_ms"]) == 3
     assert summary["bad_init_error"].startswith("tritonreshard init_weight_transfer_engine failed"), summary
@@ -231,7 +232,7 @@ def test_vllm_engine_refit_end_to_end(live_runs):
         assert sum(whole["delta_bytes"]) == 0 and whole["changed"] == [None, None], whole
     assert sum(second["dense_bytes"]) == 0 and sum(second["bytes"]) == sum(second["delta_bytes"]) > 0, second
     assert sum(second["bytes"]) <= 0.10 * model_bytes, (second, model_bytes)
-    changed = [c for c, b in zip(second["changed"], second["bytes"]) if b]
+    changed = [c for c, b in zip(second["changed"], second["bytes"], strict=True) if b]
     assert changed and all(0.015 <= c <= 0.025 for c in changed), second  # 2% of each shard, at least 1
     fault = summary["fault"]
     assert fault["error"].startswith("tritonreshard refit failed"), fault
@@ -242,7 +243,8 @@ def test_vllm_engine_refit_end_to_end(live_runs):
     assert fault["serves_previous"] is True
     # Nothing of this run is left in /dev/shm: neither ours nor the vLLM engine's TP segments.
     assert summary["vllm_dist_idents"], summary
-    left = [f for f in os.listdir("/dev/shm") if f.startswith(tuple(summary["vllm_dist_idents"])) or f.startswith("trs-")]
+    left = [f for f in os.listdir("/dev/shm")
+            if f.startswith(tuple(summary["vllm_dist_idents"])) or f.startswith("trs-")]
     assert left == [], left
     assert "version 2: vLLM greedy == transformers greedy" in out
     assert "refit after the trainers restarted, version 1: vLLM greedy == transformers greedy" in out
@@ -265,12 +267,13 @@ def _check_hosts(summary) -> str:
         assert summary["trainer_hostnames"] == summary["trainer_hosts"] == ["host0"], summary
         assert engine != "host0" and summary["worker_hosts"] == [engine, engine], summary
         assert summary["trainer_host_shm"] == [], summary["trainer_host_shm"]
-        warnings.warn(f"--hosts 2 ran on the host harness (--net namespaces): trainers on host0, vLLM on {engine!r}")
+        warnings.warn(f"--hosts 2 ran on the host harness (--net namespaces): trainers on host0, vLLM on {engine!r}",
+                      stacklevel=2)
         return "host0"
     assert summary["net"] == "labels", summary["net"]
     assert summary["trainer_hosts"] == ["trainers"] and summary["worker_hosts"] == ["inference", "inference"], summary
     assert summary["trainer_hostnames"] == [engine], summary
-    warnings.warn(f"--hosts 2 ran on simulated hosts (TRITONRESHARD_HOST labels): {unavailable()}")
+    warnings.warn(f"--hosts 2 ran on simulated hosts (TRITONRESHARD_HOST labels): {unavailable()}", stacklevel=2)
     return "trainers"
 
 
@@ -306,7 +309,8 @@ def _check_moe_refits(summary, config, tp, moe_layers, expert_parallel=False):
                 for r in range(2, 2 + tp)]
     pad = sum(f.numel * 4 for f in spec.plan().fills)
     assert summary["worker_bytes"] == per_rank[:-1] + [per_rank[-1] - pad], summary["worker_bytes"]
-    left = [f for f in os.listdir("/dev/shm") if f.startswith(tuple(summary["vllm_dist_idents"])) or f.startswith("trs-")]
+    left = [f for f in os.listdir("/dev/shm")
+            if f.startswith(tuple(summary["vllm_dist_idents"])) or f.startswith("trs-")]
     assert left == [], left
 
 

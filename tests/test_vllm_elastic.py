@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _live import SESSION_ENV
+
 import tritonreshard as trs
 from tritonreshard.vllm import Trainer, init_info
 

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _live import PROMPTS, hf_greedy
 from _mp import free_port
 
@@ -345,7 +344,8 @@ def test_background_pull_off(server):
     trainers = Trainers(server, "serve-sync", free_port())
     try:
         server.ok("/shutdown_weight_transfer_engine")
-        server.ok("/init_weight_transfer_engine", {"init_info": init_info(trainers.store, "serve-sync", prefetch=False)})
+        server.ok("/init_weight_transfer_engine",
+                  {"init_info": init_info(trainers.store, "serve-sync", prefetch=False)})
         assert [trainers.read(r)["ready"] for r in (0, 1)] == [0, 1]
         before = server.greedy()
         assert trainers.step(1) == [1, 1]

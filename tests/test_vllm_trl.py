@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _live import PROMPTS, hf_greedy
 from _mp import free_port
 
@@ -139,7 +138,8 @@ def _partial_updates(client, srv, model):
         model.model.layers[0].mlp.down_proj.weight.mul_(-1.0)
     with client.weight_update():  # two parameters, one version
         client.update_named_param("lm_head.weight", model.lm_head.weight.data)
-        client.update_named_param("model.layers.0.mlp.down_proj.weight", model.model.layers[0].mlp.down_proj.weight.data)
+        client.update_named_param("model.layers.0.mlp.down_proj.weight",
+                                  model.model.layers[0].mlp.down_proj.weight.data)
     assert srv.weight_version() == "5" and srv.greedy() == hf_greedy(srv, model.state_dict())
     assert srv.greedy([PROMPTS[1]]) == hf_greedy(srv)[1:]
 

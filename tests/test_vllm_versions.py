@@ -26,11 +26,10 @@ from __future__ import annotations
 
 import ast
 import os
-import tomllib
 from pathlib import Path
 
 import pytest
-
+import tomllib
 from _vllm_sources import WHEELS_ENV, VllmSource, installed, wheels
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -169,7 +168,8 @@ def _resolve(src: VllmSource, module: str, name: str, depth: int = 0):
     for n in _top_level(tree):
         if (isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "MODULE_ATTRS" for t in n.targets)
                 and isinstance(n.value, ast.Dict)):
-            table = {ast.literal_eval(k): ast.literal_eval(v) for k, v in zip(n.value.keys, n.value.values)}
+            table = {ast.literal_eval(k): ast.literal_eval(v)
+                     for k, v in zip(n.value.keys, n.value.values, strict=True)}
             if name in table:
                 target, attr = table[name].split(":")
                 return _resolve(src, module + target if target.startswith(".") else target, attr, depth + 1)
@@ -204,7 +204,7 @@ def _accepts(fn: ast.FunctionDef, npos: int, keywords: set[str], bound: bool) ->
     if unknown and a.kwarg is None:
         return f"{fn.name} has no parameter(s) {sorted(unknown)}"
     required = [p.arg for p in pos[:len(pos) - len(a.defaults)]][npos:]
-    required += [p.arg for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is None]
+    required += [p.arg for p, d in zip(a.kwonlyargs, a.kw_defaults, strict=True) if d is None]
     missing = [r for r in required if r not in keywords]
     if missing and a.kwarg is None:
         return f"{fn.name} requires {missing}"
@@ -498,11 +498,12 @@ def test_reload_calls_per_version(vsrc):
 
 
 def test_incomplete_weight_update_mark(vsrc):
-    """0.34's worker marks an update incomplete from ``start_weight_update`` (``_incomplete_weight_updates.add(is_draft)``)
-    until a successful ``finish_weight_update`` (``discard``); a failed ``update_weights`` ends the
-    session and keeps the mark; ``has_incomplete_weight_update`` reads it and ``EngineCore.is_inference_ready``
-    is false while any worker has it. The backend's ``weights_complete`` / ``weights_incomplete`` edit
-    exactly that set (key ``False``: the served model, not a draft). 0.32 and 0.33 have no mark."""
+    """0.34's worker marks an update incomplete from ``start_weight_update``
+    (``_incomplete_weight_updates.add(is_draft)``) until a successful ``finish_weight_update`` (``discard``); a failed
+    ``update_weights`` ends the session and keeps the mark; ``has_incomplete_weight_update`` reads it and
+    ``EngineCore.is_inference_ready`` is false while any worker has it. The backend's ``weights_complete`` /
+    ``weights_incomplete`` edit exactly that set (key ``False``: the served model, not a draft). 0.32 and 0.33 have no
+    mark."""
     gpu = _methods(_class(vsrc.tree("vllm.v1.worker.gpu_worker"), "Worker"))
     base = _methods(_class(vsrc.tree("vllm.v1.worker.worker_base"), "WorkerBase"))
     core = _class(vsrc.tree("vllm.v1.engine.core"), "EngineCore")
@@ -517,7 +518,8 @@ def test_incomplete_weight_update_mark(vsrc):
     start = ast.unparse(gpu["_start_weight_update"])
     assert start.index("self._incomplete_weight_updates.add(is_draft)") < start.index(
         "self.weight_transfer_engine.start_weight_update()"), vsrc.label
-    assert "_incomplete_weight_updates" not in ast.unparse(gpu["update_weights"]) + ast.unparse(gpu["_end_weight_update"])
+    ending = ast.unparse(gpu["update_weights"]) + ast.unparse(gpu["_end_weight_update"])
+    assert "_incomplete_weight_updates" not in ending
     finish = ast.unparse(gpu["finish_weight_update"])
     assert "self._incomplete_weight_updates.discard(self._weight_update_is_draft)" in finish
     # Only a draft session sets _weight_update_is_draft; the backend refuses draft updates.

@@ -13,15 +13,14 @@ import time
 
 import pytest
 import torch
+from _mp import free_port, run_ranks
+from _waits import wait_acked, wait_published
 
 import tritonreshard as trs
 from tritonreshard import Layout, Replicate, Shard
-from tritonreshard.transport import wait as _wait
 from tritonreshard.engine.sources import Sources
 from tritonreshard.transport import create_control_block, open_control_block
-
-from _mp import free_port, run_ranks
-from _waits import wait_acked, wait_published
+from tritonreshard.transport import wait as _wait
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -118,8 +117,9 @@ def _endpoint(sources, port):
     tensors = {"w": torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32),
                "b": torch.arange(33, dtype=torch.float32).to(torch.bfloat16)}
     return trs.RefitEndpoint(meeting=trs.Meeting(rank=0, world_size=1, store=f"127.0.0.1:{port}"),
-                             source=trs.SourceData(tensors, src), 
-                             destination=trs.DestinationData(dst), timeouts=trs.Timeouts(wait=30), pull=trs.PullOptions(sources=sources)), tensors
+                             source=trs.SourceData(tensors, src),
+                             destination=trs.DestinationData(dst), timeouts=trs.Timeouts(wait=30),
+                             pull=trs.PullOptions(sources=sources)), tensors
 
 
 @pytest.mark.parametrize("staged", [False, True])
@@ -153,8 +153,8 @@ def test_the_staging_meter_imports_no_torch_dynamo():
         import sys, torch, tritonreshard as trs
         lay = {{"w": trs.Layout((8, 4), [0], [trs.Replicate()])}}
         with trs.RefitEndpoint(trs.Meeting(rank=0, world_size=1, store="127.0.0.1:{free_port()}"),
-                               source=trs.SourceData({{"w": torch.ones(8, 4)}}, lay), destination=trs.DestinationData(lay),
-                               timeouts=trs.Timeouts(wait=30)) as ep:
+                               source=trs.SourceData({{"w": torch.ones(8, 4)}}, lay),
+                               destination=trs.DestinationData(lay), timeouts=trs.Timeouts(wait=30)) as ep:
             ep.publish()
             ep.pull()
             assert torch.equal(ep.tensors["w"], torch.ones(8, 4))

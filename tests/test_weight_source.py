@@ -12,19 +12,17 @@ Expected pieces come from ``torch.chunk`` (vLLM's documented split), never from 
 from __future__ import annotations
 
 import itertools
-import os
 from functools import cached_property
 from types import SimpleNamespace
 
 import pytest
 import torch
-
-import tritonreshard as trs
-from tritonreshard import Layout
-
 from _mp import free_port, run_ranks
 from _provenance import provenance
 from _vllm_sources import WHEELS_ENV, installed, weight_transfer_base, wheels
+
+import tritonreshard as trs
+from tritonreshard import Layout
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -7,7 +7,7 @@ covers the whole plan and a Triton run is at most two launches (kernel variants)
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -16,8 +16,8 @@ from .kernels import DescriptorTable, QuantizeTable, copy_backend
 __all__ = ["execute_local", "check_shard", "writable_problem"]
 
 _CACHE_SIZE = 16
-_table_cache: "OrderedDict[tuple, DescriptorTable]" = OrderedDict()
-_quant_tables: "dict[tuple, QuantizeTable]" = {}  # a quantized plan's second table, evicted with its key
+_table_cache: OrderedDict[tuple, DescriptorTable] = OrderedDict()
+_quant_tables: dict[tuple, QuantizeTable] = {}  # a quantized plan's second table, evicted with its key
 
 
 def _sig(t: torch.Tensor) -> tuple:
@@ -75,13 +75,13 @@ def writable_problem(t: torch.Tensor) -> str | None:
         return "is an inference tensor (created under torch.inference_mode) and cannot be written in place"
     if t.requires_grad and t.is_leaf and not isinstance(t, torch.nn.Parameter):
         return "requires grad; pass .detach() or a Parameter"
-    if t.numel() > 1 and any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape)):
+    if t.numel() > 1 and any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape, strict=True)):
         return f"has overlapping memory (stride {tuple(t.stride())}): writes would collide"
     return None
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
-    span = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) + 1
+    span = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True)) + 1
     return t.data_ptr(), t.data_ptr() + span * t.element_size()
 
 
@@ -143,8 +143,8 @@ def execute_local(plan, src_shards, out=None, backend="auto") -> dict[int, dict[
     in the same pass (the Triton backend interpreted on CPU tensors, like the copies).
 
     Zero fills of the plan (``plan.fills``: padding such as vocab rows past the real vocab) are
-    written after the copies. Every input is validated before any data moves; all problems are reported in one ``ValueError``.
-    The descriptor table is cached per (plan, tensor addresses/shapes/strides/dtypes), so repeated
+    written after the copies. Every input is validated before any data moves; all problems are reported in one
+    ``ValueError``. The descriptor table is cached per (plan, tensor addresses/shapes/strides/dtypes), so repeated
     calls with the same ``out`` tensors (the refit pattern) skip building it. The cache (16 tables)
     holds references to the tensors it was built from; with ``out=None`` nothing is cached.
     """

@@ -311,13 +311,13 @@ class Layout:
 
     # -- construction from torch objects -------------------------------------------------------
     @classmethod
-    def from_dtensor(cls, dtensor) -> "Layout":
+    def from_dtensor(cls, dtensor) -> Layout:
         """The layout of a ``torch.distributed.tensor.DTensor`` (FSDP2 parameters are DTensors):
         its global shape, dtype, device mesh ranks and placements."""
         return cls(tuple(dtensor.shape), dtensor.device_mesh, tuple(dtensor.placements), dtensor.dtype)
 
     @classmethod
-    def from_param_meta(cls, meta, ranks) -> "Layout":
+    def from_param_meta(cls, meta, ranks) -> Layout:
         """The layout vLLM's trainer-side ``ParamMeta`` describes (vLLM >= 0.33,
         ``vllm.distributed.weight_transfer.base``): ``ParamMeta(name, dtype, shape, owners=,
         mesh_shape=, placements=)``, what ``WeightSource.iter_local()`` yields on each owner.
@@ -432,7 +432,7 @@ class Layout:
     @cached_property
     def _segments_cache(self) -> dict[int, tuple[tuple[Segment, ...], ...]]:
         per_index = segments_by_mesh_index(self.shape, self.mesh_shape, self.placements)
-        return dict(zip(self.ranks, per_index))
+        return dict(zip(self.ranks, per_index, strict=True))
 
     def local_shape(self, rank: int) -> tuple[int, ...]:
         """Shape of ``rank``'s local shard (a dim may be 0 for empty trailing shards)."""
@@ -458,7 +458,7 @@ class Layout:
                 out = torch.cat([out.narrow(d, s, e - s) for s, e, _ in segs], dim=d)
         return out.clone(memory_format=torch.contiguous_format)
 
-    def with_dtype(self, dtype: torch.dtype) -> "Layout":
+    def with_dtype(self, dtype: torch.dtype) -> Layout:
         return Layout(self.shape, self.mesh, self.placements, dtype)
 
 
@@ -524,7 +524,8 @@ class Part:
             raise TypeError(f"Part(dst={dst!r}) must be a sequence of (start, stop) per dim")
         object.__setattr__(self, "src", src)
         object.__setattr__(self, "dst", tuple(norm(iv) for iv in dst))
-        object.__setattr__(self, "src_start", None if src_start is None else ints(src_start, f"src_start={src_start!r}"))
+        object.__setattr__(self, "src_start",
+                           None if src_start is None else ints(src_start, f"src_start={src_start!r}"))
         if src_dims is not None:
             src_dims = ints(src_dims, f"src_dims={src_dims!r}")
             if sorted(src_dims) != list(range(len(self.dst))):

@@ -46,7 +46,8 @@ Examples:
   tritonreshard plan --shape 12x8 --src "2x2:R,S(0)" --dst "3:S(0,[4,4,4])" --png plan.png
 """
 
-_PLACEMENT = re.compile(r"\s*(?:(S|Shard)\(\s*(-?\d+)\s*(?:,\s*\[([\d,\s]*)\])?\s*(,\s*bal)?\s*\)|(R|Replicate)(?:\(\))?)"
+_PLACEMENT = re.compile(r"\s*(?:(S|Shard)\(\s*(-?\d+)\s*(?:,\s*\[([\d,\s]*)\])?\s*(,\s*bal)?\s*\)"
+                        r"|(R|Replicate)(?:\(\))?)"
                         r"\s*(?:,|$)")
 
 
@@ -220,11 +221,11 @@ modelled per rank without making the whole plan. Trainers are ranks 0..T-1, infe
 one --hosts NAME=RANKS per host, RANKS comma-separated ranks and ranges a-b (both ends included):
 every rank on exactly one host, every host on a rank (a bad map is refused, every problem named,
 before anything is modelled). --link names the link within a host and, after a comma, between
-hosts (presets: %s), or a JSON file
+hosts (presets: """ + ", ".join(f"{k} {v:g} GB/s" for k, v in LINKS.items()) + """), or a JSON file
 {"within": {"name": ..., "GBps": ...}, "across": {"name": ..., "GBps": ...}}.
   tritonreshard plan --model config.json --trainers 64 --tp 8 --replicas 8 --hosts-of 8 --link h200-nvlink,ib-400g
   tritonreshard plan --model config.json --trainers 4 --tp 2 --replicas 2 --hosts node0=0-3 --hosts node1=4-7
-""" % ", ".join(f"{k} {v:g} GB/s" for k, v in LINKS.items())
+"""
 
 
 #: The most ranks one ``--hosts`` range may name: more than any group, so a typo (``0-99999999``)
@@ -271,7 +272,8 @@ def _links(text: str) -> dict[str, tuple[str, float]]:
         for kind in ("within", "across"):
             entry = raw.get(kind, raw.get("within")) if isinstance(raw, dict) else None
             if not isinstance(entry, dict) or not isinstance(entry.get("GBps"), (int, float)) or entry["GBps"] <= 0:
-                raise ValueError(f"--link {text}: needs {{\"{kind}\": {{\"name\": ..., \"GBps\": > 0}}}}, got {entry!r}")
+                raise ValueError(f"--link {text}: needs {{\"{kind}\": {{\"name\": ..., \"GBps\": > 0}}}}, "
+                                 f"got {entry!r}")
             out[kind] = (str(entry.get("name", kind)), float(entry["GBps"]))
         return out
     names = [n.strip() for n in text.split(",")]
@@ -325,7 +327,8 @@ def _cmd_model_plan(args) -> int:
     n_hosts = len(set(hosts.values()))
     print(f"MODEL, not a measurement: {cfg.model_type} from {args.model} ({fmt_bytes(model_bytes)} in "
           f"{src_dtype}), FSDP-{T} trainers -> {args.replicas} replica(s) x TP-{args.tp} ({dtype}), "
-          f"{n_hosts} host(s){f' of {args.hosts_of} ranks' if args.hosts_of else ' from --hosts' if args.hosts else ''}")
+          f"{n_hosts} host(s)"
+          f"{f' of {args.hosts_of} ranks' if args.hosts_of else ' from --hosts' if args.hosts else ''}")
     print(f"links (nominal peaks per GPU and direction): within a host {links['within'][0]} "
           f"{links['within'][1]:g} GB/s, across hosts {links['across'][0]} {links['across'][1]:g} GB/s")
     print(f"planning (this machine, CPU s): recipe {t1 - t0:.3f} s; trainer rank {trainers[0]}'s plan and "
@@ -352,7 +355,8 @@ def _cmd_model_plan(args) -> int:
         print(f"  ({len(rows) - len(shown)} more ranks: --all-ops prints every rank)")
     ingress = [b for b in traffic.host_ingress.values() if b]
     if ingress:
-        print(f"{len(ingress)} host(s) receive from other hosts: {fmt_bytes(min(ingress))} to {fmt_bytes(max(ingress))} "
+        print(f"{len(ingress)} host(s) receive from other hosts: {fmt_bytes(min(ingress))} to "
+              f"{fmt_bytes(max(ingress))} "
               f"each ({min(ingress) / model_bytes:.2f}x to {max(ingress) / model_bytes:.2f}x the model)")
     t, what, r, b = worst
     print(f"lower bound of one refit: {t:.3f} s: rank {r}'s {what} carries {fmt_bytes(b)} "

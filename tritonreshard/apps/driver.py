@@ -39,8 +39,8 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -114,7 +114,7 @@ def available_memory() -> tuple[int, str]:
     for line in (_read("/proc/meminfo") or "").splitlines():
         if line.startswith("MemAvailable:"):
             avail, how = int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"
-    for d, limit_file, usage_file, version in _cgroup_dirs():
+    for d, limit_file, usage_file, _version in _cgroup_dirs():
         limit, usage = (_read(os.path.join(d, limit_file)) or "").strip(), _read(os.path.join(d, usage_file))
         if not limit.isdigit() or int(limit) >= _UNLIMITED or usage is None:
             continue  # "max" (v2) or the huge v1 number: no limit here
@@ -537,7 +537,7 @@ class Driver:
         if self.closed:
             return []
         self.closed = True
-        for p, conn in self._spares:  # never became ranks: their pipe's EOF ends them
+        for _, conn in self._spares:  # never became ranks: their pipe's EOF ends them
             conn.close()
         for p, _ in self._spares:
             p.join(timeout=5)

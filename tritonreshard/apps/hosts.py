@@ -55,9 +55,9 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import torch.multiprocessing as mp
 
@@ -264,7 +264,8 @@ class Hosts:
             + f'exec {shlex.join(argv)} "$@"\n')
         host.launcher.chmod(0o700)  # it may hold the group secret (env=)
         # What spawn execs as "the interpreter": this Python, on the host.
-        host.python.write_text(f'#!/bin/sh\nexec {shlex.quote(str(host.launcher))} {shlex.quote(sys.executable)} "$@"\n')
+        host.python.write_text(f'#!/bin/sh\nexec {shlex.quote(str(host.launcher))} '
+                               f'{shlex.quote(sys.executable)} "$@"\n')
         host.python.chmod(0o700)
 
     def _pid_init(self, host: Host) -> int:
@@ -437,7 +438,8 @@ class Hosts:
         """The error of the rank that failed first (most often the cause), naming the later ones."""
         first = min(errors, key=lambda r: errors[r][3])
         name, msg, tb, _ = errors[first]
-        later = "".join(f"\n  then rank {r} raised {errors[r][0]}: {errors[r][1].splitlines()[0] if errors[r][1] else ''}"
+        later = "".join(f"\n  then rank {r} raised {errors[r][0]}: "
+                        f"{errors[r][1].splitlines()[0] if errors[r][1] else ''}"
                         for r in sorted(errors) if r != first)
         return AssertionError(f"rank {first} on {self.hosts[placement[first]].name} raised {name}: {msg}{later}\n{tb}")
 
@@ -493,7 +495,7 @@ class Hosts:
         _sh("ip", "netns", "del", self.switch, check=False)
         _remove_dir(self.dir)
 
-    def __enter__(self) -> "Hosts":
+    def __enter__(self) -> Hosts:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -25,7 +25,7 @@ import signal
 import socket
 import time
 import traceback
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.multiprocessing as mp
@@ -145,7 +145,7 @@ def run_ranks(fn, nprocs: int, args=(), timeout: float = 120.0, allow_errors: bo
                     gone = [r for r in gone if r not in out]
                     if gone:
                         raise RuntimeError(f"ranks {gone} died without a report, exit codes "
-                                           f"{[procs[r].exitcode for r in gone]}")
+                                           f"{[procs[r].exitcode for r in gone]}") from None
                 continue
             out[rank] = (status, value)
         for r in victims:
@@ -273,5 +273,5 @@ def vllm_greedy(llm, prompts: list[list[int]], max_tokens: int, lora_request=Non
 def mismatches(got: list[list[int]], want: list[list[int]]) -> int:
     """Tokens that differ between two lists of continuations: positions with different ids plus the
     difference in length of each pair (a missing or extra token counts once)."""
-    return sum(a != b for g, w in zip(got, want) for a, b in zip(g, w)) + sum(
-        abs(len(g) - len(w)) for g, w in zip(got, want))
+    return sum(a != b for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=False)) + sum(
+        abs(len(g) - len(w)) for g, w in zip(got, want, strict=True))

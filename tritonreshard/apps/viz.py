@@ -16,7 +16,8 @@ from __future__ import annotations
 import os
 
 from tritonreshard.layout import Layout
-from tritonreshard.planning import Plan, fmt_bytes as _fmt_bytes
+from tritonreshard.planning import Plan
+from tritonreshard.planning import fmt_bytes as _fmt_bytes
 
 __all__ = ["draw_plan", "draw_links", "check_figure_path"]
 
@@ -264,7 +265,7 @@ def _links_figure(run: dict):
     span = max(abs(y) for y in ys)
     fig = Figure(figsize=(7.5, (1.9 + 1.25 * span) * len(rows) + 0.6), layout="constrained")
     axes = fig.subplots(len(rows), 1, squeeze=False)[:, 0]
-    for ax, row in zip(axes, rows):
+    for ax, row in zip(axes, rows, strict=True):
         ax.set_xlim(-1.55, 1.55)
         ax.set_ylim(-span - 0.25, span + 0.95)
         ax.set_aspect("equal")

@@ -24,8 +24,8 @@ from ..kernels import AutoBackend, CopyBackend, TorchBackend, TritonBackend
 from .checks import DestinationData, SourceData
 from .config import Meeting, PullOptions, Timeouts
 from .endpoint import PullStats, RefitEndpoint, RefitInference, RefitStats, RefitTrainer
-from .membership import Elastic, Fixed, Membership
 from .members import GroupInputs, Member, validate_members
+from .membership import Elastic, Fixed, Membership
 from .modes import BufferMode, InPlace, Shadow
 from .rendezvous import secret_for_children
 

@@ -27,7 +27,7 @@ def short(obj, limit: int = 120) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def argument_problems(rank, world_size, src: "SourceData | None", dst: "DestinationData | None") -> list[str]:
+def argument_problems(rank, world_size, src: SourceData | None, dst: DestinationData | None) -> list[str]:
     """Problems that make joining a group impossible (raised at once, not sent in the hello):
     ``rank`` / ``world_size`` as the launcher's defaults and the membership resolved them, and the
     sides' data. The configs (meeting, timeouts, pull options, membership, codec) checked their own

@@ -133,7 +133,7 @@ class PullOptions:
         object.__setattr__(self, "mode", mode)  # frozen: the names become their objects once, here
         object.__setattr__(self, "backend", backend)
 
-    def for_device(self, device) -> "PullOptions":
+    def for_device(self, device) -> PullOptions:
         """These options with the backend that runs on ``device`` (``AutoBackend`` resolved)."""
         return replace(self, backend=self.backend.for_device(device))
 

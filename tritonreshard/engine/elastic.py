@@ -27,21 +27,23 @@ fence waits for a version the reader never reads and no reader reads an arena be
 Leaving: a reader that closes clears its join words (the trainers drop it at once); one that dies
 (its pidfd says it exited) is dropped by the trainers' admitter threads and fences at once; one
 that is alive but silent (hung, or starved by a loaded machine) only once its silence outlasted the
-wait timeout (``Timeouts(wait=)``), not ``peer_timeout``: a fence meanwhile may time out. ``fence()`` never waits for a dropped reader, and never raises for one: the group goes
-on. A trainer that dies still ends the epoch: the replicas ``rejoin()`` the restarted trainers'
-next epoch through the same join.
+wait timeout (``Timeouts(wait=)``), not ``peer_timeout``: a fence meanwhile may time out. ``fence()`` never waits for a
+dropped reader, and never raises for one: the group goes on. A trainer that dies still ends the epoch: the replicas
+``rejoin()`` the restarted trainers' next epoch through the same join.
 
 Elastic groups run on one host (their readers map the trainers' arenas in place).
 """
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import threading
 import time
 from dataclasses import dataclass
 
 import numpy as np
+import torch.distributed as dist
 
 from ..layout import Layout
 from ..planning import Route, plan_rank, source_order
@@ -52,10 +54,11 @@ from .group import Group, check_timeout
 from .liveness import proc_state
 from .members import Member, group_error, input_differences, inputs_digest
 from .publisher import Publisher
-from .sources import Exported
 
 __all__ = ["ElasticGroup", "ElasticPublisher", "JoinStats", "JoinerEpoch", "MAX_RANKS", "TrainerEpoch",
            "current_epoch", "epoch_key", "replica_template"]
+
+logger = logging.getLogger(__name__)
 
 #: Ranks an elastic group's trainers have ack, heartbeat, join and admission words for: every
 #: rank of an elastic group (trainers and readers) is below it. 256 KiB of control block per trainer.
@@ -413,7 +416,20 @@ class JoinerEpoch(Epoch):
 
     def close(self) -> None:
         super().close()
-        try:
-            self.release()
-        except (RuntimeError, OSError):  # the store's host is gone (the group is over): nothing to give back
-            self._claims = []
+        if not self._claims:
+            return
+        store = self.group.base_store
+        tcp = isinstance(store, dist.TCPStore)
+        # A store that went away with its trainers (the end of a job) fails every round trip, and
+        # torch logs each failure with its C++ stack before raising: one plain connection asks first.
+        gone = rdv._attempt(store.host.strip("[]"), store.port, 0.5) if tcp else None
+        if gone is None:
+            try:
+                self.release()
+                return
+            except (dist.DistNetworkError, dist.DistStoreError) as exc:  # it went away since the look
+                gone = str(exc).splitlines()[0]
+        self._claims = []
+        logger.warning("tritonreshard (rank %s): the refit group's store at %s is gone (%s), as when its trainers "
+                       "exit at the end of a job; this rank's claims in it went with it", self.group.rank,
+                       f"{store.host}:{store.port}" if tcp else type(store).__name__, gone)

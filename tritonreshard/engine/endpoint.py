@@ -543,7 +543,8 @@ class RefitTrainer(_TrainerMethods, _Rank):
     ``layouts`` may then be None). They are copied into the exported arena once; a module's
     parameters, and a dict's ``nn.Parameter`` and ``requires_grad`` leaf values, are re-pointed at the
     arena (``param.data``), so an optimizer on them trains the arena with no copy per step. Other
-    tensors stay where they were: train ``tensors`` (the arena), not them. Shapes must equal ``layouts[name].local_shape(rank)``, dtypes match. ``layouts``: the
+    tensors stay where they were: train ``tensors`` (the arena), not them. Shapes must equal
+    ``layouts[name].local_shape(rank)``, dtypes match. ``layouts``: the
     trainer group's global layouts ``{name: Layout}`` (same on every trainer rank).
     ``start_version``: the version before the first ``publish()`` (a restarted trainer continues the
     numbering of its checkpoint). Where it meets (``meeting``, a ``trs.Meeting``) and its configs
@@ -557,7 +558,7 @@ class RefitTrainer(_TrainerMethods, _Rank):
         super().__init__(SourceData(tensors, layouts, start_version), None, opts)
 
     @classmethod
-    def from_recipe(cls, spec, tensors, **kwargs) -> "RefitTrainer":
+    def from_recipe(cls, spec, tensors, **kwargs) -> RefitTrainer:
         """The trainer side of a recipe (``trs.recipes.hf_to_vllm``): ``tensors`` are this rank's
         shards of the HF parameters, ``{name: tensor}`` with ``spec.src[name].local_shape(rank)``
         (or the ``nn.Module`` holding them). Same as ``RefitTrainer(tensors, spec.src, **kwargs)``."""
@@ -589,7 +590,7 @@ class RefitInference(_InferenceMethods, _Rank):
         super().__init__(None, DestinationData(layouts, tensors, parts, quant), opts)
 
     @classmethod
-    def from_recipe(cls, spec, **kwargs) -> "RefitInference":
+    def from_recipe(cls, spec, **kwargs) -> RefitInference:
         """The inference side of a recipe (``trs.recipes.hf_to_vllm``): vLLM's parameters
         (``spec.dst``) built from the HF ones by ``spec.parts``. Same as
         ``RefitInference(spec.dst, parts=spec.parts, quant=spec.quant, **kwargs)``; ``tensors=`` may be

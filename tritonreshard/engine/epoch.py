@@ -25,8 +25,16 @@ from __future__ import annotations
 from ..planning import HostPlan, RankPlan, Route, host_outbox, plan_rank
 from .crosshost import CrossHost
 from .group import Group
-from .members import (Member, device_problems, group_error, hello, inputs_wanted, side_inputs, validate_members,
-                      with_inputs)
+from .members import (
+    Member,
+    device_problems,
+    group_error,
+    hello,
+    inputs_wanted,
+    side_inputs,
+    validate_members,
+    with_inputs,
+)
 
 __all__ = ["Epoch"]
 

@@ -67,7 +67,8 @@ class Liveness:
     Args:
         rank: this rank. members: ``{rank: Member}`` of the epoch (pid and host of each).
         host: this rank's host identity. peer_timeout: seconds without a heartbeat before a peer on
-        another host counts as dead, and one on this host (alive) as silent. store: the epoch's store (cross-host counters live under ``live/``).
+        another host counts as dead, and one on this host (alive) as silent. store: the epoch's store (cross-host
+        counters live under ``live/``).
     """
 
     def __init__(self, rank: int, members: dict, host: str, peer_timeout: float, store):

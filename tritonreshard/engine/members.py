@@ -9,6 +9,7 @@ same ``ValueError`` (:func:`group_error`) naming every problem.
 from __future__ import annotations
 
 import hashlib
+import operator
 from dataclasses import dataclass, replace
 
 from ..layout import Layout
@@ -147,7 +148,7 @@ def validate_members(members: list[Member], world_size: int, sides: tuple[str, .
         ref_digest = getattr(holders[0], f"{side}_digest")
         odd = [m for m in holders if getattr(m, f"{side}_digest") != ref_digest]
         if odd:  # say what differs, naming the layouts or parts (the digests alone say that something does)
-            found = _disagreements([holders[0], *odd], lambda m: getattr(m, f"{side}_layouts"), f"{side}_layouts",
+            found = _disagreements([holders[0], *odd], operator.attrgetter(f"{side}_layouts"), f"{side}_layouts",
                                    _desc, f"every {role} rank must pass the same layouts")
             if side == "dst":
                 found += _disagreements([holders[0], *odd], lambda m: m.dst_parts, "parts", _parts_desc,

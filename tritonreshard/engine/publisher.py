@@ -10,15 +10,15 @@ Who calls what (a trainer rank; :class:`tritonreshard.RefitTrainer` builds both)
 
 One arena per rank holds all its local shards, in the group's buffer order
 (:func:`~tritonreshard.planning.tensor_order`: same-geometry shards back to back, as the readers'
-buffers are, so their copies differ by a constant address step). Next to it a control block: the published version, one ack word per reader, heartbeats, the abort word and
-the doorbell that wakes waiters.
+buffers are, so their copies differ by a constant address step). Next to it a control block: the published version, one
+ack word per reader, heartbeats, the abort word and the doorbell that wakes waiters.
 """
 from __future__ import annotations
 
 import torch
 
-from ..transport import create_arena, create_control_block, pack_offsets
 from ..planning import BufferRef, Route
+from ..transport import create_arena, create_control_block, pack_offsets
 from .group import Group, check_timeout
 from .sources import Exported, OwnBuffer
 
@@ -62,7 +62,7 @@ class SourceArena:
         except BaseException:
             self.close()
             raise
-        for name, off, size in zip(names, offsets, sizes):
+        for name, off, size in zip(names, offsets, sizes, strict=True):
             t = tensors[name]
             if fsdp2 is not None:  # FSDP2 all-gathers and steps on the arena from now on
                 view = fsdp2.rebind(name, self.arena.tensor(off, size // t.element_size(), t.dtype))
@@ -75,7 +75,7 @@ class SourceArena:
                 self.bound[name] = params[name]
         self.control.publish(int(start_version))
         self.buffer = BufferRef("arena", self.rank)
-        self.offsets = dict(zip(names, offsets))
+        self.offsets = dict(zip(names, offsets, strict=True))
         self.exported = Exported(self.buffer, self.arena.export(), self.control.export(), dict(self.offsets))
 
     def check_bound(self) -> None:
@@ -85,9 +85,9 @@ class SourceArena:
         gone = [n for n, p in self.bound.items() if p.data_ptr() != self.tensors[n].data_ptr()
                 or p.shape != self.tensors[n].shape or p.stride() != self.tensors[n].stride()]
         if gone:
-            raise ValueError(f"publish (rank {self.rank}): {gone} no longer are views of the trainer's arena (re-pointed "
-                             f"since the trainer bound them), so what trains them would never be published; "
-                             f"train the trainer's tensors, or make a new trainer from the new tensors")
+            raise ValueError(f"publish (rank {self.rank}): {gone} no longer are views of the trainer's arena "
+                             f"(re-pointed since the trainer bound them), so what trains them would never be "
+                             f"published; train the trainer's tensors, or make a new trainer from the new tensors")
 
     @property
     def flat(self) -> torch.Tensor:

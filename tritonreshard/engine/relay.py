@@ -114,7 +114,7 @@ class ReceivingRelay:
             cross.use_device()
             while True:
                 k += 1
-                self.group.wait(lambda: all(control.acked_version(r) >= last for r in readers),
+                self.group.wait(lambda last=last: all(control.acked_version(r) >= last for r in readers),
                                 f"readers {readers} of rank {self.rank}'s receive buffer to ack version {last}",
                                 FOREVER, peers=[r for r in readers if r != self.rank],
                                 doorbell=control.doorbell, cancel=self._stop)

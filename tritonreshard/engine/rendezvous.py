@@ -90,7 +90,7 @@ class GroupSecret:
         self._b = bytes(value)
 
     @classmethod
-    def generate(cls) -> "GroupSecret":
+    def generate(cls) -> GroupSecret:
         return cls(secrets.token_bytes(_SECRET_BYTES))
 
     def __bytes__(self) -> bytes:
@@ -159,7 +159,7 @@ def _attempt(host: str, port: int, timeout: float) -> str | None:
         return f"{host!r} does not resolve on this host ({here!r}): {e.strerror}"
     except ConnectionRefusedError:
         return "connection refused: nothing listens on that port (the store's process has not started, or exited)"
-    except (socket.timeout, TimeoutError):
+    except TimeoutError:
         return ("no answer: the address is unreachable from this host (a link down, a firewall that drops "
                 "packets, or no such machine on this network)")
     except OSError as e:  # EHOSTUNREACH, ENETUNREACH

@@ -17,8 +17,8 @@ it, the sender encodes only the words that changed against its snapshot of what 
 receiver posts receives of the right sizes. Whether a delta pays at all is weighed per transfer
 (``Delta()``, "auto"): the sender's :class:`~tritonreshard.transport.codec.LinkModel` times its
 whole sends (the link) and its encodes (detection), and where finding what changed costs more than
-sending every byte, the transfer is whole and the snapshot is not kept up. Anything else (a receiver that skipped a version or lost
-its base, a new epoch: a new sender, whose snapshot is empty; an anchor every ``codec.anchor``
+sending every byte, the transfer is whole and the snapshot is not kept up. Anything else (a receiver that skipped a
+version or lost its base, a new epoch: a new sender, whose snapshot is empty; an anchor every ``codec.anchor``
 versions) travels whole. The snapshot is one copy of the bytes this rank sends to other hosts, on
 the arena's device: on CUDA the comparison then runs at device-memory speed with no copy over PCIe,
 and on CPU it is host memory like the arena. It moves on only once the sends completed.

@@ -33,10 +33,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import RefitError
 from ..kernels import CopyBackend, DescriptorTable, QuantizeTable
+from ..planning import BufferRef, Route
 from ..transport import pack_offsets
 from .group import Group, check_timeout
 from .modes import BufferMode
-from ..planning import BufferRef, Route
 from .sources import Sources
 
 __all__ = ["PullStats", "ServingBuffers", "Subscriber"]
@@ -154,7 +154,7 @@ class ServingBuffers:
             offsets, total = pack_offsets(sizes)
             flat = torch.zeros(total, dtype=torch.uint8, device=device)
             bufs = {n: tensors[n] for n in self.order if i == 0 and n in tensors}
-            for n, off, size in zip(own, offsets, sizes):
+            for n, off, size in zip(own, offsets, sizes, strict=True):
                 lay = self.layouts[n]
                 bufs[n] = flat[off:off + size].view(lay.dtype).view(lay.local_shape(rank))
             self.sets.append({n: bufs[n] for n in self.order})

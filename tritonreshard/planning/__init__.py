@@ -26,16 +26,16 @@ Modules, bottom up (each imports only those above it in this list):
 """
 from .boxes import RECV_ALIGN, box_is_contiguous, cut_global
 from .dtypes import CASTABLE_DTYPES, castable
-from .hostplan import CrossTransfer, FanoutOp, HostPlan, host_order
 from .hostpart import plan_host_part
+from .hostplan import CrossTransfer, FanoutOp, HostPlan, host_order
 from .hosts import hosts_from_map, plan_hosts
 from .ops import FillOp, Plan, PlanStats, TransferOp, merge_plans
 from .quant import FP8_DTYPE, SCALE_RULES, BlockQuant, QuantizedPlan, plan_quantized
+from .rank import BufferRef, HostTransfers, RankPlan, Read, Route, host_outbox, plan_rank, source_order, tensor_order
 from .reshard import plan_reshard, source_pieces
 from .text import fmt_bytes, fmt_global, fmt_slices
 from .traffic import Traffic, refit_traffic
 from .wire import Message, join_host_parts, plan_messages
-from .rank import BufferRef, HostTransfers, RankPlan, Read, Route, host_outbox, plan_rank, source_order, tensor_order
 
 __all__ = ["BlockQuant", "CASTABLE_DTYPES", "CrossTransfer", "FP8_DTYPE", "FanoutOp", "FillOp", "HostPlan",
            "Message", "Plan", "PlanStats", "QuantizedPlan", "RECV_ALIGN", "SCALE_RULES", "Traffic", "TransferOp",

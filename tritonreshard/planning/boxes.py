@@ -4,6 +4,7 @@ alignment every byte layout shares (:data:`RECV_ALIGN`)."""
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 
 from . import replicas
 
@@ -46,7 +47,7 @@ def union_boxes(boxes: list[Box]) -> list[Box]:
     cuts = sorted({b[0][0] for b in boxes} | {b[0][1] for b in boxes})
     out: list[Box] = []
     run: tuple[int, int, tuple[Box, ...]] | None = None
-    for a, b in zip(cuts, cuts[1:]):
+    for a, b in pairwise(cuts):
         inside = [bx[1:] for bx in boxes if bx[0][0] <= a and b <= bx[0][1]]
         sub = tuple(union_boxes(inside)) if inside else None
         if run is not None and sub == run[2]:
@@ -61,7 +62,7 @@ def union_boxes(boxes: list[Box]) -> list[Box]:
 
 
 def intersect_boxes(a: Box, b: Box) -> Box | None:
-    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b, strict=True))
     return out if all(lo < hi for lo, hi in out) else None
 
 

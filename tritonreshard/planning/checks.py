@@ -77,7 +77,7 @@ def _tiling_gaps(shape: tuple[int, ...], boxes: tuple[tuple[tuple[int, int], ...
     out = []
     for i in range(len(boxes)):
         for j in range(i):
-            inter = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(boxes[i], boxes[j]))
+            inter = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(boxes[i], boxes[j], strict=True))
             if all(a < b for a, b in inter):
                 out.append(("overlap", j, i, inter))
     if math.prod(shape) == 0:
@@ -87,7 +87,7 @@ def _tiling_gaps(shape: tuple[int, ...], boxes: tuple[tuple[tuple[int, int], ...
     grid = torch.zeros([len(e) - 1 for e in edges], dtype=torch.int32)
     for box in boxes:
         if all(a < b for a, b in box):
-            grid[tuple(slice(e.index(a), e.index(b)) for e, (a, b) in zip(edges, box))] += 1
+            grid[tuple(slice(e.index(a), e.index(b)) for e, (a, b) in zip(edges, box, strict=True))] += 1
     holes = (grid == 0).nonzero().tolist()
     for cell in holes[:4]:
         out.append(("hole", len(holes), tuple((edges[d][c], edges[d][c + 1]) for d, c in enumerate(cell))))
@@ -109,8 +109,9 @@ def _resolve_parts(name: str, d: Layout, parts, src: Mapping[str, Layout], probl
         if len(p.dst) != d.ndim:
             problems.append(f"{w}={p}: dst box has {len(p.dst)} dims but dst_layouts[{name!r}].shape={d.shape}")
             continue
-        box = tuple((0, n) if iv is None else iv for iv, n in zip(p.dst, d.shape))
-        bad = [f"dim {k}: {a}:{b}" for k, ((a, b), n) in enumerate(zip(box, d.shape)) if not 0 <= a <= b <= n]
+        box = tuple((0, n) if iv is None else iv for iv, n in zip(p.dst, d.shape, strict=True))
+        bad = [f"dim {k}: {a}:{b}" for k, ((a, b), n) in enumerate(zip(box, d.shape, strict=True))
+               if not 0 <= a <= b <= n]
         if bad:
             problems.append(f"{w}={p}: dst box {fmt_box(box)} is outside dst_layouts[{name!r}].shape="
                             f"{d.shape} ({'; '.join(bad)})")
@@ -130,9 +131,9 @@ def _resolve_parts(name: str, d: Layout, parts, src: Mapping[str, Layout], probl
             extent = [hi - lo for lo, hi in box]
             if p.src_dims is not None:
                 extent = [extent[p.src_dims.index(j)] for j in range(d.ndim)]
-            stop = tuple(a + n for a, n in zip(start, extent))
-            if any(a < 0 or b > n for a, b, n in zip(start, stop, s.shape)):
-                problems.append(f"{w}={p}: source box {fmt_box(tuple(zip(start, stop)))} is outside "
+            stop = tuple(a + n for a, n in zip(start, extent, strict=True))
+            if any(a < 0 or b > n for a, b, n in zip(start, stop, s.shape, strict=True)):
+                problems.append(f"{w}={p}: source box {fmt_box(tuple(zip(start, stop, strict=True)))} is outside "
                                 f"src_layouts[{sname!r}].shape={s.shape}")
                 continue
             if not dtypes.castable(s.dtype, d.dtype):

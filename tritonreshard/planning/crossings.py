@@ -96,7 +96,7 @@ def choose_senders(crossings: list[Crossing], src_lay, knobs: replicas.Knobs) ->
     pieces = [replicas.Piece(c.group, box_nbytes(_layout(src_lay, c.name), c.box), box_extent(c.box),
                              (c.host, name_key(c.name), c.group, c.box)) for c in crossings]
     out = []
-    for c, shares in zip(crossings, replicas.spread(pieces, replicas.Loads(), knobs)):
+    for c, shares in zip(crossings, replicas.spread(pieces, replicas.Loads(), knobs), strict=True):
         u0 = 0
         for sender, units in shares:
             out.append(c._replace(box=box_part(c.box, u0, u0 + units), sender=sender))
@@ -150,7 +150,8 @@ def _facts(box: Box, shape: tuple[int, ...], itemsize: int) -> tuple[tuple[slice
 
 
 def lay_out_buffers(crossings: list[Crossing], host_of: Mapping[int, str], src_lay, arena_pos,
-                    align: int, first: int = 0, shape_of=None) -> tuple[list[CrossTransfer], dict[int, int], list[Crossing]]:
+                    align: int, first: int = 0,
+                    shape_of=None) -> tuple[list[CrossTransfer], dict[int, int], list[Crossing]]:
     """Step 5: each receiver's buffer holds its boxes back to back, ``align``-byte aligned, grouped by
     sender in the sender's arena order (so arena neighbours are buffer neighbours: one message).
     Returns the transfers, numbered in buffer order from ``first``, each receiver's buffer size, and

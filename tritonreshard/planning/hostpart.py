@@ -13,16 +13,24 @@ from functools import cached_property
 from typing import NamedTuple
 
 from . import replicas
+from ._gc import gc_paused
 from .boxes import RECV_ALIGN, Box, box_of, cut_global, intersect_boxes, union_boxes
 from .checks import check_inputs, refuse_transposed, used_sources
-from .crossings import (Crossing, assign_receivers, check_hosts, choose_senders, lay_out_buffers, name_key,
-                        new_crossing, sender_name)
+from .crossings import (
+    Crossing,
+    assign_receivers,
+    check_hosts,
+    choose_senders,
+    lay_out_buffers,
+    name_key,
+    new_crossing,
+    sender_name,
+)
 from .hostplan import CrossTransfer, FanoutOp, HostPlan, Traffic, new_fanout, tally_transfers
 from .hosts import plan_hosts
 from .ops import Plan, TransferOp, merge_plans, new_op
 from .quant import QuantizedPlan, plan_quantized, quantized_inputs
 from .reshard import Job, OpRow, rows_into, source_itemsize
-from ._gc import gc_paused
 
 __all__ = ["host_part", "plan_host_part"]
 
@@ -42,9 +50,10 @@ class _Reader(NamedTuple):
 
 def _reads(row: OpRow, sb: Box, cut: Box, base: Box) -> tuple:
     """(rel, dst, global, starts) of the part ``cut`` of ``row`` (source box ``sb``), relative to ``base``."""
-    rel = tuple(slice(a - b0, b - b0) for (a, b), (b0, _) in zip(cut, base))
-    dst = tuple(slice(ds.start + a - sa, ds.start + b - sa) for (a, b), (sa, _), ds in zip(cut, sb, row.dst_slices))
-    g = tuple(cut_global(gi, a - sa, b - sa) for (a, b), (sa, _), gi in zip(cut, sb, row.global_index))
+    rel = tuple(slice(a - b0, b - b0) for (a, b), (b0, _) in zip(cut, base, strict=True))
+    dst = tuple(slice(ds.start + a - sa, ds.start + b - sa)
+                for (a, b), (sa, _), ds in zip(cut, sb, row.dst_slices, strict=True))
+    g = tuple(cut_global(gi, a - sa, b - sa) for (a, b), (sa, _), gi in zip(cut, sb, row.global_index, strict=True))
     return rel, dst, g, tuple([d.start for d in dst])
 
 
@@ -72,7 +81,8 @@ def _need(jobs_rows: tuple[tuple[OpRow, ...], ...], group: tuple[int, ...], cros
         sb = box_of(row.src_slices)
         by_rows[row.dst_rank].append((j, row))
         # The union boxes are in order along dim 0 (starts and stops both ascending).
-        cands = range(len(boxes)) if starts is None else range(bisect_right(stops, sb[0][0]), bisect_left(starts, sb[0][1]))
+        cands = (range(len(boxes)) if starts is None
+                 else range(bisect_right(stops, sb[0][0]), bisect_left(starts, sb[0][1])))
         for u in cands:
             cut = intersect_boxes(sb, boxes[u])
             if cut is not None:
@@ -205,7 +215,7 @@ class _HostPart(HostPlan):
                 for group, need in src.needs.items():
                     aligned = src.aligned[group]
                     if aligned is not None:
-                        for t, rs in zip(aligned, need.readers):
+                        for t, rs in zip(aligned, need.readers, strict=True):
                             if t.receiver == receiver:
                                 out.update(rs)
                         continue
@@ -270,7 +280,7 @@ class _HostPart(HostPlan):
             for group, need in src.needs.items():
                 aligned = src.aligned[group]
                 if aligned is not None:
-                    for t, (n, count) in zip(aligned, need.reads):
+                    for t, (n, count) in zip(aligned, need.reads, strict=True):
                         ow[t.receiver] += n * isz
                         pc[t.receiver] += count
                     aligned_needs[id(need)] += 1
@@ -293,7 +303,8 @@ class _HostPart(HostPlan):
 
     def joined(self, transfers, buffer_bytes, shift: int) -> HostPlan:
         part = _HostPart(self._make_plan, self._src_layouts, self._dst_layouts, self._hosts, self._host, transfers,
-                         buffer_bytes, self._sources, self._jobs, self._local_jobs, self._dst_ranks, self._shift + shift)
+                         buffer_bytes, self._sources, self._jobs, self._local_jobs, self._dst_ranks,
+                         self._shift + shift)
         if "plan" in self.__dict__:
             part.plan = self.plan
         return part
@@ -442,7 +453,7 @@ def _attach_transfers(sources: list[_Source], order, transfers) -> None:
     """Each source's transfers per replica set (``order``: the crossing each transfer came from),
     and ``aligned``: those in the order of the need's boxes, or None where a box was cut."""
     by_need: dict[tuple[str, tuple], list[CrossTransfer]] = defaultdict(list)
-    for c, t in zip(order, transfers):
+    for c, t in zip(order, transfers, strict=True):
         by_need[(c.name, c.group)].append(t)
     for src in sources:
         for group, need in src.needs.items():

@@ -87,9 +87,9 @@ class FanoutOp:
 @dataclass(frozen=True)
 class Traffic:
     """Bytes each rank moves in one refit, by direction and by link kind, as a host plan moves them
-    (:meth:`HostPlan.traffic`, :func:`~.traffic.refit_traffic`). ``{rank: bytes}`` each: ``out_within`` / ``in_within`` over the host's own links
-    (reads of source arenas and relay buffers on the host), ``out_across`` / ``in_across`` between
-    hosts (each byte a host needs once). ``pieces``: ``{rank: pieces it reads or serves}`` (the
+    (:meth:`HostPlan.traffic`, :func:`~.traffic.refit_traffic`). ``{rank: bytes}`` each: ``out_within`` / ``in_within``
+    over the host's own links (reads of source arenas and relay buffers on the host), ``out_across`` / ``in_across``
+    between hosts (each byte a host needs once). ``pieces``: ``{rank: pieces it reads or serves}`` (the
     plan's ops, before replicas cut some into parts). ``host_ingress``: ``{host: bytes}``."""
 
     out_within: Mapping[int, int]
@@ -331,7 +331,7 @@ def new_transfer(*values) -> CrossTransfer:
     ``object.__setattr__`` (the host planner's values, already checked; a host part makes tens of
     thousands)."""
     t = _obj_new(CrossTransfer)
-    for s, v in zip(_set_ct, values):
+    for s, v in zip(_set_ct, values, strict=True):
         s(t, v)
     return t
 

@@ -45,12 +45,12 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 
 from . import replicas
-from .checks import refuse_transposed
+from ._gc import gc_paused
 from .boxes import RECV_ALIGN, box_of, cut_global, intersect_boxes, union_boxes
+from .checks import refuse_transposed
 from .crossings import Crossing, assign_receivers, check_hosts, choose_senders, lay_out_buffers, name_key, sender_name
 from .hostplan import CrossTransfer, FanoutOp, HostPlan, host_order
 from .ops import Plan, TransferOp
-from ._gc import gc_paused
 
 # HostPlan and its parts live in .hostplan; this module plans them (they stay importable from here).
 __all__ = ["CrossTransfer", "FanoutOp", "HostPlan", "host_order", "hosts_from_map", "plan_hosts"]
@@ -201,14 +201,15 @@ def _split_ranks(value) -> tuple[list[int], list] | None:
         return None
     items = list(value)
     ok = [isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in items]
-    return [r for r, y in zip(items, ok) if y], [r for r, y in zip(items, ok) if not y]
+    return [r for r, y in zip(items, ok, strict=True) if y], [r for r, y in zip(items, ok, strict=True) if not y]
 
 
 def _runs(ranks) -> str:
     """Ranks as sorted runs, ``{0, 1, 2, 3, 8}`` -> ``0-3,8``: a few words for a whole host."""
     out: list[str] = []
+    last: int | None = None
     for r in sorted(ranks):
-        if out and r == last + 1:
+        if last is not None and r == last + 1:
             out[-1] = f"{out[-1].split('-')[0]}-{r}"
         else:
             out.append(str(r))
@@ -299,7 +300,7 @@ def _fan_out(needs: _Needs, transfers: list[CrossTransfer], order: list[Crossing
     slices relative to the transfer's box. ``order``: each transfer's crossing (its need). A read
     names the tensor its transfer carries (for aliases, the sender's alias)."""
     by_need: dict[tuple[str, object, tuple[int, ...]], list[CrossTransfer]] = defaultdict(list)
-    for c, t in zip(order, transfers):
+    for c, t in zip(order, transfers, strict=True):
         by_need[(c.host, c.name, c.group)].append(t)
     fanout: list[FanoutOp] = []
     for key, ops in needs.items():
@@ -309,10 +310,11 @@ def _fan_out(needs: _Needs, transfers: list[CrossTransfer], order: list[Crossing
                 cut = intersect_boxes(src_box, box_of(t.box))
                 if cut is None:
                     continue
-                rel = tuple(slice(a - tb.start, b - tb.start) for (a, b), tb in zip(cut, t.box))
+                rel = tuple(slice(a - tb.start, b - tb.start) for (a, b), tb in zip(cut, t.box, strict=True))
                 dst = tuple(slice(ds.start + a - sa, ds.start + b - sa)
-                            for (a, b), (sa, _), ds in zip(cut, src_box, op.dst_slices))
-                g = tuple(cut_global(gi, a - sa, b - sa) for (a, b), (sa, _), gi in zip(cut, src_box, op.global_index))
+                            for (a, b), (sa, _), ds in zip(cut, src_box, op.dst_slices, strict=True))
+                g = tuple(cut_global(gi, a - sa, b - sa)
+                          for (a, b), (sa, _), gi in zip(cut, src_box, op.global_index, strict=True))
                 fanout.append(FanoutOp(t.index, TransferOp(op.name, t.receiver, op.dst_rank, rel, dst, g,
                                                            t.name)))
     return fanout

@@ -12,8 +12,8 @@ from functools import cached_property
 from itertools import chain
 
 from ..layout import Layout, Part
-from .text import fmt_bytes, fmt_global, fmt_slices, render_table
 from ._gc import gc_paused
+from .text import fmt_bytes, fmt_global, fmt_slices, render_table
 
 __all__ = ["FillOp", "Plan", "PlanStats", "TransferOp", "merge_plans", "new_op"]
 
@@ -265,8 +265,8 @@ class Plan:
         def op_row(op: TransferOp) -> tuple[str, ...]:
             g = fmt_global(op.global_index)
             return (op.name, f"{op.src_rank}->{op.dst_rank}", op.src_name + g if renamed else g,
-                    fmt_slices(op.src_slices) + _permute(op), fmt_slices(op.dst_slices), "x".join(map(str, op.shape)) or "scalar",
-                    fmt_bytes(op.numel * self._dst[op.name].itemsize))
+                    fmt_slices(op.src_slices) + _permute(op), fmt_slices(op.dst_slices),
+                    "x".join(map(str, op.shape)) or "scalar", fmt_bytes(op.numel * self._dst[op.name].itemsize))
 
         def fill_row(f: FillOp) -> tuple[str, ...]:
             return (f.name, f"zeros->{f.dst_rank}", fmt_global(f.global_index), "-", fmt_slices(f.dst_slices),

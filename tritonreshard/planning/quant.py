@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from ..layout import Layout
-from .dtypes import CASTABLE_DTYPES
 from .checks import transposed
+from .dtypes import CASTABLE_DTYPES
 from .reshard import Plan, plan_reshard
 
 __all__ = ["BlockQuant", "QuantizedPlan", "SCALE_RULES", "FP8_DTYPE", "plan_quantized", "quantized_inputs"]

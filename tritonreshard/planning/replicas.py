@@ -10,8 +10,8 @@ derives the same choices.
   destination's reads over source replicas with it, so that any rank derives any piece's choice
   without planning the other pieces (per-rank planning).
 * :func:`spread`: which replica serves each piece, balancing the pieces against each other. The
-  host planner spreads a host's cross-host boxes over the sender replicas off that host. Biggest pieces first, each to its least-loaded replica, water-filled over
-  several replicas only where one would carry clearly more than its share.
+  host planner spreads a host's cross-host boxes over the sender replicas off that host. Biggest pieces first, each to
+  its least-loaded replica, water-filled over several replicas only where one would carry clearly more than its share.
 * :func:`cut_runs`: how an ordered list of boxes is cut into one consecutive run per receiver of
   about equal bytes (the host planner's receivers), so neighbours stay together.
 
@@ -199,7 +199,7 @@ def spread(pieces: Sequence[Piece], loads: Loads, knobs: Knobs | None = None) ->
         chosen = order[:min(len(order), p.nbytes // knobs.min_split_bytes, p.extent)]
         units = _water_fill([loads[c] for c in chosen], p.nbytes, p.extent)
         unit_bytes = p.nbytes // p.extent
-        out[i] = tuple((c, u) for c, u in zip(chosen, units) if u)
+        out[i] = tuple((c, u) for c, u in zip(chosen, units, strict=True) if u)
         for c, u in out[i]:
             loads.add(c, u * unit_bytes)
     return out

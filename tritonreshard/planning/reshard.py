@@ -44,10 +44,10 @@ from typing import NamedTuple
 
 from ..layout import Layout, Part, Segment, segments_by_mesh_index
 from . import replicas
+from ._gc import gc_paused
 from .boxes import cut_global
 from .checks import check_inputs, used_sources
 from .ops import FillOp, Plan, PlanStats, TransferOp, merge_plans, new_op
-from ._gc import gc_paused
 
 # Plan, its ops and merge_plans live in .ops; this module makes plans (they stay importable from here).
 __all__ = ["TransferOp", "FillOp", "Plan", "PlanStats", "merge_plans", "plan_reshard", "source_pieces"]
@@ -115,7 +115,7 @@ def _split(dims: tuple[_DimPiece, ...], units: list[int]) -> list[tuple[_DimPiec
 
 @gc_paused
 def plan_reshard(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout],
-                 parts: Mapping[str, "list[Part]"] | None = None, *, rank: int | None = None) -> Plan:
+                 parts: Mapping[str, list[Part]] | None = None, *, rank: int | None = None) -> Plan:
     """Plan moving every tensor of ``dst_layouts`` from the source layouts.
 
     Args:
@@ -171,7 +171,7 @@ class _Aliases:
     geometries: tuple
 
 
-def source_geometry(src_layouts: Mapping[str, Layout], src) -> "tuple | _Aliases":
+def source_geometry(src_layouts: Mapping[str, Layout], src) -> tuple | _Aliases:
     """The geometry of a resolved part's source: a name's layout's, or its aliases' together."""
     if isinstance(src, str):
         return _geometry(src_layouts[src])
@@ -192,14 +192,14 @@ def _segments_of(geometry) -> dict:
                 merged.setdefault(r, segs)
         return merged
     shape, mesh_shape, ranks, placements = geometry
-    return dict(zip(ranks, segments_by_mesh_index(shape, mesh_shape, placements)))
+    return dict(zip(ranks, segments_by_mesh_index(shape, mesh_shape, placements), strict=True))
 
 
 @lru_cache(maxsize=1024)
 def alias_of(src: tuple[str, ...], geometry: _Aliases) -> dict[int, str]:
     """``{rank: the alias it reads}`` for aliases ``src`` of ``geometry`` (the first listing it)."""
     out: dict[int, str] = {}
-    for name, g in zip(src, geometry.geometries):
+    for name, g in zip(src, geometry.geometries, strict=True):
         for r in g[2]:
             out.setdefault(r, name)
     return out
@@ -237,7 +237,7 @@ def _dst_segments(d_geo: tuple, box: tuple | None, src_start: tuple | None, orde
     if box is None:
         return segs
     starts = src_start if order is None else tuple(src_start[j] for j in order)
-    return tuple(_clip(s, lo, hi, st - lo) for s, (lo, hi), st in zip(segs, box, starts))
+    return tuple(_clip(s, lo, hi, st - lo) for s, (lo, hi), st in zip(segs, box, starts, strict=True))
 
 
 class _Template(NamedTuple):
@@ -358,7 +358,8 @@ def _shares(row: _Row, turn: int, s_isz: int, knobs: replicas.Knobs) -> list[tup
     shares = replicas.share(row.group, row.numel * s_isz, 1 if axis is None else row.dims[axis][2], turn, knobs)
     if len(shares) == 1:
         return [(shares[0][0], row.dims)]
-    return [(src_rank, part) for (src_rank, _), part in zip(shares, _split(row.dims, [u for _, u in shares]))]
+    parts = _split(row.dims, [u for _, u in shares])
+    return [(src_rank, part) for (src_rank, _), part in zip(shares, parts, strict=True)]
 
 
 def rows_into(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout], resolved: Mapping,
@@ -420,7 +421,7 @@ def _fill_pieces(d_geo: tuple, box: tuple) -> tuple:
     """``(dst_rank, dst_slices, global_index)`` of the destination box on every destination rank."""
     rows = []
     for dst_rank, dsegs in _segments_of(d_geo).items():
-        per_dim = [_clip(segs, lo, hi, 0) for segs, (lo, hi) in zip(dsegs, box)]
+        per_dim = [_clip(segs, lo, hi, 0) for segs, (lo, hi) in zip(dsegs, box, strict=True)]
         for dims in product(*per_dim):
             rows.append((dst_rank, tuple(slice(loc, loc + b - a) for a, b, loc in dims),
                          tuple(((a, b),) for a, b, _ in dims)))
@@ -486,7 +487,7 @@ def _plan_cached(src_items: tuple[tuple[str, Layout], ...], dst_items: tuple[tup
 
 
 def source_pieces(src_layouts: Mapping[str, Layout], dst_layouts: Mapping[str, Layout],
-                  parts: Mapping[str, "list[Part]"] | None = None) -> list[tuple[int, tuple]]:
+                  parts: Mapping[str, list[Part]] | None = None) -> list[tuple[int, tuple]]:
     """The whole plan's pieces without making its ops: byte and op accounting at a scale where the
     whole plan would not fit (millions of ops).
 

@@ -58,7 +58,7 @@ def render_table(headers: Sequence[str], rows: Iterable[Sequence[str]], *, max_r
     cells = [tuple(headers)] + [tuple(r) for r in shown]
     widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
     pad = str.rjust if right else str.ljust
-    lines = ["  " + "  ".join(pad(c, w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    lines = ["  " + "  ".join(pad(c, w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
     start = 0
     for noun, count in sections:
         hidden = count - max(0, min(len(shown) - start, count))

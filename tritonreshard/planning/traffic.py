@@ -7,13 +7,13 @@ from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import fields
 
+from ._gc import gc_paused
 from .boxes import RECV_ALIGN
 from .checks import check_inputs, used_sources
 from .crossings import check_hosts
 from .hostpart import host_part
 from .hostplan import Traffic, host_order
 from .quant import quantized_inputs
-from ._gc import gc_paused
 
 __all__ = ["Traffic", "refit_traffic"]
 
@@ -49,7 +49,7 @@ def refit_traffic(src_layouts, dst_layouts, parts=None, hosts: Mapping[int, str]
         part = host_part(src_layouts, dst_layouts, parts, quant, planned, resolved, hosts, host_of, h, None,
                          RECV_ALIGN, 0)
         got_all = part.traffic()
-        for acc, got in zip(sums, (getattr(got_all, f.name) for f in fields(Traffic))):
+        for acc, got in zip(sums, (getattr(got_all, f.name) for f in fields(Traffic)), strict=True):
             for k, v in got.items():
                 acc[k] += v
     return Traffic(*(dict(sorted(x.items())) for x in sums))

@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from ._gc import gc_paused
 from .boxes import RECV_ALIGN
 from .hostplan import CrossTransfer, HostPlan, host_order, renumbered
-from ._gc import gc_paused
 
 __all__ = ["Message", "join_host_parts", "plan_messages"]
 
@@ -56,7 +56,7 @@ class Message:
 
 def _box_byte_offset(box: tuple[slice, ...], shape: tuple[int, ...], itemsize: int) -> int:
     off, stride = 0, itemsize
-    for s, n in zip(reversed(box), reversed(shape)):
+    for s, n in zip(reversed(box), reversed(shape), strict=True):
         off += s.start * stride
         stride *= n
     return off

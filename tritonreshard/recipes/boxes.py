@@ -56,7 +56,7 @@ class Piece:
     def make(box: Box, src: int, base: int = 0, coef: Sequence[int] = ()) -> Piece:
         if src < 0:
             return Piece(tuple(box), src, 0, (0,) * len(box))
-        return Piece(tuple(box), src, base, tuple(c if b - a > 1 else 0 for (a, b), c in zip(box, coef)))
+        return Piece(tuple(box), src, base, tuple(c if b - a > 1 else 0 for (a, b), c in zip(box, coef, strict=True)))
 
     @property
     def numel(self) -> int:
@@ -64,7 +64,7 @@ class Piece:
 
     def at(self, x: Sequence[int]) -> int:
         """The source flat index at destination coordinates ``x`` (inside the box)."""
-        return self.base + sum((xk - a) * c for xk, (a, _), c in zip(x, self.box, self.coef))
+        return self.base + sum((xk - a) * c for xk, (a, _), c in zip(x, self.box, self.coef, strict=True))
 
     def clip(self, box: Box) -> Piece | None:
         """This piece on ``box`` alone (None: they do not meet)."""
@@ -82,7 +82,7 @@ def place(shape: Sequence[int], offset: int, sizes: Sequence[int], strides: Sequ
     when the view is no box of the tensor (overlapping, strided by a step, out of bounds)."""
     cst = contiguous_strides(shape)
     by_stride = {cst[k]: k for k in range(len(shape)) if shape[k] > 1}
-    work = [(j, n, s, 1) for j, (n, s) in enumerate(zip(sizes, strides)) if n > 1]
+    work = [(j, n, s, 1) for j, (n, s) in enumerate(zip(sizes, strides, strict=True)) if n > 1]
     subs, used = [], set()
     while work:
         j, n, s, m = work.pop()
@@ -116,7 +116,7 @@ def copy_pieces(shape: Sequence[int], dst_view: tuple, src: int, linear, limit: 
     offset, sizes, strides = dst_view
     base, weights = linear if src >= 0 else (0, [0] * len(sizes))
     dims: list[tuple[int, int, int]] = []
-    for n, st, w in zip(sizes, strides, weights):
+    for n, st, w in zip(sizes, strides, weights, strict=True):
         if n == 1:
             continue
         if dims and dims[-1][1] == n * st and dims[-1][2] == n * w:  # the outer dim runs on into this one
@@ -150,13 +150,13 @@ def _cut(shape, offset, dims, src, base, limit) -> list[Piece] | None:
 
 def _overlaps(a: Box, b: Box) -> bool:
     """``intersect_boxes(a, b) is not None``, without building the intersection (the sweeps' inner loop)."""
-    return all(x < d and c < y for (x, y), (c, d) in zip(a, b))
+    return all(x < d and c < y for (x, y), (c, d) in zip(a, b, strict=True))
 
 
 def _minus(p: Piece, cut: Box) -> list[Piece]:
     """``p`` less the box ``cut``: up to two pieces a dim, disjoint."""
     out, rest = [], list(p.box)
-    for k, ((a, b), (c, d)) in enumerate(zip(p.box, cut)):
+    for k, ((a, b), (c, d)) in enumerate(zip(p.box, cut, strict=True)):
         c, d = max(a, c), min(b, d)
         for lo, hi in ((a, c), (d, b)):
             if lo < hi:
@@ -264,7 +264,7 @@ def first_difference(got: Sequence[Piece], want: Sequence[Piece]):
             count += vol - seen
             x = _first_uncovered(pieces, want if side == 0 else got)
             if x is not None and (first is None or x < first):
-                owner = next(p for p in pieces if all(a <= xk < b for xk, (a, b) in zip(x, p.box)))
+                owner = next(p for p in pieces if all(a <= xk < b for xk, (a, b) in zip(x, p.box, strict=True)))
                 first, pair = x, ((owner, None) if side == 0 else (None, owner))
     return None if first is None else (first, count, *pair)
 
@@ -334,8 +334,9 @@ def recipe_pieces(spec, rank: int, names: Iterable[str] | None = None, *,
                 k = at[j]
                 start = op.dst_slices[k].start + local
                 box[k] = (start, start + b - a)
-            base = sum(a * c for (a, _, _), c in zip(combo, cst))
-            out[op.name].append(Piece.make(tuple(box), index[op.src_name], base, [cst[dims[k]] for k in range(len(box))]))
+            base = sum(a * c for (a, _, _), c in zip(combo, cst, strict=True))
+            out[op.name].append(Piece.make(tuple(box), index[op.src_name], base,
+                                           [cst[dims[k]] for k in range(len(box))]))
     for fill in plan.fills:
         if fill.dst_rank == rank and fill.name in out:
             out[fill.name].append(Piece.make(tuple((s.start, s.stop) for s in fill.dst_slices), FILL))
@@ -382,7 +383,8 @@ def merge_pieces(pieces: Iterable[Piece]) -> list[Piece]:
 def _joins(q: Piece, p: Piece, d: int) -> bool:
     if q.src != p.src or q.box[d][1] != p.box[d][0]:
         return False
-    if q.box[:d] + q.box[d + 1:] != p.box[:d] + p.box[d + 1:] or q.coef[:d] + q.coef[d + 1:] != p.coef[:d] + p.coef[d + 1:]:
+    if (q.box[:d] + q.box[d + 1:] != p.box[:d] + p.box[d + 1:]
+            or q.coef[:d] + q.coef[d + 1:] != p.coef[:d] + p.coef[d + 1:]):
         return False
     if q.src < 0:
         return True
@@ -395,4 +397,4 @@ def _joins(q: Piece, p: Piece, d: int) -> bool:
 
 def shifted(piece: Piece, offsets: Sequence[int]) -> Piece:
     """``piece`` with its box moved by ``offsets`` (local to global coordinates)."""
-    return replace(piece, box=tuple((a + o, b + o) for (a, b), o in zip(piece.box, offsets)))
+    return replace(piece, box=tuple((a + o, b + o) for (a, b), o in zip(piece.box, offsets, strict=True)))

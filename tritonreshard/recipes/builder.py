@@ -241,14 +241,14 @@ class RecipeBuilder:
         by TP (w13 ``[gate chunk r | up chunk r]`` on dim 1, w2 on dim 2), or with
         ``expert_parallel`` whole experts per rank, placed like vLLM's ``determine_expert_map``
         (``balanced``)."""
-        E, I, H, dst = n_experts, inter, hidden, pre if dst is None else dst
+        E, H, dst = n_experts, hidden, pre if dst is None else dst
         gu, dn = f"{pre}.experts.gate_up_proj", f"{pre}.experts.down_proj"
-        self.source(gu, (E, 2 * I, H))
-        self.source(dn, (E, H, I))
-        w13 = Shard(0, balanced=True) if expert_parallel else Shard(1, (I, I))
+        self.source(gu, (E, 2 * inter, H))
+        self.source(dn, (E, H, inter))
+        w13 = Shard(0, balanced=True) if expert_parallel else Shard(1, (inter, inter))
         w2 = Shard(0, balanced=True) if expert_parallel else Shard(2)
-        self.target(f"{dst}.experts.routed_experts.w13_weight", (E, 2 * I, H), w13, [Part(gu, [None] * 3)])
-        self.target(f"{dst}.experts.routed_experts.w2_weight", (E, H, I), w2, [Part(dn, [None] * 3)])
+        self.target(f"{dst}.experts.routed_experts.w13_weight", (E, 2 * inter, H), w13, [Part(gu, [None] * 3)])
+        self.target(f"{dst}.experts.routed_experts.w2_weight", (E, H, inter), w2, [Part(dn, [None] * 3)])
 
     def spec(self, model_type: str, expert_parallel: bool, quant: dict[str, BlockQuant] | None = None) -> RecipeSpec:
         """The collected layouts and parts as a :class:`RecipeSpec`."""

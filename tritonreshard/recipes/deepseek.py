@@ -1,8 +1,8 @@
 """DeepSeek-V2 / V3 (transformers 5) training parameters -> vLLM tensor-parallel parameters.
 
 Pure Python planning (no transformers or vLLM import), reached through
-:func:`~tritonreshard.recipes.hf_to_vllm` (``config.model_type`` ``"deepseek_v2"`` or ``"deepseek_v3"``). Facts follow vLLM 0.32's
-``models/deepseek_v2.py`` with MLA attention (vLLM's default for these models), per TP rank r, in load
+:func:`~tritonreshard.recipes.hf_to_vllm` (``config.model_type`` ``"deepseek_v2"`` or ``"deepseek_v3"``). Facts follow
+vLLM 0.32's ``models/deepseek_v2.py`` with MLA attention (vLLM's default for these models), per TP rank r, in load
 format:
 
 * ``self_attn.fused_qkv_a_proj.weight`` ``[q_lora_rank + kv_lora_rank + qk_rope_head_dim, H]``
@@ -33,8 +33,7 @@ from typing import Any
 import torch
 
 from ..layout import Part, Replicate, Shard
-from .builder import (RecipeBuilder, RecipeSpec, check_divisible, check_moe, check_vocab, raise_problems,
-                      shared_experts)
+from .builder import RecipeBuilder, RecipeSpec, check_divisible, check_moe, check_vocab, raise_problems, shared_experts
 
 __all__ = ["build_deepseek", "deepseek_to_vllm", "DEEPSEEK_MODEL_TYPES"]
 

@@ -69,7 +69,7 @@ def _kind(name: str) -> str | None:
 def _split(lay: Layout, dim: int) -> tuple[int, tuple[int, ...] | None]:
     """(ways dim is split over the mesh, its blocks or None)."""
     ways, blocks = 1, None
-    for size, p in zip(lay.mesh_shape, lay.placements):
+    for size, p in zip(lay.mesh_shape, lay.placements, strict=True):
         if isinstance(p, Shard) and p.dim % len(lay.shape) == dim:
             ways *= size
             blocks = p.blocks if p.blocks is not None else blocks

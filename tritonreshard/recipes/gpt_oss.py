@@ -107,21 +107,21 @@ def _attention(b: RecipeBuilder, pre: str, s: dict) -> None:
 
 def _experts(b: RecipeBuilder, pre: str, s: dict, expert_parallel: bool) -> None:
     """The router and the routed experts (see the module docstring)."""
-    H, E, I, tp = s["H"], s["E"], s["I"], b.tp
+    H, E, inter, tp = s["H"], s["E"], s["I"], b.tp
     b.same(f"{pre}.mlp.router.weight", (E, H), Replicate())
     b.same(f"{pre}.mlp.router.bias", (E,), Replicate())
     hf, dst = f"{pre}.mlp.experts", f"{pre}.mlp.experts.routed_experts"
-    b.source(f"{hf}.gate_up_proj", (E, H, 2 * I))
-    b.source(f"{hf}.gate_up_proj_bias", (E, 2 * I))
-    b.source(f"{hf}.down_proj", (E, I, H))
+    b.source(f"{hf}.gate_up_proj", (E, H, 2 * inter))
+    b.source(f"{hf}.gate_up_proj_bias", (E, 2 * inter))
+    b.source(f"{hf}.down_proj", (E, inter, H))
     b.source(f"{hf}.down_proj_bias", (E, H))
     # gate and up stay interleaved: rank r's 2I/tp columns are one contiguous run, plain Shard.
     ep = Shard(0)   # whole experts, E // tp per rank (checked: tp divides E)
-    b.target(f"{dst}.w13_weight", (E, 2 * I, H), ep if expert_parallel else Shard(1),
+    b.target(f"{dst}.w13_weight", (E, 2 * inter, H), ep if expert_parallel else Shard(1),
              [Part(f"{hf}.gate_up_proj", [None] * 3, src_dims=_TRANSPOSE)])
-    b.target(f"{dst}.w13_bias", (E, 2 * I), ep if expert_parallel else Shard(1),
+    b.target(f"{dst}.w13_bias", (E, 2 * inter), ep if expert_parallel else Shard(1),
              [Part(f"{hf}.gate_up_proj_bias", [None] * 2)])
-    b.target(f"{dst}.w2_weight", (E, H, I), ep if expert_parallel else Shard(2),
+    b.target(f"{dst}.w2_weight", (E, H, inter), ep if expert_parallel else Shard(2),
              [Part(f"{hf}.down_proj", [None] * 3, src_dims=_TRANSPOSE)])
     if expert_parallel or tp == 1:
         b.target(f"{dst}.w2_bias", (E, H), ep if expert_parallel else Replicate(),

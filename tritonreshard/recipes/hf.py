@@ -18,9 +18,9 @@ from .builder import RecipeBuilder, RecipeSpec, check_tp, raise_problems, rank_l
 from .deepseek import DEEPSEEK_MODEL_TYPES, build_deepseek
 from .dense import FAMILIES, build_dense
 from .families import FAMILY_MODEL_TYPES, build_family
+from .fp8 import check_quantization, quantize_destinations
 from .gpt_oss import GPT_OSS_MODEL_TYPES, build_gpt_oss
 from .hybrid import HYBRID_MODEL_TYPES, build_hybrid
-from .fp8 import check_quantization, quantize_destinations
 
 __all__ = ["hf_to_vllm", "RECIPES", "Builder"]
 
@@ -31,8 +31,10 @@ Builder = Callable[..., None]
 
 #: ``config.model_type`` -> its builder. A new family of the dense kind is a row of
 #: :data:`~tritonreshard.recipes.dense.FAMILIES`; a new kind of architecture, a builder here.
-RECIPES: dict[str, Builder] = {**{t: build_dense for t in FAMILIES}, **{t: build_deepseek for t in DEEPSEEK_MODEL_TYPES},
-                               **{t: build_family for t in FAMILY_MODEL_TYPES}, **{t: build_hybrid for t in HYBRID_MODEL_TYPES},
+RECIPES: dict[str, Builder] = {**{t: build_dense for t in FAMILIES},
+                               **{t: build_deepseek for t in DEEPSEEK_MODEL_TYPES},
+                               **{t: build_family for t in FAMILY_MODEL_TYPES},
+                               **{t: build_hybrid for t in HYBRID_MODEL_TYPES},
                                **{t: build_gpt_oss for t in GPT_OSS_MODEL_TYPES}}
 
 
@@ -51,7 +53,8 @@ def hf_to_vllm(config: Any, tp: int, trainer_ranks, inference_ranks, dtype: torc
         config: a ``transformers`` config of a :data:`RECIPES` model type (``LlamaConfig``,
             ``MistralConfig``, ``Qwen2Config``, ``Qwen3Config``, ``Qwen3MoeConfig``,
             ``DeepseekV2Config``, ``DeepseekV3Config``, ``MixtralConfig``, ``Phi3Config``,
-            ``Glm4MoeConfig``, ``Gemma3TextConfig``, ``Qwen3NextConfig``, ``GptOssConfig``) or any object with the same fields.
+            ``Glm4MoeConfig``, ``Gemma3TextConfig``, ``Qwen3NextConfig``, ``GptOssConfig``) or any object with the
+            same fields.
         tp: vLLM's tensor-parallel size; ``len(inference_ranks)`` must be a multiple of it.
         trainer_ranks: global ranks of the trainers (FSDP rows, ``Shard(0)``), or their count.
         inference_ranks: global ranks of ``k * tp`` inference ranks (or their count): ``k`` replicas

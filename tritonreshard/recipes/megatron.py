@@ -329,7 +329,7 @@ def _megatron_parts(hf: RecipeSpec, pieces: dict[str, list[_Piece]]) -> dict[str
 def _split_part(name: str, p: Part, lay: Layout, pieces: dict[str, list[_Piece]]) -> list[Part]:
     """Part ``p`` of destination ``name`` (an HF source region, or a fill) as the parts that read
     it from Megatron tensors, one per piece it crosses."""
-    box = [(0, n) if iv is None else iv for iv, n in zip(p.dst, lay.shape)]
+    box = [(0, n) if iv is None else iv for iv, n in zip(p.dst, lay.shape, strict=True)]
     if p.src is None:
         return [Part(None, box)]
     # Megatron's families (dense FAMILIES) have no transposed parts; re-reading one piecewise would
@@ -337,24 +337,24 @@ def _split_part(name: str, p: Part, lay: Layout, pieces: dict[str, list[_Piece]]
     assert p.src_dims is None, f"{name}: {p} is transposed; megatron_to_vllm does not re-read transposed parts"
     start = p.src_start or (0,) * lay.ndim
     lo = tuple(start)
-    hi = tuple(s + (b - a) for s, (a, b) in zip(start, box))
+    hi = tuple(s + (b - a) for s, (a, b) in zip(start, box, strict=True))
     out: list[Part] = []
     covered = 0
     for plo, phi, mname, morigin in pieces[p.src]:
-        ilo = tuple(max(a, b) for a, b in zip(lo, plo))
-        ihi = tuple(min(a, b) for a, b in zip(hi, phi))
-        if any(a >= b for a, b in zip(ilo, ihi)):
+        ilo = tuple(max(a, b) for a, b in zip(lo, plo, strict=True))
+        ihi = tuple(min(a, b) for a, b in zip(hi, phi, strict=True))
+        if any(a >= b for a, b in zip(ilo, ihi, strict=True)):
             continue
         covered += _numel(ilo, ihi)
-        out.append(Part(mname, [(a + (x - s), a + (y - s)) for (a, _), x, y, s in zip(box, ilo, ihi, lo)],
-                        tuple(o + (x - q) for o, x, q in zip(morigin, ilo, plo))))
+        out.append(Part(mname, [(a + (x - s), a + (y - s)) for (a, _), x, y, s in zip(box, ilo, ihi, lo, strict=True)],
+                        tuple(o + (x - q) for o, x, q in zip(morigin, ilo, plo, strict=True))))
     assert covered == _numel(lo, hi), f"{name}: {p} is not covered by Megatron tensors"
     return out
 
 
 def _numel(lo, hi) -> int:
     n = 1
-    for a, b in zip(lo, hi):
+    for a, b in zip(lo, hi, strict=True):
         n *= max(0, b - a)
     return n
 

@@ -74,7 +74,7 @@ class _Map:
                 weights = [0] * len(sizes)
                 for k, _, j, _ in subs:
                     weights[j] = self.coef[k]
-                return self.src, (self.base + sum(a * c for a, c in zip(starts, self.coef)), weights), ""
+                return self.src, (self.base + sum(a * c for a, c in zip(starts, self.coef, strict=True)), weights), ""
             return None, None, "a view of a copied source that is no box of it"
         return None, None, self.why
 
@@ -238,5 +238,7 @@ def _broadcast(view: tuple, sizes: tuple) -> tuple:
     offset, ssizes, sstrides = view
     pad = len(sizes) - len(ssizes)
     ssizes, sstrides = (1,) * pad + tuple(ssizes), (0,) * pad + tuple(sstrides)
-    strides = tuple(0 if s == 1 and n != 1 else st for s, n, st in zip(ssizes, sizes, sstrides))
+    # Not strict: a source of more dims than ``sizes`` is torch's to refuse once the copy runs (a
+    # ValueError raised here would read as a name the loader does not know: vllm/trace.py).
+    strides = tuple(0 if s == 1 and n != 1 else st for s, n, st in zip(ssizes, sizes, sstrides, strict=False))
     return offset, tuple(sizes), strides

@@ -21,13 +21,24 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from itertools import product
+from itertools import pairwise, product
 
 import torch
 
 from ..layout import Layout, Part, Replicate, Shard
-from .boxes import (FILL, NOT_A_COPY, UNTOUCHED, Piece, Written, any_overlap, contiguous_strides, first_difference,
-                    merge_pieces, recipe_pieces, shifted)
+from .boxes import (
+    FILL,
+    NOT_A_COPY,
+    UNTOUCHED,
+    Piece,
+    Written,
+    any_overlap,
+    contiguous_strides,
+    first_difference,
+    merge_pieces,
+    recipe_pieces,
+    shifted,
+)
 from .builder import RecipeSpec, raise_problems, rank_list, tp_layout
 
 __all__ = ["encode", "decode", "POISON", "FILL", "UNTOUCHED", "NOT_A_COPY", "spec_from_trace", "checkpoint_views",
@@ -118,7 +129,7 @@ def _to_part(p: Piece, dshape: Sequence[int], names: Sequence[str], shapes: Sequ
     """A global piece as a :class:`Part` of the destination of shape ``dshape``: the source box it
     reads, in the source's order of dims (``src_dims`` where the loader transposed); None when the
     piece is no box of its source (a reshape, a stride)."""
-    box = [None if (a, b) == (0, n) else (a, b) for (a, b), n in zip(p.box, dshape)]
+    box = [None if (a, b) == (0, n) else (a, b) for (a, b), n in zip(p.box, dshape, strict=True)]
     if p.src == FILL:
         return Part(None, box)
     shape = shapes[p.src]
@@ -126,7 +137,7 @@ def _to_part(p: Piece, dshape: Sequence[int], names: Sequence[str], shapes: Sequ
         return None
     cst = contiguous_strides(shape)
     dims: list = [None] * len(shape)
-    for k, ((a, b), c) in enumerate(zip(p.box, p.coef)):
+    for k, ((a, b), c) in enumerate(zip(p.box, p.coef, strict=True)):
         if b - a > 1:
             j = next((j for j in range(len(shape)) if cst[j] == c and shape[j] > 1 and j not in dims), None)
             if j is None:
@@ -135,7 +146,7 @@ def _to_part(p: Piece, dshape: Sequence[int], names: Sequence[str], shapes: Sequ
     free = iter(j for j in range(len(shape)) if j not in dims)
     dims = [next(free) if j is None else j for j in dims]
     start = [(p.base // cst[j]) % shape[j] for j in range(len(shape))]
-    if sum(a * c for a, c in zip(start, cst)) != p.base or any(
+    if sum(a * c for a, c in zip(start, cst, strict=True)) != p.base or any(
             start[dims[k]] + b - a > shape[dims[k]] for k, (a, b) in enumerate(p.box)):
         return None
     return Part(names[p.src], box, tuple(start) if any(start) else None,
@@ -150,7 +161,7 @@ def _runs(pieces: Sequence[Piece], d: int, n: int) -> list[int] | None:
     for p in pieces:
         spans.setdefault(p.box[d], set()).add(p.src)
     order = sorted(spans)
-    if not order or order[0][0] != 0 or order[-1][1] != n or any(x[1] != y[0] for x, y in zip(order, order[1:])):
+    if not order or order[0][0] != 0 or order[-1][1] != n or any(x[1] != y[0] for x, y in pairwise(order)):
         return None
     runs: list = []
     for span in order:
@@ -165,7 +176,7 @@ def _runs(pieces: Sequence[Piece], d: int, n: int) -> list[int] | None:
 def _candidates(local: list, shapes_local: list, d: int) -> list:
     """Placements to try for a destination split on dim ``d``: blocks where every rank's runs of
     sources agree in number, then plain ``Shard(d)``, then vLLM's balanced split."""
-    runs = [_runs(p, d, s[d]) for p, s in zip(local, shapes_local)]
+    runs = [_runs(p, d, s[d]) for p, s in zip(local, shapes_local, strict=True)]
     out = []
     if all(r is not None for r in runs) and len({len(r) for r in runs}) == 1 and len(runs[0]) > 1:
         out.append(Shard(d, tuple(sum(r[j] for r in runs) for j in range(len(runs[0])))))
@@ -196,8 +207,8 @@ def _infer(local: list, shapes_local: list, dshape_names, shapes) -> tuple | Non
     """``(placement, global shape, parts)`` of one destination from its TP ranks' pieces."""
     names = dshape_names
     tp, ndim = len(local), len(shapes_local[0])
-    if len(set(shapes_local)) == 1 and all(sorted(merge_pieces(p), key=_order) == sorted(merge_pieces(local[0]), key=_order)
-                                           for p in local):
+    if len(set(shapes_local)) == 1 and all(sorted(merge_pieces(p), key=_order)
+                                           == sorted(merge_pieces(local[0]), key=_order) for p in local):
         parts = [_to_part(p, shapes_local[0], names, shapes) for p in sorted(merge_pieces(local[0]), key=_order)]
         return None if None in parts else (Replicate(), shapes_local[0], parts)
     # Every placement that fits, the one with the fewest parts kept (a row split of a column-split
@@ -352,9 +363,11 @@ class LayerGroups:
             if first in spec.parts:
                 parts[n] = tuple(Part(_renamed(p.src, rep, layer), p.dst, p.src_start, p.src_dims)
                                  for p in spec.parts[first])
-        read = {s for n in dst for s in ((n,) if n not in parts else
-                                         [x for p in parts[n] for x in (p.src if isinstance(p.src, tuple) else (p.src,))])}
-        problems += [f"{s}: read by the extended recipe, but no such source" for s in sorted(read - set(sources) - {None})]
+        read = {s for n in dst
+                for s in ((n,) if n not in parts else
+                          [x for p in parts[n] for x in (p.src if isinstance(p.src, tuple) else (p.src,))])}
+        problems += [f"{s}: read by the extended recipe, but no such source"
+                     for s in sorted(read - set(sources) - {None})]
         unread = [s for s in sources if s not in read]
         if unread:
             problems.append(f"sources the extended recipe reads nowhere: {unread[:20]}")

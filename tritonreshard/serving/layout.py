@@ -53,7 +53,8 @@ class ServingRank:
         # a RecipeSpec, LoRA's LoraSpec, an engine's own.
         meeting = Meeting(rank=self.rank, world_size=self.group.world_size(), store=init.store, group=init.group)
         sub = RefitInference(self.spec.dst, meeting, parts=self.spec.parts,
-                             quant=getattr(self.spec, "quant", None) or None, pull=PullOptions(mode=mode, device=device),
+                             quant=getattr(self.spec, "quant", None) or None,
+                             pull=PullOptions(mode=mode, device=device),
                              membership=self.group.membership(), **init.configs)
         return sub, (time.perf_counter() - t0) * 1e3
 

@@ -218,7 +218,7 @@ class ServingInit:
         return out
 
     @classmethod
-    def from_dict(cls, data) -> "ServingInit":
+    def from_dict(cls, data) -> ServingInit:
         """The init info of a plain dict (one :meth:`to_dict` made, or its JSON). Unknown keys are
         one ``ValueError`` naming them."""
         if isinstance(data, cls):

@@ -27,7 +27,8 @@ def join_as_trainer(trainer: RefitTrainer, tensors, layouts, *, rank: int, world
     trainer: the one construction of a trainer endpoint on the serving side. ``membership``,
     ``codec``, ``timeouts``: the endpoint's typed configs (``trs.Elastic()``, ``trs.Delta(anchor=)``,
     ``trs.Timeouts(wait=, peer=)``), the same as the engines' init info says in plain values."""
-    RefitTrainer.__init__(trainer, tensors, layouts, Meeting(rank=rank, world_size=world_size, store=store, group=group),
+    RefitTrainer.__init__(trainer, tensors, layouts,
+                          Meeting(rank=rank, world_size=world_size, store=store, group=group),
                           membership=membership, codec=codec, timeouts=timeouts)
 
 
@@ -127,7 +128,7 @@ class ServingTrainer(RefitTrainer):
 
     @classmethod
     def from_spec(cls, spec, shards, *, rank: int, trainer_ranks, inference_ranks, store, group: str | None = None,
-                  **configs) -> "ServingTrainer":
+                  **configs) -> ServingTrainer:
         """A trainer of a recipe of the engine's own (a ``trs.recipes.RecipeSpec`` whose ``src`` are
         this group's source layouts over ``trainer_ranks``): for a model no registered recipe
         knows, a spec built from ``trs.Layout`` / ``Shard`` / ``Replicate`` or traced, served

@@ -24,8 +24,7 @@ from __future__ import annotations
 import torch
 
 from ._base import ALIGN, SHM_PREFIX, Arena, ArenaHandle, align_up, pack_offsets
-from ._control import (STATE_ABORT, STATE_CLOSED, STATE_OK, ControlBlock, create_control_block,
-                       open_control_block)
+from ._control import STATE_ABORT, STATE_CLOSED, STATE_OK, ControlBlock, create_control_block, open_control_block
 from ._dist import CrossHostCopy, DistLink, LinkError, PendingExchange
 from ._shm import ShmArena, unlink_segment
 from .codec import DELTA_MODES, Codec, Delta, Dense, LinkModel, codec_for, delta_problems

@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 import os
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

@@ -165,7 +165,7 @@ class CudaArena(Arena):
 
     @classmethod
     def create(cls, nbytes: int, device: torch.device, *, secret, expected_peers: int | None = None,
-               mode: str = "auto") -> "CudaArena":
+               mode: str = "auto") -> CudaArena:
         if nbytes < 0:
             raise ValueError(f"create_arena: nbytes must be >= 0, got nbytes={nbytes}")
         if mode not in ("auto", "vmm", "ipc"):
@@ -258,7 +258,7 @@ class CudaArena(Arena):
 
     @classmethod
     def open(cls, handle: ArenaHandle, *, secret, device: torch.device | None = None,
-             timeout: float = 10.0) -> "CudaArena":
+             timeout: float = 10.0) -> CudaArena:
         """Map the owner's arena; ``device`` is the local device that will access it (default: current)."""
         if handle.kind not in ("cuda-vmm", "cuda-ipc"):
             raise ValueError(f"open_arena: CudaArena can't open kind={handle.kind!r}")

@@ -15,8 +15,8 @@ store under its own prefix, so it neither needs nor disturbs a default process g
   ``wait(pending)`` checks every header names ``version``. Ranks on the receiver's host then read
   the buffer through the ordinary arena path.
 
-Deltas (a :class:`~tritonreshard.transport.codec.Delta` codec, :mod:`~tritonreshard.transport.delta`): the sender keeps a
-snapshot of the bytes it last sent in each message, and ``prepare_sends(version, bases)`` encodes
+Deltas (a :class:`~tritonreshard.transport.codec.Delta` codec, :mod:`~tritonreshard.transport.delta`): the sender keeps
+a snapshot of the bytes it last sent in each message, and ``prepare_sends(version, bases)`` encodes
 each message to a receiver whose buffer holds exactly that last version (its *base*) as only the
 words that changed; any other receiver (no base, another base, an anchor due every ``codec.anchor``
 versions) gets the message whole. The descriptors it returns travel ahead of the bytes (the engine
@@ -84,7 +84,8 @@ class DistLink:
                  prefix: str = "trs-dist/", simulated_gbps: float | None = None):
         device = torch.device(device)
         bad = []
-        if simulated_gbps is not None and (isinstance(simulated_gbps, bool) or not isinstance(simulated_gbps, (int, float))
+        if simulated_gbps is not None and (isinstance(simulated_gbps, bool)
+                                           or not isinstance(simulated_gbps, (int, float))
                                            or not simulated_gbps > 0):
             bad.append(f"simulated_gbps must be None or gigabits/s > 0, got simulated_gbps={simulated_gbps!r}")
         if device.type not in ("cpu", "cuda"):
@@ -121,7 +122,7 @@ class DistLink:
                             f"a new group epoch is needed")
 
     def post(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
-             tag: int = 0) -> "PendingExchange":
+             tag: int = 0) -> PendingExchange:
         """Post ``sends`` (peer, contiguous tensor) and ``recvs`` (peer, contiguous tensor) without
         waiting. Messages between one pair match in the order they were posted."""
         self._check("post")
@@ -372,7 +373,7 @@ class CrossHostCopy:
         if self.link.device.type == "cuda":
             torch.cuda.current_stream(self.link.device).synchronize()  # payloads before NCCL reads them
         out = {p: {"v": version, "base": bases[p] if use[p] else 0, "enc": []} for p in self.receivers}
-        for (p, _), e in zip(self._send_views, encs):
+        for (p, _), e in zip(self._send_views, encs, strict=True):
             out[p]["enc"].append([e.kind, e.nbytes, e.entries, e.changed, e.words])
         self._out = (version, out, encs)
         return out
@@ -392,7 +393,7 @@ class CrossHostCopy:
             d = described[p]
             h[0], h[1], h[2] = version, d["base"], sum(e[1] for e in d["enc"])
             sends.append((p, h))
-        for (p, view), e in zip(self._send_views, encs):
+        for (p, view), e in zip(self._send_views, encs, strict=True):
             if e.nbytes:
                 sends.append((p, view if e.kind == dc.DENSE else e.payload))
         self._posted_at = self.link_model.clock()
@@ -424,7 +425,7 @@ class CrossHostCopy:
             for _, v in self._send_views:
                 self._snap_views.append(self._snap[pos:pos + v.numel()])
                 pos += v.numel()
-        for (p, view), snap, e in zip(self._send_views, self._snap_views, encs):
+        for (_, view), snap, e in zip(self._send_views, self._snap_views, encs, strict=True):
             if e.kind == dc.DENSE:
                 snap.copy_(view)
             else:
@@ -497,7 +498,7 @@ class CrossHostCopy:
         self._in = None
         nth = {p: iter(d["enc"]) if d else None for p, d in described.items()}
         tally = {"delta_bytes": 0, "dense_bytes": 0, "changed": 0, "compared": 0}
-        for i, ((p, view), payload) in enumerate(zip(self._recv_views, payloads)):
+        for i, ((p, view), payload) in enumerate(zip(self._recv_views, payloads, strict=True)):
             e = next(nth[p]) if nth.get(p) is not None else None
             if payload is None:
                 tally["dense_bytes"] += view.numel()

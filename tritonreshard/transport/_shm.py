@@ -76,7 +76,7 @@ class ShmArena(Arena):
             if handle.nbytes else torch.empty(0, dtype=torch.uint8)
 
     @classmethod
-    def create(cls, nbytes: int, *, secret=None, expected_peers: int | None = None) -> "ShmArena":
+    def create(cls, nbytes: int, *, secret=None, expected_peers: int | None = None) -> ShmArena:
         if nbytes < 0:
             raise ValueError(f"create_arena: nbytes must be >= 0, got nbytes={nbytes}")
         arena_id = secrets.token_hex(16)
@@ -137,7 +137,7 @@ class ShmArena(Arena):
             raise
 
     @classmethod
-    def open(cls, handle: ArenaHandle, *, secret=None, timeout: float = 10.0) -> "ShmArena":
+    def open(cls, handle: ArenaHandle, *, secret=None, timeout: float = 10.0) -> ShmArena:
         try:
             return cls._open(handle, secret=secret, timeout=timeout)
         except (FileNotFoundError, ConnectionError) as exc:
@@ -151,7 +151,7 @@ class ShmArena(Arena):
                 f"the two on one host is wrong) ({exc})") from None
 
     @classmethod
-    def _open(cls, handle: ArenaHandle, *, secret, timeout: float) -> "ShmArena":
+    def _open(cls, handle: ArenaHandle, *, secret, timeout: float) -> ShmArena:
         if handle.kind == "shm-name":
             fd = cls._open_named(handle)
         elif handle.kind == "shm-fd":

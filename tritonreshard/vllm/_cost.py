@@ -48,7 +48,7 @@ class Cost:
     prefix_peak_bytes, prefix_held_bytes}`` (peak: the largest resident set during the block above
     the one before it; held: resident after the block, garbage collected, above before)."""
 
-    def __enter__(self) -> "Cost":
+    def __enter__(self) -> Cost:
         gc.collect()
         self._measured = _reset_peak()
         self._before = _status().get("VmRSS")

@@ -37,8 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
-                                                   WeightTransferUpdateInfo)
+from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 from vllm.logger import init_logger
 
 from ..serving import RankLayout, ServingEngine, ServingInit, ServingRank, UpdateInfo, any_failed
@@ -46,8 +45,8 @@ from ._agree import agree, fail
 from ._apply import apply
 from ._model import check_model, served_quantization
 from ._recipes import ENGINE, GROUP
-from ._versions import end_session, reload_mode_problem, weights_complete, weights_incomplete
 from ._verify import verify_model
+from ._versions import end_session, reload_mode_problem, weights_complete, weights_incomplete
 
 __all__ = ["TritonreshardInitInfo", "TritonreshardUpdateInfo", "TritonreshardWeightTransferEngine"]
 

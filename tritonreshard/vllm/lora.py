@@ -25,8 +25,17 @@ from dataclasses import dataclass
 import torch
 
 from .. import recipes
-from ..serving import (RankLayout, ServingEngine, ServingInit, ServingRank, ServingTrainer, UpdateInfo, failure_text,
-                       register_recipe, src_dtype_name)
+from ..serving import (
+    RankLayout,
+    ServingEngine,
+    ServingInit,
+    ServingRank,
+    ServingTrainer,
+    UpdateInfo,
+    failure_text,
+    register_recipe,
+    src_dtype_name,
+)
 from . import WorkerExtension
 
 __all__ = ["LoraTrainer", "LoraWorkerExtension", "LoraInit", "LORA_WORKER_EXTENSION", "LORA_TIMEOUT",

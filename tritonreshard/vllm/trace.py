@@ -23,14 +23,13 @@ import tempfile
 import torch
 from torch.overrides import TorchFunctionMode
 from vllm.config import ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
-from vllm.distributed import init_distributed_environment, initialize_model_parallel
-from vllm.distributed import parallel_state
+from vllm.distributed import init_distributed_environment, initialize_model_parallel, parallel_state
 from vllm.model_executor.models.registry import ModelRegistry
 
 from ..layout import Layout, Replicate, Shard
 from ..recipes import RECIPES
-from ..recipes.builder import check_tp, raise_problems, rank_list
 from ..recipes.boxes import first_difference, recipe_pieces, where
+from ..recipes.builder import check_tp, raise_problems, rank_list
 from ..recipes.trace import checkpoint_views, layer_groups, layer_of, spec_from_trace
 from ..serving import SRC_DTYPES
 from ._cost import Cost
@@ -104,7 +103,7 @@ def _as_tp_rank(tp: int, rank: int):
     try:
         yield
     finally:
-        for g, (size, r) in zip(groups, old):
+        for g, (size, r) in zip(groups, old, strict=True):
             g.world_size, g.rank_in_group = size, r
 
 
@@ -169,7 +168,8 @@ def rank_models(config, tp: int, *, dtype: torch.dtype = SRC_DTYPES["bfloat16"],
     return models
 
 
-def vllm_load(models: list, tensors: dict[str, torch.Tensor], model_type: str | None = None) -> list[dict[str, torch.Tensor]]:
+def vllm_load(models: list, tensors: dict[str, torch.Tensor],
+              model_type: str | None = None) -> list[dict[str, torch.Tensor]]:
     """What each rank's vLLM ``load_weights`` makes of the full ``tensors`` (HF names): ``[{vLLM
     parameter: float64 tensor}]`` per TP rank (:data:`~tritonreshard.recipes.trace.POISON` where
     nothing landed). Fused experts are fed one expert at a time, as checkpoints hold them (named
@@ -184,8 +184,8 @@ def vllm_load(models: list, tensors: dict[str, torch.Tensor], model_type: str | 
             try:
                 out.append(scratch_load(model, _fresh(feed), names))
             except (KeyError, ValueError):
-                _refuse_names(model, {n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in tensors.items()},
-                              names, model_type)
+                metas = {n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in tensors.items()}
+                _refuse_names(model, metas, names, model_type)
                 raise
     return out
 
@@ -212,7 +212,8 @@ def _refuse_names(model, metas, names, model_type) -> None:
 
 
 def trace_recipe(config, *, tp: int, trainer_ranks, inference_ranks, dtype: torch.dtype = SRC_DTYPES["bfloat16"],
-                 src_dtype: torch.dtype = SRC_DTYPES["float32"], expert_parallel: bool = False, stats: dict | None = None):
+                 src_dtype: torch.dtype = SRC_DTYPES["float32"], expert_parallel: bool = False,
+                 stats: dict | None = None):
     """The recipe of ``config`` (a ``transformers`` config vLLM serves) traced from vLLM's own
     loader on every TP rank: a :class:`~tritonreshard.recipes.RecipeSpec` of the same form as
     ``trs.recipes.hf_to_vllm``'s (sources: the HF parameters as FSDP rows over ``trainer_ranks`` in

@@ -25,7 +25,7 @@ class Trainer(ServingTrainer):
 
     @classmethod
     def from_weight_source(cls, source, *, rank: int, trainer_ranks, inference_ranks, store,
-                           group: str | None = None, **configs) -> "Trainer":
+                           group: str | None = None, **configs) -> Trainer:
         """A trainer fed by vLLM's own trainer-side description (vLLM >= 0.33's
         ``vllm.distributed.weight_transfer.base.WeightSource``), with no recipe of its own.
 
@@ -87,7 +87,8 @@ class Trainer(ServingTrainer):
         for name, t in got.items():
             lay = self._layouts.get(name)
             rank = self._source_rank
-            if lay is not None and rank in lay.ranks and (tuple(t.shape), t.dtype) != (lay.local_shape(rank), lay.dtype):
+            if (lay is not None and rank in lay.ranks
+                    and (tuple(t.shape), t.dtype) != (lay.local_shape(rank), lay.dtype)):
                 problems.append(f"{name}: iter_local yielded {t.dtype} of shape {tuple(t.shape)}, its ParamMeta "
                                 f"places {lay.dtype} of {lay.local_shape(rank)} on trainer rank {self._trainer_index}")
         if problems:

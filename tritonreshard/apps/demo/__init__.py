@@ -53,12 +53,12 @@ Restarts (``--restart``): when only trainers failed, the driver stops what is le
 group and starts new trainer processes in the refit group's next epoch; they load the newest
 checkpoint every trainer rank wrote (each rank checkpoints a version before publishing it, so the
 checkpoint is never older than what the inference group holds) and publish from the next version
-on. The inference processes settle the pull in flight together (the same contract), keep generating on their last complete
-version, and ``rejoin()`` the new epoch once its trainers are up; refits go on, verified as before.
+on. The inference processes settle the pull in flight together (the same contract), keep generating on their last
+complete version, and ``rejoin()`` the new epoch once its trainers are up; refits go on, verified as before.
 ``recoveries`` counts the restarts, ``recovery_ms`` is the time from the failure to the first
 refit of the new epoch, and ``recovery_parts_ms`` splits it (detect, stop, launch, resume,
-step, refit). The new trainers run in spare processes the driver started once every rank was up (torch and tritonreshard already imported: ``recovery_launch`` is ``"standby"``), so a
-restart skips the interpreter's start and the imports.
+step, refit). The new trainers run in spare processes the driver started once every rank was up (torch and tritonreshard
+already imported: ``recovery_launch`` is ``"standby"``), so a restart skips the interpreter's start and the imports.
 
 Entry points (wired by ``apps/cli.py``): :func:`add_arguments` and :func:`run`.
 

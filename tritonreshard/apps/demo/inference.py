@@ -31,8 +31,16 @@ from tritonreshard import Meeting, PullOptions, RefitInference, Timeouts, plan_r
 from ..driver import poll_until
 from .config import RunConfig
 from .faults import fault_at, kill_self
-from .policy import (Comm, PolicyConfig, gather_full, inference_layouts, reward, tp_forward, trainer_layouts,
-                     weights_digest)
+from .policy import (
+    Comm,
+    PolicyConfig,
+    gather_full,
+    inference_layouts,
+    reward,
+    tp_forward,
+    trainer_layouts,
+    weights_digest,
+)
 from .verify import ProbeChecks, verify_served
 
 __all__ = ["run_inference", "InferenceRank", "InferenceGroupStopped"]
@@ -167,8 +175,8 @@ class InferenceRank:
 
     def follow_trainers(self, epoch: int) -> int:
         """--restart: the trainers failed (a pull says so, or the driver already started new ones).
-        Settle the pull together (:meth:`settle_pull`), keep serving, and join the new epoch once its trainers are up; this
-        process and its weights live on. Returns the newest version to pull."""
+        Settle the pull together (:meth:`settle_pull`), keep serving, and join the new epoch once its trainers are up;
+        this process and its weights live on. Returns the newest version to pull."""
         inf = self.inf
         self.settle_pull()
         self.orphaned = True

@@ -202,7 +202,7 @@ def gather_full(layouts: dict[str, Layout], local: dict[str, torch.Tensor], rank
     for name, lay in layouts.items():
         shards = comm.all_gather_padded(local[name].detach(), [lay.local_shape(r) for r in lay.ranks], group)
         full = torch.empty(lay.shape, dtype=lay.dtype)
-        for r, s in zip(lay.ranks, shards):
+        for r, s in zip(lay.ranks, shards, strict=True):
             place_local(lay, r, s.cpu(), full)
         out[name] = full
     return out
@@ -268,7 +268,7 @@ class Comm:
         flat = self._to_comm(flat)
         parts = [torch.empty_like(flat) for _ in shapes]
         dist.all_gather(parts, flat, group=group)
-        return [p[: math.prod(s)].view(s) for p, s in zip(parts, shapes)]
+        return [p[: math.prod(s)].view(s) for p, s in zip(parts, shapes, strict=True)]
 
     def broadcast(self, t: torch.Tensor, src: int, group) -> torch.Tensor:
         c = self._to_comm(t.contiguous()).clone()

@@ -12,6 +12,7 @@ import os
 import statistics
 import sys
 import time
+from itertools import pairwise
 
 from .config import RunConfig
 from .driver import RunOutcome
@@ -35,7 +36,8 @@ def report(out: RunOutcome, rc: RunConfig, args: argparse.Namespace) -> int:
     wall = time.perf_counter() - out.started
     parts = summary["recovery_parts_ms"] or {}
     restarts = (f"; {summary['recoveries']} trainer restart(s), {summary['recovery_ms']:.0f} ms from the "
-                f"failure to the first refit of the new trainers ({', '.join(f'{k} {v:.0f}' for k, v in parts.items())} "
+                f"failure to the first refit of the new trainers "
+                f"({', '.join(f'{k} {v:.0f}' for k, v in parts.items())} "
                 f"ms; new trainers from {summary['recovery_launch']}), inference processes never restarted "
                 f"(pids {summary['inference_pids']})") if out.recoveries else ""
     print(f"tritonreshard demo: {summary['steps']} steps, {summary['refits']} refits "
@@ -126,7 +128,7 @@ def _recovery_parts(dstore, rc: RunConfig, rec: dict, first_refit: float) -> dic
     marks = [rec["failed_at"], rec["detected_at"], rec["stopped_at"], entered, resumed,
              float(dstore.get(f"published/{epoch}")), first_refit]
     names = ("detect", "stop", "launch", "resume", "step", "refit")
-    return {n: 1e3 * (b - a) for n, a, b in zip(names, marks, marks[1:])}
+    return {n: 1e3 * (b - a) for n, (a, b) in zip(names, pairwise(marks), strict=True)}
 
 
 def _summarize_failure(dstore, rc: RunConfig, error: str, pids, recoveries) -> dict:

@@ -18,8 +18,7 @@ from tritonreshard import Meeting, PeerDiedError, RefitTrainer, Timeouts
 from ..driver import wait_key
 from .config import RunConfig
 from .faults import fault_at, kill_self, last_checkpoint, load_checkpoint, save_checkpoint
-from .policy import (Comm, PolicyConfig, gather_full, group_advantages, init_params, policy_loss,
-                     trainer_layouts)
+from .policy import Comm, PolicyConfig, gather_full, group_advantages, init_params, policy_loss, trainer_layouts
 from .verify import publish_probe
 
 __all__ = ["run_trainer"]
