@@ -250,7 +250,7 @@ def receive(bwt, handle: str, into: dict) -> None:
 def rollout_rank(model_dir: str, store_port: int, handles: list, barrier, opts: dict) -> dict:
     import transformers
     import zmq
-    from _verl_actor import _wait_listening
+    from _verl_actor import MODEL_DTYPES, _wait_listening
 
     import tritonreshard as trs
 
@@ -260,8 +260,9 @@ def rollout_rank(model_dir: str, store_port: int, handles: list, barrier, opts: 
     zmq.Context.instance().setsockopt(zmq.RECONNECT_IVL, 2)
     bwt = bucketed_transfer()
     cfg = transformers.AutoConfig.from_pretrained(model_dir)
+    # The actors publish in their own dtype (fp32 or bf16); the reader's copy casts once to bf16.
     spec = trs.recipes.hf_to_vllm(cfg, tp=1, trainer_ranks=list(ACTORS), inference_ranks=[READER], dtype=BF16,
-                                  src_dtype=BF16)
+                                  src_dtype=MODEL_DTYPES[opts["model_dtype"]])
     plan = spec.plan()
     received = [{} for _ in ACTORS]
     reader, exact = None, []

@@ -15,18 +15,20 @@ Stubs, each a CUDA-only call (or a version clash) on this CPU machine; nothing e
   ``tritonreshard.frameworks.trl``) no longer has; the patch only concerns value-head models.
 
 The worker itself is a stand-in object with verl's attributes (``config``, ``actor.engine``,
-``checkpoint_engine``) passed as ``self`` to the class's real (wrapped) ``update_weights``: verl's
-``Worker`` needs a Ray actor to be constructed.
+``checkpoint_engine``) passed as ``self`` to the class's real (wrapped) ``execute_checkpoint_engine``
+and ``update_weights``: verl's ``Worker`` needs a Ray actor to be constructed.
 
 The rollout replicas are not vLLM engines: each is one plain ``trs.RefitInference`` rank with the
-recipe's vLLM layouts (``hf_to_vllm`` TP 1), the inference side a vLLM worker's engine builds.
-Replica 0 is refit rank 2 in both groups; replica 1 (refit rank 3, elastic group only) is added
-after the first sync and SIGKILLed before it reads the second.
+recipe's vLLM layouts (``hf_to_vllm`` TP 1) in the variant's vLLM dtype, built from the init info
+the actors' topology carries (its ``src_dtype``), as a vLLM worker's engine builds them. Replica 0
+is refit rank 2 in every group; replica 1 (refit rank 3, elastic group only) is added after the
+first sync and SIGKILLed before it reads the second.
 """
 from __future__ import annotations
 
 import asyncio
 import importlib
+import json
 import logging
 import os
 import signal
@@ -35,8 +37,8 @@ from types import SimpleNamespace
 
 import torch
 
-#: Every floating tensor of verl's export is bf16, whatever the parameters' dtype.
-BF16 = torch.bfloat16
+#: verl's ``FSDPEngineConfig.model_dtype`` names, and the torch dtypes of the parameters they give.
+MODEL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 #: verl's global_steps at the first sync: a run resumed at step 10 (a fresh run starts at 0).
 FIRST_STEP = 10
 
@@ -106,34 +108,39 @@ def worker_config(**over) -> object:
     return OmegaConf.create(cfg)
 
 
-def one_sync(worker, n_actor: int, n_rollout: int, global_steps: int) -> dict:
+def one_sync(worker, n_actor: int, n_rollout: int, global_steps: int, on_topology=None) -> dict:
     """What verl's ``CheckpointEngineManager.update_weights`` does on the actor side of one sync:
     ``prepare`` on every rank (gathered here over the actors' gloo group; the rollout workers'
     metadata as they report it), ``build_topology``, ``init_process_group``, the worker's
-    ``update_weights`` (the wrapped class method), ``finalize``."""
+    ``update_weights``, ``finalize``; the backend's methods through the worker's
+    ``execute_checkpoint_engine``, as verl's manager calls them (both worker methods are the wrapped
+    class methods). ``on_topology(backend)``: called between ``init_process_group`` and
+    ``update_weights`` (where the rollout side gets its topology in verl)."""
     import torch.distributed as dist
     from verl.workers.engine_workers import ActorRolloutRefWorker
 
-    backend = worker.checkpoint_engine
-    mine = backend.prepare()
+    backend, execute = worker.checkpoint_engine, ActorRolloutRefWorker.execute_checkpoint_engine
+    mine = execute(worker, "prepare")
     metadata = [None] * n_actor
     dist.all_gather_object(metadata, mine)
     actor_kwargs, _ = type(backend).build_topology(n_actor, n_rollout, metadata + [{"side": "rollout"}] * n_rollout)
-    backend.init_process_group(**{k: v[dist.get_rank()] for k, v in actor_kwargs.items()})
+    execute(worker, "init_process_group", **{k: v[dist.get_rank()] for k, v in actor_kwargs.items()})
+    if on_topology is not None:
+        on_topology(backend)
     metrics = asyncio.run(ActorRolloutRefWorker.update_weights(worker, global_steps=global_steps))
-    backend.finalize()
+    execute(worker, "finalize")
     return metrics
 
 
 def local_shards(engine) -> dict:
     """What this rank holds of each parameter, read from the DTensors (``to_local``, no gather)
-    with torch's own offsets: ``{name: (bf16 local shard, global offset)}``."""
+    with torch's own offsets: ``{name: (local shard in the parameter's dtype, global offset)}``."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     out = {}
     for name, p in engine.module.named_parameters():
         _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, list(p.placements))
-        out[name] = (p.to_local().detach().to(BF16).clone(), tuple(offset))
+        out[name] = (p.to_local().detach().clone(), tuple(offset))
     return out
 
 
@@ -162,17 +169,27 @@ def _wait_for(path: str, timeout: float) -> None:
         time.sleep(0.02)
 
 
+def _write_topology(marks: str, variant: int, backend) -> None:
+    """Actor rank 0: the rollout side's init info of the topology (what verl hands the rollout
+    workers), written whole before the readers look."""
+    path = mark(marks, variant, "init_info")
+    with open(path + ".tmp", "w") as f:
+        json.dump(backend.init_info, f)
+    os.replace(path + ".tmp", path)
+
+
 def actor_rank(rank: int, model_dir: str, fsdp_port: int, variants: list, marks: str) -> dict:
-    """Actor rank ``rank`` of 2: for each variant ``(model_dtype, store_port, elastic, rollouts)``,
-    verl's engine and a ``"tritonreshard"`` backend from verl's registry, one sync per entry of
+    """Actor rank ``rank`` of 2: for each variant ``(model_dtype, vllm_dtype, store_port, elastic,
+    rollouts)``, verl's engine and a ``"tritonreshard"`` backend from verl's registry, one sync per entry of
     ``rollouts`` (the number of rollout workers verl's manager holds at that sync), an optimizer step
-    before each but the first. After each sync, rank 0 marks ``synced-<version>``, and both wait, as
+    before each but the first. Rank 0 writes the topology's init info (``init_info``) before the
+    first sync's ``update_weights``. After each sync, rank 0 marks ``synced-<version>``, and both wait, as
     verl's manager waits for the rollout side of the sync, for replica 0 to have read the version
     and (two rollout workers) for replica 1 to have joined, then record their readers and mark
     ``recorded-<version>-<rank>``; each marks ``fenced-<rank>`` at the end.
     Returns per variant and sync: the local shards, the sync's metrics and seconds, the trainer's
-    identity and arena addresses, its readers then and the backend's ``dropped``; the backend's
-    warnings and the ``full_tensor`` calls counted over the whole run."""
+    identity and arena addresses, its readers then, the backend's ``dropped`` and the topology's
+    ``src_dtype``; the backend's warnings and the ``full_tensor`` calls counted over the whole run."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -185,7 +202,7 @@ def actor_rank(rank: int, model_dir: str, fsdp_port: int, variants: list, marks:
     warned = _Warnings()
     logging.getLogger("tritonreshard.frameworks.verl.actor").addHandler(warned)
     out = []
-    for i, (model_dtype, store_port, elastic, rollouts) in enumerate(variants):
+    for i, (model_dtype, _, store_port, elastic, rollouts) in enumerate(variants):
         engine = build_engine(model_dir, model_dtype)
         backend = CheckpointEngineRegistry.new("tritonreshard", is_master=rank == 0, bucket_size=1 << 20,
                                                store_host="127.0.0.1", store_port=store_port, timeout=120,
@@ -197,7 +214,8 @@ def actor_rank(rank: int, model_dir: str, fsdp_port: int, variants: list, marks:
             if step:
                 train_step(engine, rank, step)
             start = time.perf_counter()
-            metrics = one_sync(worker, 2, n_rollout, global_steps=FIRST_STEP + step)
+            metrics = one_sync(worker, 2, n_rollout, global_steps=FIRST_STEP + step,
+                               on_topology=(lambda b, i=i: _write_topology(marks, i, b)) if rank == 0 else None)
             seconds, version, trainer = time.perf_counter() - start, metrics["tritonreshard/version"], backend.trainer
             if rank == 0:
                 open(mark(marks, i, f"synced-{version}"), "w").close()
@@ -205,7 +223,8 @@ def actor_rank(rank: int, model_dir: str, fsdp_port: int, variants: list, marks:
                 _wait_for(mark(marks, i, what), 150)
             runs.append({"metrics": metrics, "seconds": seconds, "shards": local_shards(engine), "trainer": id(trainer),
                          "arena": [t.data_ptr() for t in trainer.source_tensors.values()],
-                         "readers": sorted(trainer.readers), "dropped": [r for r, _ in backend.dropped]})
+                         "readers": sorted(trainer.readers), "dropped": [r for r, _ in backend.dropped],
+                         "src_dtype": backend.topology.src_dtype})
             open(mark(marks, i, f"recorded-{version}-{rank}"), "w").close()
         backend.trainer.fence()  # the readers took the last version before the arena goes away
         open(mark(marks, i, f"fenced-{rank}"), "w").close()
@@ -232,18 +251,25 @@ def _wait_listening(port: int, timeout: float) -> None:
             time.sleep(0.2)
 
 
-def _reader(rank: int, model_dir: str, port: int, elastic: bool, replica: int):
-    """A rollout rank of the group on ``port``: the vLLM layouts of ``hf_to_vllm`` TP 1 (the
-    recipe's inference side), poisoned with NaN; a fixed group's rank 2 of 3, or replica
-    ``replica`` of an elastic group, joining whenever it starts."""
+def _reader(rank: int, model_dir: str, variant: tuple, marks: str, i: int, replica: int):
+    """A rollout rank of variant ``i``'s group: the vLLM layouts of ``hf_to_vllm`` TP 1 (the
+    recipe's inference side) in the variant's vLLM dtype, from the trainers' dtype the topology's
+    init info names (a vLLM worker's ``src_dtype``), poisoned with NaN; a fixed group's rank 2 of
+    3, or replica ``replica`` of an elastic group, joining whenever it starts."""
     import transformers
 
     import tritonreshard as trs
+    from tritonreshard.serving import SRC_DTYPES
 
+    _, vllm_dtype, port, elastic, _ = variant
+    _wait_for(mark(marks, i, "init_info"), 150)
+    with open(mark(marks, i, "init_info")) as f:
+        src_dtype = SRC_DTYPES[json.load(f)["src_dtype"]]
     cfg = transformers.AutoConfig.from_pretrained(model_dir)
-    spec = trs.recipes.hf_to_vllm(cfg, tp=1, trainer_ranks=[0, 1], inference_ranks=[rank], dtype=BF16, src_dtype=BF16)
+    spec = trs.recipes.hf_to_vllm(cfg, tp=1, trainer_ranks=[0, 1], inference_ranks=[rank], dtype=vllm_dtype,
+                                  src_dtype=src_dtype)
     _wait_listening(port, 150)
-    poison = {n: torch.full(lay.local_shape(rank), float("nan"), dtype=BF16) for n, lay in spec.dst.items()}
+    poison = {n: torch.full(lay.local_shape(rank), float("nan"), dtype=vllm_dtype) for n, lay in spec.dst.items()}
     meeting = trs.Meeting(rank=rank, world_size=None if elastic else 3, store=f"127.0.0.1:{port}", group="verl")
     return trs.RefitInference.from_recipe(spec, meeting=meeting, tensors=poison, timeouts=trs.Timeouts(wait=150),
                                           pull=trs.PullOptions(mode="shadow", backend="torch"),
@@ -255,8 +281,9 @@ def inference_rank(rank: int, model_dir: str, variants: list, marks: str) -> lis
     ``read-<version>``). Returns the tensors it read, per variant and sync."""
     torch.set_num_threads(1)
     pulled = []
-    for i, (_, port, elastic, rollouts) in enumerate(variants):
-        with _reader(rank, model_dir, port, elastic, replica=0) as ep:
+    for i, variant in enumerate(variants):
+        rollouts = variant[-1]
+        with _reader(rank, model_dir, variant, marks, i, replica=0) as ep:
             for step in range(len(rollouts)):  # the sync of global_steps s publishes version s + 1
                 v = FIRST_STEP + step + 1
                 assert ep.pull(v) == v
@@ -275,10 +302,10 @@ def removed_replica(rank: int, model_dir: str, variants: list, marks: str) -> No
     waits for its ack and must drop this rank instead. Saves ``marks/replica1.pt`` (its first
     version and what it read) first."""
     torch.set_num_threads(1)
-    i = next(i for i, v in enumerate(variants) if v[2])
+    i = next(i for i, v in enumerate(variants) if v[3])
     first_sync = FIRST_STEP + 1
     _wait_for(mark(marks, i, f"synced-{first_sync}"), 200)
-    ep = _reader(rank, model_dir, variants[i][1], True, replica=1)
+    ep = _reader(rank, model_dir, variants[i], marks, i, replica=1)
     first = ep.join_stats.first_version
     pulled = None
     if first == first_sync:  # admitted while the actors' arena held the first sync's version

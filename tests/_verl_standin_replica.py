@@ -100,6 +100,7 @@ class _Weights:
 
     def __call__(self, step: int) -> dict:
         from _verl_rollout_run import step_weights
+
         from tritonreshard.apps.kit import tiny_config
 
         with self._lock:

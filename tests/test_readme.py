@@ -130,7 +130,7 @@ def test_plan_output_shown_is_what_the_command_prints(name, line, shown, capsys)
     out = capsys.readouterr().out.splitlines()
     shown_lines = [s for s in lines if s != "  ..."]
     at = [out.index(s) if s in out else -1 for s in shown_lines]
-    missing = "\n".join(s for s, i in zip(shown_lines, at) if i < 0)
+    missing = "\n".join(s for s, i in zip(shown_lines, at, strict=True) if i < 0)
     assert -1 not in at and at == sorted(at), f"{name}:{line}: not printed (or not in this order):\n{missing or at}"
 
 
@@ -153,7 +153,8 @@ LINKS = [(name, _line_of(text, m.start()), m.group(1)) for name, text in TEXT.it
 def test_links_lead_to_files_and_headings_that_exist(name, line, target):
     path, _, anchor = target.partition("#")
     dest = (ROOT / name).parent / path if path else ROOT / name
-    assert dest.exists(), f"{name}:{line}: {target}: {dest.relative_to(ROOT) if dest.is_relative_to(ROOT) else dest} does not exist"
+    shown = dest.relative_to(ROOT) if dest.is_relative_to(ROOT) else dest
+    assert dest.exists(), f"{name}:{line}: {target}: {shown} does not exist"
     if anchor and dest.suffix == ".md":
         assert anchor in _anchors(dest.read_text()), f"{name}:{line}: {target}: no heading with that anchor"
 
@@ -173,8 +174,9 @@ def test_the_two_commands_are_what_ci_runs():
     assert tests == "bash .ci/run\n"
     ci = (ROOT / ".ci" / "run").read_text()
     torch_pin = re.search(r"torch==\S+", demo).group(0)
-    assert f"pip install --quiet --disable-pip-version-check {torch_pin}" in ci, f".ci/run does not install {torch_pin}"
-    ran = re.search(r"runs `(python3 -m pytest[^`]*)`", section).group(1)
-    assert re.search(rf"^{re.escape(ran)} ", ci, re.M), f".ci/run does not run `{ran}`"
+    assert f"pip install --quiet {torch_pin}" in ci, f".ci/run does not install {torch_pin}"
+    assert "python3 -m venv --clear" in ci, ".ci/run does not build a fresh venv"
+    ran = re.search(r"runs `python (-m pytest[^`]*)` in", section).group(1)
+    assert re.search(rf'^"\$py" {re.escape(ran)} ', ci, re.M), f".ci/run does not run `python {ran}` in its venv"
     minutes = re.search(r"\d+ to \d+ minutes", section).group(0)
     assert f"{minutes} on 2 cores" in ci, f".ci/run's phase line does not say {minutes!r} as the README does"

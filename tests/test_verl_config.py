@@ -195,7 +195,7 @@ def _annotation_type(annotation: str):
     optional = text.endswith("|None") or (text.startswith("Optional[") and text.endswith("]"))
     text = text.removesuffix("|None") if text.endswith("|None") else text[len("Optional["):-1] if optional else text
     kind = _TYPES.get(text)
-    return None if kind is None else typing.Optional[kind] if optional else kind
+    return None if kind is None else kind | None if optional else kind
 
 
 def type_problem(where: str, annotation: str, value) -> str | None:

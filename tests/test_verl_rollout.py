@@ -12,17 +12,21 @@ per TP rank (TP=2), with the ``"tritonreshard"`` backend verl's registry builds 
 ``custom_backend_module``, syncs a vLLM engine (replica 0) started with the engine kwargs a user
 sets (through verl's ``build_cli_args_from_config`` and vLLM's parser); two trainer processes
 (``tritonreshard.vllm.Trainer`` with ``trs.Elastic()``, the backend's default group: FSDP row
-shards of a tiny Llama) publish one version per step. Replica 1 is NOT a vLLM engine: one process
+shards of a tiny Llama, float32 as the backend's actors send fp32 parameters: the topology's
+``src_dtype``) publish one version per step. Replica 1 is NOT a vLLM engine: one process
 whose two TP ranks are the serving seam's engine (the one tritonreshard's vLLM worker engine is
 built on) with vLLM's recipe layouts in float32 (tests/_verl_standin_replica.py), synced through
 verl's own ``CheckpointEngineWorker`` with a stand-in adapter; verl's ``CheckpointEngineManager``
 keeps the replica list. Checked: a planted wrong source layout is refused by every rank before a
 byte moves and vLLM serves on; steps 0 to 3 install versions 1 to 4 on both TP ranks of the
-engine, each greedy-equal to transformers on the trainers' weights, with the prefix cache reset
-and verl's step tag set after each; replica 1, added before step 1, joins at that sync and installs
+engine, each greedy-equal to transformers on the trainers' weights and served in float32 bit for
+bit (the embedding each TP rank serves), with the prefix cache reset and verl's step tag set after
+each; replica 1, added before step 1, joins at that sync and installs
 its version bit for bit; SIGKILLed inside its apply during step 2, it costs the engine nothing
 (version 3, greedy-equal), and after verl removes it step 3 succeeds, the trainers having dropped
-its ranks by name; a step verl already synced is refused on every rank, vLLM serving on.
+its ranks by name; a step verl already synced is refused on every rank, vLLM serving on. When the
+trainers exit with vLLM still up (the end of a job), each vLLM worker says in one line that the
+refit group's store is gone, and torch's C++ stack traces of a closed store are not printed.
 
 verl is installed with ``--no-deps`` next to CI's torch, transformers and vLLM.
 """
@@ -45,8 +49,17 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM not installed (pip install -e '.[vllm]')", allow_module_level=True)
 
 from _live import SESSION_ENV  # noqa: E402  (the environment before any test ran vLLM in-process)
-from _verl_rollout_run import (ADDED, CHECKPOINT_ENGINE, ENGINE_KWARGS, KILLED, PLANTED, REMOVED, STEPS,  # noqa: E402
-                               actor_metadata, vllm_dist_standin)
+from _verl_rollout_run import (  # noqa: E402
+    ADDED,
+    CHECKPOINT_ENGINE,
+    ENGINE_KWARGS,
+    KILLED,
+    PLANTED,
+    REMOVED,
+    STEPS,
+    actor_metadata,
+    vllm_dist_standin,
+)
 
 HERE = Path(__file__).resolve().parent
 RUN_TIMEOUT_S = 420
@@ -215,6 +228,7 @@ def live(tmp_path_factory):
         pytest.fail(f"_verl_rollout_run.py exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}",
                     pytrace=False)
     summary = json.loads(out.read_text())
+    summary["stdout"], summary["stderr"] = proc.stdout, proc.stderr
     summary["syncs"] = {s["what"]: s for s in summary["syncs"]}
     summary["greedy"] = {g["what"]: g for g in summary["greedy"]}
     return summary
@@ -232,6 +246,7 @@ def test_live_engine_runs_verls_settings_and_extension(live):
     # The init info's place came from verl's topology (the backend's init_info), not from a config:
     # an elastic group's, which names no rollout rank; replica 0's workers joined as ranks 2 and 3.
     assert live["topology"]["trainer_ranks"] == [0, 1] and live["topology"]["elastic"] is True
+    assert live["topology"]["src_dtype"] == "float32"  # the actors' own dtype: the engine serves float32
     assert "inference_ranks" not in live["topology"]
     assert [w["rank"] for w in live["syncs"][f"step {STEPS[0]}"]["workers"]] == [2, 3]
     # Nothing of tritonreshard or of verl's weight stream is left in /dev/shm (vLLM's own TP
@@ -272,6 +287,8 @@ def test_live_each_verl_step_installs_its_version_greedy_equal_to_transformers(l
         assert sync["server_global_steps"] == step
         assert sync["calls"] == ["collective_rpc:update_weights_from_ipc", "reset_prefix_cache", "reset_mm_cache",
                                  "reset_encoder_cache"]
+        # float32 as the trainers hold it, bit for bit, on both TP ranks: not values a bf16 wire leaves
+        assert sync["embedding"] == {"exact": [True, True], "beyond_bf16": [True, True]}, sync["embedding"]
         greedy = live["greedy"][f"step {step}"]
         assert greedy["mismatches"] == 0, greedy
         assert greedy["vllm"] != previous, "each step must change greedy decoding, or the check would be empty"
@@ -322,3 +339,20 @@ def test_live_replicas_added_and_removed_and_one_killed_mid_update(live):
         assert all(why.startswith(f"rank {r} (pid ") and ("died" in why or "exited" in why)
                    for r, why in published["dropped"]), published["dropped"]
     assert greedy[f"step {REMOVED}"]["mismatches"] == 0
+
+
+@pytest.mark.slow
+def test_live_a_store_gone_with_the_trainers_is_one_line_per_worker(live):
+    """The run ends as a job does: the trainers (rank 0 hosts the refit group's store) exit, then vLLM
+    shuts down. Each vLLM worker's leave finds the store gone and says so in one line naming it;
+    torch's C++ stack traces of failed store calls (``DistNetworkError``) are not printed."""
+    out, err = live["stdout"], live["stderr"]
+    store = live["topology"]["store"]
+    for noise in ("DistNetworkError", "TCPStore.cpp", "Exception raised from recvBytes", "frame #0"):
+        assert noise not in out + err, (noise, err[-3000:])
+    assert "Traceback" not in err, err[-3000:]  # vLLM's own tracebacks (the refused syncs) are in its log, stdout
+    for rank in (2, 3):
+        lines = [line for line in err.splitlines() if f"tritonreshard (rank {rank}): the refit group's store at "
+                 f"{store} is gone (" in line]
+        assert len(lines) == 1, (rank, err[-3000:])
+        assert "as when its trainers exit at the end of a job" in lines[0], lines[0]

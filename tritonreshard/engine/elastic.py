@@ -422,7 +422,7 @@ class JoinerEpoch(Epoch):
         tcp = isinstance(store, dist.TCPStore)
         # A store that went away with its trainers (the end of a job) fails every round trip, and
         # torch logs each failure with its C++ stack before raising: one plain connection asks first.
-        gone = rdv._attempt(store.host.strip("[]"), store.port, 0.5) if tcp else None
+        gone = rdv.reach(store.host.strip("[]"), store.port, 0.5) if tcp else None
         if gone is None:
             try:
                 self.release()

@@ -66,7 +66,7 @@ from ..layout import Layout, Part, Replicate, Shard
 from ..transport import ArenaHandle
 
 __all__ = ["GroupSecret", "connect_store", "publish", "fetch", "all_gather_obj", "group_secret",
-           "SECRET_ENV", "SECRET_KEY", "secret_for_children", "register_plain", "StoreValueError"]
+           "SECRET_ENV", "SECRET_KEY", "secret_for_children", "register_plain", "StoreValueError", "reach"]
 
 SECRET_ENV = "TRITONRESHARD_GROUP_SECRET"
 SECRET_KEY = "trs/group_secret"
@@ -147,7 +147,7 @@ def _loopback_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _attempt(host: str, port: int, timeout: float) -> str | None:
+def reach(host: str, port: int, timeout: float) -> str | None:
     """One plain TCP connection to ``host:port`` (closed at once: a store accepts a connection that
     says nothing), at most ``timeout`` s. None when accepted, else why not from this host: refused
     (nothing listens), no answer (a cut link, a firewall that drops), no route, a name that does not
@@ -228,7 +228,7 @@ def connect_store(addr: str | None = None, *, world_size: int, is_master: bool,
     # torch says only that it timed out: one plain connection says why the address could not be
     # reached (never a loop of them: a stream of connections that close at once stalls torch's
     # libuv store, and other ranks' connects to it with it).
-    why = _attempt(bare, port_n, 0.5) or "it accepts connections now, but not within the timeout"
+    why = reach(bare, port_n, 0.5) or "it accepts connections now, but not within the timeout"
     raise TimeoutError(f"{failed}: {why}")
 
 

@@ -13,16 +13,34 @@ verl imports it in every worker before the first sync. Importing it registers
 and wraps ``ActorRolloutRefWorker.update_weights`` so that this backend (and no other) gets the
 training engine instead of gathered tensors (:func:`~.actor.wrap_update_weights`: it refuses a
 verl version or signature it does not know, and installs nothing once verl honours the backend's
-``consumes_engine``). The actor side is :mod:`.actor`, the rollout side :mod:`.rollout`.
+``consumes_engine``), and ``ActorRolloutRefWorker.execute_checkpoint_engine`` so that the backend
+holds the engine before verl's ``prepare`` (:func:`~.actor.wrap_execute_checkpoint_engine`: the
+actors announce their parameters' dtype there). The actor side is :mod:`.actor`, the rollout side
+:mod:`.rollout`.
 
 Importing ``tritonreshard`` never imports this package (nor verl).
 """
-from .actor import (BACKEND, GROUP, KNOWN_SIGNATURE, KNOWN_VERL, ShardSource, Topology, TritonreshardCheckpointEngine,
-                    VerlRefitConfig, export_source, install, settings_problems, wrap_update_weights)
+from .actor import (
+    BACKEND,
+    GROUP,
+    KNOWN_EXECUTE_SIGNATURE,
+    KNOWN_SIGNATURE,
+    KNOWN_VERL,
+    ShardSource,
+    Topology,
+    TritonreshardCheckpointEngine,
+    VerlRefitConfig,
+    export_source,
+    install,
+    settings_problems,
+    source_dtype,
+    wrap_execute_checkpoint_engine,
+    wrap_update_weights,
+)
 
 __all__ = ["TritonreshardCheckpointEngine", "VerlRefitConfig", "Topology", "ShardSource", "export_source",
-           "settings_problems", "wrap_update_weights", "install", "BACKEND", "GROUP", "KNOWN_VERL",
-           "KNOWN_SIGNATURE"]
+           "source_dtype", "settings_problems", "wrap_update_weights", "wrap_execute_checkpoint_engine", "install",
+           "BACKEND", "GROUP", "KNOWN_VERL", "KNOWN_SIGNATURE", "KNOWN_EXECUTE_SIGNATURE"]
 
 # verl imports this module as its custom_backend_module in every worker: the wrap goes in here.
 install()

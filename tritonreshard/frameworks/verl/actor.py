@@ -15,14 +15,17 @@ every sync, with the replicas the manager holds then; the rollout side,
 * ``prepare()`` returns a plain dict. Actor ranks (built by verl with ``is_master=`` given):
   ``{"side": "actor", "rank": <torch rank>, "store": "host:port" on the master (actor rank 0,
   which hosts the refit group's TCPStore), else None, "megatron": engine_kwargs' settings or
-  None, "elastic": engine_kwargs' elastic}``. Rollout workers (built with no ``is_master``):
-  ``{"side": "rollout"}``; the rollout side may add keys.
+  None, "elastic": engine_kwargs' elastic, "src_dtype": the training engine's parameter dtype}``
+  (``"float32"``, ``"bfloat16"`` or ``"float16"``: :func:`~.export.source_dtype`; the engine is
+  the one the wrap of ``execute_checkpoint_engine`` hands the backend, see below). Rollout
+  workers (built with no ``is_master``): ``{"side": "rollout"}``; the rollout side may add keys.
 * ``build_topology(n_actor, n_rollout, metadata)`` returns ``({"topology": [dict] * n_actor},
   {"topology": [dict] * n_rollout})``, one :class:`Topology` dict per worker: ``rank`` (its rank in
   the refit group: actor ``i`` is ``i``), ``store``, ``trainer_ranks`` (``0 .. n_actor - 1``),
-  ``group`` (:data:`GROUP`), ``src_dtype`` (``"bfloat16"``: both of verl's exports cast floating
-  shards to bf16), ``megatron`` (``engine_kwargs``' Megatron settings as a dict, or None) and
-  ``elastic``. How the rollout workers are numbered depends on it:
+  ``group`` (:data:`GROUP`), ``src_dtype`` (the actors' parameter dtype, the same on every actor:
+  the actors send their own dtype and each vLLM worker's copy casts once, to the dtype it serves),
+  ``megatron`` (``engine_kwargs``' Megatron settings as a dict, or None) and ``elastic``. How the
+  rollout workers are numbered depends on it:
 
   - **elastic** (``engine_kwargs`` ``elastic=True``, the default): the actors meet alone
     (``trs.Elastic()``) and every vLLM worker joins the running group at its replica's first sync,
@@ -62,7 +65,10 @@ arena itself are bound to it at the first sync, and later syncs copy nothing
 verl hands the engine only to its ``delta_sharded`` backend (``workers/engine_workers.py:759``), so
 :func:`wrap_update_weights` wraps ``ActorRolloutRefWorker.update_weights`` for this backend alone;
 upstream, ``or getattr(self.checkpoint_engine, "consumes_engine", False)`` on that line makes the
-wrap unnecessary, and the wrap then installs nothing.
+wrap unnecessary, and the wrap then installs nothing. verl's ``prepare`` gets no engine at all:
+:func:`wrap_execute_checkpoint_engine` wraps ``ActorRolloutRefWorker.execute_checkpoint_engine``
+(how verl calls every set-up method) to hand it to this backend first, so that ``prepare`` can
+announce the parameters' dtype before the first sync.
 """
 from __future__ import annotations
 
@@ -82,13 +88,16 @@ from verl.workers import engine_workers
 
 from ... import Elastic, Meeting, RefitTrainer, Timeouts
 from ...recipes import Megatron, megatron_bind
+from ...serving import SRC_DTYPES, src_dtype_name
+
 # The rollout side's module imports neither vLLM nor verl's rollout at its top (its worker extension
 # is built on first use): one rule for the version of a step, written there.
-from .export import ShardSource, export_source
+from .export import ShardSource, export_shards, export_source, source_dtype
 from .rollout import receive_weights, version_for
 
 __all__ = ["TritonreshardCheckpointEngine", "VerlRefitConfig", "Topology", "ShardSource", "export_source",
-           "settings_problems", "wrap_update_weights", "install", "BACKEND", "GROUP", "KNOWN_VERL", "KNOWN_SIGNATURE"]
+           "source_dtype", "settings_problems", "wrap_update_weights", "wrap_execute_checkpoint_engine", "install",
+           "BACKEND", "GROUP", "KNOWN_VERL", "KNOWN_SIGNATURE", "KNOWN_EXECUTE_SIGNATURE"]
 
 #: The backend's name in verl's registry (``rollout.checkpoint_engine.backend``).
 BACKEND = "tritonreshard"
@@ -97,6 +106,8 @@ GROUP = "verl"
 #: The verl release and ``update_weights`` signature the wrap was written against.
 KNOWN_VERL = "0.9.1"
 KNOWN_SIGNATURE = "(self, global_steps: int = None, mode: str = 'auto')"
+#: ``ActorRolloutRefWorker.execute_checkpoint_engine``'s, for :func:`wrap_execute_checkpoint_engine`.
+KNOWN_EXECUTE_SIGNATURE = "(self, method: str, *args, **kwargs)"
 _MARK = "__tritonreshard_wrapped__"
 
 logger = logging.getLogger(__name__)
@@ -123,7 +134,7 @@ class VerlRefitConfig:
     elastic: bool = True
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> "VerlRefitConfig":
+    def from_kwargs(cls, **kwargs) -> VerlRefitConfig:
         """One ``ValueError`` naming every unknown key and bad value."""
         known = {f for f in cls.__dataclass_fields__}
         problems = [f"unknown key {k!r} (known: {sorted(known)})" for k in kwargs if k not in known]
@@ -218,7 +229,8 @@ class TritonreshardCheckpointEngine(CheckpointEngine):
     ``consumes_engine``: this backend's ``send_weights`` takes the training engine, not tensors (the
     attribute verl would read upstream, making the wrap of ``update_weights`` unnecessary).
     ``dropped``: on an actor of an elastic group, ``(rank, why)`` of every rollout rank the group
-    dropped (its replica left or died), in order.
+    dropped (its replica left or died), in order. ``actor_engine``: on an actor, the training
+    engine, handed over by the wrap of ``execute_checkpoint_engine`` before verl's set-up calls.
     """
 
     consumes_engine = True
@@ -233,6 +245,7 @@ class TritonreshardCheckpointEngine(CheckpointEngine):
         self.source: ShardSource | None = None
         self.stats: dict = {}
         self.dropped: list[tuple[int, str]] = []
+        self.actor_engine = None
         self._store: str | None = None
 
     # -- set-up: every sync ----------------------------------------------------------------
@@ -245,8 +258,10 @@ class TritonreshardCheckpointEngine(CheckpointEngine):
             host = self.config.store_host or _node_address()
             port = self.config.store_port or _free_port(host)
             self._store = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        # None without the engine: build_topology names the missing wrap.
+        dtype = None if self.actor_engine is None else src_dtype_name(source_dtype(self.actor_engine))
         return {"side": "actor", "rank": rank, "store": self._store if self.is_master else None,
-                "megatron": self.config.megatron, "elastic": self.config.elastic}
+                "megatron": self.config.megatron, "elastic": self.config.elastic, "src_dtype": dtype}
 
     @classmethod
     def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict]):
@@ -269,11 +284,21 @@ class TritonreshardCheckpointEngine(CheckpointEngine):
         modes = [x.get("elastic") for x in metadata[:n]] if not problems else [True]
         if any(not isinstance(e, bool) for e in modes) or len(set(modes)) != 1:
             problems.append(f"the actors report elastic={modes}: one bool, the same on every actor (engine_kwargs)")
+        dtypes = [x.get("src_dtype") for x in metadata[:n]] if not problems else ["bfloat16"]
+        if None in dtypes:
+            problems.append(f"actor rank(s) {[r for r, d in enumerate(dtypes) if d is None]} reported no src_dtype: "
+                            f"verl ran prepare() without handing the backend its training engine (the wrap of "
+                            f"ActorRolloutRefWorker.execute_checkpoint_engine is not active: import "
+                            f"tritonreshard.frameworks.verl in every actor worker, "
+                            f"rollout.checkpoint_engine.custom_backend_module)")
+        elif len(set(dtypes)) != 1 or dtypes[0] not in SRC_DTYPES:
+            problems.append(f"the actors report src_dtype={dtypes}: one of {list(SRC_DTYPES)}, the same on every actor "
+                            f"(their parameters' dtype)")
         if problems:
             raise ValueError("tritonreshard verl backend build_topology: " + "; ".join(problems))
         meg, elastic, trainers = metadata[0].get("megatron"), modes[0], tuple(range(n))
-        actors = [Topology(r, store, trainers, () if elastic else tuple(range(n, n + m)), megatron=meg,
-                           elastic=elastic) for r in range(n)]
+        actors = [Topology(r, store, trainers, () if elastic else tuple(range(n, n + m)), src_dtype=dtypes[0],
+                           megatron=meg, elastic=elastic) for r in range(n)]
         # Elastic: a rollout worker's rank is its replica's (the rollout side derives it), not its
         # place in the manager's list, which add_replicas / remove_replicas change.
         rollout = [dataclasses.replace(actors[0], rank=None if elastic else n + j) for j in range(m)]
@@ -301,7 +326,8 @@ class TritonreshardCheckpointEngine(CheckpointEngine):
                     "host) lets replicas join and leave, or restart the job")
         else:
             hint = ("the actors keep their refit ranks, store and arena for the job's life: a change of the actor "
-                    "world size, the Megatron settings, the group or elastic needs a restart of the job")
+                    "world size, the Megatron settings, the parameters' dtype, the group or elastic needs a restart "
+                    "of the job")
         return (f"tritonreshard verl backend (refit rank {old.rank}): the topology changed after the refit group "
                 f"formed ({diff}); {hint}; nothing was changed")
 
@@ -363,7 +389,8 @@ class TritonreshardCheckpointEngine(CheckpointEngine):
         ``start_version + 1`` (elastic: the actors meet alone, the rollout workers join them).
         Returns bytes copied into the arena (the whole local export, once)."""
         topo = self.topology
-        src = export_source(engine, trainer_ranks=topo.trainer_ranks, rank=topo.rank, megatron=self.config.megatron)
+        src = export_source(engine, trainer_ranks=topo.trainer_ranks, rank=topo.rank, megatron=self.config.megatron,
+                            src_dtype=SRC_DTYPES[topo.src_dtype])
         meeting = Meeting(rank=topo.rank, world_size=topo.world_size, store=topo.store, group=topo.group)
         timeouts = Timeouts(wait=self.config.timeout, peer=self.config.peer_timeout)
         tensors = src.fsdp2 if src.fsdp2 is not None else src.tensors
@@ -378,20 +405,23 @@ class TritonreshardCheckpointEngine(CheckpointEngine):
 
     def _write(self, engine) -> int:
         """Later syncs: once the readers finished the last version, each exported shard into its
-        arena slot, skipped where the export already is that slot. A shard that no longer fits its
+        arena slot (:func:`~.export.export_shards`: the module's own shards where the first sync
+        read them there), skipped where it already is that slot. A shard that no longer fits its
         slot aborts the group (its arena is part-written: no reader may take it for a version)."""
         self.trainer.fence()
         arena, exported, copied = self.trainer.source_tensors, self.source.exported, 0
-        gen, _ = engine.get_per_tensor_param_shard()
         seen = set()
-        for name, local, _spec in gen:
+        for name, local in export_shards(engine, self.source):
             mine = exported.get(name)
-            if mine is None and local.numel() == 0:
+            if mine is None and local is not None and local.numel() == 0:
                 continue  # another pipeline stage's placeholder, as at the first sync
             slot = arena.get(mine)
-            if slot is None or local.numel() != slot.numel() or local.dtype != slot.dtype:
+            # A floating buffer of the module's own was cast at the first sync too: copy_ casts it.
+            cast = local is not None and name in self.source.own and local.is_floating_point()
+            if slot is None or local is None or local.numel() != slot.numel() or (local.dtype != slot.dtype
+                                                                                   and not cast):
                 self._abort(f"{name!r} is not in the first sync's export or changed shape or dtype "
-                                 f"({tuple(local.shape)} {local.dtype})")
+                            f"({None if local is None else (tuple(local.shape), local.dtype)})")
             seen.add(mine)
             if local.data_ptr() != slot.data_ptr():
                 slot.copy_(local.view(slot.shape) if local.is_contiguous() else local.reshape(slot.shape))
@@ -449,7 +479,7 @@ def _signature(fn) -> str:
     with ``from __future__ import annotations`` holds them as strings)."""
     parts = []
     for p in inspect.signature(fn).parameters.values():
-        text = p.name
+        text = {p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "") + p.name
         if p.annotation is not inspect.Parameter.empty:
             text += f": {p.annotation if isinstance(p.annotation, str) else p.annotation.__name__}"
         if p.default is not inspect.Parameter.empty:
@@ -489,6 +519,38 @@ def wrap_update_weights(worker_cls, verl_version: str) -> bool:
     return True
 
 
+def wrap_execute_checkpoint_engine(worker_cls) -> bool:
+    """Make ``worker_cls.execute_checkpoint_engine`` (verl's ``ActorRolloutRefWorker``: how verl's
+    manager calls ``prepare``, ``init_process_group`` and ``finalize`` on each actor) hand the
+    training engine to a :class:`TritonreshardCheckpointEngine` (its ``actor_engine``) before the
+    call, so that ``prepare`` announces the parameters' dtype; other backends are called unchanged.
+    Returns False when the wrap is in place already. Raises one ``ValueError`` naming the method's
+    signature when it is not :data:`KNOWN_EXECUTE_SIGNATURE` (or the method is async)."""
+    original = worker_cls.execute_checkpoint_engine
+    if getattr(original, _MARK, False):
+        return False
+    signature = _signature(original)
+    if signature != KNOWN_EXECUTE_SIGNATURE or inspect.iscoroutinefunction(original):
+        raise ValueError(f"tritonreshard verl backend: {worker_cls.__name__}.execute_checkpoint_engine{signature} "
+                         f"(async: {inspect.iscoroutinefunction(original)}); the wrap knows "
+                         f"execute_checkpoint_engine{KNOWN_EXECUTE_SIGNATURE} (not async): pin verl=={KNOWN_VERL}")
+
+    @functools.wraps(original)  # keeps verl's register() attributes, as for update_weights
+    def execute_checkpoint_engine(self, method: str, *args, **kwargs):
+        backend = getattr(self, "checkpoint_engine", None)
+        if isinstance(backend, TritonreshardCheckpointEngine):  # prepare() reads the parameters' dtype off it
+            backend.actor_engine = self.actor.engine
+        return original(self, method, *args, **kwargs)
+
+    setattr(execute_checkpoint_engine, _MARK, True)
+    worker_cls.execute_checkpoint_engine = execute_checkpoint_engine
+    return True
+
+
 def install() -> bool:
-    """Wrap verl's ``ActorRolloutRefWorker.update_weights`` (see :func:`wrap_update_weights`)."""
-    return wrap_update_weights(engine_workers.ActorRolloutRefWorker, verl.__version__)
+    """Wrap verl's ``ActorRolloutRefWorker.update_weights`` (see :func:`wrap_update_weights`) and
+    ``execute_checkpoint_engine`` (:func:`wrap_execute_checkpoint_engine`). True when either was
+    installed now."""
+    worker_cls = engine_workers.ActorRolloutRefWorker
+    wrapped = wrap_update_weights(worker_cls, verl.__version__)
+    return wrap_execute_checkpoint_engine(worker_cls) or wrapped
