@@ -425,11 +425,16 @@ class CrossHostCopy:
             for _, v in self._send_views:
                 self._snap_views.append(self._snap[pos:pos + v.numel()])
                 pos += v.numel()
+        seconds = 0.0   # applying the deltas: the receivers' work too, before their readers pull
         for (_, view), snap, e in zip(self._send_views, self._snap_views, encs, strict=True):
             if e.kind == dc.DENSE:
                 snap.copy_(view)
             else:
+                t0 = model.clock()
                 dc.decode(e.kind, e.payload, snap, e.word, e.entries)
+                seconds += model.clock() - t0
+        if any(described[p]["base"] for p in self.receivers):
+            model.delta_applied(sum(v.numel() for p, v in self._send_views if described[p]["base"]), seconds)
         for p in self.receivers:
             self._last_sent[p] = version
             self._deltas[p] = self._deltas[p] + 1 if described[p]["base"] else 0
