@@ -4,7 +4,8 @@ the sender asks it two questions (may this receiver get deltas? how is this mess
 never looks at a mode string or the codec's type.
 
 ``Delta()`` ("auto") also weighs the link against detection: comparing and encoding a byte costs
-time (on CPU 1-4 s/GB, slower than a loopback link), so a delta pays only where the link is slower
+time (on CPU about 0.7 s/GB of one core at an Adam step, ``bench/delta_detect.py``: slower than a
+loopback link), so a delta pays only where the link is slower
 than finding what changed. The codec is chosen once and frozen; what it weighs is measured per
 sender, by a :class:`LinkModel` (mutable, one per sending rank) that the codec's questions take.
 
@@ -47,8 +48,8 @@ class LinkModel:
       of a link is not counted: the process group (gloo, NCCL) connects each pair at its first
       message, so that send times the connection, not the bytes.
     * link known, detection not: the delta, to measure it (then the rule decides). A
-      calibration encode at set-up would not do: detection's cost depends on what changed (1.0
-      s/GB when nothing did, 10 s/GB at 30% changed, on CPU), which only a real version shows.
+      calibration encode at set-up would not do: detection's cost depends on what changed (0.2
+      s/GB when nothing did, 1.4 s/GB at 17% changed, on one CPU core), which only a real version shows.
       The first delta encode of a sender is not counted either (its fraction is): it is the first
       to touch the encoder's working memory, the size of what it compares, so it pays the page
       faults that later encodes find already done (the allocator keeps what they freed; 1.4x the
