@@ -502,6 +502,39 @@ def test_plan_model_mode_prints_the_lower_bound_and_says_it_is_a_model(tmp_path,
     assert "--trainers must be a positive int, got 0" in err
 
 
+def test_plan_model_mode_prints_each_modes_refit_memory_and_what_fits(tmp_path, capsys):
+    """The refit's extra memory per inference GPU, per mode, is the mode's buffer sets times the
+    bytes the busiest inference rank pulls (a vLLM worker serves its own parameters: every set is
+    extra; a RefitInference serves one of its own), and each GPU size says what is left or that
+    the mode does not fit; a bad size is refused by name."""
+    from tritonreshard.apps.cli import main
+    from tritonreshard.planning import fmt_bytes
+    from tritonreshard.serving import BackgroundPull, InlinePull
+    cfg = {"model_type": "llama", "vocab_size": 100, "hidden_size": 32, "intermediate_size": 48,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
+    path = tmp_path / "config.json"
+    path.write_text(__import__("json").dumps(cfg))
+    spec = trs.recipes.hf_to_vllm(_config_of(cfg), tp=2, trainer_ranks=[0, 1], inference_ranks=[2, 3],
+                                  dtype=torch.bfloat16, src_dtype=torch.bfloat16)
+    weights = max(sum(math.prod(lay.local_shape(r)) * 2 for lay in spec.dst.values() if r in lay.ranks)
+                  for r in (2, 3))
+    gib = weights * 2.5 / 2**30   # room for the weights and one more set, not two
+    assert main(["plan", "--model", str(path), "--trainers", "2", "--tp", "2", "--gpu-gib", f"{gib!r}"]) == 0
+    out = capsys.readouterr().out
+    assert f"weights {fmt_bytes(weights)}; beside them:" in out
+    lines = {line.split("  ")[1].strip(): line for line in out.splitlines() if line.startswith("  vLLM")
+             or line.startswith("  RefitInference")}
+    for name, sets in (("vLLM, background pull (prefetch on, default)", BackgroundPull.BUFFER_SETS),
+                       ("vLLM, pull inside update_weights (prefetch off)", InlinePull.BUFFER_SETS),
+                       ("RefitInference, Shadow()", 1), ("RefitInference, InPlace()", 0)):
+        line = next(v for k, v in lines.items() if k.startswith(name))
+        assert f"{sets}x = {fmt_bytes(sets * weights)}" in line, line
+        assert ("does not fit" in line) == (sets >= 2), line
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--model", str(path), "--gpu-gib", "80,-1"])
+    assert exit_.value.code == 2 and "--gpu-gib" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------- bench --replicas
 def test_bench_replicas_trainer_egress_once_per_replica_and_once_per_host(tmp_path):
     """``tritonreshard bench --layout fsdp-tp --replicas 2``: on one host the trainers serve each

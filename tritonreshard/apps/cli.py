@@ -285,6 +285,17 @@ def _links(text: str) -> dict[str, tuple[str, float]]:
     return {"within": (within, LINKS[within]), "across": (across, LINKS[across])}
 
 
+def _gpu_sizes(text: str) -> list[float]:
+    """``--gpu-gib``: comma-separated positive GiB."""
+    try:
+        sizes = [float(v) for v in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or not all(math.isfinite(v) and v > 0 for v in sizes):
+        raise argparse.ArgumentTypeError(f"expected positive GiB separated by commas, e.g. 80,141; got {text!r}")
+    return sizes
+
+
 def _cmd_model_plan(args) -> int:
     problems = []
     for flag in ("trainers", "tp", "replicas"):
@@ -361,7 +372,35 @@ def _cmd_model_plan(args) -> int:
     t, what, r, b = worst
     print(f"lower bound of one refit: {t:.3f} s: rank {r}'s {what} carries {fmt_bytes(b)} "
           f"(the busiest link; every other link needs less time, and links are assumed to run at once)")
+    _print_refit_memory(spec, inference, args.gpu_gib)
     return 0
+
+
+def _print_refit_memory(spec, inference: list[int], gpu_gib: list[float]) -> None:
+    """The refit's extra memory on the busiest inference GPU, per mode, from the modes' own buffer
+    set counts (what an endpoint allocates), and which modes fit each GPU size beside the weights."""
+    from tritonreshard.engine import InPlace, Shadow
+    from tritonreshard.planning import fmt_bytes
+    from tritonreshard.serving import BackgroundPull, InlinePull
+
+    weights = max(sum(math.prod(lay.local_shape(r)) * lay.itemsize for lay in spec.dst.values() if r in lay.ranks)
+                  for r in inference)
+    # The extra sets beside the weights the engine serves: a vLLM worker serves its own parameters,
+    # so every buffer set is extra; a RefitInference serves one of its sets.
+    modes = [("vLLM, background pull (prefetch on, default)", BackgroundPull.BUFFER_SETS),
+             ("vLLM, pull inside update_weights (prefetch off)", InlinePull.BUFFER_SETS),
+             ("RefitInference, Shadow()", Shadow().sets - 1),
+             ("RefitInference, InPlace()", InPlace().sets - 1)]
+    print(f"refit memory per inference GPU (the busiest): weights {fmt_bytes(weights)}; beside them:")
+    print(f"  {'mode':<48} {'extra':>14} " + " ".join(f"{f'{g:g} GiB GPU':>16}" for g in gpu_gib))
+    for name, sets in modes:
+        extra = sets * weights
+        cells = []
+        for g in gpu_gib:
+            left = g * 2**30 - weights - extra
+            cells.append(f"{f'{fmt_bytes(left)} left' if left > 0 else 'does not fit':>16}")
+        print(f"  {name:<48} {f'{sets}x = {fmt_bytes(extra)}':>14} " + " ".join(cells))
+    print("  (left: for the KV cache, activations and the runtime; a MODEL of the buffer sets, not a measurement)")
 
 
 def plain(doc: str | None) -> str | None:
@@ -396,6 +435,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hosts-of", type=int, metavar="N", help="model mode: N consecutive ranks per host")
     p.add_argument("--hosts", action="append", metavar="NAME=RANKS",
                    help="model mode: one host and its ranks, e.g. node0=0-3,8; once per host (not with --hosts-of)")
+    p.add_argument("--gpu-gib", type=_gpu_sizes, default=[80.0, 141.0], metavar="GIB[,GIB...]",
+                   help="model mode: GPU memory sizes to fit the refit's modes into (default 80,141)")
     p.add_argument("--link", default="h200-nvlink,ib-400g",
                    help="model mode: within[,across] link presets or a .json (default h200-nvlink,ib-400g)")
     p.set_defaults(func=_cmd_plan)
