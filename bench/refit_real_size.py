@@ -25,6 +25,12 @@ from a checkpoint, on the same engine; every process's peak RSS.
 repacking) equals, bit for bit, what the recipe maps from the trainers' tensors (digests, computed
 in the driver one destination at a time with the recipe's own plan); and after the last refit the
 engine's greedy tokens equal those of a fresh engine started from the same weights.
+
+**A trainer that dies stops the run at once:** a watchdog thread polls the trainer processes; when
+one exits before the driver told it to stop, it signals the main thread (``SIGUSR1``), which raises
+``TrainerDied`` naming the rank and its exit code wherever it waits (inside vLLM's
+``collective_rpc`` too), and the ``finally`` shuts the engine down. ``--die-trainer RANK`` injects
+that failure: trainer RANK raises right after it is ready.
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ import resource
 import signal
 import sys
 import tempfile
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -90,8 +97,15 @@ def _rss_mib() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
 
 
+def _rss_now_mib() -> int:
+    """Resident now (``VmRSS``), not the peak: a trainer's shards, adopted by its arena, are held
+    once after set-up, though the caller's copies and the arena both lived while it filled."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    return int(fields["VmRSS"].split()[0]) // 1024
+
+
 # -------------------------------------------------------------------------------------- trainers
-def trainer(rank: int, store: str, commands, results) -> None:
+def trainer(rank: int, store: str, commands, results, die: bool = False) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     torch.set_num_threads(1)
     import tritonreshard as trs
@@ -103,7 +117,9 @@ def trainer(rank: int, store: str, commands, results) -> None:
     with trs_vllm.Trainer(config, shards, tp=TP, rank=rank, trainer_ranks=TRAINERS, inference_ranks=INFERENCE,
                           store=store, group="real-size", timeouts=trs.Timeouts(wait=600.0)) as tr:
         del shards
-        results.put(("ready", rank, _rss_mib()))
+        results.put(("ready", rank, {"peak": _rss_mib(), "now": _rss_now_mib()}))
+        if die:
+            raise RuntimeError(f"trainer {rank}: failure injected by --die-trainer")
         while True:
             cmd, version = commands.get()
             if cmd == "stop":
@@ -115,6 +131,36 @@ def trainer(rank: int, store: str, commands, results) -> None:
             tr.publish()
             results.put(("published", rank, (version, round(time.perf_counter() - t0, 2))))
     results.put(("stopped", rank, _rss_mib()))
+
+
+class TrainerDied(RuntimeError):
+    """A trainer process exited before the driver stopped it (raised in the main thread)."""
+
+
+def watch(procs: dict, stopping: threading.Event, done: threading.Event) -> None:
+    """Install the ``SIGUSR1`` handler and start the watchdog (until ``done``): the first trainer to
+    exit before ``stopping`` (the driver told them to stop), or with a non-zero code after it, is
+    named in a ``TrainerDied`` raised in the main thread wherever it waits (a queue, vLLM's RPC
+    polling), instead of after that wait's timeout."""
+    died = []
+
+    def raise_died(*_):
+        rank, code = died[0]
+        raise TrainerDied(f"trainer rank {rank} exited unexpectedly with code {code} (its traceback, if any, "
+                          f"is above); stopping the run")
+
+    def poll():
+        while not done.wait(0.5):
+            gone = [(r, code) for r, p in procs.items()
+                    if (code := p.exitcode) is not None and (code != 0 or not stopping.is_set())]
+            if gone:
+                died.append(gone[0])
+                print(f"watchdog: trainer rank {gone[0][0]} exited with code {gone[0][1]}", flush=True)
+                os.kill(os.getpid(), signal.SIGUSR1)
+                return
+
+    signal.signal(signal.SIGUSR1, raise_died)
+    threading.Thread(target=poll, name="trainer-watchdog", daemon=True).start()
 
 
 def expect(results, kind: str, n: int = len(TRAINERS), timeout: float = 900.0) -> dict:
@@ -228,7 +274,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--config", help="another config.json of the same form (a smaller one for a dry run)")
+    ap.add_argument("--config", help="another config.json of the same form (a dry run: bench/configs/qwen3-tiny.json)")
+    ap.add_argument("--die-trainer", type=int, choices=TRAINERS, metavar="RANK",
+                    help="fault injection: trainer RANK raises right after it is ready; the driver must name it "
+                         "and stop within seconds, not wait out a timeout")
     args = ap.parse_args(argv)
     if args.config:
         global CONFIG
@@ -249,9 +298,12 @@ def main(argv=None) -> dict:
     ctx = mp.get_context("spawn")
     store = f"127.0.0.1:{free_port()}"
     commands, results = [ctx.Queue() for _ in TRAINERS], ctx.Queue()
-    procs = {r: ctx.Process(target=trainer, args=(r, store, commands[r], results), daemon=True) for r in TRAINERS}
+    procs = {r: ctx.Process(target=trainer, args=(r, store, commands[r], results, r == args.die_trainer),
+                            daemon=True) for r in TRAINERS}
     for p in procs.values():
         p.start()
+    stopping, done = threading.Event(), threading.Event()  # the driver stops the trainers; it is shutting down
+    watch(procs, stopping, done)
     llm = None
     try:
         from vllm import LLM
@@ -298,6 +350,7 @@ def main(argv=None) -> dict:
             print(json.dumps(summary["refits"][-1]), flush=True)
         got = vllm_greedy(llm, prompts, args.max_tokens)
         digests = llm.collective_rpc(_buffer_digests)
+        stopping.set()
         for q in commands:  # the trainers are done: their memory is the driver's check's
             q.put(("stop", 0))
         summary["trainer_peak_rss_MiB"] = expect(results, "stopped")
@@ -328,6 +381,10 @@ def main(argv=None) -> dict:
         summary["mismatches"] = mismatches(got, want_tokens)
         summary["driver_peak_rss_MiB"] = _rss_mib()
     finally:
+        done.set()
+        for p in procs.values():  # still running only when the run failed: they wait for a command
+            if p.is_alive():
+                p.terminate()
         if llm is not None:
             llm.llm_engine.engine_core.shutdown(timeout=60)
         reap(procs)

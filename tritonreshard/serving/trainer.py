@@ -9,7 +9,11 @@ subclassing (``ENGINE``, ``GROUP``). Engine-free: importing it imports no servin
 """
 from __future__ import annotations
 
+import ctypes
+from collections.abc import Mapping
 from typing import ClassVar
+
+import torch
 
 from .. import Meeting, RefitTrainer
 from ..engine import Elastic
@@ -32,6 +36,15 @@ def join_as_trainer(trainer: RefitTrainer, tensors, layouts, *, rank: int, world
                           membership=membership, codec=codec, timeouts=timeouts)
 
 
+def _release_freed_heap() -> None:
+    """Hand the process's free heap back to the system (glibc's ``malloc_trim``; elsewhere nothing).
+    Shards below glibc's mmap threshold (32 MiB at most: most of a model's) live on the heap, and
+    freed ones stay resident until trimmed: a Qwen3-1.7B trainer's 1.6 GiB of replaced shards did."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
 def _first_dtype(shards):
     """The dtype of the first shard (``shards``: a dict of tensors or an ``nn.Module``)."""
     tensors = shards.values() if isinstance(shards, dict) else (p for _, p in shards.named_parameters())
@@ -45,12 +58,21 @@ class ServingTrainer(RefitTrainer):
 
     ``config``: the model's config (for an HF-named engine a ``transformers`` config of any
     ``model_type`` the recipes know). ``shards``: this rank's shards ``{parameter name: tensor of
-    spec.src[name].local_shape(rank)}`` (FSDP row shards, ``Shard(0)`` over ``trainer_ranks``),
-    copied once into the shared arena; train on ``tensors`` afterwards (or pass an ``nn.Module``
-    whose parameters are those shards: they are re-pointed at the arena). Call ``fence()`` before
-    changing the weights and ``publish()`` after. ``rank`` is this process's rank in the refit
-    group (one of ``trainer_ranks``); ``store``, ``trainer_ranks``, ``inference_ranks``, ``group``
-    (None: ``GROUP``) are where it meets the engines, the same as their init info. ``src_dtype``: a
+    spec.src[name].local_shape(rank)}`` (FSDP row shards, ``Shard(0)`` over ``trainer_ranks``), or
+    an ``nn.Module`` whose parameters are those shards. They are copied once into the shared arena
+    and then *adopted*: every given tensor becomes a view of its arena shard (``t.data = view``:
+    ``nn.Parameter`` s and ``requires_grad`` leaves as :class:`~tritonreshard.RefitTrainer` re-points
+    them, the other tensors of a dict right after), so the process holds the shards once (its old
+    storage is freed when the caller's other references go, and the freed heap is trimmed: at
+    Qwen3-1.7B a trainer holds 1.00x its shards' bytes after set-up, was 1.84x; the peak while the
+    arena fills is still 2x) and training them, or ``tensors``, writes what ``publish()``
+    publishes. ``publish()`` refuses (``ValueError``) if one was re-pointed elsewhere since. Kept
+    as a separate copy, the arena's and the caller's: a tensor that is a view of another (a slice of
+    a bigger buffer: re-pointing it would free nothing and cut it off from its base; train
+    ``tensors`` then) and a second name for a tensor already adopted under the first. Call
+    ``fence()`` before changing the weights and ``publish()`` after. ``rank`` is this process's rank
+    in the refit group (one of ``trainer_ranks``); ``store``, ``trainer_ranks``, ``inference_ranks``,
+    ``group`` (None: ``GROUP``) are where it meets the engines, the same as their init info. ``src_dtype``: a
     name of :data:`~.schema.SRC_DTYPES` or its torch dtype (default: the shards' dtype). ``spec``
     is the recipe; the attribute ``src_dtype`` the name to pass to the engines' init info.
 
@@ -81,6 +103,7 @@ class ServingTrainer(RefitTrainer):
                                     store=store, group=group, membership=membership, megatron=megatron)
         self._build(init, config, shards, rank=rank, tp=tp, world_size=world, membership=membership, codec=codec,
                     timeouts=timeouts)
+        self._adopt(shards)
 
     @classmethod
     def _meeting(cls, dtype, *, tp: int, trainer_ranks, inference_ranks, store, group, membership,
@@ -126,13 +149,33 @@ class ServingTrainer(RefitTrainer):
         constructors all end here (:func:`join_as_trainer`)."""
         join_as_trainer(self, tensors, layouts, **kwargs)
 
+    def _adopt(self, shards) -> None:
+        """After the arena is filled: each plain tensor of a dict ``shards`` becomes a view of its
+        arena shard, as the arena re-points parameters (``t.data = view``), and is checked like them
+        before each publish; otherwise the caller's copy would stay alive beside the arena (2x the
+        shards' bytes). A view of another tensor and a second name of one object stay copies (see
+        the class docstring). Then the storage freed (a module's parameters' too) leaves the heap."""
+        arena = self._trainer.arena if self._trainer is not None else None
+        if arena is None:
+            return
+        adopted = {id(t) for t in arena.bound.values()}
+        for name, t in (shards.items() if isinstance(shards, Mapping) else ()):
+            view = arena.tensors.get(name)
+            if view is None or id(t) in adopted or not isinstance(t, torch.Tensor) or t._base is not None:
+                continue
+            t.data = view
+            arena.bound[name] = t
+            adopted.add(id(t))
+        _release_freed_heap()
+
     @classmethod
     def from_spec(cls, spec, shards, *, rank: int, trainer_ranks, inference_ranks, store, group: str | None = None,
                   **configs) -> ServingTrainer:
         """A trainer of a recipe of the engine's own (a ``trs.recipes.RecipeSpec`` whose ``src`` are
         this group's source layouts over ``trainer_ranks``): for a model no registered recipe
         knows, a spec built from ``trs.Layout`` / ``Shard`` / ``Replicate`` or traced, served
-        through the same seam. ``shards``: ``{name: spec.src[name].local_shape(rank)}``."""
+        through the same seam. ``shards``: ``{name: spec.src[name].local_shape(rank)}``, adopted
+        by the arena as ``__init__``'s are."""
         trainer_ranks, inference_ranks = [int(r) for r in trainer_ranks], [int(r) for r in inference_ranks]
         problems = rank_problems(trainer_ranks, inference_ranks)
         if rank not in trainer_ranks:
@@ -147,4 +190,5 @@ class ServingTrainer(RefitTrainer):
         self.spec, self.source, self.src_dtype = spec, None, src_dtype_name(dtypes.pop())
         self._join(shards, spec.src, rank=rank, world_size=len(trainer_ranks) + len(inference_ranks), store=store,
                    group=group or cls.GROUP, **configs)
+        self._adopt(shards)
         return self

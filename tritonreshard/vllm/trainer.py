@@ -18,7 +18,13 @@ class Trainer(ServingTrainer):
     """Trainer side of a vLLM refit group: :class:`tritonreshard.serving.ServingTrainer` (its
     arguments, ``spec``, ``src_dtype``) with vLLM's recipes, in refit group ``"vllm"`` unless told
     otherwise. The vLLM workers build the destination side of the same recipe from the served
-    model's config; pass ``src_dtype`` to :func:`~tritonreshard.vllm.init_info`."""
+    model's config; pass ``src_dtype`` to :func:`~tritonreshard.vllm.init_info`.
+
+    The shards given are held once: copied into the shared arena, then adopted (each becomes a view
+    of its arena shard, see :class:`~tritonreshard.serving.ServingTrainer`), so a trainer process
+    holds 1x its shards' bytes, not 2x (a view of a bigger tensor stays a copy). Not so for
+    :meth:`from_weight_source`: the framework keeps training its own tensors and each ``publish()``
+    copies them in, so there the arena is a second copy."""
 
     ENGINE = ENGINE
     GROUP = GROUP
