@@ -4,10 +4,14 @@ Two trainer processes (``ServingTrainer.from_spec``) publish two versions to an 
 processes that uses only ``tritonreshard.serving`` and its own agreement, model check and apply:
 after each refit its shards equal the trainers' full tensors sharded (bit-exact), its TP forward
 equals the unsharded module's, in background-pull and inline-pull mode, and no engine process ever
-imported vLLM. Also the init info's one schema: vLLM's is the same dataclass, and every check runs
-once, at construction.
+imported vLLM. The background pull's one buffer set (``trs.Spare()``) under a refit: a refit that
+arrives mid-pull waits for it and installs it bit-exact, the newest pulled version wins over an
+older one asked for, and a pull that fails part-way is reported while the engine keeps serving its
+installed version. Also the init info's one schema: vLLM's is the same dataclass, and every check
+runs once, at construction.
 """
 import dataclasses
+import os
 import sys
 import time
 
@@ -35,7 +39,24 @@ TRAINERS, ENGINE = [0, 1], [2, 3]
 VERSIONS = 2
 
 
-def _trainer(rank: int, init: dict) -> dict:
+def _gate(gate: str, group: str, version: int) -> str:
+    return os.path.join(gate, f"{group}-go{version}")
+
+
+def _open_gate(gate: str, group: str, version: int) -> None:
+    """The engine lets the trainers publish ``version`` (they would otherwise publish it as soon as
+    the background pull acked the one before, racing the refit of that one)."""
+    open(_gate(gate, group, version), "w").close()
+
+
+def _wait_gate(gate: str, group: str, version: int) -> None:
+    deadline = time.monotonic() + 60
+    while not os.path.exists(_gate(gate, group, version)):
+        assert time.monotonic() < deadline, f"the engine never let version {version} be published"
+        time.sleep(0.005)
+
+
+def _trainer(rank: int, init: dict, gate: str) -> dict:
     spec = recipe(TRAINERS, ENGINE)
     shards = {n: lay.shard(t, rank).clone() for n, t in full_weights(1).items() for lay in [spec.src[n]]}
     meet = dict(rank=rank, trainer_ranks=TRAINERS, inference_ranks=ENGINE, store=init["store"], group=init["group"],
@@ -47,6 +68,8 @@ def _trainer(rank: int, init: dict) -> dict:
     assert tr.spec == spec
     try:
         for v in range(1, VERSIONS + 1):
+            if v > 1 and init["prefetch"]:
+                _wait_gate(gate, init["group"], v)
             tr.fence()
             if v > 1:  # the "optimizer step", in place in the arena
                 for n, t in full_weights(v).items():
@@ -58,7 +81,7 @@ def _trainer(rank: int, init: dict) -> dict:
     return {"src_dtype": tr.src_dtype}
 
 
-def _engine(rank: int, init: dict, tp_port: int) -> dict:
+def _engine(rank: int, init: dict, tp_port: int, gate: str) -> dict:
     tp_rank = rank - len(TRAINERS)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{tp_port}", rank=tp_rank, world_size=len(ENGINE))
     engine = TPEngine(init, tp_rank=tp_rank, tp=len(ENGINE), tp_group=dist.group.WORLD)
@@ -79,6 +102,8 @@ def _engine(rank: int, init: dict, tp_port: int) -> dict:
             with torch.no_grad():
                 assert torch.equal(engine.forward(TOKENS), ref(TOKENS)), v
             report["refits"].append((stats["version"], stats["prefetched"]))
+            if engine.tp_rank == 0:
+                _open_gate(gate, init["group"], v + 1)
     finally:
         engine.close()
         dist.destroy_process_group()
@@ -86,21 +111,22 @@ def _engine(rank: int, init: dict, tp_port: int) -> dict:
     return report
 
 
-def _rank(rank: int, inits: list, tp_ports: list) -> list:
+def _rank(rank: int, inits: list, tp_ports: list, gate: str) -> list:
     torch.set_num_threads(1)
     out = []
     for init, tp_port in zip(inits, tp_ports, strict=True):
-        out.append(_trainer(rank, init) if rank in TRAINERS else _engine(rank, init, tp_port))
+        out.append(_trainer(rank, init, gate) if rank in TRAINERS else _engine(rank, init, tp_port, gate))
     return out
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_a_plain_torch_engine_refits_bit_exact_through_the_seam():
+def test_a_plain_torch_engine_refits_bit_exact_through_the_seam(tmp_path):
     inits = [ServingInit(store=f"127.0.0.1:{free_port()}", trainer_ranks=TRAINERS, inference_ranks=ENGINE,
                          group=f"tiny-{mode}", prefetch=prefetch, timeout=60).to_dict()
              for mode, prefetch in (("background", True), ("inline", False))]
-    out = run_ranks(_rank, len(TRAINERS) + len(ENGINE), args=(inits, [free_port(), free_port()]), timeout=150)
+    out = run_ranks(_rank, len(TRAINERS) + len(ENGINE), args=(inits, [free_port(), free_port()], str(tmp_path)),
+                    timeout=150)
     for r in TRAINERS:
         assert [o["src_dtype"] for o in out[r]] == ["float32", "float32"]
     for r in ENGINE:
@@ -109,6 +135,162 @@ def test_a_plain_torch_engine_refits_bit_exact_through_the_seam():
         assert background["refits"] == [(1, True), (2, True)]   # pulled before the refit asked
         assert inline["refits"] == [(1, False), (2, False)]     # pulled inside the refit
         assert not background["vllm_imported"] and not inline["vllm_imported"]
+
+
+SLOW_S = 1.0  # the background pulls of versions 2 and 4 stall this long part-way: a refit arrives meanwhile
+
+
+def _inject_faults(box: list) -> None:
+    """In an engine process: the background pulls of versions 2, 4 and 6 write part of the set, then
+    stall (a slow copy); the one of version 5 writes part of it, then fails (a torn set).
+    ``box[0]``: the engine, whose one buffer set that is."""
+    from tritonreshard.engine.sources import Sources
+
+    prepare, done = Sources.prepare, set()
+
+    def faulty(self, version):
+        if version in (2, 4, 5, 6) and version not in done:
+            done.add(version)
+            next(iter(box[0].sub.tensors.values())).fill_(-7.0)  # the copy's first part: not this version
+            if version == 5:
+                raise RuntimeError("injected: the copy of version 5 stopped part-way")
+            time.sleep(SLOW_S)
+        prepare(self, version)
+
+    Sources.prepare = faulty
+
+
+def _until(what: str, ok) -> None:
+    deadline = time.monotonic() + 60
+    while not ok():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
+def _scenario_trainer(rank: int, init: dict, gate: str) -> None:
+    spec = recipe(TRAINERS, ENGINE)
+    shards = {n: lay.shard(t, rank).clone() for n, t in full_weights(1).items() for lay in [spec.src[n]]}
+    tr = TinyTrainer(None, shards, tp=len(ENGINE), rank=rank, trainer_ranks=TRAINERS, inference_ranks=ENGINE,
+                     store=init["store"], group=init["group"], timeouts=trs.Timeouts(wait=60))
+    try:
+        for v in range(1, 7):
+            if v > 1:
+                _wait_gate(gate, init["group"], v)
+            tr.fence()
+            for n, t in full_weights(v).items():
+                tr.tensors[n].copy_(spec.src[n].shard(t, rank))
+            assert tr.publish() == v
+        tr.fence()
+    finally:
+        tr.close()
+
+
+def _scenario_engine(rank: int, init: dict, tp_port: int, gate: str) -> dict:
+    box = []
+    _inject_faults(box)
+    tp_rank = rank - len(TRAINERS)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{tp_port}", rank=tp_rank, world_size=len(ENGINE))
+    engine = TPEngine(init, tp_rank=tp_rank, tp=len(ENGINE), tp_group=dist.group.WORLD)
+    box.append(engine)
+    sub, group, out = engine.sub, init["group"], {}
+
+    def serves(v):  # the engine's own parameters are exactly version v's shards
+        full = full_weights(v)
+        return all(torch.equal(engine.module.param(n), lay.shard(full[n], engine.rank))
+                   for n, lay in engine.spec.dst.items())
+
+    def open_gate(v):
+        if tp_rank == 0:
+            _open_gate(gate, group, v)
+
+    def holds(v):
+        _until(f"version {v} was never pulled", lambda: sub.version == v and not sub.pulling)
+
+    def refused(info):
+        try:
+            engine.refit(info)
+        except trs.RefitError as exc:
+            return str(exc)
+        raise AssertionError(f"the refit {info} was installed")
+
+    try:
+        out["sets"], out["mode"] = engine.pull.BUFFER_SETS, sub.mode
+        # The set holds version 1 complete, no pull in flight: a refit naming it installs it.
+        holds(1)
+        st = engine.refit(UpdateInfo(version=1))
+        out["v1"] = (st["version"], st["prefetched"], serves(1))
+        # A refit arriving while the pull of version 2 is part-way waits for it and installs it.
+        open_gate(2)
+        _until("the pull of version 2 never started", lambda: sub.pulling)
+        st = engine.refit(UpdateInfo())
+        out["v2"] = (st["version"], st["prefetched"], st["wait_ms"] >= SLOW_S * 1e3 / 2, serves(2))
+        # While a refit session holds the lock, the watcher starts no pull, even with version 3 published.
+        with engine.pull.session():
+            open_gate(3)
+            _until("version 3 was never published", lambda: sub.available_version() == 3)
+            time.sleep(0.2)
+            out["held_off"] = (sub.pulling, sub.version)
+        # The newest wins: a refit naming version 3, held complete, while version 4 is being pulled
+        # over it waits for that pull and is refused, naming 4; the engine still serves 2 exactly.
+        holds(3)
+        open_gate(4)
+        _until("the pull of version 4 never started", lambda: sub.pulling)
+        out["v3"] = (refused(UpdateInfo(version=3)), serves(2))
+        st = engine.refit(UpdateInfo())
+        out["v4"] = (st["version"], st["prefetched"], serves(4))
+        # The pull of version 5 fails part-way: the next refit reports it, the engine serves 4 exactly;
+        # the refit after that pulls 5 again, inline.
+        open_gate(5)
+        _until("the pull of version 5 never failed", lambda: not sub.consistent and not sub.pulling)
+        out["v5_failed"] = (refused(UpdateInfo()), serves(4), sub.version)
+        st = engine.refit(UpdateInfo())
+        out["v5"] = (st["version"], st["prefetched"], serves(5), sub.consistent)
+        # A pull that finished before the refit asked counts as prefetched, even where the watcher
+        # (kept out by the lock here, as a refit keeps it out) has not marked the set as holding it.
+        open_gate(6)
+        _until("the pull of version 6 never started", lambda: sub.pulling)
+        with engine.pull.session():
+            _until("the pull of version 6 never finished", sub.pull_done)
+            out["pulled6"] = (engine.pull.pulled(sub, 6), engine.pull.pulled(sub, 5), sub.version)
+        st = engine.refit(UpdateInfo())
+        out["v6"] = (st["version"], st["prefetched"], serves(6))
+    finally:
+        engine.close()
+        dist.destroy_process_group()
+    return out
+
+
+def _scenario_rank(rank: int, init: dict, tp_port: int, gate: str):
+    torch.set_num_threads(1)
+    return _scenario_trainer(rank, init, gate) if rank in TRAINERS else _scenario_engine(rank, init, tp_port, gate)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_background_pull_has_one_set_and_a_refit_installs_only_complete_versions(tmp_path):
+    """One buffer set per rank (``trs.Spare()``), never read while a pull writes it: a refit that
+    arrives mid-pull waits and installs that version bit-exact; the watcher starts no pull while a
+    refit holds the lock; the newest pulled version wins (an older one asked for is refused, naming
+    it); a pull that fails part-way is reported by the next refit, the engine's weights untouched,
+    and the version is pulled again by the refit after that."""
+    init = ServingInit(store=f"127.0.0.1:{free_port()}", trainer_ranks=TRAINERS, inference_ranks=ENGINE,
+                       group="tiny-spare", prefetch=True, timeout=60).to_dict()
+    out = run_ranks(_scenario_rank, len(TRAINERS) + len(ENGINE), args=(init, free_port(), str(tmp_path)),
+                    timeout=150)
+    for r in ENGINE:
+        o = out[r]
+        assert (o["sets"], o["mode"]) == (1, trs.Spare()), o
+        assert o["v1"] == (1, True, True), o
+        assert o["v2"] == (2, False, True, True), o   # waited for the background pull: "pulled now"
+        assert o["held_off"] == (False, 2), o
+        assert "this rank already pulled version 4, published after it" in o["v3"][0], o
+        assert "install 4 (or pass no version)" in o["v3"][0] and o["v3"][1], o
+        assert o["v4"] == (4, True, True), o
+        failed, kept, held = o["v5_failed"]
+        assert "the background pull of version 5 failed: RuntimeError: injected" in failed, o
+        assert kept and held == 4, o
+        assert o["v5"] == (5, False, True, True), o
+        assert o["pulled6"] == (True, False, 5) and o["v6"] == (6, True, True), o
 
 
 def test_vllm_init_info_is_the_one_schema():

@@ -4,13 +4,17 @@
   swap installs it, so generation goes on meanwhile and a failed pull leaves the serving weights as
   they were;
 * :class:`InPlace`: one buffer set, written by the pull itself (pause generation meanwhile); a pull
-  that fails part-way leaves it torn (``consistent = False``).
+  that fails part-way leaves it torn (``consistent = False``);
+* :class:`Spare`: one buffer set that nothing serves from (an engine copies each version out of it
+  into its own parameters at install); pulls, background ones too, write it, and one that fails
+  part-way tears the set, never the engine's weights. Half of :class:`Shadow`'s memory, for a
+  caller that reads the set only between pulls (the serving seam's background pull).
 
 The serving buffers and the subscriber ask the mode (how many sets, which one a pull writes,
 whether a failed pull tears them, whether a pull may run in the background) and never compare its
 name. The string spellings (``"shadow"``, ``"inplace"``) are accepted where a mode enters from a
 user (``PullOptions(mode=)``, the command line) and turned into these objects there, by
-:func:`buffer_mode`.
+:func:`buffer_mode`; :class:`Spare` has none (the serving seam chooses it; pass the object).
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from typing import ClassVar
 
 from ..kernels.backends import choose_by_name
 
-__all__ = ["BUFFER_MODE_NAMES", "BufferMode", "InPlace", "Shadow", "buffer_mode"]
+__all__ = ["BUFFER_MODE_NAMES", "BufferMode", "InPlace", "Shadow", "Spare", "buffer_mode"]
 
 
 class BufferMode(ABC):
@@ -79,6 +83,23 @@ class InPlace(BufferMode):
         return serving
 
 
+@dataclass(frozen=True)
+class Spare(BufferMode):
+    """One buffer set, written by every pull (in the background too) and read by the caller only
+    between pulls: it copies each installed version out into weights of its own, so a pull that
+    fails part-way tears this set (``consistent = False``) and never what is served."""
+
+    name: ClassVar[str] = "spare"
+    sets: ClassVar[int] = 1
+    tears: ClassVar[bool] = True
+    background: ClassVar[bool] = True
+
+    def spare(self, serving: int) -> int:
+        return serving
+
+
+# Spare is left out on purpose: its contract (read the set only between pulls) is the serving
+# seam's, which passes the object; a user's string picks one of the self-contained modes.
 _BY_NAME = {m.name: m for m in (Shadow(), InPlace())}
 #: The string spellings :func:`buffer_mode` accepts.
 BUFFER_MODE_NAMES = tuple(_BY_NAME)

@@ -5,10 +5,10 @@ Who calls what (an inference rank; :class:`tritonreshard.RefitInference` builds 
     bufs = ServingBuffers(rank, layouts, ...)      # once: the buffer sets and what they serve
     sub = Subscriber(group, route, bufs, sources)   # each epoch, with the rank's route
     sub.pull()                          # wait for the next version, copy, install
-    sub.start_pull(); ...; sub.swap()   # shadow mode: copy in a background thread meanwhile
+    sub.start_pull(); ...; sub.swap()   # shadow / spare mode: copy in a background thread meanwhile
 
-The buffer sets (as many as the :class:`~tritonreshard.engine.modes.BufferMode` says: one in place,
-two in shadow mode) and the serving version outlive epochs; a
+The buffer sets (as many as the :class:`~tritonreshard.engine.modes.BufferMode` says: one in place
+or in spare mode, two in shadow mode) and the serving version outlive epochs; a
 :class:`Subscriber` belongs to one epoch. A rank keeps serving the last complete version while its
 trainers restart, and then pulls from the new ones through a new subscriber over the same buffers.
 
@@ -131,7 +131,7 @@ class ServingBuffers:
         tensors: optional ``{name: tensor}`` to write (the engine's parameters): the serving set in
             in-place mode, the first of the two sets in shadow mode. device: of the buffers.
         mode: a :class:`~tritonreshard.engine.modes.BufferMode`: ``Shadow()`` (two sets: pull into the
-            spare, then swap) or ``InPlace()``.
+            spare, then swap), ``InPlace()`` or ``Spare()`` (one set, pulled into in the background too).
         fills: the plan's zero fills of this rank (padding no copy writes): zeroed once here.
     """
 
@@ -140,7 +140,7 @@ class ServingBuffers:
         self.layouts = dict(layouts)
         self.order = list(order)
         self.version = 0           # version being served
-        self.consistent = True     # in-place mode: False after a torn pull
+        self.consistent = True     # a mode that tears (in place, spare): False while a copy may be partial
         self.pulls = 0
         self.last_pull: PullStats | None = None
         self.staging_bytes = 0     # the largest staging_bytes measured over this rank's pulls
@@ -171,7 +171,7 @@ class ServingBuffers:
 
     @property
     def spare(self) -> int:
-        """The set a pull writes: the other one in shadow mode, the serving one in place."""
+        """The set a pull writes: the other one in shadow mode, the one set in place or in spare mode."""
         return self.mode.spare(self.serving)
 
     def install(self, slot: int, version: int, stats: PullStats) -> None:
@@ -362,8 +362,8 @@ class Subscriber:
     def pull(self, version: int | None = None, timeout: float | None = None) -> int:
         """Wait for and install the next version (default: the newest available, at least one newer
         than the serving one). Returns the version now served. A failure fails this pull only:
-        shadow mode keeps serving the previous version; in-place mode sets ``consistent = False``
-        if the copy had started."""
+        shadow mode keeps serving the previous version; in-place and spare mode set
+        ``consistent = False`` if the copy had started."""
         timeout = check_timeout("pull", timeout, self.group.timeout)
         if self._thread is not None:  # a background pull is in flight: this pull is that one
             return self.swap(timeout=None)
@@ -383,13 +383,14 @@ class Subscriber:
         return ev
 
     def start_pull(self, version: int | None = None, timeout: float | None = None) -> int:
-        """Shadow mode: pull ``version`` (default: the next) into the spare buffer set in a
+        """Shadow or spare mode: pull ``version`` (default: the next) into the spare buffer set in a
         background thread (on its own CUDA stream), while generation goes on with the serving
-        weights. Returns the version. Work queued on the caller's current stream before this call
-        (e.g. generation still reading the spare set) is finished before the copy writes it."""
+        weights (spare mode: with the caller's own; its one set is not read until ``swap``).
+        Returns the version. Work queued on the caller's current stream before this call (e.g.
+        generation, or a copy out of the set, still reading it) is finished before the copy writes it."""
         if not self.buffers.mode.background:
-            raise ValueError(f"start_pull needs mode='shadow' (this endpoint has mode='{self.buffers.mode}'); "
-                             f"in-place pulls are synchronous: use pull()")
+            raise ValueError(f"start_pull needs a mode with background pulls, trs.Shadow() or trs.Spare() (this "
+                             f"endpoint has mode='{self.buffers.mode}'); in-place pulls are synchronous: use pull()")
         if self._thread is not None:
             return self._target
         timeout = check_timeout("start_pull", timeout, self.group.timeout)

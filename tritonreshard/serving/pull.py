@@ -5,24 +5,35 @@
 :class:`~tritonreshard.RefitInference`. Engine-agnostic: the engine's refit
 (:func:`~.session.refit`) calls them; they never touch the engine's own parameters.
 
-* ``MODE``, ``BUFFER_SETS``, ``BACKGROUND``: the endpoint's buffer mode (``trs.Shadow()`` or
-  ``trs.InPlace()``), how many buffer sets it holds, whether a thread pulls in the background;
+* ``MODE``, ``BUFFER_SETS``, ``BACKGROUND``: the endpoint's buffer mode (``trs.Spare()`` or
+  ``trs.InPlace()``: one buffer set either way), how many buffer sets it holds, whether a thread
+  pulls in the background;
 * ``start(sub)`` / ``stop()``: bind to the joined endpoint (the background thread starts) / end;
 * ``session()``: a context held for a whole refit: the background thread neither swaps a finished
-  pull in nor starts one while it is held, so a set being applied is never pulled into;
+  pull in nor starts one while it is held, so the set being applied is never pulled into;
 * ``holds(sub)``: the newest version this rank holds or is pulling (raising a background failure
-  not yet reported);
-* ``obtain(sub, target, timeout)``: make ``target`` the endpoint's serving buffer set.
+  not yet reported); ``pulled(sub, target)``: whether ``target`` was pulled, complete, before the
+  refit waits for anything (the stats' ``prefetched``);
+* ``obtain(sub, target, timeout)``: make the endpoint's buffer set hold ``target``, complete.
 
 **Background pull.** A thread (``trs-prefetch-<rank>``) watches the trainers' version words; as
 soon as every trainer this rank reads from published a version newer than the one it holds, it
-pulls it into the spare buffer set (on CUDA on its own stream) and acks it, while the engine keeps
-generating. The trainers' ``fence()`` therefore returns without any engine call. A prefetched
-version is not installed: the engine's parameters change only in its refit. The trainers cannot
-publish over a version a rank is still pulling (``fence()`` waits for its ack); once it acked, a
-newer version replaces the prefetched one that was never installed (the arenas hold only the
-newest version anyway). A background pull that failed is reported by the next refit; the thread
-retries only once a newer version is published.
+pulls it into the rank's one buffer set (on CUDA on its own stream) and acks it, while the engine
+keeps generating from its own parameters. The trainers' ``fence()`` therefore returns without any
+engine call. A prefetched version is not installed: the engine's parameters change only in its
+refit, which copies the set into them. The trainers cannot publish over a version a rank is still
+pulling (``fence()`` waits for its ack); once it acked, a newer version replaces the prefetched one
+that was never installed (the arenas hold only the newest version anyway).
+
+One set is enough (``trs.Spare()``, 1.0x the rank's weights beside the engine's own), because
+nothing serves from it: it is read only by the refit's apply, under :meth:`~BackgroundPull.session`,
+and the watcher starts a pull only while holding that same lock. A refit that arrives while a pull
+is in flight waits for it (its copy, at most: it started only once the version was published) and
+installs what the set holds when it ends, the newest version; a refit asking for an older version
+the set no longer holds fails, naming the one to install. A pull that fails part-way tears the set
+(``consistent`` False), never the engine's weights: the next refit reports the failure, the engine
+keeps serving, and the version after the torn set's is pulled again, inline, by the refit after
+that (the thread retries only once a newer version is published).
 
 **Inline pull.** The pull runs inside the refit (and the trainers' ``fence()`` waits for it); one
 buffer set is enough: the engine's own parameters are what is served, and they are written only
@@ -35,13 +46,18 @@ import threading
 from collections.abc import Callable
 
 from .. import RefitError, RefitInference
-from ..engine import InPlace, Shadow
+from ..engine import InPlace, Spare
 
 __all__ = ["BackgroundPull", "InlinePull", "pull_mode"]
 
 
 def _obtain_now(sub: RefitInference, target: int, timeout: float) -> None:
-    """Pull ``target`` into ``sub``'s buffers unless it holds it already (both modes' last step)."""
+    """Pull ``target`` into ``sub``'s buffers unless it holds it already, complete (both modes'
+    last step; no pull is in flight)."""
+    if not sub.consistent and sub.version >= target:  # the set held it until a newer pull tore it
+        raise ValueError(f"update_info version={target}: a pull of a version after {sub.version} failed "
+                         f"part-way on this rank and tore its buffer set; a trainer's arena holds only its "
+                         f"newest version: install {sub.version + 1} or newer (or pass no version)")
     if sub.version > target:
         raise ValueError(f"update_info version={target}: this rank already pulled version {sub.version}, "
                          f"published after it; a trainer's arena holds only its newest version: install "
@@ -79,17 +95,21 @@ class InlinePull:
     def holds(self, sub: RefitInference) -> int:
         return sub.version
 
+    def pulled(self, sub: RefitInference, target: int) -> bool:
+        return sub.version == target and sub.consistent
+
     def obtain(self, sub: RefitInference, target: int, timeout: float) -> None:
         _obtain_now(sub, target, timeout)
 
 
 class BackgroundPull:
-    """Pull every published version in the background (``prefetch=True``; see the module docstring).
+    """Pull every published version in the background (``prefetch=True``; see the module docstring)
+    into the rank's one buffer set (``trs.Spare()``).
 
     ``logger``: where a background failure is logged (an engine passes its own: one under the
     engine's logging tree reaches its handler); ``served``: the version the engine serves, for that line."""
 
-    MODE, BACKGROUND = Shadow(), True
+    MODE, BACKGROUND = Spare(), True
     BUFFER_SETS = MODE.sets
     # How often the watcher looks at the trainers' version words (a read of shared memory): a
     # published version starts pulling within this much, at a negligible CPU cost.
@@ -98,7 +118,7 @@ class BackgroundPull:
     def __init__(self, *, rank: int, logger: logging.Logger | None = None, served: Callable[[], int] = lambda: 0):
         self.rank, self._log, self._served = rank, logger or logging.getLogger(__name__), served
         # The lock is held by the watcher while it swaps a finished pull in or starts one, and by
-        # the refit for the whole call, so a set being applied is never pulled into.
+        # the refit for the whole call, so the one set is never pulled into while it is applied.
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -122,9 +142,9 @@ class BackgroundPull:
         return self._lock
 
     def _watch(self, sub: RefitInference) -> None:
-        """The watcher thread: swap each finished background pull into the endpoint's buffer sets
-        (not into the engine: that is the refit's job), and start the next one as soon as a newer
-        version is published."""
+        """The watcher thread: mark each finished background pull as the version the endpoint's set
+        holds (not into the engine: that is the refit's job), and start the next one as soon as a
+        newer version is published."""
         while not self._stop.wait(self.POLL_S):
             with self._lock:
                 if self._stop.is_set():  # stopped while waiting for the lock (shut down, re-initialized)
@@ -143,7 +163,7 @@ class BackgroundPull:
                 return
             target, self._inflight = self._inflight, None
             try:
-                sub.swap(timeout=0)  # the endpoint's sets only: the engine's parameters stay as they are
+                sub.swap(timeout=0)  # the endpoint's set only: the engine's parameters stay as they are
             except Exception as exc:  # noqa: BLE001  (a failed pull: reported, see _watch)
                 self._background_failed(target, exc)
             return
@@ -163,12 +183,25 @@ class BackgroundPull:
         if self._error is not None:
             (failed, exc), self._error = self._error, None
             raise RefitError(f"the background pull of version {failed} failed: {type(exc).__name__}: {exc}") from exc
+        if not sub.pulling and not sub.consistent:
+            # A torn set holds nothing; the oldest version it can be pulled to is the next one
+            # (the trainers could publish no later one: the torn pull was never acked).
+            return sub.version + 1
         return max(sub.version, self._inflight or 0)
 
+    def pulled(self, sub: RefitInference, target: int) -> bool:
+        """Whether ``target`` is in the set, complete, before the refit waits for anything: a
+        finished pull the watcher has not marked yet (it polls every ``POLL_S``, and a refit holding
+        the lock keeps it waiting) counts; one still copying does not."""
+        if sub.pulling:
+            return self._inflight == target and sub.pull_done() and sub.pull_error() is None
+        return sub.version == target and sub.consistent
+
     def obtain(self, sub: RefitInference, target: int, timeout: float) -> None:
-        """A prefetched version is there already; a pull in flight is waited for; otherwise pull
-        it now."""
-        if sub.version < target and sub.pulling:
+        """A pull in flight is waited for whatever ``target`` is (it writes the one set the apply
+        reads); then a prefetched version is there already, an older one is refused (the set
+        holds a newer one), a newer one is pulled now."""
+        if sub.pulling:
             inflight, self._inflight = self._inflight, None
             try:
                 sub.swap(timeout)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+import torch
+
 from .. import RefitInference
 from .pull import BackgroundPull, InlinePull
 
@@ -63,7 +65,8 @@ def refit(sub: RefitInference, pull: BackgroundPull | InlinePull, *, requested: 
     ``requested``: the version to install (None: the newest any TP rank pulled or is pulling, else
     the next one to be published); ``timeout``: seconds to wait for it; ``installed``: the version
     of this group the engine serves (0: none yet). Returns the stats of the refit (``version``,
-    ``prefetched``, the time split in ms, the pull's and the transfer's figures), or None when it
+    ``prefetched``, the time split in ms, the pull's and the transfer's figures: ``bytes``,
+    ``pull_copy_ms``, ``pull_gb_s``, ...), or None when it
     failed and ``fail`` returned instead of raising. Holds the pull's session for the whole call."""
     with pull.session():
         t0 = time.perf_counter()
@@ -86,7 +89,9 @@ def refit(sub: RefitInference, pull: BackgroundPull | InlinePull, *, requested: 
         # The version: the one asked for; else the newest any TP rank pulled or is pulling (the
         # others wait for theirs, or pull it now); else the next one to be published.
         target = requested if requested is not None else max(max(v for _, v, _ in outcomes), installed + 1)
-        prefetched = sub.version == target
+        # Prefetched: this rank had pulled the version, complete, before the refit asked (the
+        # trainers' fence returned then); else the refit waited for a pull still copying, or pulled it now.
+        prefetched = pull.pulled(sub, target)
         try:
             pull.obtain(sub, target, timeout)
         except Exception as exc:  # noqa: BLE001
@@ -98,6 +103,11 @@ def refit(sub: RefitInference, pull: BackgroundPull | InlinePull, *, requested: 
             fail(outcomes, error)
             return None
         split = apply(sub.tensors)
+        # The background pull may write the set once this returns (the lock is released), and its
+        # copy waits only for work queued on its own thread's stream: on CUDA the apply's reads of
+        # the set, queued on this thread's stream, must have run first.
+        if sub.device.type == "cuda":
+            torch.cuda.current_stream(sub.device).synchronize()
         return _stats(sub, target, prefetched, split, (t0, t1, t2, t3, t4))
 
 
@@ -113,6 +123,8 @@ def _stats(sub: RefitInference, target: int, prefetched: bool, split: dict, time
             # the pull of this version (in the background when prefetched)
             "pull_wait_ms": pull.wait_ms, "pull_copy_ms": pull.copy_ms, "pull_total_ms": pull.total_ms,
             "staging_bytes": pull.staging_bytes, "bytes": st.bytes_per_refit,
+            # the pull's copy rate: its bytes over its copy time (bytes / ms / 1e6 = GB/s)
+            "pull_gb_s": st.bytes_per_refit / (pull.copy_ms * 1e6) if pull.copy_ms > 0 else 0.0,
             # what crossed into this rank from other hosts for this version (0 on one host)
             "cross_host_bytes": st.cross_host_bytes, "cross_host_delta_bytes": st.cross_host_delta_bytes,
             "cross_host_dense_bytes": st.cross_host_dense_bytes, "cross_host_changed": st.cross_host_changed}

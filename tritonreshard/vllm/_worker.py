@@ -5,8 +5,8 @@ worker (TP rank ``t``) joins the refit group as global rank ``inference_ranks[t]
 its own TP shards of vLLM's parameters (names, layouts and parts from ``trs.recipes.hf_to_vllm`` for
 the served model's config, or traced from vLLM's own loader with ``init_info(trace=True)`` for a model
 type with no recipe; vocab padding rows are zero-filled by the engine, never pulled) out of
-the trainers' shared arenas into its own buffer sets (shadow mode: vLLM's parameters are untouched
-while the copy runs).
+the trainers' shared arenas into its one buffer set (vLLM's parameters are untouched while the copy
+runs: ``update_weights`` copies the set into them).
 
 The engine is vLLM's ``WeightTransferEngine`` and the serving seam's
 :class:`~tritonreshard.serving.ServingEngine` at once: vLLM's four phases call the seam's join and
@@ -17,12 +17,13 @@ and verification (:mod:`._model`, :mod:`._verify`) and the apply step (:mod:`._a
 
 **Background pull** (``init_info`` ``prefetch=True``, the default). A thread of the worker
 (``trs-prefetch-<rank>``) watches the trainers' version words; as soon as every trainer this rank
-reads from published a version newer than the one it holds, it pulls it into the spare buffer set
-(on CUDA on its own stream) and acks it, while vLLM keeps generating. The trainers' ``fence()``
-therefore returns without any vLLM call. A prefetched version is not installed: vLLM's parameters
-change only in ``update_weights``. A background pull that failed is reported by the next
-``update_weights``; the thread retries only once a newer version is published
-(:class:`tritonreshard.serving.BackgroundPull` has the rest).
+reads from published a version newer than the one it holds, it pulls it into the worker's one
+buffer set (``trs.Spare()``; on CUDA on its own stream) and acks it, while vLLM keeps generating
+from its own parameters. The trainers' ``fence()`` therefore returns without any vLLM call. A
+prefetched version is not installed: vLLM's parameters change only in ``update_weights``, which
+waits for a pull still in flight before it reads the set. A background pull that failed is
+reported by the next ``update_weights`` (it tore the set, not vLLM's weights); the thread retries
+only once a newer version is published (:class:`tritonreshard.serving.BackgroundPull` has the rest).
 
 **update_weights** waits for a pull still running (or pulls the version itself when it was not
 prefetched), the TP group agrees, and only when every TP rank holds the same version does any rank
@@ -233,10 +234,10 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         joined = self.join_group(init_info, logger=logger, served=lambda: self.applied_version,
                                  stats=self.trace_stats)
         # How long joining the group took (an elastic join: join_stats says step by step), and what
-        # the refit costs in memory on this rank beyond vLLM's own weights (docs/vllm.md): two
-        # buffer sets for the background pull (one is pulled into while the other holds the newest
-        # complete version), else one (vLLM's own parameters are what is served, and they are
-        # written only after every TP rank pulled the whole version).
+        # the refit costs in memory on this rank beyond vLLM's own weights (docs/vllm.md): one
+        # buffer set, with the background pull or without: vLLM serves from its own parameters,
+        # which update_weights writes from the set, so the set is free to be pulled into between
+        # refits (the refit waits for a pull in flight; the watcher starts none during a refit).
         self.join_ms, self.join_stats = joined.join_ms, joined.sub.join_stats
         self.buffer_sets, self.buffer_bytes = joined.pull.BUFFER_SETS, joined.place.buffer_bytes
         logger.info("tritonreshard (rank %s): joined %srefit group %r in %.1f ms; background pull %s; %d buffer "
@@ -265,10 +266,14 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
             return
         self.applied_version = stats["version"]
         self.stats = {**stats, **self.verify_stats}
+        # prefetched: pulled in the background before update_weights asked; pulled now: it waited
+        # for a background pull still in flight, or pulled inline. The pull's own figures follow
+        # (its copy out of the trainers' arenas, not the copy into vLLM's parameters).
         logger.info("tritonreshard (rank %s): installed version %s (%s) in %.1f ms: wait %.1f, agree %.1f, copy %.1f, "
-                    "post-processing %.1f ms", self.rank, stats["version"],
-                    "prefetched" if stats["prefetched"] else "pulled now", stats["total_ms"], stats["wait_ms"],
-                    stats["agree_ms"], stats["copy_ms"], stats["post_ms"])
+                    "post-processing %.1f ms; its pull: %.1f MB in %.1f ms copy, %.2f GB/s", self.rank,
+                    stats["version"], "prefetched" if stats["prefetched"] else "pulled now", stats["total_ms"],
+                    stats["wait_ms"], stats["agree_ms"], stats["copy_ms"], stats["post_ms"], stats["bytes"] / 1e6,
+                    stats["pull_copy_ms"], stats["pull_gb_s"])
 
     def finish_weight_update(self) -> None:
         self._session = False

@@ -1,0 +1,137 @@
+"""The background pull's memory bound, measured: one spare buffer set per inference rank.
+
+A rank of the plain torch engine (``_tp_engine``'s :class:`TPEngine`, TP=1) is served a 64 MB
+model through the serving seam with the background pull on (``prefetch=True``), by one trainer
+process. The rank's private memory (``Private_Clean + Private_Dirty`` of its private mappings in
+``/proc/self/smaps``: its USS without the trainers' shared arenas it maps) is read
+before it joins and again once it installed version 1 and pulled version 2 in the background, so
+every buffer set was written at least once. Beyond its own parameters (1.0x its weights) it holds
+one buffer set: about 1.0x more. The control run keeps the background pull's former buffer mode,
+``trs.Shadow()`` (two sets), and measures about 2.0x: the measurement tells the two apart.
+"""
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from _mp import free_port, run_ranks
+from _tp_engine import TPEngine
+
+import tritonreshard as trs
+from tritonreshard.recipes import RecipeSpec
+from tritonreshard.serving import BackgroundPull, RankLayout, ServingInit, ServingTrainer, UpdateInfo, register_recipe
+
+ENGINE = "mem-mlp"
+TRAINERS, INFERENCE = [0], [1]
+#: 2 x 32 MB of float32: large against the rank's other private memory (a few MB move between reads).
+PARAMS = {"up.weight": (2048, 4096), "down.weight": (4096, 2048)}
+WEIGHT_BYTES = sum(a * b for a, b in PARAMS.values()) * 4
+
+
+def recipe(trainer_ranks, inference_ranks) -> RecipeSpec:
+    src = {n: trs.Layout(shape, list(trainer_ranks), [trs.Shard(0)]) for n, shape in PARAMS.items()}
+    dst = {n: trs.Layout(shape, list(inference_ranks), [trs.Shard(0)]) for n, shape in PARAMS.items()}
+    return RecipeSpec(model_type=ENGINE, tp=len(inference_ranks), expert_parallel=False, src=src, dst=dst, parts={})
+
+
+register_recipe(ENGINE, "hf", lambda init, layout: recipe(init.trainer_ranks, init.inference_ranks))
+
+
+def weights(version: int) -> dict[str, torch.Tensor]:
+    """Each version's values differ (its number, plus each element's index, exact in float32)."""
+    return {n: torch.arange(a * b, dtype=torch.float32).view(a, b) % 1024 + 4096 * version
+            for n, (a, b) in PARAMS.items()}
+
+
+class MemEngine(TPEngine):
+    def rank_layout(self, init: ServingInit) -> RankLayout:
+        return RankLayout(engine=ENGINE, tp=self.tp, tp_rank=self.tp_rank)
+
+
+def private_bytes() -> int:
+    """This process's own memory: the private pages (``Private_Clean + Private_Dirty``) of its
+    private mappings in ``/proc/self/smaps``. Shared mappings (``rw-s``: the trainers' arenas) are
+    left out: their pages count as private as soon as the trainer that shares them exits."""
+    total, own = 0, False
+    for line in open("/proc/self/smaps"):
+        key, _, rest = line.partition(" ")
+        if not key.endswith(":"):  # a mapping's header: "start-end perms offset dev inode [path]"
+            own = not rest.split()[0].endswith("s")
+        elif own and key in ("Private_Clean:", "Private_Dirty:"):
+            total += int(rest.split()[0]) * 1024
+    return total
+
+
+def _trainer(rank: int, init: dict) -> None:
+    spec = recipe(TRAINERS, INFERENCE)
+    tr = ServingTrainer.from_spec(spec, {n: t.clone() for n, t in weights(1).items()}, rank=rank,
+                                  trainer_ranks=TRAINERS, inference_ranks=INFERENCE, store=init["store"],
+                                  group=init["group"], timeouts=trs.Timeouts(wait=60))
+    try:
+        assert tr.publish() == 1
+        tr.fence()  # the rank pulled version 1 in the background
+        for n, t in weights(2).items():
+            tr.tensors[n].copy_(t)
+        assert tr.publish() == 2
+        tr.fence()
+    finally:
+        tr.close()
+
+
+def _wait(engine, version: int) -> None:
+    deadline = time.monotonic() + 60
+    while engine.sub.version < version or engine.sub.pulling:
+        assert time.monotonic() < deadline, f"version {version} was never pulled in the background"
+        time.sleep(0.005)
+
+
+def _engine(rank: int, init: dict, tp_port: int, shadow: bool) -> dict:
+    if shadow:  # the control: the background pull's former mode, two buffer sets
+        BackgroundPull.MODE, BackgroundPull.BUFFER_SETS = trs.Shadow(), 2
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{tp_port}", rank=0, world_size=1)
+    try:
+        before = private_bytes()
+        engine = MemEngine(init, tp_rank=0, tp=1, tp_group=dist.group.WORLD)
+        try:
+            _wait(engine, 1)
+            assert engine.refit(UpdateInfo(version=1))["version"] == 1
+            _wait(engine, 2)  # pulled into the set (shadow: the second one) while version 1 is served
+            after = private_bytes()
+            for n, t in weights(1).items():  # pulled, not installed: the engine still serves version 1
+                assert torch.equal(engine.module.param(n), t), n
+            stats = engine.refit(UpdateInfo(version=2))
+            for n, t in weights(2).items():
+                assert torch.equal(engine.module.param(n), t), n
+            return {"extra": after - before, "sets": engine.pull.BUFFER_SETS, "mode": str(engine.sub.mode),
+                    "prefetched": stats["prefetched"], "bytes": stats["bytes"]}
+        finally:
+            engine.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def _rank(rank: int, inits: list, tp_ports: list) -> list:
+    torch.set_num_threads(1)
+    out = []
+    for (init, shadow), port in zip(inits, tp_ports, strict=True):
+        out.append(_trainer(rank, init) if rank in TRAINERS else _engine(rank, init, port, shadow))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_background_pull_holds_one_buffer_set_measured():
+    """Measured, not computed: the rank's private memory beyond its own parameters is about 1.0x
+    its weights with the background pull on (and about 2.0x in the two-set control)."""
+    inits = [(ServingInit(store=f"127.0.0.1:{free_port()}", trainer_ranks=TRAINERS, inference_ranks=INFERENCE,
+                          group=f"mem-{name}", prefetch=True, timeout=60).to_dict(), shadow)
+             for name, shadow in (("spare", False), ("shadow", True))]
+    out = run_ranks(_rank, len(TRAINERS) + len(INFERENCE), args=(inits, [free_port(), free_port()]), timeout=200)
+    spare, shadow = out[INFERENCE[0]]
+    assert (spare["sets"], spare["mode"], shadow["sets"], shadow["mode"]) == (1, "spare", 2, "shadow")
+    assert spare["prefetched"] and spare["bytes"] == WEIGHT_BYTES
+    # The engine's own parameters are 1.0x; what is left is the refit's buffer sets (and noise).
+    sets = {name: (r["extra"] - WEIGHT_BYTES) / WEIGHT_BYTES for name, r in (("spare", spare), ("shadow", shadow))}
+    print(f"private memory beyond the rank's own weights ({WEIGHT_BYTES / 1e6:.0f} MB), in its weights: {sets}")
+    assert 0.85 <= sets["spare"] <= 1.25, sets
+    assert 1.85 <= sets["shadow"] <= 2.25, sets
