@@ -8,7 +8,7 @@ A benchmark script, not a test (minutes, and most of this machine's memory):
 **Memory budget, before anything starts** (printed from the config: P parameters, bf16):
 the trainers hold their FSDP row shards in their arenas (2P bytes in all, P per trainer); the
 engine starts with ``load_format="dummy"`` (no checkpoint on disk) and holds its weights (2P) and
-the refit's buffer sets (two with the background pull: 2 x 2P / tp per worker), a KV cache of
+the refit's buffer set (one, with the background pull or without: 2P / tp per worker), a KV cache of
 ``VLLM_CPU_KVCACHE_SPACE`` GiB, and about 1.5 GB of runtime per process. The reference (an engine
 started from the last version's weights, written as a checkpoint) starts only after the refitted
 engine and the trainers are gone; the driver builds full tensors one at a time, except to write
@@ -259,7 +259,10 @@ def budget(config, spec) -> dict:
     gb = 2 * params / 1e9
     kv = float(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 1.074 * TP
     r = RUNTIME_GB
-    refit = {"trainers' arenas": gb, "engine weights": gb, "2 buffer sets": 2 * gb, "KV cache": kv,
+    from tritonreshard.serving import BackgroundPull
+
+    sets = BackgroundPull.BUFFER_SETS   # the background pull's buffer sets, beside vLLM's own weights
+    refit = {"trainers' arenas": gb, "engine weights": gb, f"{sets} buffer set(s)": sets * gb, "KV cache": kv,
              "runtimes": TP * r["worker"] + r["engine"] + r["driver"] + len(TRAINERS) * r["trainer"]}
     reference = {"checkpoint in the driver": gb, "engine weights": gb, "KV cache": kv,
                  "runtimes": TP * r["worker"] + r["engine"] + r["driver"]}

@@ -11,6 +11,7 @@ installed version. Also the init info's one schema: vLLM's is the same dataclass
 runs once, at construction.
 """
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -316,6 +317,31 @@ def test_vllm_init_info_is_the_one_schema():
         frozen.store = "elsewhere:1"
     assert frozen.trainer_ranks == (0, 1) and isinstance(frozen.to_dict()["trainer_ranks"], list)
     assert schema.SRC_DTYPES is __import__("tritonreshard.vllm", fromlist=["SRC_DTYPES"]).SRC_DTYPES
+
+
+def test_a_refit_that_does_not_fit_its_budget_is_refused_at_the_join_naming_mode_bytes_and_budget():
+    """``max_refit_bytes``: the pull mode's buffer sets times the bytes this rank pulls must fit, or
+    the join refuses before any store is asked or any buffer allocated (no store listens here: the
+    refusal comes first), naming the rank, the mode, the bytes needed and the budget; a budget that
+    fits goes on to the store. Bad budgets are refused with the init info's other problems."""
+    spec = recipe(TRAINERS, ENGINE)
+    rank = ENGINE[1]
+    weights = sum(math.prod(lay.local_shape(rank)) * lay.itemsize for lay in spec.dst.values())
+    for prefetch, sets, mode in ((True, 1, "background pull (prefetch=True): 1 buffer set(s) (spare)"),
+                                 (False, 1, "inline pull (prefetch=False): 1 buffer set(s) (inplace)")):
+        init = ServingInit(store=f"127.0.0.1:{free_port()}", trainer_ranks=TRAINERS, inference_ranks=ENGINE,
+                           prefetch=prefetch, timeout=2, max_refit_bytes=sets * weights - 1).to_dict()
+        with pytest.raises(ValueError) as e:
+            TPEngine(init, tp_rank=1, tp=len(ENGINE), tp_group=None)
+        assert (f"max_refit_bytes={sets * weights - 1}: the refit of rank {rank} needs {sets * weights} bytes "
+                f"beside the engine's weights with the {mode} of {weights} bytes") in str(e.value), e.value
+        with pytest.raises(Exception) as e:   # fits: on to the store, where nothing listens
+            TPEngine({**init, "max_refit_bytes": sets * weights}, tp_rank=1, tp=len(ENGINE), tp_group=None)
+        assert "max_refit_bytes" not in str(e.value), e.value
+    with pytest.raises(ValueError) as e:
+        ServingInit(store="x", trainer_ranks=[0], inference_ranks=[1], max_refit_bytes=-1, prefetch="no")
+    assert "max_refit_bytes must be None or an int >= 0 (bytes), got max_refit_bytes=-1" in str(e.value)
+    assert "prefetch must be True or False" in str(e.value)
 
 
 def test_vllm_payload_class_is_a_serving_init():

@@ -118,7 +118,10 @@ class ServingInit:
     sampled). ``trace``: a model type with no hand-written recipe (``trs.recipes.RECIPES``) gets one
     traced from the engine's own loader by each worker, once, before ``verify``; the trainers pass
     the same trace (``ServingTrainer.from_spec(trace_recipe(...), ...)``). A type with a recipe
-    keeps it.
+    keeps it. ``max_refit_bytes``: the most memory the refit may hold on each rank beside the
+    engine's own weights (its buffer sets); a pull mode that needs more is refused when the rank
+    joins, before anything is allocated, naming the mode, the bytes it needs and the budget (None:
+    no budget).
 
     These are the wire's plain values (the init info crosses an engine's RPC and HTTP as JSON); the
     endpoint's typed configs are made from them once (:attr:`configs`, :attr:`replicas`). Every
@@ -145,6 +148,7 @@ class ServingInit:
     elastic: bool = False  # join an elastic group: inference_ranks are this engine's own TP ranks
     verify: bool | str = True  # check the recipe against the engine's own loader once, before joining
     trace: bool = False    # no hand-written recipe for the model type: trace one from the engine's loader
+    max_refit_bytes: int | None = None  # the refit's memory budget per rank beside the engine's weights
 
     def __post_init__(self):
         normal: dict = {}
@@ -165,6 +169,9 @@ class ServingInit:
         for name in ("elastic", "prefetch", "trace"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name} must be True or False, got {name}={getattr(self, name)!r}")
+        budget = self.max_refit_bytes
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+            problems.append(f"max_refit_bytes must be None or an int >= 0 (bytes), got max_refit_bytes={budget!r}")
         if not (isinstance(self.verify, bool) or self.verify == "all"):
             problems.append(f"verify must be True, False or 'all', got verify={self.verify!r}")
         megatron = _megatron_dict(self.megatron, problems)

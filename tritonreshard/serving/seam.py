@@ -146,6 +146,12 @@ class ServingEngine(ABC, Generic[TInit, TUpdate]):
         place = serving_rank(init, recipe_for(init, layout, **extra), tp=layout.tp, tp_rank=layout.tp_rank)
         self.check(place)
         pull = pull_mode(init.prefetch, rank=place.rank, logger=logger, served=served)
+        needed = pull.BUFFER_SETS * place.buffer_bytes
+        if init.max_refit_bytes is not None and needed > init.max_refit_bytes:
+            mode = "background pull (prefetch=True)" if pull.BACKGROUND else "inline pull (prefetch=False)"
+            raise ValueError(f"init_info max_refit_bytes={init.max_refit_bytes}: the refit of rank {place.rank} "
+                             f"needs {needed} bytes beside the engine's weights with the {mode}: "
+                             f"{pull.BUFFER_SETS} buffer set(s) ({pull.MODE}) of {place.buffer_bytes} bytes")
         sub, join_ms = place.join(device=layout.device, mode=pull.MODE)
         self.joined = Joined(place, sub, pull, init.timeout, join_ms)
         return self.joined

@@ -57,7 +57,7 @@ def _layerwise_apply(model: torch.nn.Module, model_config, match: ModelMatch, bu
         mod, params = match.layers[mname]
         info = _layerwise.get_layerwise_info(mod)
         materialize_layer(mod, info)
-        # Copy, never alias the shadow buffers: some post-processing keeps views of the
+        # Copy, never alias the pull's buffer set: some post-processing keeps views of the
         # load-format weight (zentorch), and a later pull into an aliased buffer would then
         # change the served weights unprocessed.
         tc = time.perf_counter()
