@@ -49,7 +49,7 @@ from ..layout import Layout
 from ..planning import Route, plan_rank, source_order
 from ..transport import wait as _wait
 from . import rendezvous as rdv
-from .epoch import Epoch
+from .epoch import Epoch, JoinStats
 from .group import Group, check_timeout
 from .liveness import proc_state
 from .members import Member, group_error, input_differences, inputs_digest
@@ -73,24 +73,6 @@ class ElasticGroup:
     src_layouts: dict
     members: tuple
     exported: tuple
-
-
-@dataclass(frozen=True)
-class JoinStats:
-    """How long a rank's join took, in milliseconds, step by step (see the module docstring):
-    ``meet`` (the posted group read from the store), ``check``, ``plan``, ``map``, ``admit``;
-    ``first_version``: the first version it was admitted to read."""
-
-    meet_ms: float
-    check_ms: float
-    plan_ms: float
-    map_ms: float
-    admit_ms: float
-    first_version: int
-
-    @property
-    def total_ms(self) -> float:
-        return self.meet_ms + self.check_ms + self.plan_ms + self.map_ms + self.admit_ms
 
 
 rdv.register_plain(ElasticGroup)

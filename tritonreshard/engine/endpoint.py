@@ -408,8 +408,8 @@ class _InferenceMethods:
 
     @property
     def join_stats(self) -> JoinStats | None:
-        """An elastic group's inference rank: how long its last join (or rejoin) took, step by step
-        (:class:`~tritonreshard.engine.elastic.JoinStats`); None in other groups."""
+        """How long this rank's last join (or rejoin) took, step by step, its ``steps`` wall and CPU
+        ms each (:class:`~tritonreshard.engine.epoch.JoinStats`); None until set up."""
         return self._epoch.join_stats
 
     @property

@@ -22,6 +22,10 @@ anything moves (the store's host first waits until every rank read what it needs
 """
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
 from ..planning import HostPlan, RankPlan, Route, host_outbox, plan_rank
 from .crosshost import CrossHost
 from .group import Group
@@ -36,7 +40,56 @@ from .members import (
     with_inputs,
 )
 
-__all__ = ["Epoch"]
+__all__ = ["Epoch", "JoinStats", "StepClock"]
+
+
+@dataclass(frozen=True)
+class JoinStats:
+    """How long a rank's join took, in milliseconds, step by step: ``meet`` (hello: every rank
+    there; an elastic joiner: the posted group read from the store), ``check`` (the inputs and their
+    validation), ``plan``, ``map`` (buffer set, exports, route, mapping the arenas, descriptor
+    tables), ``admit`` (mapped/done; an elastic joiner: admission); ``first_version``: the first
+    version it was admitted to read (0: any). ``steps``: the finer split, ``(step, wall ms, CPU ms of
+    the joining thread)`` each (wall far above CPU: waiting for other ranks or for a core)."""
+
+    meet_ms: float
+    check_ms: float
+    plan_ms: float
+    map_ms: float
+    admit_ms: float
+    first_version: int
+    steps: tuple = ()
+
+    @property
+    def total_ms(self) -> float:
+        return self.meet_ms + self.check_ms + self.plan_ms + self.map_ms + self.admit_ms
+
+    def steps_text(self) -> str:
+        """``"hello 5.1/1.2, plan 16.0/8.1, ..."``: each step's wall/CPU ms, for a log line."""
+        return ", ".join(f"{name} {wall:.1f}/{cpu:.1f}" for name, wall, cpu in self.steps)
+
+
+class StepClock:
+    """Wall and thread CPU time of a set-up's named steps, in ms (a step timed twice adds up).
+    Thread CPU, not process CPU: an engine's other threads do not count against the join."""
+
+    def __init__(self):
+        self.ms: dict[str, tuple[float, float]] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        wall, cpu = time.perf_counter(), time.thread_time()
+        try:
+            yield
+        finally:
+            w, c = self.ms.get(name, (0.0, 0.0))
+            self.ms[name] = (w + (time.perf_counter() - wall) * 1e3, c + (time.thread_time() - cpu) * 1e3)
+
+    def wall(self, *names: str) -> float:
+        return sum(self.ms.get(n, (0.0, 0.0))[0] for n in names)
+
+    def steps(self) -> tuple:
+        return tuple((n, w, c) for n, (w, c) in self.ms.items())
 
 
 class Epoch:
@@ -46,9 +99,8 @@ class Epoch:
 
     #: The sides the group must have (an elastic group's trainers meet alone: ``("src",)``).
     required_sides: tuple[str, ...] = ("src", "dst")
-    #: How long this rank's join took, step by step (an elastic joiner's
-    #: :class:`~tritonreshard.engine.elastic.JoinStats`); None for an epoch that every rank meets in.
-    join_stats = None
+    #: How long this rank's set-up took, step by step (:class:`JoinStats`); None until it is done.
+    join_stats: JoinStats | None = None
 
     def __init__(self, group: Group, *, trainer=None, inference=None, device=None):
         self.group, self.trainer, self.inference, self.device = group, trainer, inference, device
@@ -57,34 +109,48 @@ class Epoch:
         self.cross: CrossHost | None = None
         #: Cross-host transfers this rank fetched at set-up (its own sends; its host's it planned).
         self.fetched_transfers = 0
+        self.clock = StepClock()
 
     @property
     def sides(self) -> list:
         return [s for s in (self.trainer, self.inference) if s is not None]
 
     def set_up(self, member: Member) -> None:
-        """Every set-up step (see the module docstring), in order."""
-        group = self.group
+        """Every set-up step (see the module docstring), in order, each timed (:attr:`join_stats`)."""
+        group, clock = self.group, self.clock
         rp = self.agree(member)                                   # 1-3: hello, inputs, rank plan
-        for side in self.sides:                                   #      (arena, serving buffers)
-            side.prepare(group, rp)
-        exported = self._exports()                                # 4: exports
-        offsets = {(b.owner, n): o for b, e in exported.items() for n, o in e.offsets.items()}
-        part = rp.host_part(offsets)
-        self.route = route = self._transfers(rp, part, offsets)  # 5: transfers -> the route
+        with clock("alloc"):                                      #      (arena, serving buffers)
+            for side in self.sides:
+                side.prepare(group, rp)
+        with clock("exports"):
+            exported = self._exports()                            # 4: exports
+        with clock("route"):
+            offsets = {(b.owner, n): o for b, e in exported.items() for n, o in e.offsets.items()}
+            part = rp.host_part(offsets)
+            self.route = route = self._transfers(rp, part, offsets)  # 5: transfers -> the route
         if route.spans_hosts:
-            exported.update(self._relays(route))                 # 6: relays
+            with clock("relays"):
+                exported.update(self._relays(route))             # 6: relays
         for side in self.sides:                                   #    publisher, subscriber (maps)
-            side.open(group, route, exported, own=self._own_buffers())
-        group.exchange("mapped", True)                            # 7: mapped
-        self._done()                                              # 8: done
+            side.open(group, route, exported, own=self._own_buffers(), clock=clock)
+        with clock("done"):
+            group.exchange("mapped", True)                        # 7: mapped
+            self._done()                                          # 8: done
+        self.join_stats = JoinStats(meet_ms=clock.wall("hello"), check_ms=clock.wall("inputs"),
+                                    plan_ms=clock.wall("plan"), admit_ms=clock.wall("done"),
+                                    map_ms=clock.wall("alloc", "exports", "route", "relays", "map", "tables", "open"),
+                                    first_version=0, steps=clock.steps())
 
     def agree(self, member: Member) -> RankPlan:
         """Steps 1-3 (hello, inputs, rank plan): the group agrees on its inputs, or every rank raises
         the same ValueError; returns this rank's plan."""
-        hellos = self._hello(member)
-        agreed = self._inputs(member, hellos)
-        self.rank_plan = self._rank_plan(agreed)
+        clock = self.clock
+        with clock("hello"):
+            hellos = self._hello(member)
+        with clock("inputs"):
+            agreed = self._inputs(member, hellos)
+        with clock("plan"):
+            self.rank_plan = self._rank_plan(agreed)
         return self.rank_plan
 
     # ------------------------------------------------------------------ the steps

@@ -18,6 +18,7 @@ from __future__ import annotations
 from ..planning import RankPlan, Route
 from ..transport import Codec, Delta
 from .config import PullOptions
+from .epoch import StepClock
 from .group import Group
 from .membership import Fixed, Membership
 from .publisher import Publisher, SourceArena
@@ -66,9 +67,12 @@ class TrainerSide:
             self.sender = Sender(cross, route, arena=self.arena.flat, shard=self.arena.tensors, codec=self._codec)
         return ()
 
-    def open(self, group: Group, route: Route, exported, *, own) -> None:
+    def open(self, group: Group, route: Route, exported, *, own, clock=None) -> None:
+        """The publisher (``clock``: the epoch's :class:`~.epoch.StepClock`, step ``open``)."""
+        clock = clock if clock is not None else StepClock()
         if self.arena is not None:
-            self.publisher = self._membership.publisher(group, route, self.arena, sender=self.sender)
+            with clock("open"):
+                self.publisher = self._membership.publisher(group, route, self.arena, sender=self.sender)
 
     def start(self) -> None:
         if self.arena is not None and not self._membership.open_arena:
@@ -133,14 +137,18 @@ class InferenceSide:
             return self.relay.exported
         return ()
 
-    def open(self, group: Group, route: Route, exported, *, own) -> None:
-        """Map what this rank reads and build its descriptor tables."""
+    def open(self, group: Group, route: Route, exported, *, own, clock=None) -> None:
+        """Map what this rank reads and build its descriptor tables (``clock``: the epoch's
+        :class:`~.epoch.StepClock`, steps ``map`` and ``tables``)."""
         if self.buffers is None:
             return
-        sources = self.pull.sources(group, route, exported, own=own, device=self.device)
+        clock = clock if clock is not None else StepClock()
+        with clock("map"):
+            sources = self.pull.sources(group, route, exported, own=own, device=self.device)
         try:
-            self.subscriber = Subscriber(group, route, self.buffers, sources, backend=self.pull.backend,
-                                         quant=self._quant)
+            with clock("tables"):
+                self.subscriber = Subscriber(group, route, self.buffers, sources, backend=self.pull.backend,
+                                             quant=self._quant)
         except BaseException:
             sources.close()
             raise

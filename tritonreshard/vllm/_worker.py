@@ -233,17 +233,20 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         self.trace_stats = {}
         joined = self.join_group(init_info, logger=logger, served=lambda: self.applied_version,
                                  stats=self.trace_stats)
-        # How long joining the group took (an elastic join: join_stats says step by step), and what
+        # How long joining the group took (join_stats says step by step), and what
         # the refit costs in memory on this rank beyond vLLM's own weights (docs/vllm.md): one
         # buffer set, with the background pull or without: vLLM serves from its own parameters,
         # which update_weights writes from the set, so the set is free to be pulled into between
         # refits (the refit waits for a pull in flight; the watcher starts none during a refit).
         self.join_ms, self.join_stats = joined.join_ms, joined.sub.join_stats
         self.buffer_sets, self.buffer_bytes = joined.pull.BUFFER_SETS, joined.place.buffer_bytes
-        logger.info("tritonreshard (rank %s): joined %srefit group %r in %.1f ms; background pull %s; %d buffer "
+        # Its steps (wall/CPU ms each): where a slow join spent its time, waiting (wall far above CPU)
+        # or working (planning, allocating, mapping, building the descriptor tables).
+        steps = self.join_stats.steps_text() if self.join_stats is not None else ""
+        logger.info("tritonreshard (rank %s): joined %srefit group %r in %.1f ms%s; background pull %s; %d buffer "
                     "set(s) of %.1f MB", self.rank, "elastic " if joined.place.group.elastic else "",
-                    init_info.group, self.join_ms, "on" if joined.pull.BACKGROUND else "off", self.buffer_sets,
-                    self.buffer_bytes / 1e6)
+                    init_info.group, self.join_ms, f" (steps, wall/CPU ms: {steps})" if steps else "",
+                    "on" if joined.pull.BACKGROUND else "off", self.buffer_sets, self.buffer_bytes / 1e6)
 
     # ------------------------------------------------------------------ phases 2-4
     def start_weight_update(self) -> None:
