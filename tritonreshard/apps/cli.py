@@ -379,6 +379,7 @@ def _cmd_model_plan(args) -> int:
 def _print_refit_memory(spec, inference: list[int], gpu_gib: list[float]) -> None:
     """The refit's extra memory on the busiest inference GPU, per mode, from the modes' own buffer
     set counts (what an endpoint allocates), and which modes fit each GPU size beside the weights."""
+    # Lazy, as the model mode's other imports: the library loads torch, which --help does without.
     from tritonreshard.engine import InPlace, Shadow
     from tritonreshard.planning import fmt_bytes
     from tritonreshard.serving import BackgroundPull, InlinePull
