@@ -30,7 +30,7 @@ from tritonreshard.transport import (
     pack_offsets,
     unlink_segment,
 )
-from tritonreshard.transport._fdserver import MAGIC, NONCE
+from tritonreshard.transport._fdserver import MAGIC, NONCE, request_fds
 
 SECRET = bytes(range(32))
 CHILD_TIMEOUT_S = 30
@@ -214,6 +214,32 @@ def test_fd_mode_has_no_name_and_seals_after_expected_peers():
     assert torch.equal(p2.tensor(8, (3,), torch.int64), _provenance(3, 5))
     for x in (p1, p2, a):
         x.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_connect_that_races_the_seal_is_named_as_sealed(tmp_path):
+    """A peer whose connect lands in the fd server's queue just before the seal closes it gets its
+    connection reset (or closed) unanswered: that is the seal, named as such, not a bare reset (CI
+    once saw '[Errno 104] Connection reset by peer' here)."""
+    import threading
+
+    for close_how in ("listener", "accepted"):
+        addr = str(tmp_path / f"fd-{close_how}")
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        server.bind(addr)
+        server.listen(4)
+
+        def seal(server=server, close_how=close_how):
+            time.sleep(0.3)                 # the client is connected (queued) and waits for a greeting
+            if close_how == "accepted":
+                server.accept()[0].close()  # taken, then closed unanswered
+            server.close()                  # the queued connection is reset
+
+        t = threading.Thread(target=seal)
+        t.start()
+        with pytest.raises(ConnectionError, match="already sealed the arena"):
+            request_fds(addr, SECRET, "abcdef0123", 1, timeout=10)
+        t.join(10)
 
 
 def test_fd_server_refuses_wrong_secret_and_garbage():

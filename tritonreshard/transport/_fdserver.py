@@ -177,18 +177,27 @@ def request_fds(address: str, secret, arena_id: str, max_fds: int, timeout: floa
     fds: list[int] = []
     try:
         sock.settimeout(timeout)
+        def gone(why: str) -> ConnectionError:
+            return ConnectionError(f"no fd server for arena {arena_id[:6]}…: the owner exited, or it already "
+                                   f"sealed the arena (unlink) before this peer mapped it ({why})")
+
         try:
             sock.connect(address)
         except (FileNotFoundError, ConnectionRefusedError) as e:
-            raise ConnectionError(
-                f"no fd server for arena {arena_id[:6]}…: the owner exited, or it already sealed the "
-                f"arena (unlink) before this peer mapped it ({e.strerror})") from None
+            raise gone(e.strerror) from None
         pid, uid, _ = _peer_cred(sock)
         if uid != os.geteuid():  # a squatter of the name: don't talk to it at all
             raise PermissionError(
                 f"fd server for arena {arena_id[:6]}… runs as uid {uid} (pid {pid}), not as this process's "
                 f"uid {os.geteuid()}: refusing it")
-        hello = sock.recv(len(MAGIC) + NONCE + 1)
+        # A connect that raced the seal lands in the listening socket's queue just before it closes:
+        # the server then resets the connection (or closes it) instead of greeting.
+        try:
+            hello = sock.recv(len(MAGIC) + NONCE + 1)
+        except ConnectionResetError as e:
+            raise gone(f"it closed this connection unanswered: {e.strerror}") from None
+        if not hello:
+            raise gone("it closed this connection unanswered")
         if hello == b"DENY":
             raise PermissionError(
                 f"fd server for arena {arena_id[:6]}… refused this process: it serves only processes "
