@@ -19,7 +19,13 @@ its join, which plans, from each worker's stats); per refit the ``collective_rpc
 each worker's bytes, copy time and GB/s beside ``torch``'s own copy of 256 MiB measured in the
 same worker (the memcpy baseline); greedy generation timed idle and while the next version is
 pulled in the background (the stall); vLLM's own ``reload_weights`` of the same weights, streamed
-from a checkpoint, on the same engine; every process's peak RSS.
+from a checkpoint, on the same engine; every process's peak RSS; the machine's least available
+memory (``MemAvailable``, sampled every 50 ms) while the refits run and while the reference runs.
+
+``--no-prefetch``: the background pull off (``init_info(prefetch=False)``): each version is pulled
+inside ``update_weights`` by the direct pull (the norms straight into vLLM's parameters, the rest
+into the one buffer set), with generation idle: the pull's speed beside memcpy without generation
+sharing the cores.
 
 **Exact:** every refitted buffer on every worker (what the worker hands vLLM, before vLLM's CPU
 repacking) equals, bit for bit, what the recipe maps from the trainers' tensors (digests, computed
@@ -211,6 +217,31 @@ def _peak_rss(worker):
     return _rss_mib()
 
 
+class MachineMemory:
+    """The machine's least ``MemAvailable`` (GiB) since :meth:`mark`, sampled every ``every`` s
+    by a daemon thread from ``/proc/meminfo``: the peak of everything running, not one process's."""
+
+    def __init__(self, every: float = 0.05):
+        self.total = self._read()["MemTotal"]
+        self.least, self._every = self.total, every
+        threading.Thread(target=self._run, daemon=True, name="meminfo").start()
+
+    @staticmethod
+    def _read() -> dict:
+        with open("/proc/meminfo") as f:
+            return {k: int(v.split()[0]) / 2**20 for k, v in (line.split(":", 1) for line in f)}
+
+    def _run(self) -> None:
+        while True:
+            self.least = min(self.least, self._read()["MemAvailable"])
+            time.sleep(self._every)
+
+    def mark(self) -> float:
+        """The least available since the last mark, in GiB (and start a new window)."""
+        least, self.least = self.least, self.total
+        return round(least, 2)
+
+
 def _reload(worker, path):
     """vLLM's own reload_weights, each tensor streamed from the checkpoint as it is read."""
     from safetensors import safe_open
@@ -278,6 +309,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--config", help="another config.json of the same form (a dry run: bench/configs/qwen3-tiny.json)")
+    ap.add_argument("--no-prefetch", action="store_true",
+                    help="the background pull off: each version is pulled (directly) inside update_weights")
     ap.add_argument("--die-trainer", type=int, choices=TRAINERS, metavar="RANK",
                     help="fault injection: trainer RANK raises right after it is ready; the driver must name it "
                          "and stop within seconds, not wait out a timeout")
@@ -292,7 +325,9 @@ def main(argv=None) -> dict:
 
     config = load_config()
     spec = spec_of(config)
-    summary = {"budget": budget(config, spec)}
+    memory = MachineMemory()
+    summary = {"budget": budget(config, spec), "prefetch": not args.no_prefetch,
+               "machine_total_GiB": round(memory.total, 2)}
     print("budget:", json.dumps(summary["budget"]), flush=True)
     model_dir = tempfile.mkdtemp(prefix="trs-real-")
     config.save_pretrained(model_dir)
@@ -320,8 +355,9 @@ def main(argv=None) -> dict:
         t0 = time.perf_counter()  # the trainers' set-up ends when the workers have joined: this returns then
         llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": trs_vllm.init_info(
             store=store, trainer_ranks=TRAINERS, inference_ranks=INFERENCE, group="real-size", timeout=600.0,
-            src_dtype="bfloat16")})
+            src_dtype="bfloat16", prefetch=not args.no_prefetch)})
         summary["init_s"] = round(time.perf_counter() - t0, 1)
+        least = summary["machine_least_available_GiB"] = {"start and join": memory.mark()}
         summary["trainer_ready_rss_MiB"] = expect(results, "ready")
         summary["init_worker"] = [{k: v for k, v in s.items() if k != "verify_layers"}
                                   for s in llm.collective_rpc(_init_stats)]
@@ -335,7 +371,7 @@ def main(argv=None) -> dict:
             for q in commands:
                 q.put(("step", v))
             expect(results, "published")
-            t0 = time.perf_counter()  # the workers' background pull runs while this generates
+            t0 = time.perf_counter()  # the workers' background pull (if on) runs while this generates
             vllm_greedy(llm, prompts, args.max_tokens)
             summary["generate_during_pull_s"].append(round(time.perf_counter() - t0, 2))
             t0 = time.perf_counter()
@@ -352,6 +388,7 @@ def main(argv=None) -> dict:
                     w["pull_GBps"] = round(w["bytes"] / (w["pull_copy_ms"] / 1e3) / 1e9, 2)
             print(json.dumps(summary["refits"][-1]), flush=True)
         got = vllm_greedy(llm, prompts, args.max_tokens)
+        least["refits"] = memory.mark()
         digests = llm.collective_rpc(_buffer_digests)
         stopping.set()
         for q in commands:  # the trainers are done: their memory is the driver's check's
@@ -373,6 +410,7 @@ def main(argv=None) -> dict:
         reloaded = vllm_greedy(llm, prompts, args.max_tokens)
         summary["after_reload_mismatches"] = mismatches(reloaded, got)
         summary["worker_peak_rss_MiB"] = llm.collective_rpc(_peak_rss)
+        least["check and vLLM's reload"] = memory.mark()
         llm.llm_engine.engine_core.shutdown(timeout=60)
         llm = None
         t0 = time.perf_counter()
@@ -381,6 +419,7 @@ def main(argv=None) -> dict:
         summary["reference_worker_peak_rss_MiB"] = ref.collective_rpc(_peak_rss)
         ref.llm_engine.engine_core.shutdown(timeout=60)
         summary["reference_engine_s"] = round(time.perf_counter() - t0, 1)
+        least["reference engine"] = memory.mark()
         summary["tokens_compared"] = sum(len(w) for w in want_tokens)
         summary["mismatches"] = mismatches(got, want_tokens)
         # vLLM's own reload of the same weights against the fresh engine: where both differ from the

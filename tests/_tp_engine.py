@@ -11,7 +11,10 @@ side); the engine writes only what is its own, as ``tritonreshard/vllm/`` does f
 * its rank's layout (:meth:`TPEngine.rank_layout`);
 * its agreement (:meth:`TPEngine.agree`): an object all-gather over its own gloo TP group;
 * its model check (:meth:`TPEngine.check`) and its apply (:meth:`TPEngine.apply`: a copy into
-  the module's parameters).
+  the module's parameters);
+* the parameters a direct pull writes (:meth:`TPEngine.direct_tensors`: all of them, they are the
+  load format) and what a direct pull that failed leaves (:meth:`TPEngine.writing_served`: the
+  engine refuses to run its forward until a refit succeeds).
 
 The model (:class:`TinyMLP`): ``embed`` (replicated), ``fc1`` column-parallel (``Shard(0)`` of its
 weight and bias), ``fc2`` row-parallel (``Shard(1)`` of its weight, partial sums all-reduced, bias
@@ -117,6 +120,7 @@ class TPEngine(ServingEngine[ServingInit, UpdateInfo]):
     def __init__(self, init: dict, *, tp_rank: int, tp: int, tp_group):
         self.tp_group, self.tp, self.tp_rank = tp_group, tp, tp_rank
         self.module = None
+        self.torn = False  # a direct pull may have written part of a version: refuse to serve
         joined = self.join_group(ServingInit.from_dict(init))
         self.spec, self.rank, self.sub, self.pull = joined.spec, joined.rank, joined.sub, joined.pull
         self.start_pulling()
@@ -140,14 +144,24 @@ class TPEngine(ServingEngine[ServingInit, UpdateInfo]):
     def fail(self, outcomes, cause) -> None:
         raise trs.RefitError(f"tiny engine refit failed ({failure_text(outcomes)})") from cause
 
+    def direct_tensors(self, place) -> dict[str, torch.Tensor]:
+        """Every parameter: the module serves the load format as it is."""
+        return {n: self.module.param(n).data for n in place.spec.dst}
+
+    def writing_served(self) -> None:
+        self.torn = True
+
     @torch.no_grad()
     def apply(self, bufs: dict[str, torch.Tensor]) -> dict:
         t0 = time.perf_counter()
         for name, buf in bufs.items():
             self.module.param(name).copy_(buf)
+        self.torn = False
         return {"copy_ms": (time.perf_counter() - t0) * 1e3, "post_ms": 0.0}
 
     def forward(self, tokens):
+        if self.torn:
+            raise RuntimeError("tiny engine: a direct pull failed part-way; refit before serving")
         return self.module(tokens, self.tp_group)
 
     def close(self) -> None:

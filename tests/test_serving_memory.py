@@ -1,4 +1,5 @@
-"""The background pull's memory bound, measured: one spare buffer set per inference rank.
+"""The pull modes' memory bounds, measured: one spare buffer set with the background pull, none
+with the direct pull.
 
 A rank of the plain torch engine (``_tp_engine``'s :class:`TPEngine`, TP=1) is served a 64 MB
 model through the serving seam with the background pull on (``prefetch=True``), by one trainer
@@ -7,7 +8,10 @@ process. The rank's private memory (``Private_Clean + Private_Dirty`` of its pri
 before it joins and again once it installed version 1 and pulled version 2 in the background, so
 every buffer set was written at least once. Beyond its own parameters (1.0x its weights) it holds
 one buffer set: about 1.0x more. The control run keeps the background pull's former buffer mode,
-``trs.Shadow()`` (two sets), and measures about 2.0x: the measurement tells the two apart.
+``trs.Shadow()`` (two sets), and measures about 2.0x: the measurement tells the two apart. With
+the background pull off and ``direct`` on (the default), every parameter of this engine is in load
+format, so the pull writes them and holds nothing more: about 0.0x, read once version 1 was
+pulled into the parameters.
 """
 import time
 
@@ -93,12 +97,16 @@ def _engine(rank: int, init: dict, tp_port: int, shadow: bool) -> dict:
         before = private_bytes()
         engine = MemEngine(init, tp_rank=0, tp=1, tp_group=dist.group.WORLD)
         try:
-            _wait(engine, 1)
-            assert engine.refit(UpdateInfo(version=1))["version"] == 1
-            _wait(engine, 2)  # pulled into the set (shadow: the second one) while version 1 is served
-            after = private_bytes()
-            for n, t in weights(1).items():  # pulled, not installed: the engine still serves version 1
-                assert torch.equal(engine.module.param(n), t), n
+            if not init["prefetch"]:  # the direct pull: version 1 written straight into the parameters
+                assert engine.refit(UpdateInfo(version=1))["direct_bytes"] == WEIGHT_BYTES
+                after = private_bytes()
+            else:
+                _wait(engine, 1)
+                assert engine.refit(UpdateInfo(version=1))["version"] == 1
+                _wait(engine, 2)  # pulled into the set (shadow: the second one) while version 1 is served
+                after = private_bytes()
+                for n, t in weights(1).items():  # pulled, not installed: the engine still serves version 1
+                    assert torch.equal(engine.module.param(n), t), n
             stats = engine.refit(UpdateInfo(version=2))
             for n, t in weights(2).items():
                 assert torch.equal(engine.module.param(n), t), n
@@ -119,19 +127,24 @@ def _rank(rank: int, inits: list, tp_ports: list) -> list:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_background_pull_holds_one_buffer_set_measured():
+@pytest.mark.timeout(300)
+def test_each_pull_mode_holds_what_it_says_measured():
     """Measured, not computed: the rank's private memory beyond its own parameters is about 1.0x
-    its weights with the background pull on (and about 2.0x in the two-set control)."""
+    its weights with the background pull on (and about 2.0x in the two-set control), about 0.0x
+    with the direct pull."""
+    runs = (("spare", True, False), ("shadow", True, True), ("direct", False, False))
     inits = [(ServingInit(store=f"127.0.0.1:{free_port()}", trainer_ranks=TRAINERS, inference_ranks=INFERENCE,
-                          group=f"mem-{name}", prefetch=True, timeout=60).to_dict(), shadow)
-             for name, shadow in (("spare", False), ("shadow", True))]
-    out = run_ranks(_rank, len(TRAINERS) + len(INFERENCE), args=(inits, [free_port(), free_port()]), timeout=200)
-    spare, shadow = out[INFERENCE[0]]
+                          group=f"mem-{name}", prefetch=prefetch, timeout=60).to_dict(), shadow)
+             for name, prefetch, shadow in runs]
+    out = run_ranks(_rank, len(TRAINERS) + len(INFERENCE), args=(inits, [free_port() for _ in runs]), timeout=260)
+    spare, shadow, direct = out[INFERENCE[0]]
     assert (spare["sets"], spare["mode"], shadow["sets"], shadow["mode"]) == (1, "spare", 2, "shadow")
-    assert spare["prefetched"] and spare["bytes"] == WEIGHT_BYTES
+    assert (direct["mode"], direct["prefetched"]) == ("inplace", False)
+    assert spare["prefetched"] and spare["bytes"] == direct["bytes"] == WEIGHT_BYTES
     # The engine's own parameters are 1.0x; what is left is the refit's buffer sets (and noise).
-    sets = {name: (r["extra"] - WEIGHT_BYTES) / WEIGHT_BYTES for name, r in (("spare", spare), ("shadow", shadow))}
-    print(f"private memory beyond the rank's own weights ({WEIGHT_BYTES / 1e6:.0f} MB), in its weights: {sets}")
-    assert 0.85 <= sets["spare"] <= 1.25, sets
-    assert 1.85 <= sets["shadow"] <= 2.25, sets
+    extra = {name: (r["extra"] - WEIGHT_BYTES) / WEIGHT_BYTES for name, r in zip(("spare", "shadow", "direct"),
+                                                                                 (spare, shadow, direct), strict=True)}
+    print(f"private memory beyond the rank's own weights ({WEIGHT_BYTES / 1e6:.0f} MB), in its weights: {extra}")
+    assert 0.85 <= extra["spare"] <= 1.25, extra
+    assert 1.85 <= extra["shadow"] <= 2.25, extra
+    assert -0.15 <= extra["direct"] <= 0.25, extra

@@ -3,11 +3,13 @@
 Two trainer processes (``ServingTrainer.from_spec``) publish two versions to an engine of two TP
 processes that uses only ``tritonreshard.serving`` and its own agreement, model check and apply:
 after each refit its shards equal the trainers' full tensors sharded (bit-exact), its TP forward
-equals the unsharded module's, in background-pull and inline-pull mode, and no engine process ever
-imported vLLM. The background pull's one buffer set (``trs.Spare()``) under a refit: a refit that
-arrives mid-pull waits for it and installs it bit-exact, the newest pulled version wins over an
-older one asked for, and a pull that fails part-way is reported while the engine keeps serving its
-installed version. Also the init info's one schema: vLLM's is the same dataclass, and every check
+equals the unsharded module's, in background-pull, inline-pull and direct-pull mode (the pull
+writes the module's parameters themselves), and no engine process ever imported vLLM. The
+background pull's one buffer set (``trs.Spare()``) under a refit: a refit that arrives mid-pull
+waits for it and installs it bit-exact, the newest pulled version wins over an older one asked
+for, and a pull that fails part-way is reported while the engine keeps serving its installed
+version. A direct pull that fails part-way tears the engine, which refuses to serve until the next
+refit. Also the init info's one schema: vLLM's is the same dataclass, and every check
 runs once, at construction.
 """
 import dataclasses
@@ -26,6 +28,7 @@ from _tp_engine import TOKENS, TinyMLP, TinyTrainer, TPEngine, full_weights, rec
 import tritonreshard as trs
 from tritonreshard.serving import (
     BackgroundPull,
+    DirectPull,
     InlinePull,
     RankLayout,
     ServingInit,
@@ -86,7 +89,9 @@ def _engine(rank: int, init: dict, tp_port: int, gate: str) -> dict:
     tp_rank = rank - len(TRAINERS)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{tp_port}", rank=tp_rank, world_size=len(ENGINE))
     engine = TPEngine(init, tp_rank=tp_rank, tp=len(ENGINE), tp_group=dist.group.WORLD)
-    report = {"pull": type(engine.pull).__name__, "refits": []}
+    report = {"pull": type(engine.pull).__name__, "refits": [], "direct_bytes": []}
+    # The module's parameters, as they were before any refit: a direct pull writes these very tensors.
+    ptrs = {n: engine.module.param(n).data_ptr() for n in engine.spec.dst}
     try:
         for v in range(1, VERSIONS + 1):
             if init["prefetch"]:  # let the background pull finish: the refit then only applies
@@ -103,6 +108,9 @@ def _engine(rank: int, init: dict, tp_port: int, gate: str) -> dict:
             with torch.no_grad():
                 assert torch.equal(engine.forward(TOKENS), ref(TOKENS)), v
             report["refits"].append((stats["version"], stats["prefetched"]))
+            report["direct_bytes"].append(stats["direct_bytes"])
+            report["pulled_into_params"] = all(engine.sub.tensors[n].data_ptr() == p for n, p in ptrs.items())
+            assert {n: engine.module.param(n).data_ptr() for n in ptrs} == ptrs  # nothing re-allocated
             if engine.tp_rank == 0:
                 _open_gate(gate, init["group"], v + 1)
     finally:
@@ -123,19 +131,27 @@ def _rank(rank: int, inits: list, tp_ports: list, gate: str) -> list:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_plain_torch_engine_refits_bit_exact_through_the_seam(tmp_path):
+    modes = (("background", True, True), ("inline", False, False), ("direct", False, True))
     inits = [ServingInit(store=f"127.0.0.1:{free_port()}", trainer_ranks=TRAINERS, inference_ranks=ENGINE,
-                         group=f"tiny-{mode}", prefetch=prefetch, timeout=60).to_dict()
-             for mode, prefetch in (("background", True), ("inline", False))]
-    out = run_ranks(_rank, len(TRAINERS) + len(ENGINE), args=(inits, [free_port(), free_port()], str(tmp_path)),
+                         group=f"tiny-{mode}", prefetch=prefetch, direct=direct, timeout=60).to_dict()
+             for mode, prefetch, direct in modes]
+    out = run_ranks(_rank, len(TRAINERS) + len(ENGINE), args=(inits, [free_port() for _ in modes], str(tmp_path)),
                     timeout=150)
     for r in TRAINERS:
-        assert [o["src_dtype"] for o in out[r]] == ["float32", "float32"]
+        assert [o["src_dtype"] for o in out[r]] == ["float32"] * len(modes)
+    spec = recipe(TRAINERS, ENGINE)
     for r in ENGINE:
-        background, inline = out[r]
-        assert background["pull"] == BackgroundPull.__name__ and inline["pull"] == InlinePull.__name__
+        background, inline, direct = out[r]
+        assert (background["pull"], inline["pull"], direct["pull"]) == (
+            BackgroundPull.__name__, InlinePull.__name__, DirectPull.__name__)
         assert background["refits"] == [(1, True), (2, True)]   # pulled before the refit asked
-        assert inline["refits"] == [(1, False), (2, False)]     # pulled inside the refit
-        assert not background["vllm_imported"] and not inline["vllm_imported"]
+        assert inline["refits"] == direct["refits"] == [(1, False), (2, False)]  # pulled inside the refit
+        # Only the direct pull wrote the module's parameters themselves: every byte of this rank's shards.
+        shard_bytes = sum(math.prod(lay.local_shape(r)) * lay.itemsize for lay in spec.dst.values())
+        assert direct["pulled_into_params"] and direct["direct_bytes"] == [shard_bytes] * 2, direct
+        assert not background["pulled_into_params"] and not inline["pulled_into_params"]
+        assert background["direct_bytes"] == inline["direct_bytes"] == [0, 0]
+        assert not any(o["vllm_imported"] for o in out[r])
 
 
 SLOW_S = 1.0  # the background pulls of versions 2 and 4 stall this long part-way: a refit arrives meanwhile
@@ -294,6 +310,99 @@ def test_the_background_pull_has_one_set_and_a_refit_installs_only_complete_vers
         assert o["pulled6"] == (True, False, 5) and o["v6"] == (6, True, True), o
 
 
+def _direct_trainer(rank: int, init: dict) -> None:
+    spec = recipe(TRAINERS, ENGINE)
+    shards = {n: lay.shard(t, rank).clone() for n, t in full_weights(1).items() for lay in [spec.src[n]]}
+    tr = TinyTrainer(None, shards, tp=len(ENGINE), rank=rank, trainer_ranks=TRAINERS, inference_ranks=ENGINE,
+                     store=init["store"], group=init["group"], timeouts=trs.Timeouts(wait=60))
+    try:
+        for v in (1, 2):
+            tr.fence()
+            for n, t in full_weights(v).items():
+                tr.tensors[n].copy_(spec.src[n].shard(t, rank))
+            assert tr.publish() == v
+        tr.fence()  # TP rank 1's pull of version 2 failed once: its second one acks it
+    finally:
+        tr.close()
+
+
+def _direct_engine(rank: int, init: dict, tp_port: int) -> dict:
+    from tritonreshard.engine.sources import Sources
+
+    tp_rank = rank - len(TRAINERS)
+    box: list = []
+    if tp_rank == 1:  # this rank's first pull of version 2 writes part of a parameter, then stops
+        prepare, done = Sources.prepare, set()
+
+        def faulty(self, version):
+            if version == 2 and not done:
+                done.add(version)
+                box[0].module.param("fc1.weight").data.fill_(-7.0)
+                raise RuntimeError("injected: the direct pull of version 2 stopped part-way")
+            prepare(self, version)
+
+        Sources.prepare = faulty
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{tp_port}", rank=tp_rank, world_size=len(ENGINE))
+    engine = TPEngine(init, tp_rank=tp_rank, tp=len(ENGINE), tp_group=dist.group.WORLD)
+    box.append(engine)
+    out = {"pull": type(engine.pull).__name__, "set_bytes": engine.joined.set_bytes}
+
+    def serves(v):
+        full = full_weights(v)
+        return all(torch.equal(engine.module.param(n), lay.shard(full[n], engine.rank))
+                   for n, lay in engine.spec.dst.items())
+
+    try:
+        out["v1"] = (engine.refit(UpdateInfo())["version"], serves(1), engine.torn)
+        try:
+            engine.refit(UpdateInfo())
+            out["failed"] = None
+        except trs.RefitError as exc:
+            out["failed"] = str(exc)
+        try:  # every TP rank refuses to serve what may be part old, part new
+            engine.forward(TOKENS)
+            out["served_torn"] = True
+        except RuntimeError as exc:
+            out["served_torn"] = str(exc)
+        out["torn"] = (engine.torn, engine.sub.consistent, engine.sub.version)
+        st = engine.refit(UpdateInfo())  # pulls version 2 whole where it was torn
+        ref = TinyMLP()
+        ref.load_state_dict(full_weights(2))
+        with torch.no_grad():
+            out["v2"] = (st["version"], serves(2), engine.torn, torch.equal(engine.forward(TOKENS), ref(TOKENS)))
+    finally:
+        engine.close()
+        dist.destroy_process_group()
+    return out
+
+
+def _direct_rank(rank: int, init: dict, tp_port: int):
+    torch.set_num_threads(1)
+    return _direct_trainer(rank, init) if rank in TRAINERS else _direct_engine(rank, init, tp_port)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_direct_pull_that_fails_tears_the_engine_which_refuses_to_serve_until_a_refit_succeeds():
+    """The direct pull's price, shown: it holds no buffer, and a pull that stops part-way on one TP
+    rank leaves the engine's weights part old, part new. The refit fails on every rank naming the
+    rank and the cause, every rank was told before the pull (``writing_served``) and refuses to
+    serve, and the next refit pulls the version whole where it was torn: bit-exact, forward equal
+    to the unsharded module's."""
+    init = ServingInit(store=f"127.0.0.1:{free_port()}", trainer_ranks=TRAINERS, inference_ranks=ENGINE,
+                       group="tiny-direct-fail", prefetch=False, timeout=60).to_dict()
+    out = run_ranks(_direct_rank, len(TRAINERS) + len(ENGINE), args=(init, free_port()), timeout=150)
+    for r in ENGINE:
+        o = out[r]
+        assert (o["pull"], o["set_bytes"]) == (DirectPull.__name__, 0), o
+        assert o["v1"] == (1, True, False), o
+        assert f"rank {ENGINE[1]}: RuntimeError: injected: the direct pull of version 2" in o["failed"], o
+        assert "a direct pull failed part-way" in o["served_torn"], o
+        assert o["v2"] == (2, True, False, True), o
+    # TP rank 0 pulled version 2 whole (its weights: new, the other rank's: torn); rank 1's set is torn.
+    assert out[ENGINE[0]]["torn"] == (True, True, 2) and out[ENGINE[1]]["torn"] == (True, False, 1)
+
+
 def test_vllm_init_info_is_the_one_schema():
     """``init_info`` is ``ServingInit(...).to_dict()``: same fields, same defaults, every problem in
     one ValueError at construction; vLLM's payload class adds no field of its own."""
@@ -330,7 +439,7 @@ def test_a_refit_that_does_not_fit_its_budget_is_refused_at_the_join_naming_mode
     for prefetch, sets, mode in ((True, 1, "background pull (prefetch=True): 1 buffer set(s) (spare)"),
                                  (False, 1, "inline pull (prefetch=False): 1 buffer set(s) (inplace)")):
         init = ServingInit(store=f"127.0.0.1:{free_port()}", trainer_ranks=TRAINERS, inference_ranks=ENGINE,
-                           prefetch=prefetch, timeout=2, max_refit_bytes=sets * weights - 1).to_dict()
+                           prefetch=prefetch, direct=False, timeout=2, max_refit_bytes=sets * weights - 1).to_dict()
         with pytest.raises(ValueError) as e:
             TPEngine(init, tp_rank=1, tp=len(ENGINE), tp_group=None)
         assert (f"max_refit_bytes={sets * weights - 1}: the refit of rank {rank} needs {sets * weights} bytes "
@@ -338,6 +447,12 @@ def test_a_refit_that_does_not_fit_its_budget_is_refused_at_the_join_naming_mode
         with pytest.raises(Exception) as e:   # fits: on to the store, where nothing listens
             TPEngine({**init, "max_refit_bytes": sets * weights}, tp_rank=1, tp=len(ENGINE), tp_group=None)
         assert "max_refit_bytes" not in str(e.value), e.value
+    # The direct pull writes every parameter of this engine in place: it needs nothing, so a budget of 0 fits.
+    direct = ServingInit(store=f"127.0.0.1:{free_port()}", trainer_ranks=TRAINERS, inference_ranks=ENGINE,
+                         prefetch=False, timeout=2, max_refit_bytes=0).to_dict()
+    with pytest.raises(Exception) as e:
+        TPEngine(direct, tp_rank=1, tp=len(ENGINE), tp_group=None)
+    assert "max_refit_bytes" not in str(e.value), e.value
     with pytest.raises(ValueError) as e:
         ServingInit(store="x", trainer_ranks=[0], inference_ranks=[1], max_refit_bytes=-1, prefetch="no")
     assert "max_refit_bytes must be None or an int >= 0 (bytes), got max_refit_bytes=-1" in str(e.value)

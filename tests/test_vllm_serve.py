@@ -339,9 +339,13 @@ class Load:
 @live
 def test_background_pull_off(server):
     """init_info prefetch=False: no pull before /update_weights, so the trainers' fence() waits for
-    it (the way to save the CPU a background copy takes from generation); then the same refit. On
-    this idle server each update call takes at most the workers' own time plus CALL_OVERHEAD_MS."""
+    it (the way to save the CPU a background copy takes from generation); then the same refit. The
+    pull is direct: the parameters vLLM's CPU backend serves as loaded (the norms) are written by
+    the pull itself, the rest go through the one buffer set, and the greedy output is still the
+    reference's. On this idle server each update call takes at most the workers' own time plus
+    CALL_OVERHEAD_MS."""
     trainers = Trainers(server, "serve-sync", free_port())
+    start = len(server.log())
     try:
         server.ok("/shutdown_weight_transfer_engine")
         server.ok("/init_weight_transfer_engine",
@@ -361,6 +365,15 @@ def test_background_pull_off(server):
         trainers.stop()
     lines = [ln for ln in installed_lines(server) if ln[2] == "pulled now"]
     assert len(lines) >= 2, (lines, log_census(server), server.log_tail())
+    # Each worker's join and install lines say what the direct pull wrote in vLLM's own parameters.
+    log = server.log()[start:]
+    joins = re.findall(r"joined refit group 'serve-sync' in [\d.]+ ms.*?; direct pull; 1 buffer set\(s\) of "
+                       r"([\d.]+) MB; (\d+) of (\d+) parameters \(([\d.]+) MB\) pulled straight into vLLM's", log)
+    # (the tiny model's norms: 5 of its 15 parameters, a few KB; its linear layers and embeddings are repacked)
+    assert len(joins) == 2 and all(0 < int(k) < int(n) for _, k, n, _ in joins), joins
+    direct_mb = re.findall(r"installed version 1 \(pulled now\).*?its pull: ([\d.]+) MB \(([\d.]+) MB straight into "
+                           r"vLLM's parameters\)", log)
+    assert len(direct_mb) == 2 and all(float(d) < float(b) for b, d in direct_mb), direct_mb
     # On this idle server each update call costs the workers' own time plus vLLM's hops (HTTP, API
     # server -> engine core -> executor -> workers and back): 6-45 ms per call at load 12.5 on two
     # cores (bench/vllm_call_hops.py, docs/vllm.md). CALL_OVERHEAD_MS is over 10x that, for a loaded

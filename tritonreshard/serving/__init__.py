@@ -14,14 +14,14 @@ is here, the same for every engine:
 * :mod:`~.layout`: :func:`serving_rank` (a TP rank's global rank and group kind) and
   :meth:`ServingRank.join` (the one ``RefitInference`` of the serving side);
 * :mod:`~.membership`: fixed or elastic replicas, chosen once (:func:`replicas_of`);
-* :mod:`~.pull`: background or inline pull, chosen once (:func:`pull_mode`);
+* :mod:`~.pull`: background, inline or direct pull, chosen once (:func:`pull_mode`);
 * :mod:`~.session`: :func:`refit`, one refit (check, agree, obtain, agree, apply, stats).
 
 docs/code-layout.md ("Adding a serving engine") lists the files. Importing this package imports no engine.
 """
 from .layout import ServingRank, serving_rank
 from .membership import ElasticReplicas, FixedReplicas, replicas_of
-from .pull import BackgroundPull, InlinePull, pull_mode
+from .pull import BackgroundPull, DirectPull, InlinePull, pull_mode
 from .registry import recipe_for, register_recipe, registered
 from .schema import SRC_DTYPES, ServingInit, rank_problems, src_dtype_name, src_dtype_problems
 from .seam import Joined, RankLayout, ServingEngine, UpdateInfo
@@ -31,4 +31,4 @@ from .trainer import ServingTrainer, join_as_trainer
 __all__ = ["ServingEngine", "RankLayout", "UpdateInfo", "Joined", "register_recipe", "recipe_for", "registered",
            "ServingInit", "SRC_DTYPES", "src_dtype_name", "rank_problems", "src_dtype_problems", "ServingTrainer",
            "join_as_trainer", "ServingRank", "serving_rank", "FixedReplicas", "ElasticReplicas", "replicas_of",
-           "BackgroundPull", "InlinePull", "pull_mode", "refit", "outcome", "failure_text", "any_failed"]
+           "BackgroundPull", "DirectPull", "InlinePull", "pull_mode", "refit", "outcome", "failure_text", "any_failed"]

@@ -36,14 +36,19 @@ class ServingRank:
 
     @property
     def buffer_bytes(self) -> int:
-        """Bytes of one buffer set on this rank (what a refit costs in memory beyond the engine's
-        own weights, per set)."""
-        return sum(lay.local_numel(self.rank) * lay.itemsize for lay in self.spec.dst.values())
+        """Bytes of one whole buffer set on this rank (every destination's shard)."""
+        return self.set_bytes()
 
-    def join(self, *, device, mode) -> tuple[RefitInference, float]:
+    def set_bytes(self, direct=()) -> int:
+        """Bytes of one buffer set on this rank when the names in ``direct`` are written in the
+        engine's own parameters (what a refit costs in memory beyond the engine's weights, per set)."""
+        return sum(lay.local_numel(self.rank) * lay.itemsize for n, lay in self.spec.dst.items() if n not in direct)
+
+    def join(self, *, device, mode, tensors=None) -> tuple[RefitInference, float]:
         """Check the store (both sides elastic or neither), then join the refit group: the
-        inference endpoint of this rank in buffer ``mode`` (``trs.Shadow()``: two sets, for the
-        background pull; ``trs.InPlace()``: one), and how long joining took in ms. The one
+        inference endpoint of this rank in buffer ``mode`` (``trs.Spare()``: one set, for the
+        background pull; ``trs.InPlace()``: one, which ``tensors``, ``{dst name: the engine's
+        parameter}``, replace where given), and how long joining took in ms. The one
         construction of a ``RefitInference`` on the serving side; every engine calls it."""
         init = self.init
         if self.group.asks_store(self.rank):
@@ -52,7 +57,7 @@ class ServingRank:
         # What RefitInference.from_recipe does, for any spec with ``dst`` / ``parts`` (/ ``quant``):
         # a RecipeSpec, LoRA's LoraSpec, an engine's own.
         meeting = Meeting(rank=self.rank, world_size=self.group.world_size(), store=init.store, group=init.group)
-        sub = RefitInference(self.spec.dst, meeting, parts=self.spec.parts,
+        sub = RefitInference(self.spec.dst, meeting, tensors=tensors, parts=self.spec.parts,
                              quant=getattr(self.spec, "quant", None) or None,
                              pull=PullOptions(mode=mode, device=device),
                              membership=self.group.membership(), **init.configs)

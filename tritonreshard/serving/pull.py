@@ -1,13 +1,14 @@
 """Background or inline pull: how a serving rank gets a published version, chosen once.
 
-:func:`pull_mode` picks :class:`BackgroundPull` (``ServingInit.prefetch=True``) or
-:class:`InlinePull` when an engine sets up; both have one interface, and only need the rank's
-:class:`~tritonreshard.RefitInference`. Engine-agnostic: the engine's refit
-(:func:`~.session.refit`) calls them; they never touch the engine's own parameters.
+:func:`pull_mode` picks :class:`BackgroundPull` (``ServingInit.prefetch=True``),
+:class:`InlinePull` or :class:`DirectPull` (``prefetch=False``, with ``direct`` and an engine that
+names parameters in load format) when an engine sets up; all have one interface, and only need the
+rank's :class:`~tritonreshard.RefitInference`. Engine-agnostic: the engine's refit
+(:func:`~.session.refit`) calls them; only the direct pull writes the engine's own parameters.
 
-* ``MODE``, ``BUFFER_SETS``, ``BACKGROUND``: the endpoint's buffer mode (``trs.Spare()`` or
-  ``trs.InPlace()``: one buffer set either way), how many buffer sets it holds, whether a thread
-  pulls in the background;
+* ``MODE``, ``BUFFER_SETS``, ``BACKGROUND``, ``WRITES_SERVED``: the endpoint's buffer mode
+  (``trs.Spare()`` or ``trs.InPlace()``: one buffer set either way), how many buffer sets it holds,
+  whether a thread pulls in the background, whether the pull writes what the engine serves;
 * ``start(sub)`` / ``stop()``: bind to the joined endpoint (the background thread starts) / end;
 * ``session()``: a context held for a whole refit: the background thread neither swaps a finished
   pull in nor starts one while it is held, so the set being applied is never pulled into;
@@ -38,6 +39,15 @@ that (the thread retries only once a newer version is published).
 **Inline pull.** The pull runs inside the refit (and the trainers' ``fence()`` waits for it); one
 buffer set is enough: the engine's own parameters are what is served, and they are written only
 after every TP rank pulled the whole version.
+
+**Direct pull.** The inline pull, with the engine's parameters that are in load format as the
+destination of the pull itself (the endpoint's ``tensors=``; ``trs.InPlace()`` writes them): no
+buffer and no second copy for them, one buffer set for the rest (parameters the engine
+post-processes). The memory is the price of the guarantee above: a pull that fails part-way
+(or fails on another TP rank after this one pulled) leaves the engine's weights part old, part new.
+The refit then fails on every rank saying so, the engine hears it before the pull starts
+(:meth:`~.seam.ServingEngine.writing_served`: an engine that can refuse to serve marks its weights) and the next refit
+pulls the newest version whole.
 """
 from __future__ import annotations
 
@@ -48,7 +58,7 @@ from collections.abc import Callable
 from .. import RefitError, RefitInference
 from ..engine import InPlace, Spare
 
-__all__ = ["BackgroundPull", "InlinePull", "pull_mode"]
+__all__ = ["BackgroundPull", "DirectPull", "InlinePull", "pull_mode"]
 
 
 def _obtain_now(sub: RefitInference, target: int, timeout: float) -> None:
@@ -76,7 +86,7 @@ def _obtain_now(sub: RefitInference, target: int, timeout: float) -> None:
 class InlinePull:
     """Pull inside the refit (``prefetch=False``): one buffer set, nothing in the background."""
 
-    MODE, BACKGROUND = InPlace(), False
+    MODE, BACKGROUND, WRITES_SERVED = InPlace(), False, False
     BUFFER_SETS = MODE.sets
 
     def __init__(self, *, rank: int, logger: logging.Logger | None = None, served: Callable[[], int] = lambda: 0):
@@ -102,6 +112,14 @@ class InlinePull:
         _obtain_now(sub, target, timeout)
 
 
+class DirectPull(InlinePull):
+    """Pull inside the refit straight into the engine's load-format parameters (``prefetch=False``,
+    ``direct=True``): one buffer set for the rest only; a failed pull tears what is served (see the
+    module docstring)."""
+
+    WRITES_SERVED = True
+
+
 class BackgroundPull:
     """Pull every published version in the background (``prefetch=True``; see the module docstring)
     into the rank's one buffer set (``trs.Spare()``).
@@ -109,7 +127,7 @@ class BackgroundPull:
     ``logger``: where a background failure is logged (an engine passes its own: one under the
     engine's logging tree reaches its handler); ``served``: the version the engine serves, for that line."""
 
-    MODE, BACKGROUND = Spare(), True
+    MODE, BACKGROUND, WRITES_SERVED = Spare(), True, False
     BUFFER_SETS = MODE.sets
     # How often the watcher looks at the trainers' version words (a read of shared memory): a
     # published version starts pulling within this much, at a negligible CPU cost.
@@ -215,8 +233,10 @@ class BackgroundPull:
         _obtain_now(sub, target, timeout)
 
 
-def pull_mode(prefetch: bool, *, rank: int, logger: logging.Logger | None = None,
-              served: Callable[[], int] = lambda: 0) -> BackgroundPull | InlinePull:
-    """The pull of a serving rank, chosen once (the one ``prefetch`` test of the serving side)."""
-    return (BackgroundPull if prefetch else InlinePull)(rank=rank, logger=logger, served=served)
+def pull_mode(prefetch: bool, *, direct: bool = False, rank: int, logger: logging.Logger | None = None,
+              served: Callable[[], int] = lambda: 0) -> BackgroundPull | InlinePull | DirectPull:
+    """The pull of a serving rank, chosen once (the one ``prefetch`` test of the serving side);
+    ``direct``: the inline pull writes the engine's load-format parameters (ignored with ``prefetch``)."""
+    kind = BackgroundPull if prefetch else DirectPull if direct else InlinePull
+    return kind(rank=rank, logger=logger, served=served)
 

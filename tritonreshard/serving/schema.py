@@ -110,10 +110,17 @@ class ServingInit:
     dict, it crosses the wire as one) when the trainers are Megatron-Core ranks (:attr:`source` is
     then ``"megatron"``, else ``"hf"``: the recipe registry's key). ``prefetch``: pull each
     published version in the background (:class:`~.pull.BackgroundPull`) or inside the refit
-    (:class:`~.pull.InlinePull`). ``delta``, ``delta_anchor``: the cross-host deltas, as the
-    trainers'. ``elastic``: join an elastic group while it runs (:mod:`~.membership`). ``verify``:
-    once, before joining, each worker checks that the recipe puts every element where the engine's
-    own loader puts it, and refuses on a mismatch: ``True`` every parameter of every layer,
+    (:class:`~.pull.InlinePull`). ``direct``: with ``prefetch=False``, the pull writes the engine's
+    parameters directly wherever the engine says they are in load format
+    (:meth:`~.seam.ServingEngine.direct_tensors`: those the engine serves without post-processing,
+    e.g. every parameter of an unquantized model on CUDA): no buffer for them; a pull
+    that fails part-way then leaves the engine's weights part old, part new until a refit succeeds
+    (:class:`~.pull.DirectPull`). ``direct=False`` pulls into one buffer set and keeps serving the
+    previous version on a failure. Ignored with ``prefetch=True``. ``delta``, ``delta_anchor``: the
+    cross-host deltas, as the trainers'. ``elastic``: join an elastic group while it runs
+    (:mod:`~.membership`). ``verify``: once, before joining, each worker checks that the recipe
+    puts every element where the engine's own loader puts it, and refuses on a mismatch: ``True``
+    every parameter of every layer,
     ``False`` off; ``"all"`` is kept as a synonym of ``True`` (it was every layer when ``True``
     sampled). ``trace``: a model type with no hand-written recipe (``trs.recipes.RECIPES``) gets one
     traced from the engine's own loader by each worker, once, before ``verify``; the trainers pass
@@ -143,6 +150,7 @@ class ServingInit:
     replica: int = 0   # which replica (engine) these workers are: inference_ranks[replica * tp + tp rank]
     megatron: dict | None = None  # trs.recipes.Megatron's fields: the trainers are Megatron-Core ranks
     prefetch: bool = True  # pull each published version in the background (serving.pull)
+    direct: bool = True    # prefetch=False: write the engine's load-format parameters directly (serving.pull)
     delta: str = "auto"    # cross-host deltas, as the trainers'
     delta_anchor: int = 64
     elastic: bool = False  # join an elastic group: inference_ranks are this engine's own TP ranks
@@ -166,7 +174,7 @@ class ServingInit:
         problems = list(delta_problems(self.delta, self.delta_anchor))
         trainers = _int_list(self.trainer_ranks, "trainer_ranks", problems)
         readers = _int_list(self.inference_ranks, "inference_ranks", problems)
-        for name in ("elastic", "prefetch", "trace"):
+        for name in ("elastic", "prefetch", "direct", "trace"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name} must be True or False, got {name}={getattr(self, name)!r}")
         budget = self.max_refit_bytes

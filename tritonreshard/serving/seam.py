@@ -13,7 +13,10 @@ A serving engine implements five methods, the only things that differ between en
 * :meth:`~ServingEngine.fail`: report an agreed failure (raise it, or, where the engine's RPC
   cannot take an exception on every rank, raise on one rank and return on the others).
 
-and inherits the rest, the same for every engine: :meth:`~ServingEngine.join_group` (the recipe
+and may implement two more (both do nothing by default): :meth:`~ServingEngine.direct_tensors`
+(the parameters an inline pull may write directly, with no buffer: those in load format) and
+:meth:`~ServingEngine.writing_served` (told just before such a pull writes them); it inherits the
+rest, the same for every engine: :meth:`~ServingEngine.join_group` (the recipe
 from the registry, the rank's place, the check, the pull mode, the join), :meth:`~ServingEngine.
 start_pulling`, :meth:`~ServingEngine.refit` (check, agree, obtain, agree, apply: all TP ranks or
 none) and :meth:`~ServingEngine.leave_group`. It is generic over its init info (a
@@ -36,7 +39,7 @@ import torch
 
 from .. import RefitInference
 from .layout import ServingRank, serving_rank
-from .pull import BackgroundPull, InlinePull, pull_mode
+from .pull import BackgroundPull, DirectPull, InlinePull, pull_mode
 from .registry import recipe_for
 from .schema import ServingInit
 from .session import refit
@@ -76,14 +79,21 @@ class RankLayout:
 class Joined:
     """What a rank holds once it joined: its place (rank, recipe, group kind), its inference
     endpoint, its pull mode, the version of this group it serves (0: none yet), the refit's
-    default timeout and how long joining took."""
+    default timeout, how long joining took, and the destinations the pull writes in the engine's
+    own parameters (``direct``: a :class:`~.pull.DirectPull`'s; empty for the other modes)."""
 
     place: ServingRank
     sub: RefitInference
-    pull: BackgroundPull | InlinePull
+    pull: BackgroundPull | InlinePull | DirectPull
     timeout: float
     join_ms: float
     installed: int = 0
+    direct: frozenset = frozenset()
+
+    @property
+    def set_bytes(self) -> int:
+        """Bytes of this rank's one buffer set: every destination not written directly."""
+        return self.place.set_bytes(self.direct)
 
     @property
     def spec(self):
@@ -132,28 +142,46 @@ class ServingEngine(ABC, Generic[TInit, TUpdate]):
         """Report the agreed failure of a refit (:func:`~.session.failure_text` says why): raise,
         or return on the ranks that must not (the refit then returns None there)."""
 
+    # ------------------------------------------------------------------ what an engine may write
+    def direct_tensors(self, place: ServingRank) -> dict[str, torch.Tensor]:
+        """``{dst name: the engine's parameter}`` that an inline pull may write directly (the
+        :class:`~.pull.DirectPull` of ``prefetch=False, direct=True``): parameters whose live tensor
+        *is* this rank's load-format shard (shape ``place.spec.dst[name].local_shape(place.rank)``,
+        its dtype, contiguous) and that the engine serves without post-processing. Called once,
+        after :meth:`check`. None by default: every destination goes through the buffer set."""
+        return {}
+
+    def writing_served(self) -> None:
+        """Called on every TP rank just before a direct pull may write :meth:`direct_tensors`:
+        until the refit's apply returns, the engine's weights may be part old, part new (an engine
+        that can refuse to serve marks them so). Nothing by default."""
+
     # ------------------------------------------------------------------ what the seam does
     def join_group(self, init: TInit, *, logger: logging.Logger | None = None,
                    served: Callable[[], int] = lambda: 0, **extra) -> Joined:
         """Join the refit group ``init`` describes: the recipe of ``rank_layout(init).engine`` for
         ``init.source`` (``extra`` goes to its builder), this rank's place, :meth:`check`, the pull
-        mode (background or inline, chosen once from ``init.prefetch``; ``logger`` / ``served``:
-        where and with which served version a background failure is logged) and the endpoint. The
-        pull starts with :meth:`start_pulling` (an engine may first agree that every rank joined)."""
+        mode (background, inline or direct, chosen once from ``init.prefetch``, ``init.direct`` and
+        :meth:`direct_tensors`; ``logger`` / ``served``: where and with which served version a
+        background failure is logged) and the endpoint. The pull starts with :meth:`start_pulling`
+        (an engine may first agree that every rank joined)."""
         if self.joined is not None:
             raise RuntimeError(f"{type(self).__name__}: already joined a refit group (leave_group first)")
         layout = self.rank_layout(init)
         place = serving_rank(init, recipe_for(init, layout, **extra), tp=layout.tp, tp_rank=layout.tp_rank)
         self.check(place)
-        pull = pull_mode(init.prefetch, rank=place.rank, logger=logger, served=served)
-        needed = pull.BUFFER_SETS * place.buffer_bytes
-        if init.max_refit_bytes is not None and needed > init.max_refit_bytes:
-            mode = "background pull (prefetch=True)" if pull.BACKGROUND else "inline pull (prefetch=False)"
+        direct = dict(self.direct_tensors(place)) if init.direct and not init.prefetch else {}
+        pull = pull_mode(init.prefetch, direct=bool(direct), rank=place.rank, logger=logger, served=served)
+        set_bytes = place.set_bytes(direct)
+        if init.max_refit_bytes is not None and pull.BUFFER_SETS * set_bytes > init.max_refit_bytes:
+            mode = ("background pull (prefetch=True)" if pull.BACKGROUND else
+                    f"direct pull (prefetch=False; {len(direct)} of {len(place.spec.dst)} parameters written "
+                    f"in place)" if direct else "inline pull (prefetch=False)")
             raise ValueError(f"init_info max_refit_bytes={init.max_refit_bytes}: the refit of rank {place.rank} "
-                             f"needs {needed} bytes beside the engine's weights with the {mode}: "
-                             f"{pull.BUFFER_SETS} buffer set(s) ({pull.MODE}) of {place.buffer_bytes} bytes")
-        sub, join_ms = place.join(device=layout.device, mode=pull.MODE)
-        self.joined = Joined(place, sub, pull, init.timeout, join_ms)
+                             f"needs {pull.BUFFER_SETS * set_bytes} bytes beside the engine's weights with the "
+                             f"{mode}: {pull.BUFFER_SETS} buffer set(s) ({pull.MODE}) of {set_bytes} bytes")
+        sub, join_ms = place.join(device=layout.device, mode=pull.MODE, tensors=direct or None)
+        self.joined = Joined(place, sub, pull, init.timeout, join_ms, direct=frozenset(direct))
         return self.joined
 
     def start_pulling(self) -> None:
@@ -163,12 +191,19 @@ class ServingEngine(ABC, Generic[TInit, TUpdate]):
     def refit(self, update: TUpdate) -> dict | None:
         """Install ``update.version`` on every TP rank or on none (every TP rank calls it together):
         :func:`~.session.refit` with this engine's agreement, apply and failure. Returns its stats,
-        or None where :meth:`fail` returned."""
+        or None where :meth:`fail` returned; ``direct_bytes``: what the pull wrote in the engine's
+        own parameters (a direct pull), never copied again by the apply."""
         j = self.joined
+        # What a direct pull wrote is in the engine's parameters already: the apply gets the rest.
+        apply = self.apply if not j.direct else lambda bufs: self.apply(
+            {n: t for n, t in bufs.items() if n not in j.direct})
         stats = refit(j.sub, j.pull, requested=update.version, timeout=j.timeout if update.timeout is None else
-                      update.timeout, installed=j.installed, agree=self.agree, apply=self.apply, fail=self.fail)
+                      update.timeout, installed=j.installed, agree=self.agree, apply=apply, fail=self.fail,
+                      writing=self.writing_served)
         if stats is not None:
             j.installed = stats["version"]
+            # of the pull's bytes, those it wrote straight into the engine's parameters (a direct pull)
+            stats["direct_bytes"] = j.place.buffer_bytes - j.set_bytes
         return stats
 
     def leave_group(self, *, abort: bool = False) -> None:

@@ -12,7 +12,9 @@ functions of its own:
 and ``fail(outcomes, cause)``, which raises the agreed failure (or, for an engine whose RPC cannot
 take an exception on every rank, raises on one and returns on the others). A failed pull on any
 rank fails every rank, naming the failed rank(s), before anything is applied: the engine keeps
-serving the previous version.
+serving the previous version, except after a direct pull (:class:`~.pull.DirectPull`), which
+writes the engine's parameters itself: ``writing()`` is called before it may, and the engine's
+weights are part old, part new until a refit succeeds.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .. import RefitInference
-from .pull import BackgroundPull, InlinePull
+from .pull import BackgroundPull, DirectPull, InlinePull
 
 __all__ = ["refit", "outcome", "failure_text", "any_failed"]
 
@@ -58,8 +60,9 @@ def _check_request(requested, timeout: float, installed: int) -> None:
                          f"already; only a newer one can be installed")
 
 
-def refit(sub: RefitInference, pull: BackgroundPull | InlinePull, *, requested: int | None, timeout,
-          installed: int, agree: Callable, apply: Callable, fail: Callable) -> dict | None:
+def refit(sub: RefitInference, pull: BackgroundPull | InlinePull | DirectPull, *, requested: int | None, timeout,
+          installed: int, agree: Callable, apply: Callable, fail: Callable,
+          writing: Callable[[], None] = lambda: None) -> dict | None:
     """Install a version on this TP rank, all TP ranks or none (every rank calls it together).
 
     ``requested``: the version to install (None: the newest any TP rank pulled or is pulling, else
@@ -67,7 +70,8 @@ def refit(sub: RefitInference, pull: BackgroundPull | InlinePull, *, requested: 
     of this group the engine serves (0: none yet). Returns the stats of the refit (``version``,
     ``prefetched``, the time split in ms, the pull's and the transfer's figures: ``bytes``,
     ``pull_copy_ms``, ``pull_gb_s``, ...), or None when it
-    failed and ``fail`` returned instead of raising. Holds the pull's session for the whole call."""
+    failed and ``fail`` returned instead of raising. Holds the pull's session for the whole call.
+    ``writing``: called before a pull that writes what the engine serves (``pull.WRITES_SERVED``)."""
     with pull.session():
         t0 = time.perf_counter()
         # Broad on purpose, both times: whatever failed here, every TP rank must reach the
@@ -93,6 +97,8 @@ def refit(sub: RefitInference, pull: BackgroundPull | InlinePull, *, requested: 
         # trainers' fence returned then); else the refit waited for a pull still copying, or pulled it now.
         prefetched = pull.pulled(sub, target)
         try:
+            if pull.WRITES_SERVED:  # from here on the engine's weights may be part old, part new
+                writing()
             pull.obtain(sub, target, timeout)
         except Exception as exc:  # noqa: BLE001
             error = exc

@@ -120,7 +120,12 @@ def init_info(**fields) -> dict:
     Megatron-Core ranks, ``trainer_ranks`` in Megatron rank order) is given; it crosses as a dict.
     ``prefetch``: each worker pulls every published version in the background into its spare
     buffer set, so ``update_weights`` only applies it (False: the pull runs inside
-    ``update_weights``, and the trainers' ``fence()`` waits for it; see docs/vllm.md).
+    ``update_weights``, and the trainers' ``fence()`` waits for it; see docs/vllm.md). ``direct``
+    (with ``prefetch=False``): the pull writes the parameters vLLM serves in load format (all of them
+    for an unquantized model on CUDA; the norms on vLLM's CPU backend) directly, with no buffer, and
+    the rest into one buffer set; a pull that fails part-way then leaves vLLM's weights torn (marked
+    incomplete on vLLM 0.34) until an ``update_weights`` succeeds (False: one buffer set for every
+    parameter, and vLLM keeps serving the previous version on a failure).
     ``delta``, ``delta_anchor``: the cross-host deltas, the same as the trainers' (``Trainer(codec=)``;
     see :class:`~tritonreshard.RefitEndpoint`).
 

@@ -34,17 +34,20 @@ def raises_here() -> bool:
     return get_tensor_model_parallel_rank() == get_tensor_model_parallel_world_size() - 1
 
 
-def fail(outcomes, cause, *, what: str, serving: int, quiet=None) -> None:
+def fail(outcomes, cause, *, what: str, serving: int, torn: bool = False, quiet=None) -> None:
     """Raise the TP group's agreed failure so that vLLM stays usable.
 
     vLLM 0.32's multiproc executor reads the workers' replies in rank order and raises at the
     first failure, leaving later ranks' replies queued: every later ``collective_rpc`` would then
     read a stale reply. So only the last TP rank raises (with every rank's reason); the others
     log it, call ``quiet()`` (the engine closes its weight-update session there, as vLLM does after
-    an exception), and return. ``serving``: the version vLLM keeps serving (named in the error).
+    an exception), and return. ``serving``: the version vLLM keeps serving (named in the error);
+    ``torn``: a direct pull may have written vLLM's parameters, which then serve no whole version.
     """
-    err = RefitError(f"tritonreshard {what} failed ({failure_text(outcomes)}); nothing was applied, vLLM keeps "
-                     f"serving version {serving}")
+    kept = (f"the pull writes vLLM's parameters directly (init_info prefetch=False, direct=True): they may hold "
+            f"part of a version after {serving} and are marked incomplete until an update_weights succeeds"
+            if torn else f"nothing was applied, vLLM keeps serving version {serving}")
+    err = RefitError(f"tritonreshard {what} failed ({failure_text(outcomes)}); {kept}")
     if not raises_here():
         logger.warning("%s", err)
         if quiet is not None:

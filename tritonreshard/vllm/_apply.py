@@ -9,7 +9,10 @@ rank holds the same version, with the :class:`~._model.ModelMatch` of the model 
   pulled buffers, and vLLM's own ``process_weights_after_loading`` runs and copies into the kernel
   tensors;
 * when no layer needs that (unquantized on CUDA), every parameter is written in place by one
-  multi-tensor copy (``torch._foreach_copy_``): the addresses CUDA graphs captured stay valid.
+  multi-tensor copy (``torch._foreach_copy_``): the addresses CUDA graphs captured stay valid;
+* a layer whose parameters the direct pull wrote itself (``init_info(prefetch=False)``,
+  :meth:`~._model.ModelMatch.direct`) is in ``bufs`` with none of them: nothing is copied, and in
+  the layerwise reload it gets its own tensors back as they are.
 
 Imported inside vLLM's workers only.
 """
@@ -33,7 +36,8 @@ __all__ = ["apply"]
 def apply(model: torch.nn.Module, model_config, match: ModelMatch, bufs: dict[str, torch.Tensor],
           device: torch.device) -> dict:
     """Copy the pulled buffers (``{vLLM name: this rank's load-format shard}``, padding rows
-    already zero) into vLLM's parameters. Returns the split: ``copy_ms`` (into vLLM's tensors)
+    already zero; without the names a direct pull wrote in place) into vLLM's parameters. Returns
+    the split: ``copy_ms`` (into vLLM's tensors)
     and ``post_ms`` (vLLM's post-processing and the layerwise reload around it), ``layerwise``,
     ``experts_processed``."""
     if match.layerwise:
@@ -52,9 +56,12 @@ def apply(model: torch.nn.Module, model_config, match: ModelMatch, bufs: dict[st
 def _layerwise_apply(model: torch.nn.Module, model_config, match: ModelMatch, bufs: dict, device) -> dict:
     t0 = time.perf_counter()
     start_reload(model)
-    copy_s, experts = 0.0, 0
+    copy_s, experts, bound = 0.0, 0, set()
     for mname in sorted(match.layers):
         mod, params = match.layers[mname]
+        if not any(name in bufs for _, name, _ in params):  # the direct pull wrote its own tensors
+            continue
+        bound.add(id(mod))
         info = _layerwise.get_layerwise_info(mod)
         materialize_layer(mod, info)
         # Copy, never alias the pull's buffer set: some post-processing keeps views of the
@@ -66,9 +73,8 @@ def _layerwise_apply(model: torch.nn.Module, model_config, match: ModelMatch, bu
         copy_s += time.perf_counter() - tc
         # vLLM's own post-load processing; for a plain layer it only copies into the kernel tensors.
         experts += _process(mod, info)
-    # Layers nothing of ours lands in (rotary caches): put vLLM's own tensors back as
-    # finalize would, minus its "failed to load weights" warning on every refit.
-    bound = {id(mod) for mod, _ in match.layers.values()}
+    # Layers nothing of ours lands in (rotary caches) and those the direct pull wrote: put vLLM's
+    # own tensors back as finalize would, minus its "failed to load weights" warning on every refit.
     for mod in model.modules():
         info = _layerwise.get_layerwise_info(mod)
         if (id(mod) not in bound and info.can_load() and info.load_numel == 0
@@ -83,7 +89,7 @@ def _layerwise_apply(model: torch.nn.Module, model_config, match: ModelMatch, bu
 def _plain_copy(match: ModelMatch, bufs: dict[str, torch.Tensor]) -> tuple[list, list]:
     """``(vLLM's tensors, the pulled buffers)`` of the in-place apply, in one order."""
     pairs = [(getattr(mod, pname).data, bufs[name]) for mod, params in match.layers.values()
-             for pname, name, tied in params if not tied]
+             for pname, name, tied in params if not tied and name in bufs]
     return [d for d, _ in pairs], [s for _, s in pairs]
 
 

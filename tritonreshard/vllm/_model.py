@@ -56,6 +56,28 @@ class ModelMatch:
         """Whether the apply goes through vLLM's layerwise reload (else one in-place copy)."""
         return bool(self.processed) or self.mla
 
+    def direct(self, spec, rank: int) -> dict[str, torch.Tensor]:
+        """``{buffer name: vLLM's parameter}`` that a direct pull may write (``init_info(prefetch=
+        False)``): every parameter of the layers vLLM serves as loaded, which is all of them for an
+        unquantized model on CUDA and the norms on its CPU backend (it repacks linear layers and
+        embeddings). A layer counts whole, and only when each of its parameters is contiguous with
+        the recipe's shape and dtype for ``rank``, none is tied to another's, and no post-processed
+        layer reads one of its buffers (a tied LM head). None with MLA: its attention derives
+        tensors from what is loaded."""
+        if self.mla:
+            return {}
+        read_elsewhere = {name for m, (_, params) in self.layers.items() if m in self.processed
+                          for _, name, _ in params}
+        out: dict[str, torch.Tensor] = {}
+        for mname, (mod, params) in self.layers.items():
+            if mname in self.processed or any(tied or name in read_elsewhere for _, name, tied in params):
+                continue
+            mine = {name: getattr(mod, pname).data for pname, name, _ in params}
+            if all(t.is_contiguous() and t.dtype == spec.dst[n].dtype
+                   and tuple(t.shape) == tuple(spec.dst[n].local_shape(rank)) for n, t in mine.items()):
+                out.update(mine)
+        return out
+
 
 def _restore_shapes(model: torch.nn.Module) -> dict[str, tuple]:
     """``{parameter name: load-format shape}`` from vLLM's layerwise restore metadata."""

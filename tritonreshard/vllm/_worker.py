@@ -30,8 +30,14 @@ prefetched), the TP group agrees, and only when every TP rank holds the same ver
 apply it (:func:`tritonreshard.serving.refit`): through vLLM's layerwise reload where vLLM
 post-processes a layer, else by one in-place multi-tensor copy (:mod:`._apply`).
 
+**Background pull off** (``prefetch=False``): the pull runs inside ``update_weights`` and is
+direct (``direct=True``, the default): the parameters vLLM serves as loaded
+(:meth:`._model.ModelMatch.direct`) are written by the pull itself, the rest go through the one
+buffer set.
+
 A failed pull on any rank raises on every rank, naming the failed rank(s), before anything is
-applied: the engine keeps serving the previous version.
+applied: the engine keeps serving the previous version (after a direct pull: its weights are marked
+incomplete, part old, part new, until an ``update_weights`` succeeds).
 """
 from __future__ import annotations
 
@@ -147,6 +153,18 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         self._untouched()
         self._fail(outcomes, cause, what="refit")
 
+    def direct_tensors(self, place: ServingRank) -> dict:
+        """The parameters vLLM serves as loaded (:meth:`._model.ModelMatch.direct`): what a direct
+        pull (``init_info(prefetch=False)``) writes with no buffer."""
+        return self._match.direct(place.spec, place.rank)
+
+    def writing_served(self) -> None:
+        """A direct pull may write vLLM's parameters from here on: torn until the apply returns
+        (vLLM 0.34 then reports the weights incomplete, and a failed refit says so)."""
+        self._torn = True
+        if self.worker is not None:
+            weights_incomplete(self.worker)
+
     def apply(self, bufs) -> dict:
         """vLLM's apply step (:func:`._apply.apply`) with this engine's model and model check."""
         # Torn until the apply returns: if it raises, vLLM 0.34 keeps the weights marked incomplete.
@@ -160,7 +178,7 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
     def _fail(self, outcomes, cause, what: str) -> None:
         """Raise the TP group's agreed failure on the last TP rank only (:func:`._agree.fail` says
         why); after a refit, the others end their weight-update session and return."""
-        fail(outcomes, cause, what=what, serving=self.applied_version,
+        fail(outcomes, cause, what=what, serving=self.applied_version, torn=self._torn,
              quiet=self._end_session if what == "refit" else None)
 
     def _end_session(self) -> None:
@@ -239,14 +257,19 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         # which update_weights writes from the set, so the set is free to be pulled into between
         # refits (the refit waits for a pull in flight; the watcher starts none during a refit).
         self.join_ms, self.join_stats = joined.join_ms, joined.sub.join_stats
-        self.buffer_sets, self.buffer_bytes = joined.pull.BUFFER_SETS, joined.place.buffer_bytes
+        # A direct pull (prefetch=False) writes the parameters vLLM serves as loaded: the set holds the rest.
+        self.buffer_sets, self.buffer_bytes = joined.pull.BUFFER_SETS, joined.set_bytes
         # Its steps (wall/CPU ms each): where a slow join spent its time, waiting (wall far above CPU)
         # or working (planning, allocating, mapping, building the descriptor tables).
         steps = self.join_stats.steps_text() if self.join_stats is not None else ""
-        logger.info("tritonreshard (rank %s): joined %srefit group %r in %.1f ms%s; background pull %s; %d buffer "
-                    "set(s) of %.1f MB", self.rank, "elastic " if joined.place.group.elastic else "",
-                    init_info.group, self.join_ms, f" (steps, wall/CPU ms: {steps})" if steps else "",
-                    "on" if joined.pull.BACKGROUND else "off", self.buffer_sets, self.buffer_bytes / 1e6)
+        logger.info("tritonreshard (rank %s): joined %srefit group %r in %.1f ms%s; %s pull; %d buffer set(s) of "
+                    "%.1f MB%s", self.rank, "elastic " if joined.place.group.elastic else "", init_info.group,
+                    self.join_ms, f" (steps, wall/CPU ms: {steps})" if steps else "",
+                    "background" if joined.pull.BACKGROUND else "direct" if joined.direct else "inline",
+                    self.buffer_sets, self.buffer_bytes / 1e6,
+                    f"; {len(joined.direct)} of {len(joined.spec.dst)} parameters "
+                    f"({(joined.place.buffer_bytes - joined.set_bytes) / 1e6:.1f} MB) pulled straight into vLLM's"
+                    if joined.direct else "")
 
     # ------------------------------------------------------------------ phases 2-4
     def start_weight_update(self) -> None:
@@ -273,10 +296,11 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         # for a background pull still in flight, or pulled inline. The pull's own figures follow
         # (its copy out of the trainers' arenas, not the copy into vLLM's parameters).
         logger.info("tritonreshard (rank %s): installed version %s (%s) in %.1f ms: wait %.1f, agree %.1f, copy %.1f, "
-                    "post-processing %.1f ms; its pull: %.1f MB in %.1f ms copy, %.2f GB/s", self.rank,
-                    stats["version"], "prefetched" if stats["prefetched"] else "pulled now", stats["total_ms"],
-                    stats["wait_ms"], stats["agree_ms"], stats["copy_ms"], stats["post_ms"], stats["bytes"] / 1e6,
-                    stats["pull_copy_ms"], stats["pull_gb_s"])
+                    "post-processing %.1f ms; its pull: %.1f MB (%.1f MB straight into vLLM's parameters) in %.1f "
+                    "ms copy, %.2f GB/s", self.rank, stats["version"], "prefetched" if stats["prefetched"] else
+                    "pulled now", stats["total_ms"], stats["wait_ms"], stats["agree_ms"], stats["copy_ms"],
+                    stats["post_ms"], stats["bytes"] / 1e6, stats["direct_bytes"] / 1e6, stats["pull_copy_ms"],
+                    stats["pull_gb_s"])
 
     def finish_weight_update(self) -> None:
         self._session = False
