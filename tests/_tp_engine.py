@@ -164,8 +164,83 @@ class TPEngine(ServingEngine[ServingInit, UpdateInfo]):
             raise RuntimeError("tiny engine: a direct pull failed part-way; refit before serving")
         return self.module(tokens, self.tp_group)
 
+    def served(self, name: str) -> torch.Tensor:
+        """What the engine serves for ``name``, in load format."""
+        return self.module.param(name)
+
     def close(self) -> None:
         self.leave_group()
 
 
-__all__ = ["TPEngine", "TinyTrainer", "TinyMLP", "recipe", "full_weights", "TOKENS", "PARAMS", "ENGINE"]
+class PackedTPEngine(TPEngine):
+    """The engine with one post-processed layer, as vLLM's CPU backend repacks its linear layers:
+    ``fc1`` is served packed (its weight transposed, ``[HIDDEN, FFN / tp]``, in a tensor of its own;
+    the load-format parameters are dropped once packed), so a direct pull writes only ``embed`` and
+    ``fc2`` in place and streams ``fc1`` through its layer sink: ``open`` makes fresh load-format
+    tensors (vLLM's layerwise reload materializes a layer so), ``close`` packs them into the
+    served tensor's storage and drops them. ``events`` records the sink's calls; ``peak_open``
+    the most load-format bytes it held at once."""
+
+    PACKED = ("fc1.weight", "fc1.bias")
+
+    def check(self, place) -> None:
+        super().check(place)
+        w = self.module.param("fc1.weight")
+        self.fc1_packed = w.detach().T.contiguous()
+        self.events, self.open_bytes, self.peak_open, self._open = [], 0, 0, {}
+
+    def direct_tensors(self, place) -> dict[str, torch.Tensor]:
+        return {n: t for n, t in super().direct_tensors(place).items() if n not in self.PACKED}
+
+    def layer_sink(self, place, direct):
+        return _FC1Sink(self, place)
+
+    def _pack(self, weight: torch.Tensor, bias: torch.Tensor) -> None:
+        self.fc1_packed.copy_(weight.T)  # the served tensor's storage: its address never changes
+        self.module.param("fc1.bias").data.copy_(bias)
+
+    @torch.no_grad()
+    def apply(self, bufs: dict[str, torch.Tensor]) -> dict:
+        split = super().apply({n: t for n, t in bufs.items() if n != "fc1.weight"})
+        if "fc1.weight" in bufs:
+            self._pack(bufs["fc1.weight"], bufs["fc1.bias"])
+        return split
+
+    def served(self, name: str) -> torch.Tensor:
+        return self.fc1_packed.T if name == "fc1.weight" else super().served(name)
+
+    def forward(self, tokens):
+        if self.torn:
+            raise RuntimeError("tiny engine: a direct pull failed part-way; refit before serving")
+        m = self.module
+        h = torch.relu(m.param("embed.weight")[tokens] @ self.fc1_packed + m.param("fc1.bias"))
+        y = h @ m.param("fc2.weight").T
+        dist.all_reduce(y, group=self.tp_group)
+        return y + m.param("fc2.bias")
+
+
+class _FC1Sink:
+    """:class:`PackedTPEngine`'s layer sink: one group, ``fc1``."""
+
+    def __init__(self, engine: PackedTPEngine, place):
+        self.engine, self.place = engine, place
+        self.groups = [list(PackedTPEngine.PACKED)]
+
+    def open(self, group: int) -> dict[str, torch.Tensor]:
+        e, rank = self.engine, self.place.rank
+        e._open = {n: torch.empty(self.place.spec.dst[n].local_shape(rank)) for n in self.groups[group]}
+        e.open_bytes += sum(t.numel() * t.element_size() for t in e._open.values())
+        e.peak_open = max(e.peak_open, e.open_bytes)
+        e.events.append(("open", group))
+        return e._open
+
+    def close(self, group: int) -> None:
+        e = self.engine
+        e._pack(e._open["fc1.weight"], e._open["fc1.bias"])
+        e.open_bytes -= sum(t.numel() * t.element_size() for t in e._open.values())
+        e._open = {}
+        e.events.append(("close", group))
+
+
+__all__ = ["TPEngine", "PackedTPEngine", "TinyTrainer", "TinyMLP", "recipe", "full_weights", "TOKENS", "PARAMS",
+           "ENGINE"]

@@ -11,7 +11,11 @@ one buffer set: about 1.0x more. The control run keeps the background pull's for
 ``trs.Shadow()`` (two sets), and measures about 2.0x: the measurement tells the two apart. With
 the background pull off and ``direct`` on (the default), every parameter of this engine is in load
 format, so the pull writes them and holds nothing more: about 0.0x, read once version 1 was
-pulled into the parameters.
+pulled into the parameters. With every parameter post-processed instead (``LayeredEngine``: each
+served from a packed tensor of its own, as vLLM's CPU backend serves its linear layers), the
+direct pull streams them through the engine's layer sink, one layer at a time: about 0.0x after,
+and about 0.5x (the larger of its two layers) at the peak, read inside the sink while a layer's
+load-format tensors are alive.
 """
 import time
 
@@ -50,6 +54,42 @@ def weights(version: int) -> dict[str, torch.Tensor]:
 class MemEngine(TPEngine):
     def rank_layout(self, init: ServingInit) -> RankLayout:
         return RankLayout(engine=ENGINE, tp=self.tp, tp_rank=self.tp_rank)
+
+
+class LayeredEngine(MemEngine):
+    """Every parameter post-processed: served from a tensor of its own (``packed``), so a direct
+    pull writes none in place and streams each, one group per parameter, through :class:`_Sink`."""
+
+    def check(self, place) -> None:
+        super().check(place)
+        self.packed = {n: torch.zeros(lay.local_shape(place.rank)) for n, lay in place.spec.dst.items()}
+        self.base, self.peak = 0, 0
+
+    def direct_tensors(self, place) -> dict:
+        return {}
+
+    def layer_sink(self, place, direct):
+        return _Sink(self, place)
+
+    def apply(self, bufs) -> dict:
+        assert not bufs, sorted(bufs)  # everything was streamed
+        return {"copy_ms": 0.0, "post_ms": 0.0}
+
+
+class _Sink:
+    def __init__(self, engine: LayeredEngine, place):
+        self.engine, self.place, self.groups, self._open = engine, place, [[n] for n in place.spec.dst], {}
+
+    def open(self, group: int) -> dict:
+        self._open = {n: torch.empty(self.place.spec.dst[n].local_shape(self.place.rank)) for n in self.groups[group]}
+        return self._open
+
+    def close(self, group: int) -> None:
+        e = self.engine
+        e.peak = max(e.peak, private_bytes() - e.base)  # the layer's load-format tensors are alive here
+        for n, t in self._open.items():
+            e.packed[n].copy_(t)
+        self._open = {}
 
 
 def private_bytes() -> int:
@@ -92,11 +132,22 @@ def _wait(engine, version: int) -> None:
 def _engine(rank: int, init: dict, tp_port: int, shadow: bool) -> dict:
     if shadow:  # the control: the background pull's former mode, two buffer sets
         BackgroundPull.MODE, BackgroundPull.BUFFER_SETS = trs.Shadow(), 2
+    layered = init["group"].endswith("-layered")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{tp_port}", rank=0, world_size=1)
     try:
         before = private_bytes()
-        engine = MemEngine(init, tp_rank=0, tp=1, tp_group=dist.group.WORLD)
+        engine = (LayeredEngine if layered else MemEngine)(init, tp_rank=0, tp=1, tp_group=dist.group.WORLD)
         try:
+            if layered:  # streamed layer by layer into the engine's packed tensors
+                engine.base = private_bytes()
+                assert engine.refit(UpdateInfo(version=1))["streamed_bytes"] == WEIGHT_BYTES
+                after = private_bytes()
+                # its own parameters (1.0x) and the packed ones (1.0x) are the engine's; the pull's peak
+                peak = (engine.peak + engine.base - before - 2 * WEIGHT_BYTES) / WEIGHT_BYTES
+                stats = engine.refit(UpdateInfo(version=2))
+                assert all(torch.equal(engine.packed[n], t) for n, t in weights(2).items())
+                return {"extra": after - before - 2 * WEIGHT_BYTES, "peak": peak, "mode": str(engine.sub.mode),
+                        "bytes": stats["bytes"], "set": engine.joined.set_bytes, "layer": engine.joined.layer_bytes}
             if not init["prefetch"]:  # the direct pull: version 1 written straight into the parameters
                 assert engine.refit(UpdateInfo(version=1))["direct_bytes"] == WEIGHT_BYTES
                 after = private_bytes()
@@ -131,13 +182,14 @@ def _rank(rank: int, inits: list, tp_ports: list) -> list:
 def test_each_pull_mode_holds_what_it_says_measured():
     """Measured, not computed: the rank's private memory beyond its own parameters is about 1.0x
     its weights with the background pull on (and about 2.0x in the two-set control), about 0.0x
-    with the direct pull."""
-    runs = (("spare", True, False), ("shadow", True, True), ("direct", False, False))
+    with the direct pull, and with every layer post-processed, 0.0x after and one layer at the
+    peak of the streamed pull."""
+    runs = (("spare", True, False), ("shadow", True, True), ("direct", False, False), ("layered", False, False))
     inits = [(ServingInit(store=f"127.0.0.1:{free_port()}", trainer_ranks=TRAINERS, inference_ranks=INFERENCE,
                           group=f"mem-{name}", prefetch=prefetch, timeout=60).to_dict(), shadow)
              for name, prefetch, shadow in runs]
     out = run_ranks(_rank, len(TRAINERS) + len(INFERENCE), args=(inits, [free_port() for _ in runs]), timeout=260)
-    spare, shadow, direct = out[INFERENCE[0]]
+    spare, shadow, direct, layered = out[INFERENCE[0]]
     assert (spare["sets"], spare["mode"], shadow["sets"], shadow["mode"]) == (1, "spare", 2, "shadow")
     assert (direct["mode"], direct["prefetched"]) == ("inplace", False)
     assert spare["prefetched"] and spare["bytes"] == direct["bytes"] == WEIGHT_BYTES
@@ -148,3 +200,8 @@ def test_each_pull_mode_holds_what_it_says_measured():
     assert 0.85 <= extra["spare"] <= 1.25, extra
     assert 1.85 <= extra["shadow"] <= 2.25, extra
     assert -0.15 <= extra["direct"] <= 0.25, extra
+    # Streamed a layer at a time: nothing held after, one layer (0.5x: two equal layers) at the peak.
+    assert (layered["mode"], layered["bytes"], layered["set"], layered["layer"]) == (
+        "inplace", WEIGHT_BYTES, 0, WEIGHT_BYTES // 2), layered
+    print(f"layered: {layered['extra'] / WEIGHT_BYTES:.3f}x after, {layered['peak']:.3f}x at the peak")
+    assert -0.15 <= layered["extra"] / WEIGHT_BYTES <= 0.25 and 0.35 <= layered["peak"] <= 0.7, layered

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from _mp import free_port, run_ranks
 from _tp_engine import ENGINE as TINY
-from _tp_engine import TOKENS, TinyMLP, TinyTrainer, TPEngine, full_weights, recipe
+from _tp_engine import TOKENS, PackedTPEngine, TinyMLP, TinyTrainer, TPEngine, full_weights, recipe
 
 import tritonreshard as trs
 from tritonreshard.serving import (
@@ -88,10 +88,14 @@ def _trainer(rank: int, init: dict, gate: str) -> dict:
 def _engine(rank: int, init: dict, tp_port: int, gate: str) -> dict:
     tp_rank = rank - len(TRAINERS)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{tp_port}", rank=tp_rank, world_size=len(ENGINE))
-    engine = TPEngine(init, tp_rank=tp_rank, tp=len(ENGINE), tp_group=dist.group.WORLD)
-    report = {"pull": type(engine.pull).__name__, "refits": [], "direct_bytes": []}
+    kind = PackedTPEngine if init["group"].endswith("-layered") else TPEngine
+    engine = kind(init, tp_rank=tp_rank, tp=len(ENGINE), tp_group=dist.group.WORLD)
+    report = {"pull": type(engine.pull).__name__, "refits": [], "direct_bytes": [], "streamed_bytes": []}
     # The module's parameters, as they were before any refit: a direct pull writes these very tensors.
     ptrs = {n: engine.module.param(n).data_ptr() for n in engine.spec.dst}
+    if kind is PackedTPEngine:  # fc1 is served packed, streamed through the layer sink, never pulled in place
+        ptrs = {n: p for n, p in ptrs.items() if n not in PackedTPEngine.PACKED}
+        packed = engine.fc1_packed.data_ptr()
     try:
         for v in range(1, VERSIONS + 1):
             if init["prefetch"]:  # let the background pull finish: the refit then only applies
@@ -102,15 +106,20 @@ def _engine(rank: int, init: dict, tp_port: int, gate: str) -> dict:
             stats = engine.refit(UpdateInfo(version=v))
             full = full_weights(v)
             for n, lay in engine.spec.dst.items():
-                assert torch.equal(engine.module.param(n), lay.shard(full[n], engine.rank)), (n, v)
+                assert torch.equal(engine.served(n), lay.shard(full[n], engine.rank)), (n, v)
             ref = TinyMLP()
             ref.load_state_dict(full)
             with torch.no_grad():
                 assert torch.equal(engine.forward(TOKENS), ref(TOKENS)), v
             report["refits"].append((stats["version"], stats["prefetched"]))
             report["direct_bytes"].append(stats["direct_bytes"])
+            report["streamed_bytes"].append(stats["streamed_bytes"])
             report["pulled_into_params"] = all(engine.sub.tensors[n].data_ptr() == p for n, p in ptrs.items())
             assert {n: engine.module.param(n).data_ptr() for n in ptrs} == ptrs  # nothing re-allocated
+            if kind is PackedTPEngine:
+                assert engine.fc1_packed.data_ptr() == packed
+                assert not set(PackedTPEngine.PACKED) & set(engine.sub.tensors)
+                report["sink"] = (engine.events, engine.peak_open, engine.open_bytes)
             if engine.tp_rank == 0:
                 _open_gate(gate, init["group"], v + 1)
     finally:
@@ -131,7 +140,8 @@ def _rank(rank: int, inits: list, tp_ports: list, gate: str) -> list:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_plain_torch_engine_refits_bit_exact_through_the_seam(tmp_path):
-    modes = (("background", True, True), ("inline", False, False), ("direct", False, True))
+    modes = (("background", True, True), ("inline", False, False), ("direct", False, True),
+             ("layered", False, True))
     inits = [ServingInit(store=f"127.0.0.1:{free_port()}", trainer_ranks=TRAINERS, inference_ranks=ENGINE,
                          group=f"tiny-{mode}", prefetch=prefetch, direct=direct, timeout=60).to_dict()
              for mode, prefetch, direct in modes]
@@ -141,14 +151,18 @@ def test_a_plain_torch_engine_refits_bit_exact_through_the_seam(tmp_path):
         assert [o["src_dtype"] for o in out[r]] == ["float32"] * len(modes)
     spec = recipe(TRAINERS, ENGINE)
     for r in ENGINE:
-        background, inline, direct = out[r]
-        assert (background["pull"], inline["pull"], direct["pull"]) == (
-            BackgroundPull.__name__, InlinePull.__name__, DirectPull.__name__)
+        background, inline, direct, layered = out[r]
+        assert (background["pull"], inline["pull"], direct["pull"], layered["pull"]) == (
+            BackgroundPull.__name__, InlinePull.__name__, DirectPull.__name__, DirectPull.__name__)
         assert background["refits"] == [(1, True), (2, True)]   # pulled before the refit asked
-        assert inline["refits"] == direct["refits"] == [(1, False), (2, False)]  # pulled inside the refit
-        # Only the direct pull wrote the module's parameters themselves: every byte of this rank's shards.
-        shard_bytes = sum(math.prod(lay.local_shape(r)) * lay.itemsize for lay in spec.dst.values())
-        assert direct["pulled_into_params"] and direct["direct_bytes"] == [shard_bytes] * 2, direct
+        assert inline["refits"] == direct["refits"] == layered["refits"] == [(1, False), (2, False)]
+        # Only the direct pulls wrote the module's parameters themselves: every byte of this rank's
+        # shards; the layered one streamed fc1 (post-processed) through its sink, one group at a time.
+        nbytes = {n: math.prod(lay.local_shape(r)) * lay.itemsize for n, lay in spec.dst.items()}
+        fc1 = sum(nbytes[n] for n in PackedTPEngine.PACKED)
+        assert direct["pulled_into_params"] and direct["direct_bytes"] == [sum(nbytes.values())] * 2, direct
+        assert layered["pulled_into_params"] and layered["direct_bytes"] == [sum(nbytes.values()) - fc1] * 2
+        assert layered["streamed_bytes"] == [fc1] * 2 and layered["sink"] == ([("open", 0), ("close", 0)] * 2, fc1, 0)
         assert not background["pulled_into_params"] and not inline["pulled_into_params"]
         assert background["direct_bytes"] == inline["direct_bytes"] == [0, 0]
         assert not any(o["vllm_imported"] for o in out[r])

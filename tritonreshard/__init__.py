@@ -19,8 +19,8 @@ __all__ = [
     "execute_local", "recipes",
     "RefitEndpoint", "RefitTrainer", "RefitInference", "RefitError", "PeerDiedError", "PullStats", "RefitStats",
     "secret_for_children", "Meeting", "SourceData", "DestinationData", "Timeouts", "PullOptions", "Fixed", "Elastic",
-    "Dense", "Delta", "BufferMode", "Shadow", "InPlace", "Spare", "CopyBackend", "AutoBackend", "TritonBackend",
-    "TorchBackend",
+    "Dense", "Delta", "BufferMode", "Shadow", "InPlace", "Spare", "LayerSink", "CopyBackend", "AutoBackend",
+    "TritonBackend", "TorchBackend",
 ]
 __version__ = "0.1.0"
 
@@ -38,7 +38,7 @@ _EXPORTS = {
     "Meeting": "engine", "SourceData": "engine", "DestinationData": "engine",
     "Timeouts": "engine", "PullOptions": "engine", "Fixed": "engine", "Elastic": "engine",
     "Dense": "transport", "Delta": "transport",
-    "BufferMode": "engine", "Shadow": "engine", "InPlace": "engine", "Spare": "engine",
+    "BufferMode": "engine", "Shadow": "engine", "InPlace": "engine", "Spare": "engine", "LayerSink": "engine",
     "CopyBackend": "engine", "AutoBackend": "engine", "TritonBackend": "engine", "TorchBackend": "engine",
 }
 #: The layers, reachable as attributes too (``trs.planning.fmt_bytes``) once anything asks.

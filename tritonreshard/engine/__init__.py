@@ -15,7 +15,8 @@
 * :mod:`.liveness`: heartbeats and dead peers; :mod:`.checks`: an endpoint's arguments;
 * :mod:`.config`: an endpoint's typed configs (:class:`Meeting`, :class:`Timeouts`,
   :class:`PullOptions`); :mod:`.membership`: a :class:`Membership`, :class:`Fixed` or
-  :class:`Elastic`; :mod:`.modes`: a :class:`BufferMode`, :class:`Shadow`, :class:`InPlace` or :class:`Spare`; the
+  :class:`Elastic`; :mod:`.modes`: a :class:`BufferMode`, :class:`Shadow`, :class:`InPlace` or :class:`Spare`, and a
+  :class:`LayerSink`; the
   copy backends (:class:`CopyBackend`) are :mod:`tritonreshard.kernels.backends`'s;
 * :mod:`.fsdp`: FSDP2 models as sources;
 * :mod:`.endpoint`: :class:`RefitTrainer`, :class:`RefitInference`, :class:`RefitEndpoint`.
@@ -26,10 +27,10 @@ from .config import Meeting, PullOptions, Timeouts
 from .endpoint import PullStats, RefitEndpoint, RefitInference, RefitStats, RefitTrainer
 from .members import GroupInputs, Member, validate_members
 from .membership import Elastic, Fixed, Membership
-from .modes import BufferMode, InPlace, Shadow, Spare
+from .modes import BufferMode, InPlace, LayerSink, Shadow, Spare
 from .rendezvous import secret_for_children
 
 __all__ = ["AutoBackend", "BufferMode", "CopyBackend", "DestinationData", "Elastic", "Fixed", "GroupInputs", "InPlace",
-           "Meeting", "Member", "Membership", "PullOptions", "PullStats", "RefitEndpoint", "RefitInference",
-           "RefitStats", "RefitTrainer", "Shadow", "SourceData", "Spare", "Timeouts", "TorchBackend", "TritonBackend",
-           "secret_for_children", "validate_members"]
+           "LayerSink", "Meeting", "Member", "Membership", "PullOptions", "PullStats", "RefitEndpoint",
+           "RefitInference", "RefitStats", "RefitTrainer", "Shadow", "SourceData", "Spare", "Timeouts", "TorchBackend",
+           "TritonBackend", "secret_for_children", "validate_members"]

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ..kernels import AutoBackend, CopyBackend, copy_backend
 from ..transport import Codec, Delta
 from .membership import Fixed, Membership
-from .modes import BufferMode, Shadow, buffer_mode
+from .modes import BufferMode, LayerSink, Shadow, buffer_mode
 from .sources import Sources
 
 __all__ = ["Meeting", "Options", "PullOptions", "Timeouts", "options"]
@@ -116,18 +116,27 @@ class PullOptions:
     turned into the objects here. ``device``: of the destination buffers (default: the given
     tensors' device, else cpu). ``sources``: where source bytes come from, a subclass of
     :class:`~tritonreshard.engine.sources.Sources` (default: this host's arenas and relay buffers,
-    mapped once and read in place)."""
+    mapped once and read in place). ``layers``: a :class:`~tritonreshard.engine.modes.LayerSink`
+    whose destinations each pull streams a group at a time into tensors the sink hands over,
+    holding no buffer for them (with ``trs.InPlace()`` only)."""
 
     mode: BufferMode = Shadow()
     backend: CopyBackend = AutoBackend()
     device: object = None
     sources: type = Sources
+    layers: object = None
 
     def __post_init__(self):
         problems: list[str] = []
         mode, backend = buffer_mode(self.mode, problems), copy_backend(self.backend, problems)
         if not (isinstance(self.sources, type) and issubclass(self.sources, Sources)):
             problems.append(f"sources must be a subclass of trs.engine.sources.Sources, got sources={self.sources!r}")
+        if self.layers is not None and not isinstance(self.layers, LayerSink):
+            problems.append(f"layers must be None or a trs.engine.modes.LayerSink (groups, open, close), got "
+                            f"layers={self.layers!r}")
+        elif self.layers is not None and mode is not None and (mode.sets != 1 or mode.background):
+            problems.append(f"layers= streams into the tensors an engine serves while the pull runs: it needs "
+                            f"mode=trs.InPlace(), got mode={mode}")
         if problems:
             raise ValueError("PullOptions: " + "; ".join(problems))
         object.__setattr__(self, "mode", mode)  # frozen: the names become their objects once, here

@@ -10,6 +10,11 @@
   part-way tears the set, never the engine's weights. Half of :class:`Shadow`'s memory, for a
   caller that reads the set only between pulls (the serving seam's background pull).
 
+Beside the mode, an in-place pull may stream some destinations through a :class:`LayerSink`
+(``PullOptions(layers=)``): no buffer for them; each pull hands over their tensors a group at a
+time (``open``), writes them, and gives them back (``close``), so an engine that post-processes
+each layer (vLLM's layerwise reload) needs one layer of memory, not a set.
+
 The serving buffers and the subscriber ask the mode (how many sets, which one a pull writes,
 whether a failed pull tears them, whether a pull may run in the background) and never compare its
 name. The string spellings (``"shadow"``, ``"inplace"``) are accepted where a mode enters from a
@@ -19,12 +24,15 @@ user (``PullOptions(mode=)``, the command line) and turned into these objects th
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Protocol, runtime_checkable
+
+import torch
 
 from ..kernels.backends import choose_by_name
 
-__all__ = ["BUFFER_MODE_NAMES", "BufferMode", "InPlace", "Shadow", "Spare", "buffer_mode"]
+__all__ = ["BUFFER_MODE_NAMES", "BufferMode", "InPlace", "LayerSink", "Shadow", "Spare", "buffer_mode"]
 
 
 class BufferMode(ABC):
@@ -110,3 +118,23 @@ def buffer_mode(value, problems: list[str] | None = None, *, param: str = "mode"
     mode (:func:`~tritonreshard.kernels.backends.choose_by_name`: with ``problems`` a bad value is
     appended there, without it is a ``ValueError``)."""
     return choose_by_name(value, BufferMode, _BY_NAME, "'shadow' or 'inplace'", problems, param)
+
+
+@runtime_checkable
+class LayerSink(Protocol):
+    """Destinations an in-place pull streams a group at a time into tensors handed over at pull
+    time (``PullOptions(layers=)``), instead of buffers it holds.
+
+    ``groups``: the destination names, a sequence of groups in pull order (each name of this rank
+    once; none also given as ``tensors=``). Each pull, after the rest: for each group ``g``,
+    ``open(g)`` returns ``{name: tensor}`` for every name of the group (this rank's shard: its
+    shape, dtype and device, contiguous), the pull writes them (the plan's zero fills included),
+    waits for the copy, and calls ``close(g)``. A pull that fails part-way leaves the groups before
+    it written and the rest as they were (the mode tears: ``consistent = False``); ``close`` is not
+    called for the group it failed in."""
+
+    groups: Sequence[Sequence[str]]
+
+    def open(self, group: int) -> Mapping[str, torch.Tensor]: ...
+
+    def close(self, group: int) -> None: ...

@@ -121,7 +121,7 @@ class InferenceSide:
         if self.buffers is None and rank_plan.dst_order:
             self.buffers = ServingBuffers(self.rank, rank_plan.dst_layouts, rank_plan.dst_order,
                                           tensors=self._tensors, device=self.device, mode=self.pull.mode,
-                                          fills=rank_plan.fills)
+                                          fills=rank_plan.fills, layers=self.pull.layers)
 
     @property
     def exported(self) -> tuple:

@@ -23,6 +23,7 @@ counted by a thread-local ``TorchDispatchMode``).
 """
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import threading
@@ -52,6 +53,7 @@ class PullStats:
     copy_ms: float       # sources' prepare + descriptor-table copy + device sync
     total_ms: float      # from the start of the pull to the ack
     staging_bytes: int
+    sink_ms: float = 0.0  # in a layer sink's open / close (the engine's own work, not in copy_ms)
 
     @property
     def coordination_ms(self) -> float:
@@ -134,18 +136,24 @@ class ServingBuffers:
         mode: a :class:`~tritonreshard.engine.modes.BufferMode`: ``Shadow()`` (two sets: pull into the
             spare, then swap), ``InPlace()`` or ``Spare()`` (one set, pulled into in the background too).
         fills: the plan's zero fills of this rank (padding no copy writes): zeroed once here.
+        layers: optional :class:`~tritonreshard.engine.modes.LayerSink`: its destinations get no
+            buffer (each pull streams them into the sink's tensors, fills included).
     """
 
-    def __init__(self, rank: int, layouts: dict, order, *, tensors=None, device, mode: BufferMode, fills=()):
+    def __init__(self, rank: int, layouts: dict, order, *, tensors=None, device, mode: BufferMode, fills=(),
+                 layers=None):
         self.rank, self.mode, self.device = rank, mode, device
         self.layouts = dict(layouts)
-        self.order = list(order)
+        tensors = tensors or {}
+        self.layers = layers
+        self.streamed = _streamed(layers, set(order), tensors)
+        self.names = list(order)   # every destination of this rank, in the group's buffer order
+        self.order = [n for n in order if n not in self.streamed]   # those in the buffer sets
         self.version = 0           # version being served
         self.consistent = True     # a mode that tears (in place, spare): False while a copy may be partial
         self.pulls = 0
         self.last_pull: PullStats | None = None
         self.staging_bytes = 0     # the largest staging_bytes measured over this rank's pulls
-        tensors = tensors or {}
         # One flat allocation per buffer set, in the group's order (as in the trainers' arenas):
         # copies of equal shards then differ by a constant address step.
         self.sets: list[dict[str, torch.Tensor]] = []
@@ -160,9 +168,10 @@ class ServingBuffers:
                 bufs[n] = flat[off:off + size].view(lay.dtype).view(lay.local_shape(rank))
             self.sets.append({n: bufs[n] for n in self.order})
         self.fills = tuple(fills)
-        for bufs in self.sets:  # padding: no op ever writes it, so once is enough
+        for bufs in self.sets:  # padding: no op ever writes it, so once is enough (streamed: each pull)
             for f in self.fills:
-                bufs[f.name][f.dst_slices].zero_()
+                if f.name not in self.streamed:
+                    bufs[f.name][f.dst_slices].zero_()
         self.serving = 0
 
     @property
@@ -184,6 +193,39 @@ class ServingBuffers:
 
     def release(self) -> None:
         self.sets = []
+
+
+def _streamed(layers, order: set, tensors) -> dict[str, int]:
+    """``{name: group}`` of a layer sink's destinations (empty without one); a ``ValueError``
+    naming every name the sink streams that this rank does not hold, holds twice, or is given
+    as a tensor too."""
+    if layers is None:
+        return {}
+    out: dict[str, int] = {}
+    problems = []
+    for g, names in enumerate(layers.groups):
+        for n in names:
+            if n in out:
+                problems.append(f"{n!r} is in groups {out[n]} and {g}")
+            elif n not in order:
+                problems.append(f"{n!r} (group {g}) is not a destination of this rank")
+            elif n in tensors:
+                problems.append(f"{n!r} (group {g}) is given as tensors= too")
+            out[n] = g
+    if problems:
+        raise ValueError("PullOptions(layers=): " + "; ".join(problems))
+    return out
+
+
+def _streamed_bytes(group_ops, layouts: dict, quant: dict, rank: int) -> int:
+    """Bytes the streamed groups write per pull, as their tables' ``bytes_written`` would count
+    them (the tables are built at pull time): each plain op's elements, each block-FP8 weight's
+    fp8 bytes and fp32 scales."""
+    ops = [op for g in group_ops for op in g]
+    plain = sum(math.prod(s.stop - s.start for s in op.dst_slices) * layouts[op.name].itemsize
+                for op in ops if op.name not in quant)
+    fp8 = {op.name for op in ops if op.name in quant}
+    return plain + sum(layouts[n].local_numel(rank) + layouts[quant[n].scale].local_numel(rank) * 4 for n in fp8)
 
 
 def _zeroed(nbytes: int, device) -> torch.Tensor:
@@ -237,7 +279,7 @@ class Subscriber:
         self.first_version = 0
         self._joined = False
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        pos = {n: i for i, n in enumerate(buffers.order)}
+        pos = {n: i for i, n in enumerate(buffers.names)}
         # Table order: by buffer, then where the source view lies in it, then the destination.
         reads = sorted(route.reads, key=lambda r: (*r.order_key, pos[r.op.name],
                                                    tuple(s.start for s in r.op.dst_slices)))
@@ -251,14 +293,23 @@ class Subscriber:
 
         by_op = {r.op: r for r in reads}
         quant = quant or {}
+        self._quant, self._src = quant, lambda op: src_view(by_op[op])
+        streamed = buffers.streamed
+        held = [r for r in reads if r.op.name not in streamed]
         # Block-FP8 weights (quant) go to a quantize table: each block read whole, quantized in registers.
-        self._tables = [DescriptorTable.build([r.op for r in reads if r.op.name not in quant],
-                                              src=lambda op: src_view(by_op[op]), dst=lambda op, b=bufs: b[op.name])
+        self._tables = [DescriptorTable.build([r.op for r in held if r.op.name not in quant],
+                                              src=self._src, dst=lambda op, b=bufs: b[op.name])
                         for bufs in buffers.sets]
-        qops = [r.op for r in reads if r.op.name in quant]
-        self._qtables = [QuantizeTable.build(qops, quant, src=lambda op: src_view(by_op[op]),
-                                             dst=lambda op, b=bufs: b[op.name], scale=lambda r, n, b=bufs: b[n])
+        qops = [r.op for r in held if r.op.name in quant]
+        self._qtables = [QuantizeTable.build(qops, quant, src=self._src, dst=lambda op, b=bufs: b[op.name],
+                                             scale=lambda r, n, b=bufs: b[n])
                          if qops else None for bufs in buffers.sets]
+        # A layer sink's groups: their ops, in table order, and their fills; their tables are built
+        # at each pull, over the tensors the sink hands over then.
+        groups = len(buffers.layers.groups) if buffers.layers is not None else 0
+        self._group_ops = [[r.op for r in reads if streamed.get(r.op.name) == g] for g in range(groups)]
+        self._group_fills = [[f for f in route.fills if streamed.get(f.name) == g] for g in range(groups)]
+        self._streamed_bytes = _streamed_bytes(self._group_ops, buffers.layouts, quant, self.rank)
 
     # ------------------------------------------------------------------ joining (elastic groups)
     def join(self, timeout: float) -> int:
@@ -347,6 +398,7 @@ class Subscriber:
                 self.backend.run(table)
                 if qtable is not None:
                     self.backend.run(qtable)
+        sink_s, streamed_staging = self._stream_groups()
         t2 = time.perf_counter()
         # The copy is only valid if no source changed or died while it ran (a dead trainer's
         # memory stays mapped, but the version it was publishing can no longer be vouched for).
@@ -358,7 +410,36 @@ class Subscriber:
         for c in controls.values():
             c.ack(self.rank, version)
         t3 = time.perf_counter()
-        return PullStats(version, (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t0) * 1e3, meter.nbytes)
+        return PullStats(version, (t1 - t0) * 1e3, (t2 - t1 - sink_s) * 1e3, (t3 - t0) * 1e3,
+                         max(meter.nbytes, streamed_staging), sink_s * 1e3)
+
+    def _stream_groups(self) -> tuple[float, int]:
+        """A layer sink's groups, one after the other: its tensors, written (ops and fills), the
+        copy waited for, given back. On the caller's stream: the sink's tensors were made there.
+        Returns the seconds spent in the sink (its own work) and the most staging one group's copy
+        allocated (the sink's calls run outside the meter: what they allocate is the engine's)."""
+        sink, in_sink, staging = self.buffers.layers, 0.0, 0
+        for g, (ops, fills) in enumerate(zip(self._group_ops, self._group_fills, strict=True)):
+            t0 = time.perf_counter()
+            dst = sink.open(g)
+            in_sink += time.perf_counter() - t0
+            with _StagingMeter(self.device) as meter:
+                plain = [op for op in ops if op.name not in self._quant]
+                self.backend.run(DescriptorTable.build(plain, src=self._src, dst=lambda op, d=dst: d[op.name]))
+                qops = [op for op in ops if op.name in self._quant]
+                if qops:
+                    self.backend.run(QuantizeTable.build(qops, self._quant, src=self._src,
+                                                         dst=lambda op, d=dst: d[op.name],
+                                                         scale=lambda r, n, d=dst: d[n]))
+                for f in fills:
+                    dst[f.name][f.dst_slices].zero_()
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()
+            staging = max(staging, meter.nbytes)
+            t0 = time.perf_counter()
+            sink.close(g)
+            in_sink += time.perf_counter() - t0
+        return in_sink, staging
 
     def next_version(self, version=None) -> int:
         if version is not None:
@@ -474,7 +555,7 @@ class Subscriber:
         if not self._tables:
             return 0
         q = self._qtables[0]
-        return self._tables[0].bytes_written + (q.bytes_written if q is not None else 0)
+        return self._tables[0].bytes_written + (q.bytes_written if q is not None else 0) + self._streamed_bytes
 
     @property
     def num_descriptors(self) -> int:

@@ -44,11 +44,19 @@ class ServingRank:
         engine's own parameters (what a refit costs in memory beyond the engine's weights, per set)."""
         return sum(lay.local_numel(self.rank) * lay.itemsize for n, lay in self.spec.dst.items() if n not in direct)
 
-    def join(self, *, device, mode, tensors=None) -> tuple[RefitInference, float]:
+    def layer_bytes(self, layers) -> int:
+        """Bytes of the largest group a layer sink streams on this rank (0 for None)."""
+        if layers is None:
+            return 0
+        return max((sum(self.spec.dst[n].local_numel(self.rank) * self.spec.dst[n].itemsize for n in g)
+                    for g in layers.groups), default=0)
+
+    def join(self, *, device, mode, tensors=None, layers=None) -> tuple[RefitInference, float]:
         """Check the store (both sides elastic or neither), then join the refit group: the
         inference endpoint of this rank in buffer ``mode`` (``trs.Spare()``: one set, for the
         background pull; ``trs.InPlace()``: one, which ``tensors``, ``{dst name: the engine's
-        parameter}``, replace where given), and how long joining took in ms. The one
+        parameter}``, replace where given, and a ``layers`` sink's destinations skip), and how long
+        joining took in ms. The one
         construction of a ``RefitInference`` on the serving side; every engine calls it."""
         init = self.init
         if self.group.asks_store(self.rank):
@@ -59,7 +67,7 @@ class ServingRank:
         meeting = Meeting(rank=self.rank, world_size=self.group.world_size(), store=init.store, group=init.group)
         sub = RefitInference(self.spec.dst, meeting, tensors=tensors, parts=self.spec.parts,
                              quant=getattr(self.spec, "quant", None) or None,
-                             pull=PullOptions(mode=mode, device=device),
+                             pull=PullOptions(mode=mode, device=device, layers=layers),
                              membership=self.group.membership(), **init.configs)
         return sub, (time.perf_counter() - t0) * 1e3
 

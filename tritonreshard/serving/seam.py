@@ -13,15 +13,17 @@ A serving engine implements five methods, the only things that differ between en
 * :meth:`~ServingEngine.fail`: report an agreed failure (raise it, or, where the engine's RPC
   cannot take an exception on every rank, raise on one rank and return on the others).
 
-and may implement two more (both do nothing by default): :meth:`~ServingEngine.direct_tensors`
-(the parameters an inline pull may write directly, with no buffer: those in load format) and
-:meth:`~ServingEngine.writing_served` (told just before such a pull writes them); it inherits the
-rest, the same for every engine: :meth:`~ServingEngine.join_group` (the recipe
-from the registry, the rank's place, the check, the pull mode, the join), :meth:`~ServingEngine.
-start_pulling`, :meth:`~ServingEngine.refit` (check, agree, obtain, agree, apply: all TP ranks or
-none) and :meth:`~ServingEngine.leave_group`. It is generic over its init info (a
-:class:`~.schema.ServingInit` subclass: an engine adds its fields and checks) and its update info
-(:class:`UpdateInfo` or a subclass), as an engine's own weight-transfer interface usually is.
+and may implement three more (none does anything by default): :meth:`~ServingEngine.direct_tensors`
+(the parameters an inline pull may write directly, with no buffer: those in load format),
+:meth:`~ServingEngine.layer_sink` (the rest, streamed a layer at a time into load-format tensors
+the engine hands over and post-processes) and :meth:`~ServingEngine.writing_served` (told just
+before such a pull writes them); it inherits the rest, the same for every engine:
+:meth:`~ServingEngine.join_group` (the recipe from the registry, the rank's place, the check,
+the pull mode, the join), :meth:`~ServingEngine.start_pulling`, :meth:`~ServingEngine.refit`
+(check, agree, obtain, agree, apply: all TP ranks or none) and :meth:`~ServingEngine.leave_group`.
+It is generic over its init info (a :class:`~.schema.ServingInit` subclass: an engine adds its
+fields and checks) and its update info (:class:`UpdateInfo` or a subclass), as an engine's own
+weight-transfer interface usually is.
 
 Implemented by the engine packages built on it (their weight-transfer engine, their LoRA slot)
 and by the plain torch engine of ``tests/_tp_engine.py``; docs/code-layout.md ("Adding a serving engine") lists
@@ -38,6 +40,7 @@ from typing import Generic, TypeVar
 import torch
 
 from .. import RefitInference
+from ..engine import LayerSink
 from .layout import ServingRank, serving_rank
 from .pull import BackgroundPull, DirectPull, InlinePull, pull_mode
 from .registry import recipe_for
@@ -89,11 +92,23 @@ class Joined:
     join_ms: float
     installed: int = 0
     direct: frozenset = frozenset()
+    layers: LayerSink | None = None
+
+    @property
+    def streamed(self) -> frozenset:
+        """The destinations the layer sink streams (empty without one)."""
+        return frozenset(n for g in self.layers.groups for n in g) if self.layers is not None else frozenset()
 
     @property
     def set_bytes(self) -> int:
-        """Bytes of this rank's one buffer set: every destination not written directly."""
-        return self.place.set_bytes(self.direct)
+        """Bytes of this rank's one buffer set: every destination neither written directly nor streamed."""
+        return self.place.set_bytes(self.direct | self.streamed)
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of the largest group the layer sink streams: the most load-format memory the
+        engine holds at once for them (0 without a sink)."""
+        return self.place.layer_bytes(self.layers)
 
     @property
     def spec(self):
@@ -151,6 +166,14 @@ class ServingEngine(ABC, Generic[TInit, TUpdate]):
         after :meth:`check`. None by default: every destination goes through the buffer set."""
         return {}
 
+    def layer_sink(self, place: ServingRank, direct: dict[str, torch.Tensor]) -> LayerSink | None:
+        """For a direct pull, the destinations not in ``direct`` that the engine takes a layer at a
+        time (a :class:`~tritonreshard.engine.modes.LayerSink`: ``groups`` of dst names, ``open(g)``
+        hands over their load-format tensors, ``close(g)`` post-processes them): no buffer set for
+        them, one layer of load-format memory at a time. Called once, after :meth:`direct_tensors`.
+        None by default: they go through the buffer set and :meth:`apply`."""
+        return None
+
     def writing_served(self) -> None:
         """Called on every TP rank just before a direct pull may write :meth:`direct_tensors`:
         until the refit's apply returns, the engine's weights may be part old, part new (an engine
@@ -171,17 +194,23 @@ class ServingEngine(ABC, Generic[TInit, TUpdate]):
         place = serving_rank(init, recipe_for(init, layout, **extra), tp=layout.tp, tp_rank=layout.tp_rank)
         self.check(place)
         direct = dict(self.direct_tensors(place)) if init.direct and not init.prefetch else {}
-        pull = pull_mode(init.prefetch, direct=bool(direct), rank=place.rank, logger=logger, served=served)
-        set_bytes = place.set_bytes(direct)
-        if init.max_refit_bytes is not None and pull.BUFFER_SETS * set_bytes > init.max_refit_bytes:
+        layers = self.layer_sink(place, direct) if init.direct and not init.prefetch else None
+        pull = pull_mode(init.prefetch, direct=bool(direct) or layers is not None, rank=place.rank, logger=logger,
+                         served=served)
+        streamed = {n for g in layers.groups for n in g} if layers is not None else set()
+        set_bytes, layer_bytes = place.set_bytes(direct.keys() | streamed), place.layer_bytes(layers)
+        needed = pull.BUFFER_SETS * set_bytes + layer_bytes
+        if init.max_refit_bytes is not None and needed > init.max_refit_bytes:
             mode = ("background pull (prefetch=True)" if pull.BACKGROUND else
-                    f"direct pull (prefetch=False; {len(direct)} of {len(place.spec.dst)} parameters written "
-                    f"in place)" if direct else "inline pull (prefetch=False)")
+                    f"direct pull (prefetch=False; of {len(place.spec.dst)} parameters {len(direct)} written in "
+                    f"place, {len(streamed)} a layer at a time)" if pull.WRITES_SERVED else
+                    "inline pull (prefetch=False)")
             raise ValueError(f"init_info max_refit_bytes={init.max_refit_bytes}: the refit of rank {place.rank} "
-                             f"needs {pull.BUFFER_SETS * set_bytes} bytes beside the engine's weights with the "
-                             f"{mode}: {pull.BUFFER_SETS} buffer set(s) ({pull.MODE}) of {set_bytes} bytes")
-        sub, join_ms = place.join(device=layout.device, mode=pull.MODE, tensors=direct or None)
-        self.joined = Joined(place, sub, pull, init.timeout, join_ms, direct=frozenset(direct))
+                             f"needs {needed} bytes beside the engine's weights with the {mode}: "
+                             f"{pull.BUFFER_SETS} buffer set(s) ({pull.MODE}) of {set_bytes} bytes"
+                             + (f" and its largest layer, {layer_bytes} bytes" if layers is not None else ""))
+        sub, join_ms = place.join(device=layout.device, mode=pull.MODE, tensors=direct or None, layers=layers)
+        self.joined = Joined(place, sub, pull, init.timeout, join_ms, direct=frozenset(direct), layers=layers)
         return self.joined
 
     def start_pulling(self) -> None:
@@ -191,19 +220,24 @@ class ServingEngine(ABC, Generic[TInit, TUpdate]):
     def refit(self, update: TUpdate) -> dict | None:
         """Install ``update.version`` on every TP rank or on none (every TP rank calls it together):
         :func:`~.session.refit` with this engine's agreement, apply and failure. Returns its stats,
-        or None where :meth:`fail` returned; ``direct_bytes``: what the pull wrote in the engine's
-        own parameters (a direct pull), never copied again by the apply."""
+        or None where :meth:`fail` returned; ``direct_bytes`` / ``streamed_bytes``: what the pull
+        wrote in the engine's own parameters / a layer at a time into the tensors it handed over
+        (a direct pull), never copied again by the apply."""
         j = self.joined
-        # What a direct pull wrote is in the engine's parameters already: the apply gets the rest.
-        apply = self.apply if not j.direct else lambda bufs: self.apply(
-            {n: t for n, t in bufs.items() if n not in j.direct})
+        # What a direct pull wrote is in the engine's parameters already (or was streamed into them
+        # layer by layer): the apply gets the rest.
+        written = j.direct | j.streamed
+        apply = self.apply if not written else lambda bufs: self.apply(
+            {n: t for n, t in bufs.items() if n not in written})
         stats = refit(j.sub, j.pull, requested=update.version, timeout=j.timeout if update.timeout is None else
                       update.timeout, installed=j.installed, agree=self.agree, apply=apply, fail=self.fail,
                       writing=self.writing_served)
         if stats is not None:
             j.installed = stats["version"]
             # of the pull's bytes, those it wrote straight into the engine's parameters (a direct pull)
-            stats["direct_bytes"] = j.place.buffer_bytes - j.set_bytes
+            # or into the load-format tensors the engine handed over a layer at a time
+            stats["direct_bytes"] = j.place.set_bytes(()) - j.place.set_bytes(j.direct)
+            stats["streamed_bytes"] = j.place.set_bytes(()) - j.place.set_bytes(j.streamed)
         return stats
 
     def leave_group(self, *, abort: bool = False) -> None:

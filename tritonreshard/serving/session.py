@@ -128,6 +128,8 @@ def _stats(sub: RefitInference, target: int, prefetched: bool, split: dict, time
             "total_ms": (time.perf_counter() - t0) * 1e3,
             # the pull of this version (in the background when prefetched)
             "pull_wait_ms": pull.wait_ms, "pull_copy_ms": pull.copy_ms, "pull_total_ms": pull.total_ms,
+            # inside the pull, the engine's own work on the layers it streamed (its layer sink)
+            "pull_sink_ms": pull.sink_ms,
             "staging_bytes": pull.staging_bytes, "bytes": st.bytes_per_refit,
             # the pull's copy rate: its bytes over its copy time (bytes / ms / 1e6 = GB/s)
             "pull_gb_s": st.bytes_per_refit / (pull.copy_ms * 1e6) if pull.copy_ms > 0 else 0.0,

@@ -12,7 +12,10 @@ rank holds the same version, with the :class:`~._model.ModelMatch` of the model 
   multi-tensor copy (``torch._foreach_copy_``): the addresses CUDA graphs captured stay valid;
 * a layer whose parameters the direct pull wrote itself (``init_info(prefetch=False)``,
   :meth:`~._model.ModelMatch.direct`) is in ``bufs`` with none of them: nothing is copied, and in
-  the layerwise reload it gets its own tensors back as they are.
+  the layerwise reload it gets its own tensors back as they are;
+* with the direct pull, the layers vLLM post-processes are not in ``bufs`` either: the pull
+  streamed them through :class:`ReloadSink` (vLLM's layerwise reload a layer at a time: each
+  materialized, written by the pull, post-processed, dropped), and the apply only ends the reload.
 
 Imported inside vLLM's workers only.
 """
@@ -29,17 +32,101 @@ from vllm.model_executor.model_loader.reload.meta import materialize_layer
 from ._model import ModelMatch
 from ._versions import finish_reload, start_reload
 
-__all__ = ["apply"]
+__all__ = ["ReloadSink", "apply"]
+
+
+class ReloadSink:
+    """vLLM's layerwise reload as the direct pull's layer sink (a ``trs.LayerSink``): the layers
+    vLLM post-processes, each taken whole when the pull reaches it, so the load-format memory alive
+    at once is one layer's (vLLM's own reload materializes them so too), never a buffer set.
+
+    ``groups``: the buffer names of each unit, in module-name order; a unit is a post-processed
+    layer, with the layers tied to it (an LM head tied to the embeddings is filled from the
+    embeddings' tensor). ``skip``: buffer names written some other way (the direct ones).
+    :meth:`begin` starts vLLM's reload (every layer's load-format tensors on meta, its kernel
+    tensors kept); ``open(g)`` materializes the unit's layers and hands over their load-format
+    parameters; ``close(g)`` fills the tied ones and runs vLLM's post-processing (its copy into
+    the kernel tensors, whose addresses CUDA graphs captured, included); :meth:`end` puts every
+    other layer's own tensors back and ends the reload, after a whole pull or a failed one."""
+
+    def __init__(self, model: torch.nn.Module, model_config, match: ModelMatch, skip, device):
+        self.model, self.model_config, self.device = model, model_config, device
+        self._units = _units(match, set(skip))
+        self.groups = [[name for _, _, name, tied in unit if not tied] for _, unit in self._units]
+        self.active, self.experts, self._dst = False, 0, {}
+
+    def begin(self) -> None:
+        if not self.active:
+            start_reload(self.model)
+            self.active, self.experts = True, 0
+
+    @torch.no_grad()
+    def open(self, group: int) -> dict[str, torch.Tensor]:
+        modules, unit = self._units[group]
+        for mod in modules:
+            materialize_layer(mod, _layerwise.get_layerwise_info(mod))
+        self._dst = {name: getattr(mod, pname).data for mod, pname, name, tied in unit if not tied}
+        return self._dst
+
+    @torch.no_grad()
+    def close(self, group: int) -> None:
+        modules, unit = self._units[group]
+        for mod, pname, name, tied in unit:
+            if tied:
+                getattr(mod, pname).data.copy_(self._dst[name])
+        self._dst = {}
+        for mod in modules:
+            self.experts += _process(mod, _layerwise.get_layerwise_info(mod))
+
+    def end(self) -> None:
+        """Every layer not post-processed in this reload gets its own tensors back (those the
+        pull never reached, after a failure: vLLM's weights then hold part of a version), and
+        vLLM's reload ends."""
+        if self.active:
+            self.active = False
+            self._dst = {}
+            _restore_untouched(self.model, done=set())
+            finish_reload(self.model, self.model_config, self.device)
+
+
+def _units(match: ModelMatch, skip: set) -> list[tuple[list, list]]:
+    """The post-processed layers whose buffers are not in ``skip``, grouped with the layers tied
+    to them: ``[(modules in name order, [(module, parameter name, buffer name, tied), ...])]``."""
+    owners: dict[str, str] = {}   # buffer name -> the module name that owns it (not tied)
+    for mname, (_, params) in match.layers.items():
+        for _, name, tied in params:
+            if not tied:
+                owners[name] = mname
+    unit_of: dict[str, str] = {}
+    for mname in sorted(match.layers):
+        _, params = match.layers[mname]
+        if all(name in skip for _, name, _ in params):
+            continue
+        # a layer with a tied parameter joins the unit of that parameter's owner
+        root = next((owners[name] for _, name, tied in params if tied), mname)
+        unit_of[mname] = unit_of.get(root, root)
+    units: dict[str, list[str]] = {}
+    for mname in sorted(unit_of):
+        units.setdefault(unit_of[mname], []).append(mname)
+    return [([match.layers[m][0] for m in names],
+             [(match.layers[m][0], pname, name, tied) for m in names for pname, name, tied in match.layers[m][1]])
+            for _, names in sorted(units.items())]
 
 
 @torch.no_grad()
 def apply(model: torch.nn.Module, model_config, match: ModelMatch, bufs: dict[str, torch.Tensor],
-          device: torch.device) -> dict:
+          device: torch.device, sink: ReloadSink | None = None) -> dict:
     """Copy the pulled buffers (``{vLLM name: this rank's load-format shard}``, padding rows
-    already zero; without the names a direct pull wrote in place) into vLLM's parameters. Returns
-    the split: ``copy_ms`` (into vLLM's tensors)
+    already zero; without the names a direct pull wrote in place or streamed through ``sink``)
+    into vLLM's parameters. Returns the split: ``copy_ms`` (into vLLM's tensors)
     and ``post_ms`` (vLLM's post-processing and the layerwise reload around it), ``layerwise``,
     ``experts_processed``."""
+    if sink is not None and sink.active:  # the pull streamed the post-processed layers: end the reload
+        t0 = time.perf_counter()
+        experts = sink.experts
+        sink.end()
+        return {"copy_ms": 0.0, "post_ms": (time.perf_counter() - t0) * 1e3, "layerwise": True,
+                "experts_processed": experts}
     if match.layerwise:
         return _layerwise_apply(model, model_config, match, bufs, device)
     # Plain layers: one multi-tensor copy in place, so every parameter keeps its address (CUDA
@@ -73,17 +160,23 @@ def _layerwise_apply(model: torch.nn.Module, model_config, match: ModelMatch, bu
         copy_s += time.perf_counter() - tc
         # vLLM's own post-load processing; for a plain layer it only copies into the kernel tensors.
         experts += _process(mod, info)
-    # Layers nothing of ours lands in (rotary caches) and those the direct pull wrote: put vLLM's
-    # own tensors back as finalize would, minus its "failed to load weights" warning on every refit.
-    for mod in model.modules():
-        info = _layerwise.get_layerwise_info(mod)
-        if (id(mod) not in bound and info.can_load() and info.load_numel == 0
-                and info.kernel_tensors is not None and not is_deferred_attention_layer(mod)):
-            _layerwise._place_kernel_tensors(mod, info)
-            info.reset()
+    _restore_untouched(model, done=bound)
     finish_reload(model, model_config, device)
     return {"copy_ms": copy_s * 1e3, "post_ms": (time.perf_counter() - t0 - copy_s) * 1e3,
             "layerwise": True, "experts_processed": experts}
+
+
+def _restore_untouched(model: torch.nn.Module, done: set) -> None:
+    """Layers nothing of ours landed in during this reload (rotary caches, those the direct pull
+    wrote, those a failed pull never reached): put vLLM's own tensors back as finalize would,
+    minus its "failed to load weights" warning on every refit. ``done``: ids of the layers the
+    reload processed."""
+    for mod in model.modules():
+        info = _layerwise.get_layerwise_info(mod)
+        if (id(mod) not in done and info.can_load() and info.load_numel == 0
+                and info.kernel_tensors is not None and not is_deferred_attention_layer(mod)):
+            _layerwise._place_kernel_tensors(mod, info)
+            info.reset()
 
 
 def _plain_copy(match: ModelMatch, bufs: dict[str, torch.Tensor]) -> tuple[list, list]:

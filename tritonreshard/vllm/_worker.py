@@ -32,8 +32,9 @@ post-processes a layer, else by one in-place multi-tensor copy (:mod:`._apply`).
 
 **Background pull off** (``prefetch=False``): the pull runs inside ``update_weights`` and is
 direct (``direct=True``, the default): the parameters vLLM serves as loaded
-(:meth:`._model.ModelMatch.direct`) are written by the pull itself, the rest go through the one
-buffer set.
+(:meth:`._model.ModelMatch.direct`) are written by the pull itself, and the layers vLLM
+post-processes are streamed a layer at a time through its layerwise reload
+(:class:`._apply.ReloadSink`): no buffer set.
 
 A failed pull on any rank raises on every rank, naming the failed rank(s), before anything is
 applied: the engine keeps serving the previous version (after a direct pull: its weights are marked
@@ -49,7 +50,7 @@ from vllm.logger import init_logger
 
 from ..serving import RankLayout, ServingEngine, ServingInit, ServingRank, UpdateInfo, any_failed
 from ._agree import agree, fail
-from ._apply import apply
+from ._apply import ReloadSink, apply
 from ._model import check_model, served_quantization
 from ._recipes import ENGINE, GROUP
 from ._verify import verify_model
@@ -107,6 +108,7 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         self.trace_stats: dict = {}           # a recipe traced from vLLM's loader (init_info(trace=True))
         self.worker = None
         self._torn = False                    # an apply raised: vLLM's weights may be part old, part new
+        self._sink = None                     # the direct pull's layer sink (vLLM's layerwise reload), if any
 
     def bind_worker(self, worker) -> None:
         """Called once per engine by :class:`~tritonreshard.vllm.WorkerExtension`, in the worker's
@@ -149,7 +151,10 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         return agree(getattr(self, "rank", None), version, error)
 
     def fail(self, outcomes, cause) -> None:
-        """A refused refit: every rank still serves whole weights (see :meth:`_fail`)."""
+        """A refused refit: every rank still serves whole weights (see :meth:`_fail`), unless a
+        direct pull wrote them: the layer sink's reload then ends with every layer in place."""
+        if self._sink is not None:
+            self._sink.end()
         self._untouched()
         self._fail(outcomes, cause, what="refit")
 
@@ -158,12 +163,23 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         pull (``init_info(prefetch=False)``) writes with no buffer."""
         return self._match.direct(place.spec, place.rank)
 
+    def layer_sink(self, place: ServingRank, direct: dict) -> ReloadSink | None:
+        """The layers vLLM post-processes (all but the norms on its CPU backend; quantized ones,
+        MLA), streamed by the direct pull a layer at a time through vLLM's layerwise reload
+        (:class:`._apply.ReloadSink`): no buffer set, one layer's load-format tensors at once."""
+        self._sink = ReloadSink(self.model, self.model_config, self._match, direct, self.device) \
+            if self._match.layerwise else None
+        return self._sink
+
     def writing_served(self) -> None:
         """A direct pull may write vLLM's parameters from here on: torn until the apply returns
-        (vLLM 0.34 then reports the weights incomplete, and a failed refit says so)."""
+        (vLLM 0.34 then reports the weights incomplete, and a failed refit says so); the layer
+        sink's reload begins."""
         self._torn = True
         if self.worker is not None:
             weights_incomplete(self.worker)
+        if self._sink is not None:
+            self._sink.begin()
 
     def apply(self, bufs) -> dict:
         """vLLM's apply step (:func:`._apply.apply`) with this engine's model and model check."""
@@ -171,7 +187,7 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         self._torn = True
         if self.worker is not None:
             weights_incomplete(self.worker)
-        split = apply(self.model, self.model_config, self._match, bufs, self.device)
+        split = apply(self.model, self.model_config, self._match, bufs, self.device, sink=self._sink)
         self._torn = False
         return split
 
@@ -265,11 +281,8 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         logger.info("tritonreshard (rank %s): joined %srefit group %r in %.1f ms%s; %s pull; %d buffer set(s) of "
                     "%.1f MB%s", self.rank, "elastic " if joined.place.group.elastic else "", init_info.group,
                     self.join_ms, f" (steps, wall/CPU ms: {steps})" if steps else "",
-                    "background" if joined.pull.BACKGROUND else "direct" if joined.direct else "inline",
-                    self.buffer_sets, self.buffer_bytes / 1e6,
-                    f"; {len(joined.direct)} of {len(joined.spec.dst)} parameters "
-                    f"({(joined.place.buffer_bytes - joined.set_bytes) / 1e6:.1f} MB) pulled straight into vLLM's"
-                    if joined.direct else "")
+                    "background" if joined.pull.BACKGROUND else "direct" if joined.pull.WRITES_SERVED else "inline",
+                    self.buffer_sets, self.buffer_bytes / 1e6, _direct_text(joined))
 
     # ------------------------------------------------------------------ phases 2-4
     def start_weight_update(self) -> None:
@@ -296,14 +309,27 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         # for a background pull still in flight, or pulled inline. The pull's own figures follow
         # (its copy out of the trainers' arenas, not the copy into vLLM's parameters).
         logger.info("tritonreshard (rank %s): installed version %s (%s) in %.1f ms: wait %.1f, agree %.1f, copy %.1f, "
-                    "post-processing %.1f ms; its pull: %.1f MB (%.1f MB straight into vLLM's parameters) in %.1f "
-                    "ms copy, %.2f GB/s", self.rank, stats["version"], "prefetched" if stats["prefetched"] else
-                    "pulled now", stats["total_ms"], stats["wait_ms"], stats["agree_ms"], stats["copy_ms"],
-                    stats["post_ms"], stats["bytes"] / 1e6, stats["direct_bytes"] / 1e6, stats["pull_copy_ms"],
-                    stats["pull_gb_s"])
+                    "post-processing %.1f ms; its pull: %.1f MB (%.1f MB straight into vLLM's parameters, %.1f MB "
+                    "a layer at a time) in %.1f ms copy, %.2f GB/s, and %.1f ms of vLLM's layerwise reload",
+                    self.rank, stats["version"], "prefetched" if stats["prefetched"] else "pulled now",
+                    stats["total_ms"], stats["wait_ms"], stats["agree_ms"], stats["copy_ms"], stats["post_ms"],
+                    stats["bytes"] / 1e6, stats["direct_bytes"] / 1e6, stats["streamed_bytes"] / 1e6,
+                    stats["pull_copy_ms"], stats["pull_gb_s"], stats["pull_sink_ms"])
 
     def finish_weight_update(self) -> None:
         self._session = False
 
     def shutdown(self) -> None:
         self.leave_group()
+
+
+def _direct_text(joined) -> str:
+    """What a direct pull writes outside the buffer set, for the join's log line ("" otherwise)."""
+    if not joined.pull.WRITES_SERVED:
+        return ""
+    mb = (joined.place.buffer_bytes - joined.place.set_bytes(joined.direct)) / 1e6
+    text = f"; {len(joined.direct)} of {len(joined.spec.dst)} parameters ({mb:.1f} MB) pulled straight into vLLM's"
+    if joined.layers is not None:
+        text += (f", {len(joined.streamed)} a layer at a time through vLLM's layerwise reload "
+                 f"({len(joined.layers.groups)} layers, the largest {joined.layer_bytes / 1e6:.1f} MB)")
+    return text
