@@ -205,12 +205,47 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.blake2b(t.contiguous().view(torch.uint8).numpy().tobytes(), digest_size=16).hexdigest()
+
+
 def _buffer_digests(worker):
     """{name: blake2b of the bytes} of the newest complete version this worker pulled: what it
-    handed vLLM, before vLLM's CPU repacking (bench harness: reads the engine's subscriber)."""
+    handed vLLM, before vLLM's CPU repacking (bench harness: reads the engine's subscriber, and
+    what the direct pull streamed, as :func:`_watch_streamed` saw it)."""
     tensors = worker.weight_transfer_engine.joined.sub.tensors
-    return {n: hashlib.blake2b(t.contiguous().view(torch.uint8).numpy().tobytes(), digest_size=16).hexdigest()
-            for n, t in tensors.items()}
+    return {**{n: _digest(t) for n, t in tensors.items()}, **getattr(worker, "_trs_streamed", {})}
+
+
+def _watch_streamed(worker):
+    """With the background pull off, the layers vLLM post-processes are streamed through the
+    engine's layer sink and dropped once repacked: digest each group's load-format tensors as the
+    pull hands them back (``close``), before vLLM's post-processing, through the sink's public
+    ``open`` / ``close``. Returns how many groups it watches."""
+    sink = worker.weight_transfer_engine.joined.layers
+    if sink is None:
+        return 0
+    seen, opened, close = {}, {}, sink.close
+    worker._trs_streamed = seen
+    open_ = sink.open
+
+    def watched_open(g):
+        opened[g] = open_(g)
+        return opened[g]
+
+    def watched_close(g):
+        seen.update({n: _digest(t) for n, t in opened.pop(g).items()})
+        close(g)
+
+    sink.open, sink.close = watched_open, watched_close
+    return len(sink.groups)
+
+
+def _private_mib(worker=None) -> int:
+    """This process's own memory (USS: ``Private_Clean + Private_Dirty`` of ``smaps_rollup``), MiB:
+    what a worker holds that no other process shares (not the trainers' arenas it maps)."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/smaps_rollup").read_text().splitlines()[1:])
+    return sum(int(fields[k].split()[0]) for k in ("Private_Clean", "Private_Dirty")) // 1024
 
 
 def _peak_rss(worker):
@@ -284,7 +319,7 @@ def expected_digests(spec, version: int) -> dict[int, dict[str, str]]:
 RUNTIME_GB = {"worker": 1.3, "engine": 0.8, "driver": 0.8, "trainer": 0.5}
 
 
-def budget(config, spec) -> dict:
+def budget(config, spec, prefetch: bool = True) -> dict:
     """The plan for this machine's memory, from the config alone (bf16 everywhere)."""
     params = sum(lay.numel for lay in spec.src.values())
     gb = 2 * params / 1e9
@@ -292,8 +327,13 @@ def budget(config, spec) -> dict:
     r = RUNTIME_GB
     from tritonreshard.serving import BackgroundPull
 
-    sets = BackgroundPull.BUFFER_SETS   # the background pull's buffer sets, beside vLLM's own weights
-    refit = {"trainers' arenas": gb, "engine weights": gb, f"{sets} buffer set(s)": sets * gb, "KV cache": kv,
+    if prefetch:  # the background pull's buffer sets, beside vLLM's own weights
+        sets = BackgroundPull.BUFFER_SETS
+        refit_mem = {f"{sets} buffer set(s)": sets * gb}
+    else:  # the direct pull: one layer's load-format shard per worker at a time (the largest: embeddings)
+        layer = max(lay.local_numel(r) * lay.itemsize for lay in spec.dst.values() for r in INFERENCE) / 1e9
+        refit_mem = {"one layer per worker": TP * layer}
+    refit = {"trainers' arenas": gb, "engine weights": gb, **refit_mem, "KV cache": kv,
              "runtimes": TP * r["worker"] + r["engine"] + r["driver"] + len(TRAINERS) * r["trainer"]}
     reference = {"checkpoint in the driver": gb, "engine weights": gb, "KV cache": kv,
                  "runtimes": TP * r["worker"] + r["engine"] + r["driver"]}
@@ -326,7 +366,7 @@ def main(argv=None) -> dict:
     config = load_config()
     spec = spec_of(config)
     memory = MachineMemory()
-    summary = {"budget": budget(config, spec), "prefetch": not args.no_prefetch,
+    summary = {"budget": budget(config, spec, prefetch=not args.no_prefetch), "prefetch": not args.no_prefetch,
                "machine_total_GiB": round(memory.total, 2)}
     print("budget:", json.dumps(summary["budget"]), flush=True)
     model_dir = tempfile.mkdtemp(prefix="trs-real-")
@@ -352,12 +392,14 @@ def main(argv=None) -> dict:
         llm = LLM(model_dir, load_format="dummy", **kw, weight_transfer_config={"backend": trs_vllm.BACKEND},
                   worker_extension_cls=trs_vllm.WORKER_EXTENSION)
         summary["engine_start_s"] = round(time.perf_counter() - t0, 1)
+        summary["worker_private_MiB"] = {"before init": llm.collective_rpc(_private_mib)}
         t0 = time.perf_counter()  # the trainers' set-up ends when the workers have joined: this returns then
         llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": trs_vllm.init_info(
             store=store, trainer_ranks=TRAINERS, inference_ranks=INFERENCE, group="real-size", timeout=600.0,
             src_dtype="bfloat16", prefetch=not args.no_prefetch)})
         summary["init_s"] = round(time.perf_counter() - t0, 1)
         least = summary["machine_least_available_GiB"] = {"start and join": memory.mark()}
+        summary["streamed_groups"] = llm.collective_rpc(_watch_streamed)
         summary["trainer_ready_rss_MiB"] = expect(results, "ready")
         summary["init_worker"] = [{k: v for k, v in s.items() if k != "verify_layers"}
                                   for s in llm.collective_rpc(_init_stats)]
@@ -382,13 +424,15 @@ def main(argv=None) -> dict:
             workers = llm.collective_rpc(_stats)
             summary["refits"].append({"version": v, "rpc_ms": rpc_ms, "worker": [
                 {k: w.get(k) for k in ("version", "prefetched", "total_ms", "wait_ms", "copy_ms", "post_ms", "bytes",
-                                       "pull_copy_ms", "pull_total_ms")} for w in workers]})
+                                       "direct_bytes", "streamed_bytes", "pull_copy_ms", "pull_sink_ms",
+                                       "pull_total_ms")} for w in workers]})
             for w in summary["refits"][-1]["worker"]:
                 if w.get("pull_copy_ms"):
                     w["pull_GBps"] = round(w["bytes"] / (w["pull_copy_ms"] / 1e3) / 1e9, 2)
             print(json.dumps(summary["refits"][-1]), flush=True)
         got = vllm_greedy(llm, prompts, args.max_tokens)
         least["refits"] = memory.mark()
+        summary["worker_private_MiB"]["after the refits"] = llm.collective_rpc(_private_mib)
         digests = llm.collective_rpc(_buffer_digests)
         stopping.set()
         for q in commands:  # the trainers are done: their memory is the driver's check's

@@ -41,19 +41,19 @@ class ReloadSink:
     at once is one layer's (vLLM's own reload materializes them so too), never a buffer set.
 
     ``groups``: the buffer names of each unit, in module-name order; a unit is a post-processed
-    layer, with the layers tied to it (an LM head tied to the embeddings is filled from the
-    embeddings' tensor). ``skip``: buffer names written some other way (the direct ones).
+    layer, with the layers tied to it (an LM head tied to the embeddings shares the embeddings'
+    tensor). ``skip``: buffer names written some other way (the direct ones).
     :meth:`begin` starts vLLM's reload (every layer's load-format tensors on meta, its kernel
     tensors kept); ``open(g)`` materializes the unit's layers and hands over their load-format
-    parameters; ``close(g)`` fills the tied ones and runs vLLM's post-processing (its copy into
-    the kernel tensors, whose addresses CUDA graphs captured, included); :meth:`end` puts every
+    parameters; ``close(g)`` runs vLLM's post-processing (its copy into the kernel tensors, whose
+    addresses CUDA graphs captured, included); :meth:`end` puts every
     other layer's own tensors back and ends the reload, after a whole pull or a failed one."""
 
     def __init__(self, model: torch.nn.Module, model_config, match: ModelMatch, skip, device):
         self.model, self.model_config, self.device = model, model_config, device
         self._units = _units(match, set(skip))
         self.groups = [[name for _, _, name, tied in unit if not tied] for _, unit in self._units]
-        self.active, self.experts, self._dst = False, 0, {}
+        self.active, self.experts = False, 0
 
     def begin(self) -> None:
         if not self.active:
@@ -63,19 +63,23 @@ class ReloadSink:
     @torch.no_grad()
     def open(self, group: int) -> dict[str, torch.Tensor]:
         modules, unit = self._units[group]
-        for mod in modules:
+        tying = {id(mod) for mod, _, _, tied in unit if tied}
+        # The owners first; a tied parameter then *is* its owner's, as at vLLM's first load (an LM
+        # head tied to the embeddings holds no tensor of its own), before its layer materializes
+        # what else it has.
+        for mod in [m for m in modules if id(m) not in tying]:
             materialize_layer(mod, _layerwise.get_layerwise_info(mod))
-        self._dst = {name: getattr(mod, pname).data for mod, pname, name, tied in unit if not tied}
-        return self._dst
+        owned = {name: getattr(mod, pname) for mod, pname, name, tied in unit if not tied}
+        for mod, pname, name, tied in unit:
+            if tied:
+                setattr(mod, pname, owned[name])
+        for mod in [m for m in modules if id(m) in tying]:
+            materialize_layer(mod, _layerwise.get_layerwise_info(mod))
+        return {name: p.data for name, p in owned.items()}
 
     @torch.no_grad()
     def close(self, group: int) -> None:
-        modules, unit = self._units[group]
-        for mod, pname, name, tied in unit:
-            if tied:
-                getattr(mod, pname).data.copy_(self._dst[name])
-        self._dst = {}
-        for mod in modules:
+        for mod in self._units[group][0]:
             self.experts += _process(mod, _layerwise.get_layerwise_info(mod))
 
     def end(self) -> None:
@@ -84,7 +88,6 @@ class ReloadSink:
         vLLM's reload ends."""
         if self.active:
             self.active = False
-            self._dst = {}
             _restore_untouched(self.model, done=set())
             finish_reload(self.model, self.model_config, self.device)
 
