@@ -226,19 +226,41 @@ def _watch_streamed(worker):
     if sink is None:
         return 0
     seen, opened, close = {}, {}, sink.close
-    worker._trs_streamed = seen
+    worker._trs_streamed, worker._trs_digest = seen, [False]
+    worker._trs_sink_s = times = {"open": 0.0, "close": 0.0, "close_cpu": 0.0}
     open_ = sink.open
 
     def watched_open(g):
+        t0 = time.perf_counter()
         opened[g] = open_(g)
+        times["open"] += time.perf_counter() - t0
         return opened[g]
 
     def watched_close(g):
-        seen.update({n: _digest(t) for n, t in opened.pop(g).items()})
+        tensors = opened.pop(g)
+        if worker._trs_digest[0]:  # the last refit only: hashing 1.7 GB takes longer than the reload
+            seen.update({n: _digest(t) for n, t in tensors.items()})
+        t0, c0 = time.perf_counter(), time.thread_time()
         close(g)
+        times["close"] += time.perf_counter() - t0
+        times["close_cpu"] += time.thread_time() - c0
 
     sink.open, sink.close = watched_open, watched_close
     return len(sink.groups)
+
+
+def _digest_next(worker) -> None:
+    """Digest what the next refit streams (its time then includes the hashing: the last refit)."""
+    if hasattr(worker, "_trs_digest"):
+        worker._trs_digest[0] = True
+        worker._trs_sink_before_last = dict(worker._trs_sink_s)   # the times of the refits before it
+
+
+def _sink_times(worker) -> dict:
+    """Seconds in the layer sink's open (vLLM materializes a layer) and close (vLLM's
+    post-processing: wall, and this thread's CPU), over the refits before the last (with the
+    background pull off), without the bench's hashing."""
+    return {k: round(v, 2) for k, v in getattr(worker, "_trs_sink_before_last", {}).items()}
 
 
 def _private_mib(worker=None) -> int:
@@ -416,11 +438,17 @@ def main(argv=None) -> dict:
             t0 = time.perf_counter()  # the workers' background pull (if on) runs while this generates
             vllm_greedy(llm, prompts, args.max_tokens)
             summary["generate_during_pull_s"].append(round(time.perf_counter() - t0, 2))
+            if v == args.refits:  # the streamed layers' digests, taken as the pull hands them back
+                llm.collective_rpc(_digest_next)
             t0 = time.perf_counter()
             llm.collective_rpc("start_weight_update")
             llm.collective_rpc("update_weights", kwargs={"update_info": {"version": v}})
             llm.collective_rpc("finish_weight_update")
             rpc_ms = round((time.perf_counter() - t0) * 1e3, 1)
+            # KV cached under the previous weights must not be reused (docs/vllm.md's flow does the
+            # same): without this, the prompts' cached blocks from the generation during the pull
+            # made the tokens after the refit differ from a fresh engine's (17-19 of 48).
+            llm.reset_prefix_cache()
             workers = llm.collective_rpc(_stats)
             summary["refits"].append({"version": v, "rpc_ms": rpc_ms, "worker": [
                 {k: w.get(k) for k in ("version", "prefetched", "total_ms", "wait_ms", "copy_ms", "post_ms", "bytes",
@@ -433,6 +461,7 @@ def main(argv=None) -> dict:
         got = vllm_greedy(llm, prompts, args.max_tokens)
         least["refits"] = memory.mark()
         summary["worker_private_MiB"]["after the refits"] = llm.collective_rpc(_private_mib)
+        summary["sink_s"] = llm.collective_rpc(_sink_times)
         digests = llm.collective_rpc(_buffer_digests)
         stopping.set()
         for q in commands:  # the trainers are done: their memory is the driver's check's
@@ -451,6 +480,7 @@ def main(argv=None) -> dict:
         save_file({n: full_tensor(spec, n, args.refits) for n in spec.src},
                   os.path.join(model_dir, "model.safetensors"))
         summary["reload_weights_ms"] = llm.collective_rpc(_reload, args=(os.path.join(model_dir, "model.safetensors"),))
+        llm.reset_prefix_cache()
         reloaded = vllm_greedy(llm, prompts, args.max_tokens)
         summary["after_reload_mismatches"] = mismatches(reloaded, got)
         summary["worker_peak_rss_MiB"] = llm.collective_rpc(_peak_rss)

@@ -2,6 +2,7 @@
 side's; the modes (membership, codec, buffer mode, copy backend) are objects, and the earlier flat
 keywords are gone."""
 import pytest
+import torch
 
 import tritonreshard as trs
 from tritonreshard import Layout, Shard
@@ -26,6 +27,42 @@ def test_each_config_names_every_problem_at_once():
     with pytest.raises(ValueError, match=r"delta must be one of \['auto', 'off', 'always'\], got delta='on'; "
                                          r"delta_anchor must be an int >= 1"):
         codec_for("on", 0)
+
+
+class _Sink:
+    """A layer sink as an engine writes one: groups of names, open, close."""
+
+    def __init__(self, groups):
+        self.groups = groups
+
+    def open(self, group):
+        return {}
+
+    def close(self, group):
+        pass
+
+
+def test_a_layer_sink_needs_the_protocol_and_an_in_place_pull():
+    """``PullOptions(layers=)`` takes a ``trs.LayerSink`` with ``InPlace()`` only (it streams into
+    tensors the engine serves from while the pull runs); the buffers name every sink group entry
+    that is not a destination of the rank, twice in the groups, or given as a tensor too."""
+    from tritonreshard.engine.subscriber import ServingBuffers
+
+    assert isinstance(_Sink([["w"]]), trs.LayerSink)
+    with pytest.raises(ValueError, match=r"layers must be None or a trs.engine.modes.LayerSink"):
+        trs.PullOptions(mode="inplace", layers=[["w"]])
+    for mode in (trs.Shadow(), trs.Spare()):
+        with pytest.raises(ValueError, match=rf"it needs mode=trs.InPlace\(\), got mode={mode}"):
+            trs.PullOptions(mode=mode, layers=_Sink([["w"]]))
+    assert trs.PullOptions(mode="inplace", layers=_Sink([["w"]])).layers.groups == [["w"]]
+    layouts = {n: Layout((4,), [0], [Shard(0)]) for n in ("a", "b", "c")}
+    with pytest.raises(ValueError) as e:
+        ServingBuffers(0, layouts, ["a", "b", "c"], tensors={"c": torch.zeros(4)}, device="cpu",
+                       mode=trs.InPlace(), layers=_Sink([["a", "x"], ["a", "c"]]))
+    assert ("PullOptions(layers=): 'x' (group 0) is not a destination of this rank; 'a' is in groups 0 and 1; "
+            "'c' (group 1) is given as tensors= too") in str(e.value)
+    bufs = ServingBuffers(0, layouts, ["a", "b", "c"], device="cpu", mode=trs.InPlace(), layers=_Sink([["a"], ["c"]]))
+    assert set(bufs.tensors) == {"b"} and bufs.names == ["a", "b", "c"] and bufs.streamed == {"a": 0, "c": 1}
 
 
 def test_the_string_spelling_names_the_same_codec():

@@ -525,11 +525,32 @@ def test_plan_model_mode_prints_each_modes_refit_memory_and_what_fits(tmp_path, 
     lines = {line.split("  ")[1].strip(): line for line in out.splitlines() if line.startswith("  vLLM")
              or line.startswith("  RefitInference")}
     for name, sets in (("vLLM, background pull (prefetch on, default)", BackgroundPull.BUFFER_SETS),
-                       ("vLLM, pull inside update_weights (prefetch off)", InlinePull.BUFFER_SETS),
+                       ("vLLM, prefetch off, direct=False", InlinePull.BUFFER_SETS),
                        ("RefitInference, Shadow()", 1), ("RefitInference, InPlace()", 0)):
         line = next(v for k, v in lines.items() if k.startswith(name))
         assert f"{sets}x = {fmt_bytes(sets * weights)}" in line, line
         assert ("does not fit" in line) == (sets >= 2), line
+    # The direct pull of a dense unquantized model on CUDA writes every parameter in place.
+    line = next(v for k, v in lines.items() if k.startswith("vLLM, direct pull (prefetch off; CUDA)"))
+    assert "0.00x = 0 B" in line and "does not fit" not in line, line
+    # With MoE experts (their kernel format is post-processed) it streams one experts layer at a time.
+    moe = {"model_type": "qwen3_moe", "vocab_size": 100, "hidden_size": 32, "intermediate_size": 48,
+           "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "mlp_only_layers": [1],
+           "decoder_sparse_step": 1, "norm_topk_prob": True}
+    path.write_text(__import__("json").dumps(moe))
+    import transformers  # here, not at the top: the rest of this module runs without it
+
+    spec = trs.recipes.hf_to_vllm(transformers.Qwen3MoeConfig(**{k: v for k, v in moe.items() if k != "model_type"}),
+                                  tp=2, trainer_ranks=[0, 1], inference_ranks=[2, 3], dtype=torch.bfloat16,
+                                  src_dtype=torch.bfloat16)
+    experts = [n for n in spec.dst if ".experts." in n]
+    layer = max(sum(math.prod(spec.dst[n].local_shape(r)) * 2 for n in experts if n.startswith(f"model.layers.{i}."))
+                for i in range(2) for r in (2, 3))
+    assert experts and layer > 0
+    assert main(["plan", "--model", str(path), "--trainers", "2", "--tp", "2"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "vLLM, direct pull" in ln)
+    assert f"= {fmt_bytes(layer)}" in line, (line, layer)
     with pytest.raises(SystemExit) as exit_:
         main(["plan", "--model", str(path), "--gpu-gib", "80,-1"])
     assert exit_.value.code == 2 and "--gpu-gib" in capsys.readouterr().err

@@ -384,24 +384,39 @@ def _print_refit_memory(spec, inference: list[int], gpu_gib: list[float]) -> Non
     from tritonreshard.planning import fmt_bytes
     from tritonreshard.serving import BackgroundPull, InlinePull
 
-    weights = max(sum(math.prod(lay.local_shape(r)) * lay.itemsize for lay in spec.dst.values() if r in lay.ranks)
-                  for r in inference)
+    def shard(name: str, r: int) -> int:
+        lay = spec.dst[name]
+        return math.prod(lay.local_shape(r)) * lay.itemsize if r in lay.ranks else 0
+
+    weights = max(sum(shard(n, r) for n in spec.dst) for r in inference)
+    # The direct pull (prefetch off) writes what vLLM on CUDA serves as loaded in place and streams
+    # the layers it post-processes one at a time: block-FP8 weights, MoE experts (their kernel
+    # format), every layer with MLA; its extra is the largest such layer (0 when there is none).
+    mla = any(n.endswith("kv_b_proj.weight") for n in spec.dst)
+    quant = set(spec.quant or ()) | {q.scale for q in (spec.quant or {}).values()}
+    layers: dict[str, list[str]] = {}
+    for n in spec.dst:
+        if mla or n in quant or ".experts." in n:
+            layers.setdefault(n.rsplit(".", 1)[0], []).append(n)
+    layer = max((sum(shard(n, r) for n in names) for names in layers.values() for r in inference), default=0)
     # The extra sets beside the weights the engine serves: a vLLM worker serves its own parameters,
     # so every buffer set is extra; a RefitInference serves one of its sets.
-    modes = [("vLLM, background pull (prefetch on, default)", BackgroundPull.BUFFER_SETS),
-             ("vLLM, pull inside update_weights (prefetch off)", InlinePull.BUFFER_SETS),
-             ("RefitInference, Shadow()", Shadow().sets - 1),
-             ("RefitInference, InPlace()", InPlace().sets - 1)]
+    modes = [("vLLM, background pull (prefetch on, default)", BackgroundPull.BUFFER_SETS * weights,
+              f"{BackgroundPull.BUFFER_SETS}x"),
+             ("vLLM, direct pull (prefetch off; CUDA)", layer, f"{layer / weights:.2f}x"),
+             ("vLLM, prefetch off, direct=False", InlinePull.BUFFER_SETS * weights, f"{InlinePull.BUFFER_SETS}x"),
+             ("RefitInference, Shadow()", (Shadow().sets - 1) * weights, f"{Shadow().sets - 1}x"),
+             ("RefitInference, InPlace()", (InPlace().sets - 1) * weights, f"{InPlace().sets - 1}x")]
     print(f"refit memory per inference GPU (the busiest): weights {fmt_bytes(weights)}; beside them:")
-    print(f"  {'mode':<48} {'extra':>14} " + " ".join(f"{f'{g:g} GiB GPU':>16}" for g in gpu_gib))
-    for name, sets in modes:
-        extra = sets * weights
+    print(f"  {'mode':<48} {'extra':>16} " + " ".join(f"{f'{g:g} GiB GPU':>16}" for g in gpu_gib))
+    for name, extra, times in modes:
         cells = []
         for g in gpu_gib:
             left = g * 2**30 - weights - extra
             cells.append(f"{f'{fmt_bytes(left)} left' if left > 0 else 'does not fit':>16}")
-        print(f"  {name:<48} {f'{sets}x = {fmt_bytes(extra)}':>14} " + " ".join(cells))
-    print("  (left: for the KV cache, activations and the runtime; a MODEL of the buffer sets, not a measurement)")
+        print(f"  {name:<48} {f'{times} = {fmt_bytes(extra)}':>16} " + " ".join(cells))
+    print("  (left: for the KV cache, activations and the runtime; a MODEL of the buffer sets, not a measurement;")
+    print("   the direct pull's extra is its largest post-processed layer (FP8, MoE experts, MLA), one at a time)")
 
 
 def plain(doc: str | None) -> str | None:

@@ -169,11 +169,15 @@ class SourceData:
     its arguments): ``tensors``, this rank's shards (``{name: tensor}``, an ``nn.Module`` or a
     ``fully_shard`` FSDP2 model, which brings its layouts); ``layouts``, the trainer group's global
     layouts ``{name: Layout}`` (None with an FSDP2 model); ``start_version``, the version before its
-    first ``publish()``. Checked (the shards against the layouts too) when the rank joins."""
+    first ``publish()``; ``adopt``: a dict's plain tensors are re-pointed at the arena too, each
+    right after its copy, as parameters are (not a view of another tensor, nor a second name of
+    one), so the caller's storage goes as the arena fills. Checked (the shards against the layouts
+    too) when the rank joins."""
 
     tensors: object
     layouts: object = None
     start_version: int = 0
+    adopt: bool = False
 
 
 @dataclass(frozen=True)
@@ -225,6 +229,12 @@ def local_inputs(rank: int, src: SourceData | None, dst: DestinationData | None,
     elif isinstance(tensors, Mapping):  # an optimizer steps these objects: re-pointed too, or its steps are lost
         params = {n: t for n, t in tensors.items() if isinstance(t, torch.nn.Parameter) or (
             isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad)}
+        if src.adopt:  # the other tensors too, once each; a view would free nothing and lose its base
+            seen = {id(t) for t in params.values()}
+            for n, t in tensors.items():
+                if isinstance(t, torch.Tensor) and t._base is None and id(t) not in seen:
+                    params[n] = t
+                    seen.add(id(t))
     src_map, problems = local_sources(rank, tensors, src.layouts if src is not None else None)
     dst_map, dst_device, more = local_destinations(rank, dst.tensors if dst is not None else None,
                                                    dst.layouts if dst is not None else None, device)

@@ -543,9 +543,9 @@ class RefitTrainer(_TrainerMethods, _Rank):
     ``layouts`` may then be None). They are copied into the exported arena once; a module's
     parameters, and a dict's ``nn.Parameter`` and ``requires_grad`` leaf values, are re-pointed at the
     arena (``param.data``), so an optimizer on them trains the arena with no copy per step. Other
-    tensors stay where they were: train ``tensors`` (the arena), not them. Shapes must equal
-    ``layouts[name].local_shape(rank)``, dtypes match. ``layouts``: the
-    trainer group's global layouts ``{name: Layout}`` (same on every trainer rank).
+    tensors stay where they were (train ``tensors``, the arena), unless ``adopt``: then a dict's
+    plain tensors are re-pointed too (see ``trs.SourceData``). Shapes must equal ``layouts[name].
+    local_shape(rank)``, dtypes match. ``layouts``: the trainer group's global layouts (same on every rank).
     ``start_version``: the version before the first ``publish()`` (a restarted trainer continues the
     numbering of its checkpoint). Where it meets (``meeting``, a ``trs.Meeting``) and its configs
     (``membership``, ``codec``, ``timeouts``): see :class:`_Rank`. A keyword of the inference side
@@ -553,9 +553,9 @@ class RefitTrainer(_TrainerMethods, _Rank):
     """
 
     def __init__(self, tensors, layouts, meeting: Meeting = Meeting(), *, start_version: int = 0, membership=None,
-                 codec=None, timeouts=None):
+                 codec=None, timeouts=None, adopt: bool = False):
         opts = options(type(self).__name__, meeting=meeting, membership=membership, codec=codec, timeouts=timeouts)
-        super().__init__(SourceData(tensors, layouts, start_version), None, opts)
+        super().__init__(SourceData(tensors, layouts, start_version, adopt), None, opts)
 
     @classmethod
     def from_recipe(cls, spec, tensors, **kwargs) -> RefitTrainer:

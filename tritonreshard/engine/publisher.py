@@ -20,9 +20,15 @@ import torch
 from ..planning import BufferRef, Route
 from ..transport import create_arena, create_control_block, pack_offsets
 from .group import Group, check_timeout
+from .heap import release_freed_heap
 from .sources import Exported, OwnBuffer
 
 __all__ = ["Publisher", "SourceArena"]
+
+#: Re-pointed bytes between two trims of the C heap while an arena fills: the peak is the shards
+#: once plus this much (a trim walks the heap: 0.26 ms measured after a 4 MiB free in a 1.6 GiB heap,
+#: about 30 ms over a 1.6 GiB arena).
+_TRIM_EVERY = 16 << 20
 
 
 class SourceArena:
@@ -62,6 +68,7 @@ class SourceArena:
         except BaseException:
             self.close()
             raise
+        freed = 0
         for name, off, size in zip(names, offsets, sizes, strict=True):
             t = tensors[name]
             if fsdp2 is not None:  # FSDP2 all-gathers and steps on the arena from now on
@@ -71,8 +78,17 @@ class SourceArena:
                 view.copy_(t.detach())  # the one copy: afterwards training runs on the arena
             self.tensors[name] = view
             if params and name in params:
-                params[name].data = view
+                params[name].data = view  # its old storage goes once the caller holds it nowhere else
                 self.bound[name] = params[name]
+                freed += size
+                if freed >= _TRIM_EVERY and self.device.type == "cpu":
+                    # The old storage of most shards was on the C heap, which the arena (shared
+                    # memory) never reuses: handed back as the arena fills, the peak stays near
+                    # the shards once, not twice.
+                    release_freed_heap()
+                    freed = 0
+        if freed and self.device.type == "cpu":
+            release_freed_heap()
         self.control.publish(int(start_version))
         self.buffer = BufferRef("arena", self.rank)
         self.offsets = dict(zip(names, offsets, strict=True))

@@ -9,11 +9,7 @@ subclassing (``ENGINE``, ``GROUP``). Engine-free: importing it imports no servin
 """
 from __future__ import annotations
 
-import ctypes
-from collections.abc import Mapping
 from typing import ClassVar
-
-import torch
 
 from .. import Meeting, RefitTrainer
 from ..engine import Elastic
@@ -26,23 +22,15 @@ __all__ = ["ServingTrainer", "join_as_trainer"]
 
 
 def join_as_trainer(trainer: RefitTrainer, tensors, layouts, *, rank: int, world_size: int, store, group: str,
-                    membership=None, codec=None, timeouts=None) -> None:
+                    membership=None, codec=None, timeouts=None, adopt: bool = False) -> None:
     """Initialise ``trainer`` (an instance of a ``RefitTrainer`` subclass) as a serving group's
     trainer: the one construction of a trainer endpoint on the serving side. ``membership``,
     ``codec``, ``timeouts``: the endpoint's typed configs (``trs.Elastic()``, ``trs.Delta(anchor=)``,
-    ``trs.Timeouts(wait=, peer=)``), the same as the engines' init info says in plain values."""
+    ``trs.Timeouts(wait=, peer=)``), the same as the engines' init info says in plain values;
+    ``adopt``: the arena adopts a dict's plain tensors as it fills (``trs.SourceData``)."""
     RefitTrainer.__init__(trainer, tensors, layouts,
                           Meeting(rank=rank, world_size=world_size, store=store, group=group),
-                          membership=membership, codec=codec, timeouts=timeouts)
-
-
-def _release_freed_heap() -> None:
-    """Hand the process's free heap back to the system (glibc's ``malloc_trim``; elsewhere nothing).
-    Shards below glibc's mmap threshold (32 MiB at most: most of a model's) live on the heap, and
-    freed ones stay resident until trimmed: a Qwen3-1.7B trainer's 1.6 GiB of replaced shards did."""
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
-    if trim is not None:
-        trim(0)
+                          membership=membership, codec=codec, timeouts=timeouts, adopt=adopt)
 
 
 def _first_dtype(shards):
@@ -60,12 +48,11 @@ class ServingTrainer(RefitTrainer):
     ``model_type`` the recipes know). ``shards``: this rank's shards ``{parameter name: tensor of
     spec.src[name].local_shape(rank)}`` (FSDP row shards, ``Shard(0)`` over ``trainer_ranks``), or
     an ``nn.Module`` whose parameters are those shards. They are copied once into the shared arena
-    and then *adopted*: every given tensor becomes a view of its arena shard (``t.data = view``:
-    ``nn.Parameter`` s and ``requires_grad`` leaves as :class:`~tritonreshard.RefitTrainer` re-points
-    them, the other tensors of a dict right after), so the process holds the shards once (its old
-    storage is freed when the caller's other references go, and the freed heap is trimmed: at
-    Qwen3-1.7B a trainer holds 1.00x its shards' bytes after set-up, was 1.84x; the peak while the
-    arena fills is still 2x) and training them, or ``tensors``, writes what ``publish()``
+    and then *adopted*: every given tensor becomes a view of its arena shard (``t.data = view``)
+    right after its copy (``trs.SourceData(adopt=True)``), so the process holds the shards once:
+    each old storage is freed when the caller's other references go, and the freed heap is
+    trimmed every 16 MiB as the arena fills (at Qwen3-1.7B a trainer holds 1.00x its shards'
+    bytes after set-up, was 1.84x); and training them, or ``tensors``, writes what ``publish()``
     publishes. ``publish()`` refuses (``ValueError``) if one was re-pointed elsewhere since. Kept
     as a separate copy, the arena's and the caller's: a tensor that is a view of another (a slice of
     a bigger buffer: re-pointing it would free nothing and cut it off from its base; train
@@ -102,8 +89,7 @@ class ServingTrainer(RefitTrainer):
         init, world = self._meeting(dtype, tp=tp, trainer_ranks=trainer_ranks, inference_ranks=inference_ranks,
                                     store=store, group=group, membership=membership, megatron=megatron)
         self._build(init, config, shards, rank=rank, tp=tp, world_size=world, membership=membership, codec=codec,
-                    timeouts=timeouts)
-        self._adopt(shards)
+                    timeouts=timeouts, adopt=True)
 
     @classmethod
     def _meeting(cls, dtype, *, tp: int, trainer_ranks, inference_ranks, store, group, membership,
@@ -149,25 +135,6 @@ class ServingTrainer(RefitTrainer):
         constructors all end here (:func:`join_as_trainer`)."""
         join_as_trainer(self, tensors, layouts, **kwargs)
 
-    def _adopt(self, shards) -> None:
-        """After the arena is filled: each plain tensor of a dict ``shards`` becomes a view of its
-        arena shard, as the arena re-points parameters (``t.data = view``), and is checked like them
-        before each publish; otherwise the caller's copy would stay alive beside the arena (2x the
-        shards' bytes). A view of another tensor and a second name of one object stay copies (see
-        the class docstring). Then the storage freed (a module's parameters' too) leaves the heap."""
-        arena = self._trainer.arena if self._trainer is not None else None
-        if arena is None:
-            return
-        adopted = {id(t) for t in arena.bound.values()}
-        for name, t in (shards.items() if isinstance(shards, Mapping) else ()):
-            view = arena.tensors.get(name)
-            if view is None or id(t) in adopted or not isinstance(t, torch.Tensor) or t._base is not None:
-                continue
-            t.data = view
-            arena.bound[name] = t
-            adopted.add(id(t))
-        _release_freed_heap()
-
     @classmethod
     def from_spec(cls, spec, shards, *, rank: int, trainer_ranks, inference_ranks, store, group: str | None = None,
                   **configs) -> ServingTrainer:
@@ -189,6 +156,5 @@ class ServingTrainer(RefitTrainer):
         self = cls.__new__(cls)
         self.spec, self.source, self.src_dtype = spec, None, src_dtype_name(dtypes.pop())
         self._join(shards, spec.src, rank=rank, world_size=len(trainer_ranks) + len(inference_ranks), store=store,
-                   group=group or cls.GROUP, **configs)
-        self._adopt(shards)
+                   group=group or cls.GROUP, adopt=True, **configs)
         return self

@@ -8,9 +8,10 @@ refuses the reset (no ``/proc``, another OS), the memory figures are None: unmea
 """
 from __future__ import annotations
 
-import ctypes
 import gc
 import time
+
+from ..engine.heap import release_freed_heap
 
 __all__ = ["Cost"]
 
@@ -23,15 +24,6 @@ def _status() -> dict[str, int]:
                     if k in ("VmRSS", "VmHWM")}
     except OSError:
         return {}
-
-
-def _trim() -> None:
-    """Hand the C heap's free pages back to the kernel (glibc's ``malloc_trim``): what the step
-    freed is then not counted as held; elsewhere a no-op."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _reset_peak() -> bool:
@@ -60,7 +52,7 @@ class Cost:
         self.cpu_ms = (time.process_time() - self._c0) * 1e3
         peak = _status().get("VmHWM")
         gc.collect()
-        _trim()
+        release_freed_heap()  # what the step freed is then not counted as held
         after = _status().get("VmRSS")
         ok = self._measured and None not in (self._before, peak, after)
         self.peak_bytes = max(0, peak - self._before) if ok else None
