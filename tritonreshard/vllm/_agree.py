@@ -45,7 +45,8 @@ def fail(outcomes, cause, *, what: str, serving: int, torn: bool = False, quiet=
     ``torn``: a direct pull may have written vLLM's parameters, which then serve no whole version.
     """
     kept = (f"the pull writes vLLM's parameters directly (init_info prefetch=False, direct=True): they may hold "
-            f"part of a version after {serving} and are marked incomplete until an update_weights succeeds"
+            f"part of a version after {serving}; do not generate until an update_weights succeeds (vLLM 0.34 "
+            f"refuses meanwhile: its weights are marked incomplete; 0.32 and 0.33 cannot refuse)"
             if torn else f"nothing was applied, vLLM keeps serving version {serving}")
     err = RefitError(f"tritonreshard {what} failed ({failure_text(outcomes)}); {kept}")
     if not raises_here():
