@@ -150,7 +150,10 @@ ENGINE_CORE_IN_DRIVER = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 #: trainers on a host of the host harness, really apart) where the harness can be made (root, iproute2).
 E2E = ["--model", "tiny-qwen2", "--tp", "2", "--refits", "2", "--hosts", "2", "--changed", "0.02",
        "--fault", "--recover", "--reload"]
-LIVE_RUNS = [E2E] + [["--model", m, "--tp", "2", "--refits", "2"] for m in ("tiny-qwen3-moe", "tiny-deepseek-v3")]
+# DeepSeek-V3 with the background pull off: the direct pull streams its MLA, MoE and linear layers
+# through vLLM's layerwise reload, one at a time (no buffer set), its norms written in place.
+LIVE_RUNS = [E2E, ["--model", "tiny-qwen3-moe", "--tp", "2", "--refits", "2"],
+             ["--model", "tiny-deepseek-v3", "--tp", "2", "--refits", "2", "--no-prefetch"]]
 RUN_TIMEOUT_S = 540
 BATCH_TIMEOUT_S = RUN_TIMEOUT_S * len(LIVE_RUNS) + 60  # the first test's set-up runs the batch
 
@@ -344,15 +347,22 @@ def test_vllm_engine_refit_qwen3_moe_experts_split_by_tp(live_runs):
 def test_vllm_engine_refit_deepseek_v3_mla(live_runs):
     """DeepSeek-V3 (MLA with q-lora, a dense then a MoE layer with a shared expert, noaux_tc routing
     whose e_score_correction_bias the trainers change too) at TP=2: the MLA layer's derived
-    W_UK_T / W_UV follow kv_b_proj through vLLM's post-processing. On CPU the example works around
-    vLLM 0.32's rotary kernel bug in its workers (the harness, never the library)."""
+    W_UK_T / W_UV follow kv_b_proj through vLLM's post-processing. With the background pull off:
+    the direct pull streams every post-processed layer through vLLM's layerwise reload (MLA and the
+    MoE experts among them) and holds no buffer set. On CPU the example works around vLLM 0.32's
+    rotary kernel bug in its workers (the harness, never the library)."""
     from _refit_batch import summary_of
 
     summary, out = summary_of(live_runs, "tiny-deepseek-v3")
-    assert summary["model"] == "tiny-deepseek-v3"
+    assert summary["model"] == "tiny-deepseek-v3" and summary["prefetch"] is False
     config = _example_config("tiny-deepseek-v3")
     assert config.topk_method == "noaux_tc"
     _check_moe_refits(summary, config, tp=2, moe_layers=1)
+    # Every byte of TP rank 0's shards written outside a buffer set: its norms in place, the rest streamed.
+    spec = trs.recipes.hf_to_vllm(config, tp=2, trainer_ranks=[0, 1], inference_ranks=[2, 3], dtype=torch.float32)
+    shards = sum(torch.Size(lay.local_shape(2)).numel() * lay.itemsize for lay in spec.dst.values())
+    assert all(w["direct_bytes"] > 0 and w["streamed_bytes"] > 0 and w["direct_bytes"] + w["streamed_bytes"] == shards
+               for w in summary["worker"]), summary["worker"]
     assert summary["rotary_workaround_ops"] == [1, 1]  # one shared rotary op per worker
     assert "refit 2, version 2: vLLM greedy == transformers greedy" in out
 

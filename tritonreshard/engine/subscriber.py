@@ -307,8 +307,14 @@ class Subscriber:
         # A layer sink's groups: their ops, in table order, and their fills; their tables are built
         # at each pull, over the tensors the sink hands over then.
         groups = len(buffers.layers.groups) if buffers.layers is not None else 0
-        self._group_ops = [[r.op for r in reads if streamed.get(r.op.name) == g] for g in range(groups)]
-        self._group_fills = [[f for f in route.fills if streamed.get(f.name) == g] for g in range(groups)]
+        self._group_ops: list[list] = [[] for _ in range(groups)]
+        self._group_fills: list[list] = [[] for _ in range(groups)]
+        for r in reads:  # one pass each: a model has thousands of layers and many more ops
+            if r.op.name in streamed:
+                self._group_ops[streamed[r.op.name]].append(r.op)
+        for f in route.fills:
+            if f.name in streamed:
+                self._group_fills[streamed[f.name]].append(f)
         self._streamed_bytes = _streamed_bytes(self._group_ops, buffers.layouts, quant, self.rank)
 
     # ------------------------------------------------------------------ joining (elastic groups)

@@ -70,13 +70,12 @@ class ReloadSink:
         # what else it has.
         for mod in [m for m in modules if id(m) not in tying]:
             materialize_layer(mod, _layerwise.get_layerwise_info(mod))
-        owned = {name: getattr(mod, pname) for mod, pname, name, tied in unit if not tied}
         for mod, pname, name, tied in unit:
-            if tied:
-                setattr(mod, pname, owned[name])
-        for mod in [m for m in modules if id(m) in tying]:
+            if tied:  # its owner is materialized (a layer holding the other's tensor is not an owner)
+                setattr(mod, pname, next(getattr(m, p) for m, p, n, t in unit if n == name and not t))
+        for mod in [m for m in modules if id(m) in tying]:  # (a MoE layer tied to its router's bias)
             materialize_layer(mod, _layerwise.get_layerwise_info(mod))
-        return {name: p.data for name, p in owned.items()}
+        return {name: getattr(mod, pname).data for mod, pname, name, tied in unit if not tied}
 
     @torch.no_grad()
     def close(self, group: int) -> None:
