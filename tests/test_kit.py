@@ -74,6 +74,14 @@ def test_free_port_is_bindable_and_listenable():
         assert s.getsockname()[1] == port
 
 
+def test_free_port_stays_below_the_ephemeral_range():
+    """Outgoing connections take their local ports from the kernel's ephemeral range; a port picked
+    there and bound seconds later can meanwhile be one of theirs (a gloo connection's once was)."""
+    lo, _ = kit._ephemeral_ports()
+    ports = [kit.free_port() for _ in range(50)]
+    assert all(max(1024, lo - 16384) <= p < lo for p in ports), (lo, ports)
+
+
 def test_free_port_never_hands_out_a_port_twice():
     """A test takes its ports up front and binds them seconds later: once a probe socket closed the
     kernel may pick its port again, which once gave a store and a TP group the same port."""

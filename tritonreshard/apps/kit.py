@@ -21,6 +21,7 @@ neither (torch only). The library never imports ``tritonreshard.apps``.
 from __future__ import annotations
 
 import queue
+import random
 import signal
 import socket
 import time
@@ -38,14 +39,38 @@ __all__ = ["free_port", "rank_entry", "start_rank", "collect_ok", "run_ranks", "
 _HANDED_OUT: set[int] = set()  # every port free_port returned in this process
 
 
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for the local ports of outgoing connections (Linux; else its default)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(v) for v in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that nobody listened on a moment ago (the kernel's pick for port 0),
-    and never one this process was handed before: a test that takes several ports and binds them
-    later (a store per round, a TP group's port) gets distinct ones, where the kernel, once each
-    probe socket closed, may pick the same port twice. Another process may still take it before
-    the caller binds it; a store that can bind port 0 itself (``TCPStore(host, 0, ...)``) needs no
-    free port at all."""
-    while True:
+    """A TCP port on ``host`` that nobody listened on a moment ago, below the kernel's ephemeral
+    range where it can (any outgoing connection's local port comes from that range: the kernel's
+    pick for port 0, used here before, once became a gloo connection's while a test waited to bind
+    its store there, and twelve tests failed with "Address already in use"), and never one this
+    process was handed before: a test that takes several ports and binds them later (a store per
+    round, a TP group's port) gets distinct ones. Another process may still bind it first; a store
+    that can bind port 0 itself (``TCPStore(host, 0, ...)``) needs no free port at all."""
+    lo, _ = _ephemeral_ports()
+    below = range(max(1024, lo - 16384), lo)
+    for _ in range(1000 if len(below) >= 1024 else 0):
+        port = random.choice(below)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:  # in use, or lingering
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    while True:  # no room below the ephemeral range: the kernel's pick
         with socket.socket() as s:
             s.bind((host, 0))
             port = s.getsockname()[1]
