@@ -136,7 +136,7 @@ def llama_server():
     finally:
         left = _stop(proc)
         if left:
-            print(f"vLLM left {len(left)} shared-memory segment(s) of its workers, removed: {left}")
+            print(f"vLLM left {len(left)} shared-memory segment(s) of its processes, removed: {left}")
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
@@ -145,9 +145,11 @@ def llama_server():
 def _stop(proc) -> list[str]:
     """Stop the server as a user would (SIGTERM to the API server: it shuts its engine and workers
     down), SIGKILL whatever of its process group outlives 60 s, and remove the shared-memory segments its
-    workers had mapped that vLLM left behind (its CPU TP communicator's). Returns those names."""
+    processes had mapped that vLLM left behind (its CPU TP communicator's ``vllm_dist_*``, its message
+    queues' ``psm_*``: 680 MB were left once). Our trainers' arenas (``trs-*``), which the workers map
+    too, are the trainers' to unlink. Returns the names removed."""
     segments = sorted({line.split()[-1] for pid in _group(proc.pid) for line in _maps(pid)
-                       if "/dev/shm/vllm_dist_" in line})
+                       if " /dev/shm/" in line and "/dev/shm/trs-" not in line})
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -9,12 +9,23 @@ cost is measured.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 __all__ = ["release_freed_heap"]
 
 
+@functools.cache
+def _malloc_trim():
+    """The C library's ``malloc_trim``, looked up once (None: not glibc, or no C library to open)."""
+    try:
+        return getattr(ctypes.CDLL(None), "malloc_trim", None)
+    except OSError:
+        return None
+
+
 def release_freed_heap() -> None:
-    """glibc's ``malloc_trim(0)``; nothing where the C library has none."""
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    """glibc's ``malloc_trim(0)``; nothing where the C library has none. Called while an arena
+    fills (every 16 MiB adopted) and after every layerwise reload: the lookup is done once."""
+    trim = _malloc_trim()
     if trim is not None:
         trim(0)

@@ -93,22 +93,14 @@ class Joined:
     installed: int = 0
     direct: frozenset = frozenset()
     layers: LayerSink | None = None
-
-    @property
-    def streamed(self) -> frozenset:
-        """The destinations the layer sink streams (empty without one)."""
-        return frozenset(n for g in self.layers.groups for n in g) if self.layers is not None else frozenset()
-
-    @property
-    def set_bytes(self) -> int:
-        """Bytes of this rank's one buffer set: every destination neither written directly nor streamed."""
-        return self.place.set_bytes(self.direct | self.streamed)
-
-    @property
-    def layer_bytes(self) -> int:
-        """Bytes of the largest group the layer sink streams: the most load-format memory the
-        engine holds at once for them (0 without a sink)."""
-        return self.place.layer_bytes(self.layers)
+    streamed: frozenset = frozenset()   # the destinations the layer sink streams
+    # Fixed at the join: the bytes of the one buffer set (every destination neither written directly
+    # nor streamed), of the largest streamed group (the most load-format memory the engine holds at
+    # once for them), and of what each pull writes straight into the engine's parameters / streams.
+    set_bytes: int = 0
+    layer_bytes: int = 0
+    direct_bytes: int = 0
+    streamed_bytes: int = 0
 
     @property
     def spec(self):
@@ -197,8 +189,11 @@ class ServingEngine(ABC, Generic[TInit, TUpdate]):
         layers = self.layer_sink(place, direct) if init.direct and not init.prefetch else None
         pull = pull_mode(init.prefetch, direct=bool(direct) or layers is not None, rank=place.rank, logger=logger,
                          served=served)
-        streamed = {n for g in layers.groups for n in g} if layers is not None else set()
-        set_bytes, layer_bytes = place.set_bytes(direct.keys() | streamed), place.layer_bytes(layers)
+        streamed = frozenset(n for g in layers.groups for n in g) if layers is not None else frozenset()
+        sizes = dict(set_bytes=place.set_bytes(direct.keys() | streamed), layer_bytes=place.layer_bytes(layers),
+                     direct_bytes=place.buffer_bytes - place.set_bytes(direct),
+                     streamed_bytes=place.buffer_bytes - place.set_bytes(streamed))
+        set_bytes, layer_bytes = sizes["set_bytes"], sizes["layer_bytes"]
         needed = pull.BUFFER_SETS * set_bytes + layer_bytes
         if init.max_refit_bytes is not None and needed > init.max_refit_bytes:
             mode = ("background pull (prefetch=True)" if pull.BACKGROUND else
@@ -210,7 +205,8 @@ class ServingEngine(ABC, Generic[TInit, TUpdate]):
                              f"{pull.BUFFER_SETS} buffer set(s) ({pull.MODE}) of {set_bytes} bytes"
                              + (f" and its largest layer, {layer_bytes} bytes" if layers is not None else ""))
         sub, join_ms = place.join(device=layout.device, mode=pull.MODE, tensors=direct or None, layers=layers)
-        self.joined = Joined(place, sub, pull, init.timeout, join_ms, direct=frozenset(direct), layers=layers)
+        self.joined = Joined(place, sub, pull, init.timeout, join_ms, direct=frozenset(direct), layers=layers,
+                             streamed=streamed, **sizes)
         return self.joined
 
     def start_pulling(self) -> None:
@@ -226,9 +222,8 @@ class ServingEngine(ABC, Generic[TInit, TUpdate]):
         j = self.joined
         # What a direct pull wrote is in the engine's parameters already (or was streamed into them
         # layer by layer): the apply gets the rest.
-        written = j.direct | j.streamed
-        apply = self.apply if not written else lambda bufs: self.apply(
-            {n: t for n, t in bufs.items() if n not in written})
+        apply = self.apply if not (j.direct or j.streamed) else lambda bufs: self.apply(
+            {n: t for n, t in bufs.items() if n not in j.direct and n not in j.streamed})
         stats = refit(j.sub, j.pull, requested=update.version, timeout=j.timeout if update.timeout is None else
                       update.timeout, installed=j.installed, agree=self.agree, apply=apply, fail=self.fail,
                       writing=self.writing_served)
@@ -236,8 +231,7 @@ class ServingEngine(ABC, Generic[TInit, TUpdate]):
             j.installed = stats["version"]
             # of the pull's bytes, those it wrote straight into the engine's parameters (a direct pull)
             # or into the load-format tensors the engine handed over a layer at a time
-            stats["direct_bytes"] = j.place.set_bytes(()) - j.place.set_bytes(j.direct)
-            stats["streamed_bytes"] = j.place.set_bytes(()) - j.place.set_bytes(j.streamed)
+            stats["direct_bytes"], stats["streamed_bytes"] = j.direct_bytes, j.streamed_bytes
         return stats
 
     def leave_group(self, *, abort: bool = False) -> None:

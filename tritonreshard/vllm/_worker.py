@@ -327,8 +327,8 @@ def _direct_text(joined) -> str:
     """What a direct pull writes outside the buffer set, for the join's log line ("" otherwise)."""
     if not joined.pull.WRITES_SERVED:
         return ""
-    mb = (joined.place.buffer_bytes - joined.place.set_bytes(joined.direct)) / 1e6
-    text = f"; {len(joined.direct)} of {len(joined.spec.dst)} parameters ({mb:.1f} MB) pulled straight into vLLM's"
+    text = (f"; {len(joined.direct)} of {len(joined.spec.dst)} parameters ({joined.direct_bytes / 1e6:.1f} MB) "
+            f"pulled straight into vLLM's")
     if joined.layers is not None:
         text += (f", {len(joined.streamed)} a layer at a time through vLLM's layerwise reload "
                  f"({len(joined.layers.groups)} layers, the largest {joined.layer_bytes / 1e6:.1f} MB)")
