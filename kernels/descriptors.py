@@ -14,6 +14,7 @@ memory mapped by a transport must be kept mapped by its owner.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -199,6 +200,14 @@ class DescriptorTable:
     def __init__(self, entries: Sequence[Entry], device: torch.device):
         self.entries: tuple[Entry, ...] = tuple(entries)
         self.device = device
+        self._pairs = _torch_copies([e for e in self.entries if e.numel])
+        self.bytes_read = sum(e.numel * e.src_view.element_size() for e in self.entries)
+        self.bytes_written = sum(e.numel * e.dst_view.element_size() for e in self.entries)
+
+    @functools.cached_property
+    def _groups(self) -> list[_Group]:
+        """The Triton launches, planned when first needed: the torch backend runs ``_pairs`` only,
+        and a pull that builds a table per streamed layer on CPU spent most of each build here."""
         by_key: dict = {}
         for e in self.entries:
             if e.regions:
@@ -206,10 +215,7 @@ class DescriptorTable:
                 if key[0] == "copy":  # wide elements (complex128) are copied as 8-byte words
                     key = ("copy", e.regions[0].itemsize_src)
                 by_key.setdefault(key, []).extend(e.regions)
-        self._groups = [_Group(key, regs, device) for key, regs in by_key.items()]
-        self._pairs = _torch_copies([e for e in self.entries if e.numel])
-        self.bytes_read = sum(e.numel * e.src_view.element_size() for e in self.entries)
-        self.bytes_written = sum(e.numel * e.dst_view.element_size() for e in self.entries)
+        return [_Group(key, regs, self.device) for key, regs in by_key.items()]
 
     @classmethod
     def build(

@@ -17,6 +17,7 @@ direct pull streams them through the engine's layer sink, one layer at a time: a
 and about 0.5x (the larger of its two layers) at the peak, read inside the sink while a layer's
 load-format tensors are alive.
 """
+import math
 import time
 
 import pytest
@@ -26,6 +27,7 @@ from _mp import free_port, run_ranks
 from _tp_engine import TPEngine
 
 import tritonreshard as trs
+from tritonreshard.engine.heap import ReusedPages
 from tritonreshard.recipes import RecipeSpec
 from tritonreshard.serving import BackgroundPull, RankLayout, ServingInit, ServingTrainer, UpdateInfo, register_recipe
 
@@ -69,20 +71,29 @@ class LayeredEngine(MemEngine):
         return {}
 
     def layer_sink(self, place, direct):
-        return _Sink(self, place)
+        self.sink = _Sink(self, place)
+        return self.sink
 
     def apply(self, bufs) -> dict:
         assert not bufs, sorted(bufs)  # everything was streamed
+        self.sink.pages.release()  # the pull is over: nothing held until the next
         return {"copy_ms": 0.0, "post_ms": 0.0}
 
 
 class _Sink:
+    """Each layer's load-format tensor carved from the pages of the one before, as vLLM's sink
+    does on CPU (``ReusedPages``): reused only if the pull dropped every reference to the last
+    layer's before asking for the next."""
+
     def __init__(self, engine: LayeredEngine, place):
         self.engine, self.place, self.groups, self._open = engine, place, [[n] for n in place.spec.dst], {}
+        self.pages = ReusedPages()
 
     def open(self, group: int) -> dict:
-        self._open = {n: torch.empty(self.place.spec.dst[n].local_shape(self.place.rank)) for n in self.groups[group]}
-        return self._open
+        (n,) = self.groups[group]
+        shape = self.place.spec.dst[n].local_shape(self.place.rank)
+        self._open = {n: self.pages.take(math.prod(shape) * 4).view(torch.float32).view(shape)}
+        return dict(self._open)
 
     def close(self, group: int) -> None:
         e = self.engine
@@ -147,7 +158,8 @@ def _engine(rank: int, init: dict, tp_port: int, shadow: bool) -> dict:
                 stats = engine.refit(UpdateInfo(version=2))
                 assert all(torch.equal(engine.packed[n], t) for n, t in weights(2).items())
                 return {"extra": after - before - 2 * WEIGHT_BYTES, "peak": peak, "mode": str(engine.sub.mode),
-                        "bytes": stats["bytes"], "set": engine.joined.set_bytes, "layer": engine.joined.layer_bytes}
+                        "bytes": stats["bytes"], "set": engine.joined.set_bytes, "layer": engine.joined.layer_bytes,
+                        "mappings": engine.sink.pages.mappings}
             if not init["prefetch"]:  # the direct pull: version 1 written straight into the parameters
                 assert engine.refit(UpdateInfo(version=1))["direct_bytes"] == WEIGHT_BYTES
                 after = private_bytes()
@@ -205,3 +217,41 @@ def test_each_pull_mode_holds_what_it_says_measured():
         "inplace", WEIGHT_BYTES, 0, WEIGHT_BYTES // 2), layered
     print(f"layered: {layered['extra'] / WEIGHT_BYTES:.3f}x after, {layered['peak']:.3f}x at the peak")
     assert -0.15 <= layered["extra"] / WEIGHT_BYTES <= 0.25 and 0.35 <= layered["peak"] <= 0.7, layered
+    # Two pulls of two layers each, one mapping per pull: each second layer wrote the first's pages
+    # (the pull held nothing of a layer once it gave it back).
+    assert layered["mappings"] == 2, layered
+
+
+def _faults_writing(t: torch.Tensor) -> int:
+    """Minor page faults this thread takes to write every byte of ``t`` (first touches of pages)."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    t.fill_(7)
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+
+
+def test_a_streamed_pull_writes_each_layer_into_the_pages_of_the_last_unless_they_are_still_held():
+    """``ReusedPages`` (what vLLM's layer sink carves each layer from on CPU): a layer whose tensors
+    were dropped leaves its pages to the next, which then writes 64 MiB taking almost no page
+    fault (every page already mapped, where a fresh mapping took one per page); a layer whose
+    tensors someone still holds (a post-processing that keeps a view of its load-format weight)
+    keeps its pages, unchanged by the next layer's writes, which get a new mapping. Counted in
+    page faults, not timed."""
+    pages, n = ReusedPages(), 64 << 20
+    first = pages.take(n)
+    fresh = _faults_writing(first)
+    del first
+    second = pages.take(n)
+    reused = _faults_writing(second)
+    # fresh: one fault per page (4 KiB) or per huge page (2 MiB, where the kernel gives them): 16 or more
+    assert pages.mappings == 1 and reused <= 2 < fresh, (fresh, reused)
+    kept = second[: 1 << 20].view(torch.int32)  # held past its layer's turn
+    del second
+    third = pages.take(n // 2)
+    assert pages.mappings == 2
+    third.zero_()
+    assert bool((kept == 0x07070707).all()), "a held layer's pages were written by the next"
+    del third
+    pages.release()
+    assert pages.take(n // 4).sum().item() == 0 and pages.mappings == 3  # none held across pulls

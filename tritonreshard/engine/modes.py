@@ -129,7 +129,8 @@ class LayerSink(Protocol):
     once; none also given as ``tensors=``). Each pull, after the rest: for each group ``g``,
     ``open(g)`` returns ``{name: tensor}`` for every name of the group (this rank's shard: its
     shape, dtype and device, contiguous), the pull writes them (the plan's zero fills included),
-    waits for the copy, and calls ``close(g)``. A pull that fails part-way leaves the groups before
+    waits for the copy, drops every reference it took to them, and calls ``close(g)`` (a sink may
+    then hand the same memory to the next group). A pull that fails part-way leaves the groups before
     it written and the rest as they were (the mode tears: ``consistent = False``); ``close`` is not
     called for the group it failed in."""
 

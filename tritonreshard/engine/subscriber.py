@@ -54,6 +54,7 @@ class PullStats:
     total_ms: float      # from the start of the pull to the ack
     staging_bytes: int
     sink_ms: float = 0.0  # in a layer sink's open / close (the engine's own work, not in copy_ms)
+    copy_cpu_ms: float = 0.0  # copy_ms's CPU time on this thread: its own cost, where generation shares the core
 
     @property
     def coordination_ms(self) -> float:
@@ -142,17 +143,14 @@ class ServingBuffers:
 
     def __init__(self, rank: int, layouts: dict, order, *, tensors=None, device, mode: BufferMode, fills=(),
                  layers=None):
-        self.rank, self.mode, self.device = rank, mode, device
-        self.layouts = dict(layouts)
+        self.rank, self.mode, self.device, self.layouts, self.layers = rank, mode, device, dict(layouts), layers
         tensors = tensors or {}
-        self.layers = layers
         self.streamed = _streamed(layers, set(order), tensors)
         self.names = list(order)   # every destination of this rank, in the group's buffer order
         self.order = [n for n in order if n not in self.streamed]   # those in the buffer sets
         self.version = 0           # version being served
         self.consistent = True     # a mode that tears (in place, spare): False while a copy may be partial
-        self.pulls = 0
-        self.last_pull: PullStats | None = None
+        self.pulls, self.last_pull = 0, None   # pulls installed; the last one's PullStats
         self.staging_bytes = 0     # the largest staging_bytes measured over this rank's pulls
         # One flat allocation per buffer set, in the group's order (as in the trainers' arenas):
         # copies of equal shards then differ by a constant address step.
@@ -231,12 +229,14 @@ def _streamed_bytes(group_ops, layouts: dict, quant: dict, rank: int) -> int:
 def _zeroed(nbytes: int, device) -> torch.Tensor:
     """``nbytes`` zero bytes on ``device``. On CPU a private anonymous mapping, which the kernel
     zeroes a page at a time when it is first written: ``torch.zeros`` writes, so faults in, every
-    page at set-up, inside the join (~0.6 s of CPU for the 1.7 GB set of a TP-2 Qwen3-1.7B rank,
-    bench/join_cost.py), where the first pull, which writes every byte, faults them in anyway.
-    The memoryview keeps the mapping alive as long as any view of it (see ``ShmArena``)."""
+    page inside the join (~0.6 s of CPU for the 1.7 GB set of a TP-2 Qwen3-1.7B rank,
+    bench/join_cost.py), where the first pull faults them in anyway. The memoryview keeps the
+    mapping alive as long as any view of it (see ``ShmArena``)."""
     if torch.device(device).type != "cpu" or nbytes == 0:
         return torch.zeros(nbytes, dtype=torch.uint8, device=device)
     mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # the first pull then faults a 2 MiB page at a time (engine/heap.py)
+        mm.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(memoryview(mm), dtype=torch.uint8, count=nbytes)
 
 
@@ -387,7 +387,7 @@ class Subscriber:
         if ahead:
             raise RefitError(f"rank {self.rank}: sources moved past version {version} before it was read "
                              f"({ahead}); a trainer published without fence()")
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         if self.buffers.mode.tears:  # from here on a failure leaves the serving tensors torn
             self.buffers.consistent = False
         with _StagingMeter(self.device) as meter:
@@ -404,8 +404,8 @@ class Subscriber:
                 self.backend.run(table)
                 if qtable is not None:
                     self.backend.run(qtable)
-        sink_s, streamed_staging = self._stream_groups()
-        t2 = time.perf_counter()
+        sink_s, sink_cpu_s, streamed_staging = self._stream_groups()
+        t2, c2 = time.perf_counter(), time.thread_time()
         # The copy is only valid if no source changed or died while it ran (a dead trainer's
         # memory stays mapped, but the version it was publishing can no longer be vouched for).
         group.raise_if_dead(owners, f"during the pull of version {version}")
@@ -417,35 +417,40 @@ class Subscriber:
             c.ack(self.rank, version)
         t3 = time.perf_counter()
         return PullStats(version, (t1 - t0) * 1e3, (t2 - t1 - sink_s) * 1e3, (t3 - t0) * 1e3,
-                         max(meter.nbytes, streamed_staging), sink_s * 1e3)
+                         max(meter.nbytes, streamed_staging), sink_s * 1e3, (c2 - c1 - sink_cpu_s) * 1e3)
 
-    def _stream_groups(self) -> tuple[float, int]:
-        """A layer sink's groups, one after the other: its tensors, written (ops and fills), the
-        copy waited for, given back. On the caller's stream: the sink's tensors were made there.
-        Returns the seconds spent in the sink (its own work) and the most staging one group's copy
+    def _stream_groups(self) -> tuple[float, float, int]:
+        """A layer sink's groups, one after the other: its tensors, written, given back. Returns the
+        wall and CPU seconds spent in the sink (its own work) and the most staging one group's copy
         allocated (the sink's calls run outside the meter: what they allocate is the engine's)."""
-        sink, in_sink, staging = self.buffers.layers, 0.0, 0
+        sink, in_sink, in_sink_cpu, staging = self.buffers.layers, 0.0, 0.0, 0
         for g, (ops, fills) in enumerate(zip(self._group_ops, self._group_fills, strict=True)):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             dst = sink.open(g)
-            in_sink += time.perf_counter() - t0
-            with _StagingMeter(self.device) as meter:
-                plain = [op for op in ops if op.name not in self._quant]
-                self.backend.run(DescriptorTable.build(plain, src=self._src, dst=lambda op, d=dst: d[op.name]))
-                qops = [op for op in ops if op.name in self._quant]
-                if qops:
-                    self.backend.run(QuantizeTable.build(qops, self._quant, src=self._src,
-                                                         dst=lambda op, d=dst: d[op.name],
-                                                         scale=lambda r, n, d=dst: d[n]))
-                for f in fills:
-                    dst[f.name][f.dst_slices].zero_()
-                if self.device.type == "cuda":
-                    torch.cuda.current_stream(self.device).synchronize()
-            staging = max(staging, meter.nbytes)
-            t0 = time.perf_counter()
+            in_sink, in_sink_cpu = in_sink + time.perf_counter() - t0, in_sink_cpu + time.thread_time() - c0
+            staging = max(staging, self._write_group(ops, fills, dst))
+            del dst  # given back: a sink may reuse the memory of tensors nobody holds (vLLM's on CPU)
+            t0, c0 = time.perf_counter(), time.thread_time()
             sink.close(g)
-            in_sink += time.perf_counter() - t0
-        return in_sink, staging
+            in_sink, in_sink_cpu = in_sink + time.perf_counter() - t0, in_sink_cpu + time.thread_time() - c0
+        return in_sink, in_sink_cpu, staging
+
+    def _write_group(self, ops, fills, dst: dict) -> int:
+        """One group's ops and fills into the sink's tensors ``dst``, the copy waited for (on the caller's
+        stream, where they were made); returns the staging allocated. Its tables end with the call."""
+        # Built outside the meter: every view a table takes would pass through it.
+        plain, qops = [op for op in ops if op.name not in self._quant], [op for op in ops if op.name in self._quant]
+        tables = [DescriptorTable.build(plain, src=self._src, dst=lambda op: dst[op.name])] + (
+            [QuantizeTable.build(qops, self._quant, src=self._src, dst=lambda op: dst[op.name],
+                                 scale=lambda r, n: dst[n])] if qops else [])
+        with _StagingMeter(self.device) as meter:
+            for table in tables:
+                self.backend.run(table)
+            for f in fills:
+                dst[f.name][f.dst_slices].zero_()
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+        return meter.nbytes
 
     def next_version(self, version=None) -> int:
         if version is not None:

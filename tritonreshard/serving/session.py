@@ -133,6 +133,10 @@ def _stats(sub: RefitInference, target: int, prefetched: bool, split: dict, time
             "staging_bytes": pull.staging_bytes, "bytes": st.bytes_per_refit,
             # the pull's copy rate: its bytes over its copy time (bytes / ms / 1e6 = GB/s)
             "pull_gb_s": st.bytes_per_refit / (pull.copy_ms * 1e6) if pull.copy_ms > 0 else 0.0,
+            # the same over its CPU time on the pulling thread: the copy's own cost where a
+            # background pull shares the cores with generation
+            "pull_copy_cpu_ms": pull.copy_cpu_ms,
+            "pull_cpu_gb_s": st.bytes_per_refit / (pull.copy_cpu_ms * 1e6) if pull.copy_cpu_ms > 0 else 0.0,
             # what crossed into this rank from other hosts for this version (0 on one host)
             "cross_host_bytes": st.cross_host_bytes, "cross_host_delta_bytes": st.cross_host_delta_bytes,
             "cross_host_dense_bytes": st.cross_host_dense_bytes, "cross_host_changed": st.cross_host_changed}

@@ -21,15 +21,17 @@ Imported inside vLLM's workers only.
 """
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
 from vllm.model_executor.layers.attention import is_deferred_attention_layer
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 from vllm.model_executor.model_loader.reload import layerwise as _layerwise
-from vllm.model_executor.model_loader.reload.meta import materialize_layer
+from vllm.model_executor.model_loader.reload.meta import SKIP_MODULES, SKIP_TENSORS, materialize_layer
+from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
 
-from ..engine.heap import release_freed_heap
+from ..engine.heap import ReusedPages, release_freed_heap
 from ._model import ModelMatch
 from ._versions import finish_reload, start_reload
 
@@ -55,6 +57,16 @@ class ReloadSink:
         self._units = _units(match, set(skip))
         self.groups = [[name for _, _, name, tied in unit if not tied] for _, unit in self._units]
         self.active, self.experts = False, 0
+        # On CPU each unit's load-format tensors are carved from the pages the last unit's were:
+        # fresh pages for every layer halved the pull's copy speed (vLLM's own materialization
+        # allocates each layer anew). CUDA's caching allocator reuses its blocks already.
+        self._pages = ReusedPages() if torch.device(device).type == "cpu" else None
+
+    @property
+    def mappings(self) -> int:
+        """CPU mappings the units were carved from since the join: one per pull where each unit
+        wrote the pages of the one before (0 on CUDA: vLLM materializes them)."""
+        return 0 if self._pages is None else self._pages.mappings
 
     def begin(self) -> None:
         if not self.active:
@@ -65,17 +77,45 @@ class ReloadSink:
     def open(self, group: int) -> dict[str, torch.Tensor]:
         modules, unit = self._units[group]
         tying = {id(mod) for mod, _, _, tied in unit if tied}
+        owners, others = [m for m in modules if id(m) not in tying], [m for m in modules if id(m) in tying]
+        materialize = self._materializer(owners + others, {(id(m), p) for m, p, _, tied in unit if tied},
+                                         {(id(m), p) for m, p, _, tied in unit if not tied})
         # The owners first; a tied parameter then *is* its owner's, as at vLLM's first load (an LM
         # head tied to the embeddings holds no tensor of its own), before its layer materializes
         # what else it has.
-        for mod in [m for m in modules if id(m) not in tying]:
-            materialize_layer(mod, _layerwise.get_layerwise_info(mod))
+        for mod in owners:
+            materialize(mod)
         for mod, pname, name, tied in unit:
             if tied:  # its owner is materialized (a layer holding the other's tensor is not an owner)
                 setattr(mod, pname, next(getattr(m, p) for m, p, n, t in unit if n == name and not t))
-        for mod in [m for m in modules if id(m) in tying]:  # (a MoE layer tied to its router's bias)
-            materialize_layer(mod, _layerwise.get_layerwise_info(mod))
+        for mod in others:  # (a MoE layer tied to its router's bias)
+            materialize(mod)
         return {name: getattr(mod, pname).data for mod, pname, name, tied in unit if not tied}
+
+    def _materializer(self, modules: list, tied: set, written: set):
+        """``materialize(module)``: its load-format tensors, on meta since the reload began. On CUDA
+        vLLM's own; on CPU views of one block of :class:`~tritonreshard.engine.heap.ReusedPages`
+        for the whole unit (``tied``: ``(id(module), name)`` set to their owner's, not
+        materialized). A tensor the pull does not write (``written``: what it does) is zeroed, as
+        vLLM 0.34 zeroes every one it materializes: the pages hold the last unit's bytes."""
+        if self._pages is None:
+            return lambda mod: materialize_layer(mod, _layerwise.get_layerwise_info(mod))
+        metas = [(mod, name, t) for mod in modules if mod.__class__.__name__ not in SKIP_MODULES
+                 for name, t in get_layer_tensors(mod).items()
+                 if name not in SKIP_TENSORS and t.is_meta and (id(mod), name) not in tied]
+        spans = [_PAGE * -(-_storage_bytes(t) // _PAGE) for _, _, t in metas]
+        block, at = self._pages.take(sum(spans)), {}
+        for (mod, name, t), start in zip(metas, itertools.accumulate([0, *spans[:-1]]), strict=True):
+            view = block[start:start + _storage_bytes(t)].view(t.dtype).as_strided(t.size(), t.stride())
+            view.__class__, view.__dict__ = t.__class__, t.__dict__.copy()  # as vLLM's materialize does
+            if (id(mod), name) not in written:
+                view.zero_()
+            at.setdefault(id(mod), []).append((name, view))
+
+        def materialize(mod):
+            for name, view in at.get(id(mod), ()):
+                setattr(mod, name, view)
+        return materialize
 
     @torch.no_grad()
     def close(self, group: int) -> None:
@@ -85,15 +125,28 @@ class ReloadSink:
     def end(self) -> None:
         """Every layer not post-processed in this reload gets its own tensors back (those the
         pull never reached, after a failure: vLLM's weights then hold part of a version), and
-        vLLM's reload ends."""
+        vLLM's reload ends; the pages the units were carved from are given back."""
         if self.active:
             self.active = False
+            if self._pages is not None:
+                self._pages.release()
             _restore_untouched(self.model, done=set())
             finish_reload(self.model, self.model_config, self.device)
             if torch.device(self.device).type == "cpu":
                 # The dropped load-format layers (below glibc's mmap threshold once a larger one was
                 # freed) would stay resident: 0.4x a Qwen3-1.7B worker's weights did without this.
                 release_freed_heap()
+
+
+#: Each carved tensor starts on a page of its own (any alignment a kernel may assume).
+_PAGE = 4096
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    """Bytes a tensor of ``t``'s size and stride spans from its first element."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * st for n, st in zip(t.size(), t.stride(), strict=True))) * t.element_size()
 
 
 def _units(match: ModelMatch, skip: set) -> list[tuple[list, list]]:

@@ -310,11 +310,12 @@ class TritonreshardWeightTransferEngine(WeightTransferEngine[TritonreshardInitIn
         # (its copy out of the trainers' arenas, not the copy into vLLM's parameters).
         logger.info("tritonreshard (rank %s): installed version %s (%s) in %.1f ms: wait %.1f, agree %.1f, copy %.1f, "
                     "post-processing %.1f ms; its pull: %.1f MB (%.1f MB straight into vLLM's parameters, %.1f MB "
-                    "a layer at a time) in %.1f ms copy, %.2f GB/s, and %.1f ms of vLLM's layerwise reload",
+                    "a layer at a time) in %.1f ms copy, %.2f GB/s (%.2f GB/s of its thread's CPU time), and "
+                    "%.1f ms of vLLM's layerwise reload",
                     self.rank, stats["version"], "prefetched" if stats["prefetched"] else "pulled now",
                     stats["total_ms"], stats["wait_ms"], stats["agree_ms"], stats["copy_ms"], stats["post_ms"],
                     stats["bytes"] / 1e6, stats["direct_bytes"] / 1e6, stats["streamed_bytes"] / 1e6,
-                    stats["pull_copy_ms"], stats["pull_gb_s"], stats["pull_sink_ms"])
+                    stats["pull_copy_ms"], stats["pull_gb_s"], stats["pull_cpu_gb_s"], stats["pull_sink_ms"])
 
     def finish_weight_update(self) -> None:
         self._session = False
