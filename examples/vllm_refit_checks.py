@@ -143,17 +143,19 @@ def report_refit(what: str, summary: dict, cross: dict, hosts: int) -> None:
 
 def finish(args, summary: dict, hosts) -> dict:
     """The run's verdict into ``summary["ok"]``: it had the hosts it says (``hosts``: the harness of
-    --net namespaces, else None), no greedy token differed, every refit ran, and with ``--fault`` the
-    bad init and the killed trainer failed clearly while vLLM kept serving. Prints the summary as
+    --net namespaces, else None), no greedy token differed, every refit ran, with ``--fault`` the
+    bad init and the killed trainer failed clearly while vLLM kept serving, and with ``--tear`` the
+    torn direct pull failed saying the weights may be torn. Prints the summary as
     one JSON line with ``--json``; returns it."""
     summary["refit_ms_median"] = sorted(summary["refit_ms"])[len(summary["refit_ms"]) // 2]
     if hosts is not None:  # the trainers are gone: their host keeps nothing of theirs
         summary["trainer_host_shm"] = hosts.shm_files(0)
-    refits = args.refits + bool(args.fault and args.recover)
-    fault = summary.get("fault")
+    refits = args.refits + bool(args.fault and args.recover) + bool(getattr(args, "tear", False))
+    fault, tear = summary.get("fault"), summary.get("tear")
     ok = hosts_ok(args, summary, hosts) and summary["mismatches"] == 0 and summary["refits"] == refits and (
         not args.fault or (fault["error"] and fault["names_rank"] and summary["bad_init_error"]
-                           and fault["serves_previous"]))
+                           and fault["serves_previous"])) and (
+        tear is None or (tear["error"] is not None and "may hold part of" in tear["error"]))
     summary["ok"] = bool(ok)
     if args.json:
         print(json.dumps(summary), flush=True)

@@ -117,6 +117,8 @@ class Driver:
             weights = self.refit(group, k, k, f"refit {k}")
         if args.reload:
             self.reload(weights)
+        if args.tear:
+            self.tear(group)
         if args.fault:
             self.fault(group)
             if args.recover:  # same engine, new trainer processes: a new refit group under a new name
@@ -136,11 +138,12 @@ class Driver:
         print(f"refit group {group.tag!r} formed: {len(TRAINERS)} trainers, {args.tp} vLLM workers joined from "
               f"inside the engine", flush=True)
 
-    def refit(self, group, step, version, what):
-        """Trainers take a step and publish; vLLM runs phases 2-4; then the greedy check. Returns the
-        trainers' whole weights of this version (HF names)."""
+    def refit(self, group, step, version, what, shards=None):
+        """Trainers take a step and publish (unless ``shards``: the version they published last,
+        refitted again); vLLM runs phases 2-4; then the greedy check. Returns the trainers' whole
+        weights of this version (HF names)."""
         args, summary, llm = self.args, self.summary, self.llm
-        shards = group.step(step)
+        shards = group.step(step) if shards is None else shards
         if not args.no_prefetch:  # as a server would go on generating: the workers pull meanwhile
             t0 = time.perf_counter()
             encode_s = group.fence()
@@ -236,6 +239,25 @@ class Driver:
                 summary)
         summary["fault"]["serves_previous"] = summary["mismatches"] == before
 
+    def tear(self, group) -> None:
+        """``--tear``: the direct pull of one more version fails part-way on the last worker (its
+        layer sink raises at its middle layer, the others pull it whole); every worker must fail
+        saying vLLM's weights may hold part of it, and the same version, refitted again, must serve
+        exactly the trainers' weights (the torn layers pulled whole, the rest put back)."""
+        args, summary, llm = self.args, self.summary, self.llm
+        at = llm.collective_rpc(fail_streamed_pull_part_way, args=(self.inference[-1],))
+        shards = group.step(args.refits + 1)
+        llm.collective_rpc("start_weight_update")
+        try:
+            llm.collective_rpc("update_weights", kwargs={"update_info": {"version": args.refits + 1}})
+            error = None
+        except Exception as exc:  # the expected failure, reported below
+            error = _backend_error(exc, "tritonreshard refit failed")
+        summary["tear"] = {"error": error, "failed_at_layer": at[-1]}
+        print(f"tear: the last worker's direct pull of version {args.refits + 1} failed at its layer group "
+              f"{at[-1]} -> {error}", flush=True)
+        self.refit(group, None, args.refits + 1, "refit after the torn pull", shards=shards)
+
     def recover(self, group) -> None:
         """``--recover``: new trainer processes in a new refit group, joined and refitted by the same engine."""
         # The workers leave first: a trainer hosting the group's store waits (up to the group's
@@ -306,6 +328,25 @@ def _contiguous_rotary(worker) -> int:
     for op in ops:
         op._forward_method = wrap(op._forward_method)
     return len(ops)
+
+
+def fail_streamed_pull_part_way(worker, rank: int) -> int | None:
+    """In a vLLM worker (``--tear``): on refit rank ``rank``, the direct pull's layer sink raises
+    once, when the pull gives back its middle group, before vLLM's post-processing of it (the
+    groups before it are vLLM's new weights, the rest its old). Returns that group (None elsewhere)."""
+    engine = worker.weight_transfer_engine
+    if engine.rank != rank:
+        return None
+    sink = engine.joined.layers
+    close, at = sink.close, len(sink.groups) // 2
+
+    def failing(g):
+        if g == at:
+            sink.close = close
+            raise RuntimeError(f"injected (--tear): the layer sink failed at group {g} of {len(sink.groups)}")
+        close(g)
+    sink.close = failing
+    return at
 
 
 def _backend_error(exc: Exception, head: str) -> str:

@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -152,9 +153,9 @@ E2E = ["--model", "tiny-qwen2", "--tp", "2", "--refits", "2", "--hosts", "2", "-
        "--fault", "--recover", "--reload"]
 # DeepSeek-V3 with the background pull off: the direct pull streams every layer (with MLA nothing is
 # written in place: its attention derives tensors from what is loaded) through vLLM's layerwise
-# reload, one at a time, and holds no buffer set.
+# reload, one at a time, and holds no buffer set; --tear then fails one such pull part-way.
 LIVE_RUNS = [E2E, ["--model", "tiny-qwen3-moe", "--tp", "2", "--refits", "2"],
-             ["--model", "tiny-deepseek-v3", "--tp", "2", "--refits", "2", "--no-prefetch"]]
+             ["--model", "tiny-deepseek-v3", "--tp", "2", "--refits", "2", "--no-prefetch", "--tear"]]
 RUN_TIMEOUT_S = 540
 BATCH_TIMEOUT_S = RUN_TIMEOUT_S * len(LIVE_RUNS) + 60  # the first test's set-up runs the batch
 
@@ -293,19 +294,21 @@ def _run_example(*args, timeout):
     return summary, proc.stdout
 
 
-def _check_moe_refits(summary, config, tp, moe_layers, expert_parallel=False):
-    """2 refits, each changing vLLM's greedy output and equal to the oracle; every MoE layer's
-    experts post-processed once per refit; each rank pulled exactly its recipe shards; on one host
-    nothing crossed hosts (the workers' cross-host figures say so); nothing of the run left in
-    /dev/shm."""
-    assert summary["refits"] == 2 and summary["tp"] == tp
+def _check_moe_refits(summary, config, tp, moe_layers, expert_parallel=False, processed=(1, 1)):
+    """The refits (``processed``: 1 for each that post-processed the first TP rank's layers, 0 for
+    one it had pulled already), each changing vLLM's greedy output and equal to the oracle; every
+    MoE layer's experts post-processed once per refit that processed; each rank pulled exactly its
+    recipe shards; on one host nothing crossed hosts (the workers' cross-host figures say so);
+    nothing of the run left in /dev/shm."""
+    refits = len(processed)
+    assert summary["refits"] == refits and summary["tp"] == tp
     assert summary["hosts"] == 1 and summary["cross_host"] == [
-        {"bytes": [0] * tp, "delta_bytes": [0] * tp, "dense_bytes": [0] * tp, "changed": [None] * tp}] * 2, summary
-    assert summary["tokens_compared"] == 3 * 3 * 8 and summary["mismatches"] == 0
+        {"bytes": [0] * tp, "delta_bytes": [0] * tp, "dense_bytes": [0] * tp, "changed": [None] * tp}] * refits, summary
+    assert summary["tokens_compared"] == 3 * 8 * (refits + 1) and summary["mismatches"] == 0
     g = summary["greedy"]
-    assert g[0] != g[1] and g[1] != g[2]
+    assert all(a != b for a, b in pairwise(g)), g
     if moe_layers is not None:  # layers vLLM post-processes (CPU); on CUDA plain ones are written in place
-        assert [w["experts_processed"] for w in summary["worker"]] == [moe_layers] * 2
+        assert [w["experts_processed"] for w in summary["worker"]] == [moe_layers * p for p in processed]
     spec = trs.recipes.hf_to_vllm(config, tp=tp, trainer_ranks=[0, 1], inference_ranks=list(range(2, 2 + tp)),
                                   dtype=torch.float32, expert_parallel=expert_parallel)
     # each rank's recipe shards, minus the vocab padding rows it zero-fills itself (the last rank's)
@@ -358,13 +361,22 @@ def test_vllm_engine_refit_deepseek_v3_mla(live_runs):
     assert summary["model"] == "tiny-deepseek-v3" and summary["prefetch"] is False
     config = _example_config("tiny-deepseek-v3")
     assert config.topk_method == "noaux_tc"
-    _check_moe_refits(summary, config, tp=2, moe_layers=1)
+    # the third refit is version 3 again, after its first pull failed on TP rank 1 only: TP rank 0
+    # had pulled and post-processed it whole then, and installs it without pulling again
+    _check_moe_refits(summary, config, tp=2, moe_layers=1, processed=(1, 1, 0))
     # Every byte of TP rank 0's shards streamed, none through a buffer set (nothing in place with MLA).
     spec = trs.recipes.hf_to_vllm(config, tp=2, trainer_ranks=[0, 1], inference_ranks=[2, 3], dtype=torch.float32)
     shards = sum(torch.Size(lay.local_shape(2)).numel() * lay.itemsize for lay in spec.dst.values())
-    assert [(w["direct_bytes"], w["streamed_bytes"]) for w in summary["worker"]] == [(0, shards)] * 2, summary
+    assert [(w["direct_bytes"], w["streamed_bytes"]) for w in summary["worker"]] == [(0, shards)] * 3, summary
     assert summary["rotary_workaround_ops"] == [1, 1]  # one shared rotary op per worker
     assert "refit 2, version 2: vLLM greedy == transformers greedy" in out
+    # --tear: TP rank 1's layer sink failed half-way through its layers. Every rank failed saying
+    # vLLM's weights may hold part of version 3; refitted again, version 3 is served exactly (the
+    # layers the torn pull processed pulled whole again, the others given their own tensors back).
+    tear = summary["tear"]
+    assert tear["failed_at_layer"] == 12 and "rank 3: RuntimeError: injected (--tear)" in tear["error"], tear
+    assert "may hold part of a version after 2; do not generate until an update_weights succeeds" in tear["error"]
+    assert "refit after the torn pull, version 3: vLLM greedy == transformers greedy" in out
 
 
 @needs_vllm
