@@ -230,6 +230,61 @@ def _buffer_digests(worker):
     return {**{n: _digest(t) for n, t in tensors.items()}, **getattr(worker, "_trs_streamed", {})}
 
 
+def _profile_pull(worker):
+    """Where a pull's copy time goes, per worker and refit: the descriptor tables built
+    (``DescriptorTable.build``), the copies run (``CopyBackend.run``: wall and thread CPU seconds
+    and the minor page faults they took, i.e. first touches of fresh memory) and the sources'
+    ``prepare``; wrappers around the library's public classes, installed in the worker."""
+    from tritonreshard.kernels import CopyBackend, DescriptorTable
+
+    from tritonreshard.engine.sources import Sources
+
+    prof = worker._trs_prof = {"build_s": 0.0, "builds": 0, "run_s": 0.0, "run_cpu_s": 0.0, "runs": 0,
+                               "run_faults": 0, "prepare_s": 0.0}
+    build, prepare = DescriptorTable.build.__func__, Sources.prepare
+
+    def timed_build(cls, *a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return build(cls, *a, **kw)
+        finally:
+            prof["build_s"] += time.perf_counter() - t0
+            prof["builds"] += 1
+
+    def timed_prepare(self, version):
+        t0 = time.perf_counter()
+        try:
+            return prepare(self, version)
+        finally:
+            prof["prepare_s"] += time.perf_counter() - t0
+
+    DescriptorTable.build, Sources.prepare = classmethod(timed_build), timed_prepare
+    for cls in CopyBackend.__subclasses__():
+        def timed_run(self, table, run=cls.run):
+            t0, c0 = time.perf_counter(), time.thread_time()
+            f0 = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+            try:
+                return run(self, table)
+            finally:
+                prof["run_s"] += time.perf_counter() - t0
+                prof["run_cpu_s"] += time.thread_time() - c0
+                prof["run_faults"] += resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - f0
+                prof["runs"] += 1
+        cls.run = timed_run
+    return True
+
+
+def _read_profile(worker):
+    """The pull profile since the last read (see :func:`_profile_pull`), then zeroed."""
+    prof = getattr(worker, "_trs_prof", None)
+    if prof is None:
+        return None
+    out = {k: round(v, 3) if isinstance(v, float) else v for k, v in prof.items()}
+    for k in prof:
+        prof[k] = 0.0 if isinstance(prof[k], float) else 0
+    return out
+
+
 def _watch_streamed(worker):
     """With the background pull off, the layers vLLM post-processes are streamed through the
     engine's layer sink and dropped once repacked: digest each group's load-format tensors as the
@@ -272,8 +327,11 @@ def _digest_next(worker) -> None:
 def _sink_times(worker) -> dict:
     """Seconds in the layer sink's open (vLLM materializes a layer) and close (vLLM's
     post-processing: wall, and this thread's CPU), over the refits before the last (with the
-    background pull off), without the bench's hashing."""
-    return {k: round(v, 2) for k, v in getattr(worker, "_trs_sink_before_last", {}).items()}
+    background pull off), without the bench's hashing; and how many mappings the sink carved its
+    layers from over all refits (one per pull when each layer reused the last one's pages)."""
+    sink = worker.weight_transfer_engine.joined.layers
+    return {**{k: round(v, 2) for k, v in getattr(worker, "_trs_sink_before_last", {}).items()},
+            "mappings": getattr(sink, "mappings", None)}
 
 
 def _private_mib(worker=None) -> int:
@@ -398,6 +456,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--config", help="another config.json of the same form (a dry run: bench/configs/qwen3-tiny.json)")
     ap.add_argument("--no-prefetch", action="store_true",
                     help="the background pull off: each version is pulled (directly) inside update_weights")
+    ap.add_argument("--profile", action="store_true",
+                    help="print where each pull's copy time went (table builds, copies with their page "
+                         "faults, the sources' prepare) per worker and refit")
     ap.add_argument("--die-trainer", type=int, choices=TRAINERS, metavar="RANK",
                     help="fault injection: trainer RANK raises right after it is ready; the driver must name it "
                          "and stop within seconds, not wait out a timeout")
@@ -449,6 +510,8 @@ def main(argv=None) -> dict:
         summary["init_s"] = round(time.perf_counter() - t0, 1)
         least = summary["machine_least_available_GiB"] = {"start and join": memory.mark()}
         summary["streamed_groups"] = llm.collective_rpc(_watch_streamed)
+        if args.profile:
+            llm.collective_rpc(_profile_pull)
         summary["trainer_ready_rss_MiB"] = expect(results, "ready")
         summary["init_worker"] = [{k: v for k, v in s.items() if k != "verify_layers"}
                                   for s in llm.collective_rpc(_init_stats)]
@@ -477,13 +540,17 @@ def main(argv=None) -> dict:
             # made the tokens after the refit differ from a fresh engine's (17-19 of 48).
             llm.reset_prefix_cache()
             workers = llm.collective_rpc(_stats)
+            if args.profile:
+                print("pull profile:", json.dumps(llm.collective_rpc(_read_profile)), flush=True)
             summary["refits"].append({"version": v, "rpc_ms": rpc_ms, "worker": [
                 {k: w.get(k) for k in ("version", "prefetched", "total_ms", "wait_ms", "copy_ms", "post_ms", "bytes",
-                                       "direct_bytes", "streamed_bytes", "pull_copy_ms", "pull_sink_ms",
-                                       "pull_total_ms")} for w in workers]})
+                                       "direct_bytes", "streamed_bytes", "pull_copy_ms", "pull_copy_cpu_ms",
+                                       "pull_sink_ms", "pull_total_ms")} for w in workers]})
             for w in summary["refits"][-1]["worker"]:
                 if w.get("pull_copy_ms"):
                     w["pull_GBps"] = round(w["bytes"] / (w["pull_copy_ms"] / 1e3) / 1e9, 2)
+                if w.get("pull_copy_cpu_ms"):  # over the pulling thread's CPU time (its own cost)
+                    w["pull_cpu_GBps"] = round(w["bytes"] / (w["pull_copy_cpu_ms"] / 1e3) / 1e9, 2)
             print(json.dumps(summary["refits"][-1]), flush=True)
         got = one_at_a_time(llm, prompts, args.max_tokens)
         least["refits"] = memory.mark()
