@@ -255,3 +255,4 @@ def test_a_streamed_pull_writes_each_layer_into_the_pages_of_the_last_unless_the
     del third
     pages.release()
     assert pages.take(n // 4).sum().item() == 0 and pages.mappings == 3  # none held across pulls
+    assert pages.take(0).numel() == 0 and pages.mappings == 3

@@ -56,9 +56,11 @@ class ReusedPages:
         self.mappings = 0
 
     def take(self, nbytes: int) -> torch.Tensor:
+        if nbytes == 0:  # (a layer whose tensors are all empty: torch.frombuffer refuses a count of 0)
+            return torch.empty(0, dtype=torch.uint8)
         # References while nothing holds a tensor over it: this attribute and getrefcount's argument.
         if self._mm is None or len(self._mm) < nbytes or sys.getrefcount(self._mm) > 2:
-            self._mm = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self._mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux; a no-op where the kernel's THP is "never"
                 self._mm.madvise(mmap.MADV_HUGEPAGE)
             self.mappings += 1
