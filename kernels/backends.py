@@ -56,6 +56,13 @@ class CopyBackend(ABC):
     def delta_scan(self, new_words: torch.Tensor, old_words: torch.Tensor, nmask: int):
         """The delta codec's compare-and-compact of one message (:mod:`~tritonreshard.kernels.delta`)."""
 
+    def prepare(self, table):
+        """``table`` (a ``DescriptorTable``) with what :meth:`run` needs planned now: a table plans
+        its Triton launches when first asked, and a pull that ran that would count their
+        descriptors as its staging. Returns the table."""
+        self.work_items(table)
+        return table
+
     def __str__(self) -> str:
         return self.name
 

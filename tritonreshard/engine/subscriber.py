@@ -297,8 +297,8 @@ class Subscriber:
         streamed = buffers.streamed
         held = [r for r in reads if r.op.name not in streamed]
         # Block-FP8 weights (quant) go to a quantize table: each block read whole, quantized in registers.
-        self._tables = [DescriptorTable.build([r.op for r in held if r.op.name not in quant],
-                                              src=self._src, dst=lambda op, b=bufs: b[op.name])
+        self._tables = [self.backend.prepare(DescriptorTable.build([r.op for r in held if r.op.name not in quant],
+                                                                   src=self._src, dst=lambda op, b=bufs: b[op.name]))
                         for bufs in buffers.sets]
         qops = [r.op for r in held if r.op.name in quant]
         self._qtables = [QuantizeTable.build(qops, quant, src=self._src, dst=lambda op, b=bufs: b[op.name],
@@ -440,7 +440,7 @@ class Subscriber:
         stream, where they were made); returns the staging allocated. Its tables end with the call."""
         # Built outside the meter: every view a table takes would pass through it.
         plain, qops = [op for op in ops if op.name not in self._quant], [op for op in ops if op.name in self._quant]
-        tables = [DescriptorTable.build(plain, src=self._src, dst=lambda op: dst[op.name])] + (
+        tables = [self.backend.prepare(DescriptorTable.build(plain, src=self._src, dst=lambda op: dst[op.name]))] + (
             [QuantizeTable.build(qops, self._quant, src=self._src, dst=lambda op: dst[op.name],
                                  scale=lambda r, n: dst[n])] if qops else [])
         with _StagingMeter(self.device) as meter:
