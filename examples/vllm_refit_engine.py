@@ -2,9 +2,10 @@
 weights, the vLLM engine with the "tritonreshard" weight-transfer backend, and vLLM's four-phase
 refit flow run against the trainer processes (:mod:`vllm_refit_trainers`): the workers join the
 refit group, each refit's start / update / finish, then ``--reload`` (vLLM's own ``reload_weights``,
-timed), ``--fault`` (a bad ``init_info``, then a trainer killed during ``update_weights``) and
-``--recover`` (new trainers, the same engine). The functions given to ``collective_rpc`` run in
-vLLM's workers (by reference: they import this module, ``examples/`` being on their ``sys.path``).
+timed), ``--tear`` (a direct pull failed part-way on one worker), ``--fault`` (a bad ``init_info``,
+then a trainer killed during ``update_weights``) and ``--recover`` (new trainers, the same engine).
+The functions given to ``collective_rpc`` run in vLLM's workers (by reference: they import this
+module, ``examples/`` being on their ``sys.path``).
 """
 from __future__ import annotations
 
