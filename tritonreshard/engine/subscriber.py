@@ -235,8 +235,6 @@ def _zeroed(nbytes: int, device) -> torch.Tensor:
     if torch.device(device).type != "cpu" or nbytes == 0:
         return torch.zeros(nbytes, dtype=torch.uint8, device=device)
     mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):  # the first pull then faults a 2 MiB page at a time (engine/heap.py)
-        mm.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(memoryview(mm), dtype=torch.uint8, count=nbytes)
 
 
