@@ -231,46 +231,33 @@ def _buffer_digests(worker):
 
 
 def _profile_pull(worker):
-    """Where a pull's copy time goes, per worker and refit: the descriptor tables built
-    (``DescriptorTable.build``), the copies run (``CopyBackend.run``: wall and thread CPU seconds
-    and the minor page faults they took, i.e. first touches of fresh memory) and the sources'
-    ``prepare``; wrappers around the library's public classes, installed in the worker."""
+    """Where a pull's copy time goes, per worker and refit: tables built (``DescriptorTable.build``),
+    copies run (``CopyBackend.run``: wall and CPU seconds, minor page faults: first touches of fresh
+    memory), the sources' ``prepare``; wrappers around public classes, installed in the worker."""
     from tritonreshard.kernels import CopyBackend, DescriptorTable
 
     from tritonreshard.engine.sources import Sources
 
-    prof = worker._trs_prof = {"build_s": 0.0, "builds": 0, "run_s": 0.0, "run_cpu_s": 0.0, "runs": 0,
-                               "run_faults": 0, "prepare_s": 0.0}
-    build, prepare = DescriptorTable.build.__func__, Sources.prepare
+    prof = worker._trs_prof = {**dict.fromkeys(("build_s", "run_s", "run_cpu_s", "prepare_s"), 0.0),
+                               **dict.fromkeys(("builds", "runs", "run_faults"), 0)}
 
-    def timed_build(cls, *a, **kw):
-        t0 = time.perf_counter()
-        try:
-            return build(cls, *a, **kw)
-        finally:
-            prof["build_s"] += time.perf_counter() - t0
-            prof["builds"] += 1
-
-    def timed_prepare(self, version):
-        t0 = time.perf_counter()
-        try:
-            return prepare(self, version)
-        finally:
-            prof["prepare_s"] += time.perf_counter() - t0
-
-    DescriptorTable.build, Sources.prepare = classmethod(timed_build), timed_prepare
-    for cls in CopyBackend.__subclasses__():
-        def timed_run(self, table, run=cls.run):
-            t0, c0 = time.perf_counter(), time.thread_time()
-            f0 = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    def timed(fn, what: str):  # adds to prof[what + "_s"], and for "run" its CPU, faults and count
+        def wrapper(*a, **kw):
+            t0, c0, f0 = time.perf_counter(), time.thread_time(), resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
             try:
-                return run(self, table)
+                return fn(*a, **kw)
             finally:
-                prof["run_s"] += time.perf_counter() - t0
-                prof["run_cpu_s"] += time.thread_time() - c0
-                prof["run_faults"] += resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - f0
-                prof["runs"] += 1
-        cls.run = timed_run
+                prof[f"{what}_s"] += time.perf_counter() - t0
+                if what != "prepare":
+                    prof[f"{what}s"] += 1
+                if what == "run":
+                    prof["run_cpu_s"] += time.thread_time() - c0
+                    prof["run_faults"] += resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - f0
+        return wrapper
+    DescriptorTable.build = classmethod(timed(DescriptorTable.build.__func__, "build"))
+    Sources.prepare = timed(Sources.prepare, "prepare")
+    for cls in CopyBackend.__subclasses__():
+        cls.run = timed(cls.run, "run")
     return True
 
 
@@ -280,8 +267,7 @@ def _read_profile(worker):
     if prof is None:
         return None
     out = {k: round(v, 3) if isinstance(v, float) else v for k, v in prof.items()}
-    for k in prof:
-        prof[k] = 0.0 if isinstance(prof[k], float) else 0
+    prof.update({k: type(v)() for k, v in prof.items()})
     return out
 
 
@@ -456,9 +442,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--config", help="another config.json of the same form (a dry run: bench/configs/qwen3-tiny.json)")
     ap.add_argument("--no-prefetch", action="store_true",
                     help="the background pull off: each version is pulled (directly) inside update_weights")
-    ap.add_argument("--profile", action="store_true",
-                    help="print where each pull's copy time went (table builds, copies with their page "
-                         "faults, the sources' prepare) per worker and refit")
+    ap.add_argument("--profile", action="store_true", help="print where each pull's copy time went (table "
+                    "builds, copies with their page faults, the sources' prepare) per worker and refit")
     ap.add_argument("--die-trainer", type=int, choices=TRAINERS, metavar="RANK",
                     help="fault injection: trainer RANK raises right after it is ready; the driver must name it "
                          "and stop within seconds, not wait out a timeout")
